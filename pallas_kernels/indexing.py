@@ -1,0 +1,129 @@
+"""The one home of jaxkv's index and mask arithmetic.
+
+Ring row <-> position, ring size, the ring floor, a segment's read range and key
+visibility live here and nowhere else. Kernel bodies, the pure-jnp references and
+the jaxkv core all call these functions, so they cannot drift; only the test
+oracle re-derives the rules, independently.
+
+Conventions: ranges are half-open (`*_end` exclusive); `window=None` means a flat
+layer (`row(p) = p`, no lower bound); every traced value is int32. A "ring" of
+`num_rows` rows stores position `p` at row `p % num_rows`.
+
+The segment table (`seq_info`, `[W, 5]` int32) has the columns named by the
+`SEG_*` constants below; rows `[0, n_segments)` are real, in step order, and
+padded rows are `[n, 0, max_seqs, 0, 0]`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# Columns of the segment table `seq_info`.
+SEG_Q_START = 0
+SEG_Q_LEN = 1
+SEG_COL = 2
+SEG_POS0 = 3
+SEG_KIND = 4
+NUM_SEG_FIELDS = 5
+
+# Segment kinds.
+KIND_CAUSAL = 0
+KIND_BLOCK = 1  # bidirectional owner block (DFlash draft)
+
+
+def ring_num_rows(window: int, max_write: int, capacity: int) -> int:
+  """Rows of a ring layer: `min(capacity, window + max_write - 1)`.
+
+  A step writes all its tokens before attending, and its first query still needs
+  the `window - 1` positions before it, hence `window + max_write - 1`. A ring
+  clamped to `capacity` never wraps, because no position reaches `capacity`.
+  """
+  return min(capacity, window + max_write - 1)
+
+
+def row_of(positions, *, num_rows: int, window: int | None):
+  """Physical row of each logical position: `p` (flat) or `p % num_rows` (ring)."""
+  if window is None:
+    return positions
+  return positions % num_rows
+
+
+def ring_floor(hw, *, num_rows: int, window: int):
+  """Lowest length a rewind or clone may target for one ring layer (SPEC §4.2).
+
+  A ring written up to `hw - 1` still holds positions `[hw - num_rows, hw)`;
+  resuming at `p` needs `[p - window + 1, p)`, so `p >= hw - num_rows + window - 1`
+  once the ring has wrapped (`hw > num_rows`), and 0 before.
+  """
+  wrapped_floor = hw - num_rows + window - 1
+  return jnp.where(hw > num_rows, wrapped_floor, jnp.zeros_like(hw))
+
+
+def floor(hw, rings):
+  """Floor over all ring layers: `max_l ring_floor(hw, R_l, w_l)`; 0 without rings.
+
+  Args:
+    hw: int32 array of high-water marks (any shape).
+    rings: iterable of `(num_rows, window)` static pairs, one per ring layer.
+  """
+  result = jnp.zeros_like(hw)
+  for num_rows, window in rings:
+    result = jnp.maximum(result, ring_floor(hw, num_rows=num_rows, window=window))
+  return result
+
+
+def read_start(pos0, *, window: int | None):
+  """First logical key position a segment starting at `pos0` reads (`lo`)."""
+  if window is None:
+    return jnp.zeros_like(pos0)
+  return jnp.maximum(pos0 - window + 1, 0)
+
+
+def key_positions(rows, lo, end, *, num_rows: int, window: int | None):
+  """Logical position held by each physical row for a read of `[lo, end)`.
+
+  Flat rows hold their own index. Ring row `r` holds `lo + ((r - lo) mod R)`; the
+  result is only meaningful where it lies below `end` (see `in_read_range`).
+  `lo >= 0`, so the modulo of a non-negative value is used throughout.
+  """
+  if window is None:
+    return rows
+  return lo + (rows - lo + num_rows) % num_rows
+
+
+def ring_runs(lo, end, *, num_rows: int):
+  """The one or two ring row runs covering logical `[lo, end)`, oldest first.
+
+  Returns `(a, first_len, second_len)`: rows `[a, a + first_len)` then
+  `[0, second_len)`. Requires `end - lo <= num_rows` (SPEC §7.2).
+  """
+  a = lo % num_rows
+  length = end - lo
+  first_len = jnp.minimum(length, num_rows - a)
+  return a, first_len, length - first_len
+
+
+def in_read_range(key_pos, lo, end):
+  """Whether a key position lies in the segment's read range `[lo, end)`."""
+  return (key_pos >= lo) & (key_pos < end)
+
+
+def is_visible(key_pos, query_pos, lo, end, kind, *, window: int | None):
+  """Whether a query at `query_pos` may see the key at `key_pos` (SPEC §7.2).
+
+  A causal query sees read-range keys at or before itself and, on a ring, inside
+  its window. An owner-block query (`kind == KIND_BLOCK`) sees the whole read
+  range, which already ends at the block's end. All arguments broadcast.
+  """
+  visible = in_read_range(key_pos, lo, end)
+  causal = key_pos <= query_pos
+  if window is not None:
+    causal = causal & (key_pos >= query_pos - window + 1)
+  return visible & (causal | (kind == KIND_BLOCK))
+
+
+def pad_segment_row(n_tokens, scratch_col):
+  """The padded segment row `[n, 0, scratch_col, 0, 0]` as an int32 vector."""
+  n = jnp.asarray(n_tokens, jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  return jnp.stack([n, zero, jnp.asarray(scratch_col, jnp.int32), zero, zero])
