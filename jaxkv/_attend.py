@@ -1,0 +1,94 @@
+"""Write + varlen attention for one layer, behind `implementation=` (SPEC §6.4, §10.7).
+
+Dispatch: `"reference"` runs the pure-jnp references; `"mosaic_gpu"` the Pallas
+Mosaic GPU kernels; `"interpret"` the same kernels under the Mosaic GPU
+interpreter; `None` picks `"mosaic_gpu"` on an NVIDIA GPU of compute capability
+>= 9.0 and falls back to the reference on `NotImplementedError` (an explicit
+choice re-raises).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from jaxkv._config import CacheConfig
+from jaxkv._state import CacheState, Phase, Status
+from jaxkv._validate import static_validate_attend, static_validate_implementation
+
+
+def default_implementation() -> str:
+  """`"mosaic_gpu"` on a Hopper-or-newer NVIDIA GPU, else `"reference"`."""
+  device = jax.devices()[0]
+  if device.platform == "gpu":
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None and float(capability) >= 9.0:
+      return "mosaic_gpu"
+  return "reference"
+
+
+def _write_and_attend(implementation, k_cache, v_cache, q, k, v, step, layer_args):
+  """Runs the write then the attention with one implementation."""
+  rows, n_tokens, n_segments, window, scale = layer_args
+  if implementation == "reference":
+    k_cache, v_cache = pallas_kernels.kv_write_reference(
+        k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens)
+    out = pallas_kernels.varlen_attention_reference(
+        q, k_cache, v_cache, step.seq_info, n_segments, window=window, scale=scale)
+    return k_cache, v_cache, out
+  interpret = implementation == "interpret"
+  k_cache, v_cache = pallas_kernels.kv_write(
+      k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens, interpret=interpret)
+  out = pallas_kernels.varlen_attention(
+      q, k_cache, v_cache, step.seq_info, n_segments, window=window, scale=scale,
+      interpret=interpret)
+  return k_cache, v_cache, out
+
+
+def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale=None,
+           implementation=None):
+  """Writes layer `layer`'s K/V for the step's real tokens, then attends (SPEC §6.4, §8).
+
+  Args:
+    config: static.
+    state: donated; must be PREPARED.
+    layer: static layer id.
+    q: `[W, H_q, D]`; k, v: `[W, n_kv_heads, D]`. Rows `n..W-1` are padding.
+    scale: softmax scale (static); None means `1/sqrt(head_dim)`.
+    implementation: see the module docstring.
+
+  Returns:
+    `(state, out, status)`: `out` is `[W, H_q, D]` in `q.dtype`, rows `n..W-1`
+    unspecified. Outside PREPARED the status is NOT_PREPARED, nothing is written
+    and `out` is zeros.
+
+  Raises:
+    ValueError: at trace time for a bad layer id, shape, head count or argument.
+  """
+  static_validate_implementation(implementation)
+  static_validate_attend(config, layer, q, k, v, width=config.step_width)
+  head_dim = config.layers[layer].head_dim
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+  is_prepared = state.phase == Phase.PREPARED
+  step = state.step
+  # A refused attend writes nothing (n = 0) and reports no segment.
+  n_tokens = jnp.where(is_prepared, step.n_tokens, 0)
+  n_segments = jnp.where(is_prepared, step.n_segments, 0)
+  layer_args = (step.write_rows[layer], n_tokens, n_segments, config.window(layer), scale)
+  operands = (state.k[layer], state.v[layer], q, k, v, step, layer_args)
+  if implementation is None:
+    try:
+      k_cache, v_cache, out = _write_and_attend(default_implementation(), *operands)
+    except NotImplementedError:
+      k_cache, v_cache, out = _write_and_attend("reference", *operands)
+  else:
+    k_cache, v_cache, out = _write_and_attend(implementation, *operands)
+  out = jnp.where(is_prepared, out, jnp.zeros_like(out))
+  status = jnp.where(is_prepared, jnp.int32(Status.OK), jnp.int32(Status.NOT_PREPARED))
+  new_k = state.k[:layer] + (k_cache,) + state.k[layer + 1:]
+  new_v = state.v[:layer] + (v_cache,) + state.v[layer + 1:]
+  return dataclasses.replace(state, k=new_k, v=new_v), out, status

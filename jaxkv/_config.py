@@ -1,0 +1,194 @@
+"""Static configuration: `LayerPolicy`, `LayerConfig`, `CacheConfig` (SPEC §2).
+
+All three are frozen, hashable, value-compared dataclasses, so they can be static
+`jit` arguments. `__post_init__` validates every field and raises `ValueError`
+naming the field and its value (`TypeError` for the wrong kind of object).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import indexing
+
+FLAT = "flat"
+RING = "ring"
+_MAX_INT32 = 2**31
+_KV_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def _require_int(name: str, value: Any) -> None:
+  if isinstance(value, jax.Array):
+    raise TypeError(f"{name}={value!r} is an array; static config fields take Python ints")
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name}={value!r} must be an int")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerPolicy:
+  """How a layer keeps history.
+
+  Attributes:
+    kind: `"flat"` (every position, `row = position`) or `"ring"` (a sliding window
+      in `min(capacity, window + max_write - 1)` rows, `row = position % rows`).
+    window: positions a ring query sees, itself included (`>= 1`); 0 for flat.
+  """
+
+  kind: str = FLAT
+  window: int = 0
+
+  def __post_init__(self):
+    if self.kind not in (FLAT, RING):
+      raise ValueError(f"kind={self.kind!r} must be 'flat' or 'ring'")
+    _require_int("window", self.window)
+    object.__setattr__(self, "window", int(self.window))
+    if self.kind == RING and self.window < 1:
+      raise ValueError(f"ring window={self.window} must be >= 1")
+    if self.kind == FLAT and self.window != 0:
+      raise ValueError(f"flat window={self.window} must be 0")
+
+  @classmethod
+  def flat(cls) -> "LayerPolicy":
+    """A layer that keeps the whole history."""
+    return cls(kind=FLAT, window=0)
+
+  @classmethod
+  def ring(cls, window: int) -> "LayerPolicy":
+    """A sliding-window layer whose queries see `window` positions."""
+    return cls(kind=RING, window=window)
+
+  @property
+  def is_ring(self) -> bool:
+    return self.kind == RING
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerConfig:
+  """One layer's policy and K/V geometry.
+
+  Attributes:
+    policy: a `LayerPolicy`.
+    n_kv_heads: K/V heads of the layer (`>= 1`).
+    head_dim: per-head dimension (`>= 1`).
+  """
+
+  policy: LayerPolicy
+  n_kv_heads: int
+  head_dim: int
+
+  def __post_init__(self):
+    if not isinstance(self.policy, LayerPolicy):
+      raise TypeError(f"policy={self.policy!r} must be a LayerPolicy")
+    for name in ("n_kv_heads", "head_dim"):
+      value = getattr(self, name)
+      _require_int(name, value)
+      if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+      object.__setattr__(self, name, int(value))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheConfig:
+  """The whole cache: layers, shared token budget, columns and step width.
+
+  Attributes:
+    layers: one `LayerConfig` per layer (position = layer id); stored as a tuple.
+    capacity: shared token budget of all live sequences; also the flat row
+      ceiling. `1 <= capacity < 2**31`.
+    max_seqs: number of sequence columns (`>= 1`); column `max_seqs` is scratch.
+    max_write: most tokens one step carries (the static step width `W`).
+    kv_dtype: storage dtype, canonicalised to a NumPy dtype (float32, bfloat16,
+      float16).
+    initial_capacity: flat rows allocated at construction (`> 0`; clamped to
+      `capacity`).
+  """
+
+  layers: tuple[LayerConfig, ...]
+  capacity: int
+  max_seqs: int
+  max_write: int
+  kv_dtype: Any = jnp.bfloat16
+  initial_capacity: int = 512
+
+  def __post_init__(self):
+    if isinstance(self.layers, LayerConfig) or not hasattr(self.layers, "__iter__"):
+      raise TypeError(f"layers={self.layers!r} must be a sequence of LayerConfig")
+    layers = tuple(self.layers)
+    if not layers:
+      raise ValueError(f"layers={layers} must hold at least one LayerConfig")
+    for i, layer in enumerate(layers):
+      if not isinstance(layer, LayerConfig):
+        raise TypeError(f"layers[{i}]={layer!r} must be a LayerConfig")
+    object.__setattr__(self, "layers", layers)
+    for name in ("capacity", "max_seqs", "max_write", "initial_capacity"):
+      value = getattr(self, name)
+      _require_int(name, value)
+      if value < 1:
+        raise ValueError(f"{name}={value} must be >= 1")
+      object.__setattr__(self, name, int(value))
+    if self.capacity >= _MAX_INT32:
+      raise ValueError(f"capacity={self.capacity} must be < 2**31")
+    if self.max_seqs >= _MAX_INT32 - 1:
+      raise ValueError(f"max_seqs={self.max_seqs} must be < 2**31 - 1")
+    for i, layer in enumerate(layers):
+      if layer.policy.window + self.max_write - 1 >= _MAX_INT32:
+        raise ValueError(f"layers[{i}] window={layer.policy.window} + "
+                         f"max_write={self.max_write} - 1 must be < 2**31")
+    try:
+      dtype = np.dtype(self.kv_dtype)
+    except TypeError as e:
+      raise ValueError(f"kv_dtype={self.kv_dtype!r} is not a dtype") from e
+    if dtype not in _KV_DTYPES:
+      raise ValueError(f"kv_dtype={dtype} must be float32, bfloat16 or float16")
+    object.__setattr__(self, "kv_dtype", dtype)
+
+  @property
+  def step_width(self) -> int:
+    """`W = max_write`: the static token width of every step."""
+    return self.max_write
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.layers)
+
+  @property
+  def scratch_col(self) -> int:
+    """Column `max_seqs`: padded writes land there, nothing reads it."""
+    return self.max_seqs
+
+  @property
+  def initial_flat_rows(self) -> int:
+    """Flat rows at construction: `min(initial_capacity, capacity)`."""
+    return min(self.initial_capacity, self.capacity)
+
+  @property
+  def has_flat(self) -> bool:
+    return any(not layer.policy.is_ring for layer in self.layers)
+
+  def ring_rows(self, layer: int) -> int:
+    """Rows of ring layer `layer`: `min(capacity, window + max_write - 1)`."""
+    policy = self.layers[layer].policy
+    if not policy.is_ring:
+      raise ValueError(f"layer={layer} is flat; ring_rows needs a ring layer")
+    return indexing.ring_num_rows(policy.window, self.max_write, self.capacity)
+
+  def window(self, layer: int) -> int | None:
+    """The ring window of `layer`, or None for a flat layer."""
+    policy = self.layers[layer].policy
+    return policy.window if policy.is_ring else None
+
+  def rings(self) -> tuple[tuple[int, int], ...]:
+    """`(num_rows, window)` of every ring layer, for the floor rule."""
+    return tuple((self.ring_rows(l), layer.policy.window)
+                 for l, layer in enumerate(self.layers) if layer.policy.is_ring)
+
+  def layer_shape(self, layer: int, flat_rows: int) -> tuple[int, int, int, int]:
+    """`[rows, max_seqs + 1, n_kv_heads, head_dim]` of layer `layer`."""
+    cfg = self.layers[layer]
+    rows = self.ring_rows(layer) if cfg.policy.is_ring else flat_rows
+    return (rows, self.max_seqs + 1, cfg.n_kv_heads, cfg.head_dim)

@@ -1,0 +1,167 @@
+"""The cache state pytree, the step encoding and the status codes (SPEC §7, §10.2–§10.4)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._config import CacheConfig
+from pallas_kernels import indexing
+
+
+class Status(enum.IntEnum):
+  """Result of a pure verb, returned as int32. Values are stable; new codes are appended."""
+
+  OK = 0
+  NOT_LIVE = 1
+  NO_ROOM = 2
+  NO_FREE_ID = 3
+  EMPTY = 4
+  TOO_WIDE = 5
+  BAD_BLOCKS = 6
+  BAD_TARGET = 7
+  BELOW_FLOOR = 8
+  NO_DECLARATION = 9
+  BAD_POSITIONS = 10
+  NEEDS_ROWS = 11
+  NOT_PREPARED = 12
+
+
+class Phase(enum.IntEnum):
+  """Step phase (SPEC §6.1)."""
+
+  IDLE = 0
+  DECLARED = 1
+  PREPARED = 2
+  COMMITTED = 3
+
+
+class StepError(ValueError):
+  """An ill-formed step: no declaration, positions that do not continue, wrong phase."""
+
+  def __init__(self, message: str, status: Status):
+    super().__init__(f"{message} ({status.name})")
+    self.status = status
+
+
+def _array_fields(cls):
+  """Registers a frozen dataclass whose fields are all pytree leaves."""
+  names = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_array_fields
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+  """The arrays `prepare_step` builds for one step; every layer reads them.
+
+  All fields are int32 of static shape; `W` is the step width, `L` the layer count.
+
+  Attributes:
+    n_tokens: `[]` real tokens `n`; tokens `n..W-1` are padding.
+    n_segments: `[]` real rows of `seq_info`.
+    seq_cols: `[W]` column of each token; padding -> `max_seqs` (scratch).
+    positions: `[W]` logical position of each token; padding -> 0.
+    write_rows: `[L, W]` row of each token per layer (flat: position; ring:
+      position mod rows); padding -> 0.
+    seq_info: `[W, 5]` segment table `(q_start, q_len, col, pos0, kind)`; rows
+      `[0, n_segments)` are real, in step order; padded rows are
+      `[n, 0, max_seqs, 0, 0]`.
+
+  Example (`max_seqs = 4`, `W = 8`, `a` = column 0 at 5, `b` = column 1 at 0,
+  `declare_step([a, a, b, a])`)::
+
+    positions = [5, 6, 0, 7, 0, 0, 0, 0]
+    seq_cols  = [0, 0, 1, 0, 4, 4, 4, 4]
+    seq_info  = [[0, 2, 0, 5, 0], [2, 1, 1, 0, 0], [3, 1, 0, 7, 0],
+                 [4, 0, 4, 0, 0] x 5]
+  """
+
+  n_tokens: jax.Array
+  n_segments: jax.Array
+  seq_cols: jax.Array
+  positions: jax.Array
+  write_rows: jax.Array
+  seq_info: jax.Array
+
+
+@_array_fields
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheState:
+  """The whole cache as an immutable pytree of arrays (SPEC §10.2).
+
+  Every jitted verb donates it and returns every leaf; after a call the old state
+  must not be used.
+
+  Attributes:
+    k, v: tuples of `L` arrays `[rows_l, max_seqs + 1, n_kv_heads_l, head_dim_l]`
+      of `kv_dtype`. Flat layers share one row count `F`; ring layers have
+      `min(capacity, window + max_write - 1)` rows. Column `max_seqs` is scratch.
+    live, pos, hw: `int32[max_seqs]` liveness (0/1), committed length and
+      high-water mark; non-live columns hold 0.
+    held: `int32[]` sum of `pos` over live sequences.
+    phase: `int32[]` a `Phase`.
+    decl_ids: `int32[W]` standing declaration (`max_seqs` where unused).
+    decl_block: `int32[W]` 1 where the declared token belongs to an owner block.
+    decl_n: `int32[]` declared token count.
+    step: the `Step`, meaningful in PREPARED and COMMITTED.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  live: jax.Array
+  pos: jax.Array
+  hw: jax.Array
+  held: jax.Array
+  phase: jax.Array
+  decl_ids: jax.Array
+  decl_block: jax.Array
+  decl_n: jax.Array
+  step: Step
+
+
+def empty_step(config: CacheConfig) -> Step:
+  """A Step with no real token: every row padded."""
+  width, num_layers = config.step_width, config.num_layers
+  pad_row = indexing.pad_segment_row(0, config.scratch_col)
+  return Step(
+      n_tokens=jnp.zeros((), jnp.int32),
+      n_segments=jnp.zeros((), jnp.int32),
+      seq_cols=jnp.full((width,), config.scratch_col, jnp.int32),
+      positions=jnp.zeros((width,), jnp.int32),
+      write_rows=jnp.zeros((num_layers, width), jnp.int32),
+      seq_info=jnp.tile(pad_row[None, :], (width, 1)),
+  )
+
+
+def init_state(config: CacheConfig) -> CacheState:
+  """Zeroed storage with `F = initial_flat_rows`, zero control values, phase IDLE."""
+  if not isinstance(config, CacheConfig):
+    raise TypeError(f"config={config!r} must be a CacheConfig")
+  shapes = [config.layer_shape(l, config.initial_flat_rows) for l in range(config.num_layers)]
+  # Distinct buffers per leaf: the state is donated leaf by leaf.
+  zeros_i = lambda: jnp.zeros((config.max_seqs,), jnp.int32)
+  return CacheState(
+      k=tuple(jnp.zeros(s, config.kv_dtype) for s in shapes),
+      v=tuple(jnp.zeros(s, config.kv_dtype) for s in shapes),
+      live=zeros_i(),
+      pos=zeros_i(),
+      hw=zeros_i(),
+      held=jnp.zeros((), jnp.int32),
+      phase=jnp.asarray(Phase.IDLE, jnp.int32),
+      decl_ids=jnp.full((config.step_width,), config.max_seqs, jnp.int32),
+      decl_block=jnp.zeros((config.step_width,), jnp.int32),
+      decl_n=jnp.zeros((), jnp.int32),
+      step=empty_step(config),
+  )
+
+
+def flat_rows(config: CacheConfig, state: CacheState) -> int:
+  """`F`, the flat layers' row count (0 when every layer is a ring)."""
+  for l, layer in enumerate(config.layers):
+    if not layer.policy.is_ring:
+      return state.k[l].shape[0]
+  return 0

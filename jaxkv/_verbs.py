@@ -1,0 +1,310 @@
+"""The pure verbs (SPEC §5, §6, §10.3): `(config, state, ...) -> (state, status, ...)`.
+
+Every verb is jittable with `config` static, works under `scan`/`while_loop`, and
+returns every state leaf. A refused verb returns a state equal in value to its
+input (the scratch column excepted). Control values are selected with
+`jnp.where`; K/V storage is never selected wholesale (that would copy the
+cache): a refused clone copies into the scratch column instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import _plan
+from jaxkv._config import CacheConfig
+from jaxkv._state import CacheState, Phase, Status, empty_step, flat_rows
+from pallas_kernels import indexing
+
+WHOLE = 2**31 - 1
+"""`upto` for `seq_clone` meaning the source's whole committed length."""
+
+_CONTROL_FIELDS = ("live", "pos", "hw", "held", "phase", "decl_ids", "decl_block",
+                   "decl_n", "step")
+
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _first_failure(checks):
+  """The status of the first failing `(failed, status)` check, else OK."""
+  status = _i32(Status.OK)
+  for failed, code in reversed(checks):
+    status = jnp.where(failed, _i32(code), status)
+  return status
+
+
+def _select_control(ok, new: CacheState, old: CacheState) -> CacheState:
+  """`new` where `ok`, else `old`, for the control values only (K/V from `new`)."""
+  chosen = {name: jax.tree.map(lambda a, b: jnp.where(ok, a, b),
+                               getattr(new, name), getattr(old, name))
+            for name in _CONTROL_FIELDS}
+  return dataclasses.replace(new, **chosen)
+
+
+def _column(config: CacheConfig, seq_id):
+  """`(in_range, col)`: whether `seq_id` names a column, and a safe index."""
+  seq_id = _i32(seq_id)
+  in_range = (seq_id >= 0) & (seq_id < config.max_seqs)
+  return in_range, jnp.clip(seq_id, 0, config.max_seqs - 1)
+
+
+def _is_live(config: CacheConfig, state: CacheState, seq_id):
+  in_range, col = _column(config, seq_id)
+  return in_range & (state.live[col] == 1), col
+
+
+def _invalidated(config: CacheConfig, state: CacheState, **changes) -> CacheState:
+  """The state with `changes` and no step: phase IDLE, no declaration."""
+  return dataclasses.replace(
+      state, phase=_i32(Phase.IDLE),
+      decl_ids=jnp.full((config.step_width,), config.max_seqs, jnp.int32),
+      decl_block=jnp.zeros((config.step_width,), jnp.int32), decl_n=_i32(0), **changes)
+
+
+def _held(live, pos):
+  return jnp.where(live == 1, pos, 0).sum(dtype=jnp.int32)
+
+
+def _lowest_free(state: CacheState):
+  free = state.live == 0
+  return jnp.any(free), jnp.argmax(free).astype(jnp.int32)
+
+
+def floor(config: CacheConfig, state: CacheState, seq_id):
+  """Lowest length `rewind`/`seq_clone` may target for `seq_id` (SPEC §4.2); int32."""
+  _, col = _column(config, seq_id)
+  return indexing.floor(state.hw[col], config.rings())
+
+
+def seq_new(config: CacheConfig, state: CacheState):
+  """Makes the lowest non-live id live at position 0.
+
+  Returns:
+    `(state, status, id)`; `id = -1` and status NO_FREE_ID when every id is live.
+  """
+  any_free, new_id = _lowest_free(state)
+  live = state.live.at[new_id].set(jnp.where(any_free, 1, state.live[new_id]))
+  status = jnp.where(any_free, _i32(Status.OK), _i32(Status.NO_FREE_ID))
+  return dataclasses.replace(state, live=live), status, jnp.where(any_free, new_id, -1)
+
+
+def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
+  """Forks `src`'s first `min(upto, pos(src))` positions into the lowest free id.
+
+  Flat layers copy the source's whole column (rows past the kept prefix are
+  never read); ring layers copy the whole ring column. The fork inherits
+  `hw(src)`, hence its floor.
+
+  Returns:
+    `(state, status, id)`; `id = -1` on refusal (NOT_LIVE, EMPTY, BELOW_FLOOR,
+    NO_ROOM, NO_FREE_ID, checked in that order).
+  """
+  is_live, src_col = _is_live(config, state, src)
+  keep = jnp.minimum(_i32(upto), jnp.where(is_live, state.pos[src_col], 0))
+  any_free, dst = _lowest_free(state)
+  status = _first_failure([
+      (~is_live, Status.NOT_LIVE),
+      (keep <= 0, Status.EMPTY),
+      (keep < floor(config, state, src_col), Status.BELOW_FLOOR),
+      (state.held > config.capacity - keep, Status.NO_ROOM),
+      (~any_free, Status.NO_FREE_ID),
+  ])
+  ok = status == Status.OK
+  # A refused clone writes only the scratch column, which nothing reads.
+  target = jnp.where(ok, dst, config.scratch_col)
+  copy = lambda arrays: tuple(a.at[:, target].set(a[:, src_col]) for a in arrays)
+  new = _invalidated(
+      config, state, k=copy(state.k), v=copy(state.v),
+      live=state.live.at[dst].set(1), pos=state.pos.at[dst].set(keep),
+      hw=state.hw.at[dst].set(state.hw[src_col]), held=state.held + keep)
+  return _select_control(ok, new, state), status, jnp.where(ok, dst, -1)
+
+
+def seq_rm(config: CacheConfig, state: CacheState, seq_id):
+  """Removes a live sequence, releasing its budget; `(state, status)`."""
+  is_live, col = _is_live(config, state, seq_id)
+  new = _invalidated(
+      config, state, live=state.live.at[col].set(0), pos=state.pos.at[col].set(0),
+      hw=state.hw.at[col].set(0), held=state.held - state.pos[col])
+  status = jnp.where(is_live, _i32(Status.OK), _i32(Status.NOT_LIVE))
+  return _select_control(is_live, new, state), status
+
+
+def rewind(config: CacheConfig, state: CacheState, seq_id, position):
+  """Keeps positions `[0, position)` of a live sequence; `hw` is unchanged.
+
+  Returns:
+    `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`) or
+    BELOW_FLOOR refuse, in that order.
+  """
+  is_live, col = _is_live(config, state, seq_id)
+  position = _i32(position)
+  status = _first_failure([
+      (~is_live, Status.NOT_LIVE),
+      ((position < 0) | (position > state.pos[col]), Status.BAD_TARGET),
+      (position < floor(config, state, col), Status.BELOW_FLOOR),
+  ])
+  ok = status == Status.OK
+  new = _invalidated(config, state, pos=state.pos.at[col].set(position),
+                     held=state.held - state.pos[col] + position)
+  return _select_control(ok, new, state), status
+
+
+def clear(config: CacheConfig, state: CacheState):
+  """Drops every sequence and the step; storage keeps its shape and bytes."""
+  zeros = jnp.zeros((config.max_seqs,), jnp.int32)
+  new = _invalidated(config, state, live=zeros, pos=zeros, hw=zeros, held=_i32(0),
+                     step=empty_step(config))
+  return new, _i32(Status.OK)
+
+
+def _bad_blocks(config: CacheConfig, ids, n, blocks):
+  """Whether the owner blocks break a rule of SPEC §9; also each token's block flag."""
+  width = config.step_width
+  tokens = jnp.arange(width, dtype=jnp.int32)
+  starts, lengths = blocks[:, 0], blocks[:, 1]
+  is_active = lengths != 0
+  # Written so that no sum can overflow int32: n <= W here.
+  in_range = (starts >= 0) & (lengths >= 1) & (starts <= n) & (lengths <= n - starts)
+  ends = jnp.where(in_range, starts + lengths, 0)
+  owner = ids[jnp.clip(starts, 0, width - 1)]
+  in_block = (tokens[None, :] >= starts[:, None]) & (tokens[None, :] < ends[:, None])
+  is_split = jnp.any(in_block & (ids[None, :] != owner[:, None]), axis=1)
+  owner_after = jnp.any((tokens[None, :] >= ends[:, None]) & (tokens[None, :] < n)
+                        & (ids[None, :] == owner[:, None]), axis=1)
+  rows = jnp.arange(blocks.shape[0], dtype=jnp.int32)
+  same_owner_twice = jnp.any(is_active[:, None] & is_active[None, :]
+                             & (owner[:, None] == owner[None, :])
+                             & (rows[:, None] < rows[None, :]))
+  is_bad = jnp.any(is_active & (~in_range | is_split | owner_after)) | same_owner_twice
+  block_flags = jnp.any(is_active[:, None] & in_block, axis=0).astype(jnp.int32)
+  return is_bad, block_flags
+
+
+def declare_step(config: CacheConfig, state: CacheState, seq_ids, n, blocks):
+  """Declares the next step's tokens; a refusal leaves any earlier declaration standing.
+
+  Args:
+    seq_ids: `int32[W]`; entry `i < n` is the sequence of step token `i`.
+    n: `int32[]` real tokens.
+    blocks: `int32[W, 2]` owner blocks `(start, length)`; length 0 = unused row.
+
+  Returns:
+    `(state, status)`: EMPTY, TOO_WIDE, NOT_LIVE, BAD_BLOCKS, NO_ROOM refuse,
+    checked in that order.
+  """
+  ids, n, blocks = _i32(seq_ids), _i32(n), _i32(blocks)
+  is_real = _plan.token_mask(config, n)
+  in_range, cols = _column(config, ids)
+  token_live = in_range & (state.live[cols] == 1)
+  blocks_bad, block_flags = _bad_blocks(config, ids, n, blocks)
+  status = _first_failure([
+      (n <= 0, Status.EMPTY),
+      (n > config.step_width, Status.TOO_WIDE),
+      (jnp.any(is_real & ~token_live), Status.NOT_LIVE),
+      (blocks_bad, Status.BAD_BLOCKS),
+      (state.held > config.capacity - n, Status.NO_ROOM),
+  ])
+  new = dataclasses.replace(
+      state, phase=_i32(Phase.DECLARED), decl_n=n,
+      decl_ids=jnp.where(is_real, ids, config.max_seqs),
+      decl_block=jnp.where(is_real, block_flags, 0))
+  return _select_control(status == Status.OK, new, state), status
+
+
+def _declared_positions(config: CacheConfig, state: CacheState):
+  return _plan.derive_positions(config, state.decl_ids, state.decl_n, state.pos)
+
+
+def rows_needed(config: CacheConfig, state: CacheState):
+  """Flat rows the standing declaration needs (0 if none stands); int32."""
+  stands = (state.phase == Phase.DECLARED) | (state.phase == Phase.PREPARED)
+  needed = _plan.rows_needed(config, state.decl_n, _declared_positions(config, state))
+  return jnp.where(stands, needed, 0)
+
+
+def prepare_step(config: CacheConfig, state: CacheState, positions=None):
+  """Fixes positions and the Step, raises `hw`, and enters PREPARED.
+
+  Args:
+    positions: optional `int32[W]`; entries `< n` must equal the derived ones.
+
+  Returns:
+    `(state, status)`: NO_DECLARATION (IDLE or COMMITTED), BAD_POSITIONS, or
+    NEEDS_ROWS (flat rows too few; grow first) refuse. In PREPARED it is a no-op.
+  """
+  is_declared = state.phase == Phase.DECLARED
+  is_prepared = state.phase == Phase.PREPARED
+  derived = _declared_positions(config, state)
+  is_real = _plan.token_mask(config, state.decl_n)
+  positions_ok = True if positions is None else jnp.all(
+      jnp.where(is_real, _i32(positions) == derived, True))
+  too_few_rows = config.has_flat & (rows_needed(config, state) > flat_rows(config, state))
+  status = _first_failure([
+      (~(is_declared | is_prepared), Status.NO_DECLARATION),
+      (~jnp.asarray(positions_ok), Status.BAD_POSITIONS),
+      (is_declared & too_few_rows, Status.NEEDS_ROWS),
+  ])
+  step = _plan.build_step(config, state.decl_ids, state.decl_block, state.decl_n, derived)
+  ends = jnp.where(is_real, derived + 1, 0)
+  new = dataclasses.replace(
+      state, step=step, phase=_i32(Phase.PREPARED),
+      hw=state.hw.at[step.seq_cols].max(ends, mode="drop"))
+  return _select_control((status == Status.OK) & is_declared, new, state), status
+
+
+def commit_step(config: CacheConfig, state: CacheState):
+  """Advances `pos` to the end of every causal segment; `(state, status)`.
+
+  Owner-block segments advance nothing. Committing twice is a no-op (the max);
+  any phase but PREPARED or COMMITTED gives NOT_PREPARED.
+  """
+  ok = (state.phase == Phase.PREPARED) | (state.phase == Phase.COMMITTED)
+  cols, ends = _plan.committed_ends(config, state.step)
+  pos = state.pos.at[cols].max(ends, mode="drop")
+  new = dataclasses.replace(state, pos=pos, held=_held(state.live, pos),
+                            phase=_i32(Phase.COMMITTED))
+  status = jnp.where(ok, _i32(Status.OK), _i32(Status.NOT_PREPARED))
+  return _select_control(ok, new, state), status
+
+
+def grown_array(array, rows: int):
+  """A new `[rows, ...]` array whose first rows are `array`'s bytes, the rest zero."""
+  return _grow_rows(array, rows)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _grow_rows(array, rows):
+  return jnp.zeros((rows,) + array.shape[1:], array.dtype).at[:array.shape[0]].set(array)
+
+
+def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_array):
+  """A new state whose flat layers have `rows` rows (host only: shapes change).
+
+  Transactional: every new array is built before the result is assembled, so if
+  an allocation raises, the error propagates and `state` is untouched. Rows
+  `[0, F)` keep their bytes exactly; new rows are zero. Not donated.
+
+  Raises:
+    ValueError: no flat layer, or not `F < rows <= capacity`.
+  """
+  current = flat_rows(config, state)
+  if not config.has_flat:
+    raise ValueError("grow needs a flat layer; this config has only rings")
+  if isinstance(rows, bool) or not isinstance(rows, int):
+    raise TypeError(f"rows={rows!r} must be a Python int")
+  if not current < rows <= config.capacity:
+    raise ValueError(f"rows={rows} must satisfy F={current} < rows <= "
+                     f"capacity={config.capacity}")
+  flat = [l for l, layer in enumerate(config.layers) if not layer.policy.is_ring]
+  new_k, new_v = list(state.k), list(state.v)
+  for l in flat:
+    new_k[l] = allocate(state.k[l], rows)
+    new_v[l] = allocate(state.v[l], rows)
+  return dataclasses.replace(state, k=tuple(new_k), v=tuple(new_v))
