@@ -268,11 +268,18 @@ class Harness:
     dependent: if True, layer l+1's q/k/v are fixed seeded linear maps of layer
       l's output row plus the token's own content (SPEC §11 dependent model);
       the cache uses its own outputs and each oracle its own.
+    cache: an existing cache object to drive instead of a new one.
+    driver: "facade" (jaxkv.BatchedSequenceCache) or "pure-poisoned" (a
+      PureCache whose free storage is NaN-poisoned before every step).
   """
 
   def __init__(self, config, *, implementation: str | None = "reference", n_q_heads: int = N_Q_HEADS,
-               content: str = "tok", dependent: bool = False, cache=None):
+               content: str = "tok", dependent: bool = False, cache=None,
+               driver: str = "facade"):
     self.config = config
+    if cache is None and driver == "pure-poisoned":
+      cache = PureCache(config, implementation=implementation)
+    self.poisoned = driver == "pure-poisoned"
     self.cache = cache if cache is not None else jaxkv.BatchedSequenceCache(
         config, implementation=implementation)
     self.n_q_heads = n_q_heads
@@ -377,6 +384,8 @@ class Harness:
         return None
       return self._layer_inputs(l, tags, positions, prev)
 
+    if self.poisoned:
+      self.cache.poison()
     assert self.cache.declare_step(ids, owner_blocks=owner_blocks) is True
     step = self.cache.prepare_step()
     if check_positions:
@@ -418,6 +427,121 @@ class Harness:
       else:
         np.testing.assert_allclose(got, want, rtol=0, atol=tol(self.kv_dtype),
                                    err_msg=f"layer {l}, ids {ids}, positions {positions}")
+
+
+class PureCache:
+  """A facade-alike over `jaxkv.pure` whose `state` may be replaced between calls.
+
+  It exists so that scenarios can NaN-poison free storage (`poison()`) before a
+  step, which the facade does not allow. It follows SPEC §10.3/§10.5: Python
+  lists in, fixed-shape int32 arrays to the jitted pure verbs, flat growth on
+  the host when prepare reports NEEDS_ROWS. A StepError status raises
+  AssertionError naming the status (error behaviour is tested on the facade).
+
+  Args:
+    config: the jaxkv.CacheConfig.
+    implementation: passed to `jaxkv.pure.attend`.
+  """
+
+  def __init__(self, config, *, implementation: str | None = "reference"):
+    pure = jaxkv.pure
+    self.config = config
+    self.implementation = implementation
+    self.state = jaxkv.init_state(config)
+    jit = lambda f, **kw: jax.jit(f, static_argnums=0, **kw)
+    self._seq_new = jit(pure.seq_new)
+    self._seq_clone = jit(pure.seq_clone)
+    self._seq_rm = jit(pure.seq_rm)
+    self._rewind = jit(pure.rewind)
+    self._declare = jit(pure.declare_step)
+    self._prepare = jit(pure.prepare_step)
+    self._commit = jit(pure.commit_step)
+    self._rows_needed = jit(pure.rows_needed)
+    self._attend = jax.jit(
+        lambda cfg, state, layer, q, k, v, scale: pure.attend(
+            cfg, state, layer, q, k, v, scale=scale, implementation=implementation),
+        static_argnums=(0, 2, 6))
+
+  def poison(self) -> None:
+    """NaN-fills every K/V row no live sequence owns (see `poison_free_storage`)."""
+    self.state = poison_free_storage(self.state, self.config)
+
+  def _ok(self, status, verb):
+    status = jaxkv.Status(int(status))
+    return status == jaxkv.Status.OK
+
+  def max_seqs(self) -> int:
+    return self.config.max_seqs
+
+  def capacity(self) -> int:
+    return self.config.capacity
+
+  def is_live(self, s) -> bool:
+    return 0 <= s < self.config.max_seqs and bool(np.asarray(self.state.live)[s])
+
+  def pos(self, s) -> int:
+    return int(np.asarray(self.state.pos)[s]) if self.is_live(s) else 0
+
+  def seq_new(self):
+    self.state, status, s = self._seq_new(self.config, self.state)
+    return int(s) if self._ok(status, "seq_new") else None
+
+  def seq_clone(self, src, upto=None):
+    upto = jaxkv.pure.WHOLE if upto is None else upto
+    self.state, status, s = self._seq_clone(self.config, self.state, jnp.int32(src),
+                                            jnp.int32(upto))
+    return int(s) if self._ok(status, "seq_clone") else None
+
+  def seq_rm(self, s) -> bool:
+    self.state, status = self._seq_rm(self.config, self.state, jnp.int32(s))
+    return self._ok(status, "seq_rm")
+
+  def rewind(self, s, position) -> bool:
+    self.state, status = self._rewind(self.config, self.state, jnp.int32(s), jnp.int32(position))
+    return self._ok(status, "rewind")
+
+  def declare_step(self, seq_ids, owner_blocks=None) -> bool:
+    width = self.config.step_width
+    ids = np.full((width,), self.config.max_seqs, np.int32)
+    ids[:min(len(seq_ids), width)] = list(seq_ids)[:width]
+    blocks = np.zeros((width, 2), np.int32)
+    for i, (start, length) in enumerate(owner_blocks or ()):
+      blocks[i] = (start, length)
+    self.state, status = self._declare(self.config, self.state, jnp.asarray(ids),
+                                       jnp.int32(len(seq_ids)), jnp.asarray(blocks))
+    return self._ok(status, "declare_step")
+
+  def prepare_step(self, positions=None):
+    arr = None
+    if positions is not None:
+      arr = np.zeros((self.config.step_width,), np.int32)
+      arr[:len(positions)] = list(positions)
+      arr = jnp.asarray(arr)
+    self.state, status = self._prepare(self.config, self.state, arr)
+    if jaxkv.Status(int(status)) == jaxkv.Status.NEEDS_ROWS:
+      required = int(self._rows_needed(self.config, self.state))
+      flat = [a.shape[0] for a, lc in zip(self.state.k, self.config.layers)
+              if lc.policy.kind == "flat"]
+      rows = min(self.config.capacity, max(required, 2 * flat[0]))
+      self.state = jaxkv.pure.grow(self.config, self.state, rows)
+      self.state, status = self._prepare(self.config, self.state, arr)
+    assert self._ok(status, "prepare_step"), f"prepare_step: {jaxkv.Status(int(status)).name}"
+    return self.state.step
+
+  def attend(self, layer, q, k, v, scale=None):
+    n = q.shape[0]
+    width = self.config.step_width
+    if n != width:
+      pad = lambda x: jnp.concatenate(
+          [x, jnp.zeros((width - n,) + x.shape[1:], x.dtype)], axis=0)
+      q, k, v = pad(q), pad(k), pad(v)
+    self.state, out, status = self._attend(self.config, self.state, layer, q, k, v, scale)
+    assert self._ok(status, "attend"), f"attend: {jaxkv.Status(int(status)).name}"
+    return out[:n]
+
+  def commit_step(self) -> None:
+    self.state, status = self._commit(self.config, self.state)
+    assert self._ok(status, "commit_step"), f"commit_step: {jaxkv.Status(int(status)).name}"
 
 
 def default_config(**overrides):

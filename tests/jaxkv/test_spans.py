@@ -1,0 +1,390 @@
+"""Spans and isolation: SPEC §11 scenarios 1–13.
+
+Scenarios 1–10 run with every implementation (`implementation` fixture) and
+with two drivers: the facade, and the pure API with every K/V row that no live
+sequence owns NaN-poisoned before each step (so any stray read shows as NaN).
+Outputs are compared with `tests/oracle.py`, which shares no code with jaxkv.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from conftest import tol
+from oracle import SequenceOracle
+from scenario_utils import (
+    HEAD_DIM,
+    N_KV_HEADS,
+    N_Q_HEADS,
+    Harness,
+    assert_same_state,
+    default_config,
+    snapshot,
+    tok,
+)
+
+flat = jaxkv.LayerPolicy.flat
+ring = jaxkv.LayerPolicy.ring
+
+
+@pytest.fixture(params=["facade", "pure-poisoned"])
+def driver(request):
+  """Drives the scenario through the facade or through the NaN-poisoned pure API."""
+  return request.param
+
+
+@pytest.fixture
+def make(implementation, driver):
+  """Builds a Harness for a config with this test's implementation and driver."""
+
+  def build(config, **kwargs):
+    return Harness(config, implementation=implementation, driver=driver, **kwargs)
+
+  return build
+
+
+def step_positions(step, n):
+  return np.asarray(step.positions)[:n].tolist()
+
+
+# --------------------------------------------------------------------------- 1–10
+
+
+def test_scenario_01_spans_match_separate_runs(make):
+  """Scenario 1: step([a,a,a,b,b]) gets positions [0,1,2,0,1]; rows equal each oracle."""
+  h = make(default_config())
+  a, b = h.new(), h.new()
+  assert (a, b) == (0, 1)
+  assert h.expected_positions([a, a, a, b, b]) == [0, 1, 2, 0, 1]
+  h.step([a, a, a, b, b])   # checks prepared positions and every row against the oracles
+  assert (h.cache.pos(a), h.cache.pos(b)) == (3, 2)
+
+
+def test_scenario_02_decode_continues_each_history(make):
+  """Scenario 2: step([a,a,b]) then step([a,b]) at [2,1]."""
+  h = make(default_config())
+  a, b = h.new(), h.new()
+  h.step([a, a, b])
+  assert h.expected_positions([a, b]) == [2, 1]
+  h.step([a, b])
+  assert (h.cache.pos(a), h.cache.pos(b)) == (3, 2)
+
+
+def test_scenario_03_sequence_spanned_twice_keeps_order(make):
+  """Scenario 3: step([a,b,a]) at [0,0,1] has 3 segments; row 0 does not see a's position 1."""
+  h = make(default_config())
+  a, b = h.new(), h.new()
+  assert h.cache.declare_step([a, b, a]) is True
+  step = h.cache.prepare_step()
+  assert step_positions(step, 3) == [0, 0, 1]
+  assert int(step.n_segments) == 3
+  # Re-declaring drops the prepared step (SPEC §6.1); the harness step then runs it for real.
+  outs = h.step([a, b, a])
+  # Row 0 is a's first token alone: attention over one key returns that key's value exactly
+  # (as stored), whatever its own query; seeing position 1 would mix in another value.
+  _, _, v0 = tok(h.tags[a], 0, 0, n_q_heads=N_Q_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM)
+  group = N_Q_HEADS // N_KV_HEADS
+  want = np.repeat(v0.astype(np.float16).astype(np.float32), group, axis=0)
+  np.testing.assert_allclose(outs[0][0], want, rtol=0, atol=tol(np.float32))
+
+
+def test_scenario_04_window_bounds_each_span(make):
+  """Scenario 4: ring(2), max_write 4 (R = 5); a wraps from p = 5, both rows match every time."""
+  config = default_config(layers=[ring(2)], max_write=4)
+  assert config.ring_rows(0) == 5
+  h = make(config)
+  a, b = h.new(), h.new()
+  h.step([a, a, a, b])
+  assert h.expected_positions([a, b]) == [3, 1]
+  h.step([a, b])
+  for p in range(4, 9):
+    assert h.expected_positions([a, b]) == [p, p - 2]
+    h.step([a, b])
+  assert (h.cache.pos(a), h.cache.pos(b)) == (9, 7)
+
+
+def test_scenario_05_dtype_cast(make):
+  """Scenario 5: bfloat16 storage, float32 q/k/v: float32 output, stored K is k.astype(bfloat16)."""
+  config = default_config(kv_dtype=jnp.bfloat16)
+  h = make(config)
+  a, b = h.new(), h.new()
+  outs = h.step([a, b])   # row 0 vs the bfloat16 oracle, within tol(bfloat16)
+  assert outs[0].dtype == np.float32
+  stored_k = np.asarray(h.cache.state.k[0])
+  stored_v = np.asarray(h.cache.state.v[0])
+  assert stored_k.dtype == np.dtype(jnp.bfloat16)
+  for col, s in ((0, a), (1, b)):
+    _, k, v = tok(h.tags[s], 0, 0, n_q_heads=N_Q_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM)
+    assert stored_k[0, col].tobytes() == k.astype(jnp.bfloat16).tobytes()
+    assert stored_v[0, col].tobytes() == v.astype(jnp.bfloat16).tobytes()
+
+
+def test_scenario_06_removed_id_starts_over(make):
+  """Scenario 6: a removed id reads as not live, is refused, and a reused id starts at 0."""
+  h = make(default_config())
+  a = h.new()
+  h.step([a, a, a])
+  assert h.rm(a) is True
+  assert h.cache.pos(a) == 0
+  assert h.cache.is_live(a) is False
+  before = snapshot(h.cache.state)
+  assert h.cache.seq_rm(a) is False
+  assert_same_state(before, snapshot(h.cache.state))
+  assert h.new() == 0
+  assert h.cache.pos(0) == 0 and int(np.asarray(h.cache.state.hw)[0]) == 0
+  h.step([0])   # a fresh oracle: the removed sequence's rows must not be seen
+
+
+def test_scenario_07_ill_formed_steps(implementation):
+  """Scenario 7 (two flat layers): phase errors, position errors, repeat prepare and attend."""
+  config = default_config(layers=[flat(), flat()])
+  h = Harness(config, implementation=implementation)
+  cache = h.cache
+  a = h.new()
+  q, k, v = (jnp.asarray(x) for x in h._layer_inputs(0, [h.tags[a]] * 2, [0, 1], None))
+  before = snapshot(cache.state)
+  with pytest.raises(jaxkv.StepError, match="NOT_PREPARED"):
+    cache.attend(0, q, k, v)
+  assert_same_state(before, snapshot(cache.state))
+
+  assert cache.declare_step([a, a]) is True
+  for bad in ([0], [1, 2]):
+    before = snapshot(cache.state)
+    with pytest.raises(jaxkv.StepError, match="BAD_POSITIONS"):
+      cache.prepare_step(bad)
+    assert_same_state(before, snapshot(cache.state))
+  step1 = snapshot(cache.prepare_step([0, 1]))
+  step2 = snapshot(cache.prepare_step([0, 1]))
+  assert_same_state(step1, step2)
+  assert_same_state(step1, snapshot(cache.prepare_step()))
+  before = snapshot(cache.state)
+  with pytest.raises(jaxkv.StepError, match="BAD_POSITIONS"):
+    cache.prepare_step([0, 2])
+  assert_same_state(before, snapshot(cache.state))
+  assert int(cache.state.phase) == jaxkv.Phase.PREPARED
+  with pytest.raises(jaxkv.StepError, match=r"layer=2"):
+    cache.attend(2, q, k, v)
+  assert_same_state(before, snapshot(cache.state))
+
+  out_a = np.asarray(cache.attend(0, q, k, v))
+  out_b = np.asarray(cache.attend(0, q, k, v))
+  assert out_a.tobytes() == out_b.tobytes()
+  q1, k1, v1 = (jnp.asarray(x) for x in h._layer_inputs(1, [h.tags[a]] * 2, [0, 1], None))
+  out_1 = np.asarray(cache.attend(1, q1, k1, v1))
+  assert cache.pos(a) == 0
+  cache.commit_step()
+  assert cache.pos(a) == 2
+  oracle = SequenceOracle([None, None], np.float16, 1 / math.sqrt(HEAD_DIM))
+  np.testing.assert_allclose(out_a, oracle.feed(0, q, k, v), rtol=0, atol=tol(np.float16))
+  np.testing.assert_allclose(out_1, oracle.feed(1, q1, k1, v1), rtol=0, atol=tol(np.float16))
+
+
+def test_scenario_08_fork_copies_prefix_then_diverges(make):
+  """Scenario 8: seq_clone(a) has pos = hw = 2; upto 100 clamps; equal content gives equal rows."""
+  h = make(default_config())
+  a = h.new()
+  h.step([a, a])
+  b = h.clone(a)
+  assert b == 1
+  assert h.cache.pos(b) == 2 and int(np.asarray(h.cache.state.hw)[b]) == 2
+  c = h.clone(a, 100)
+  assert c == 2 and h.cache.pos(c) == 2
+  outs = h.step([a, b], tags=[h.tags[a], h.tags[a]])   # both against their (equal) oracles
+  assert outs[0][0].tobytes() == outs[0][1].tobytes()
+  assert (h.cache.pos(a), h.cache.pos(b), h.cache.pos(c)) == (3, 3, 2)
+
+
+def test_scenario_09_partial_flat_fork_copies_only_prefix(make):
+  """Scenario 9: f = seq_clone(src, 3); after seq_rm(src), f at 3 sees src's 0..2 then its own 3."""
+  h = make(default_config())
+  src = h.new()
+  h.step([src] * 8)
+  f = h.clone(src, 3)
+  assert f is not None and h.cache.pos(f) == 3
+  assert h.rm(src) is True
+  h.step([f])   # oracle: src's tokens 0..2, then f's token 3
+  h.step([f, f])
+  assert h.cache.pos(f) == 6
+
+
+def test_scenario_10_fork_and_source_diverge_while_rows_grow(make):
+  """Scenario 10: initial_capacity 2; F grows 2 -> 4 -> 8 -> 16 under decode and a fork."""
+  config = default_config(initial_capacity=2)
+  h = make(config)
+  a = h.new()
+  assert h.cache.state.k[0].shape[0] == 2
+  rows = []
+  for _ in range(8):
+    h.step([a])
+    rows.append(h.cache.state.k[0].shape[0])
+  assert rows == [2, 2, 4, 4, 8, 8, 8, 8]
+  b = h.clone(a, 3)
+  assert h.cache.pos(b) == 3
+  for i in range(3):
+    assert h.expected_positions([a, b]) == [8 + i, 3 + i]
+    h.step([a, b])
+    assert h.cache.state.k[0].shape[0] == 16
+    assert h.cache.state.v[0].shape[0] == 16
+
+
+# --------------------------------------------------------------------------- 11–13
+
+
+def test_scenario_11_refused_declaration_leaves_last_standing():
+  """Scenario 11: refused declarations change nothing; the first one is still prepared."""
+  h = Harness(default_config())
+  cache = h.cache
+  a = h.new()
+  assert cache.declare_step([a]) is True
+  for bad in ([3], [], [a] * 9):
+    before = snapshot(cache.state)
+    assert cache.declare_step(bad) is False
+    assert_same_state(before, snapshot(cache.state))
+  step = cache.prepare_step()
+  assert step_positions(step, 8) == [0] * 8 and int(step.n_tokens) == 1
+  q, k, v = (jnp.asarray(x) for x in h._layer_inputs(0, [h.tags[a]], [0], None))
+  cache.attend(0, q, k, v)
+  cache.commit_step()
+  assert cache.pos(a) == 1
+
+
+def test_scenario_12_shared_capacity():
+  """Scenario 12: capacity 4, max_write 4: the shared budget refuses declarations and clones."""
+  h = Harness(default_config(capacity=4, max_write=4))
+  cache = h.cache
+  a, b = h.new(), h.new()
+  h.step([a, a, b])
+  assert (cache.pos(a), cache.pos(b)) == (2, 1)
+  h.step([a])
+  assert int(cache.state.held) == 4
+  for bad in ([a], [b]):
+    before = snapshot(cache.state)
+    assert cache.declare_step(bad) is False
+    assert_same_state(before, snapshot(cache.state))
+  before = snapshot(cache.state)
+  assert cache.seq_clone(a) is None
+  assert_same_state(before, snapshot(cache.state))
+  assert h.rm(b) is True
+  assert int(cache.state.held) == 3
+  assert cache.declare_step([a]) is True
+
+
+def test_scenario_13_public_surface():
+  """Scenario 13: exports, StepError is a ValueError, state leaf shapes, stable enum values."""
+  for name in ("CacheConfig", "LayerConfig", "LayerPolicy", "BatchedSequenceCache", "StepError",
+               "Status", "Phase", "Step", "CacheState", "init_state", "pure"):
+    assert hasattr(jaxkv, name), name
+  assert issubclass(jaxkv.StepError, ValueError)
+  assert [(s.name, int(s)) for s in jaxkv.Status] == [
+      ("OK", 0), ("NOT_LIVE", 1), ("NO_ROOM", 2), ("NO_FREE_ID", 3), ("EMPTY", 4),
+      ("TOO_WIDE", 5), ("BAD_BLOCKS", 6), ("BAD_TARGET", 7), ("BELOW_FLOOR", 8),
+      ("NO_DECLARATION", 9), ("BAD_POSITIONS", 10), ("NEEDS_ROWS", 11), ("NOT_PREPARED", 12)]
+  assert [(p.name, int(p)) for p in jaxkv.Phase] == [
+      ("IDLE", 0), ("DECLARED", 1), ("PREPARED", 2), ("COMMITTED", 3)]
+  assert jaxkv.pure.WHOLE == 2**31 - 1
+
+  config = default_config(layers=[flat(), ring(4)], capacity=64, initial_capacity=16)
+  assert hash(config) == hash(default_config(layers=[flat(), ring(4)], capacity=64,
+                                             initial_capacity=16))
+  state = jaxkv.init_state(config)
+  assert isinstance(state, jaxkv.CacheState) and isinstance(state.step, jaxkv.Step)
+  leaves = jax.tree_util.tree_leaves(state)
+  assert all(isinstance(x, jax.Array) for x in leaves)
+  W, S, L = 8, 4, 2
+  expect = {
+      "k": [(16, S + 1, 2, 8), (11, S + 1, 2, 8)], "v": [(16, S + 1, 2, 8), (11, S + 1, 2, 8)],
+      "live": (S,), "pos": (S,), "hw": (S,), "held": (), "phase": (), "decl_ids": (W,),
+      "decl_block": (W,), "decl_n": (),
+  }
+  for name, shape in expect.items():
+    value = getattr(state, name)
+    if isinstance(shape, list):
+      assert [a.shape for a in value] == shape, name
+      assert all(a.dtype == np.dtype(jnp.float16) for a in value), name
+      assert all(not np.any(np.asarray(a, np.float32)) for a in value), name
+    else:
+      assert value.shape == shape and value.dtype == np.int32, name
+  assert int(state.phase) == jaxkv.Phase.IDLE
+  assert not np.any(np.asarray(state.live)) and int(state.held) == 0
+  step_shapes = {"n_tokens": (), "n_segments": (), "seq_cols": (W,), "positions": (W,),
+                 "write_rows": (L, W), "seq_info": (W, 5)}
+  for name, shape in step_shapes.items():
+    value = getattr(state.step, name)
+    assert value.shape == shape and value.dtype == np.int32, name
+
+
+def test_scenario_13_jitted_pure_step_traces_once():
+  """Scenario 13: one jitted pure step, driven through 20 varied steps, traces once and is exact."""
+  config = default_config(layers=[flat(), ring(3)], capacity=128, initial_capacity=128, max_write=4,
+                          kv_dtype=jnp.float32)
+  W = config.step_width
+  traces = []
+
+  def one_step(cfg, state, ids, n, q0, k0, v0, q1, k1, v1):
+    traces.append(1)
+    blocks = jnp.zeros((W, 2), jnp.int32)
+    state, s_decl = jaxkv.pure.declare_step(cfg, state, ids, n, blocks)
+    state, s_prep = jaxkv.pure.prepare_step(cfg, state)
+    state, out0, s_att0 = jaxkv.pure.attend(cfg, state, 0, q0, k0, v0, implementation="reference")
+    state, out1, s_att1 = jaxkv.pure.attend(cfg, state, 1, q1, k1, v1, implementation="reference")
+    state, s_commit = jaxkv.pure.commit_step(cfg, state)
+    statuses = jnp.stack([s_decl, s_prep, s_att0, s_att1, s_commit])
+    return state, out0, out1, statuses
+
+  jstep = jax.jit(one_step, static_argnums=0)
+  jnew = jax.jit(jaxkv.pure.seq_new, static_argnums=0)
+  state = jaxkv.init_state(config)
+  ids = []
+  for _ in range(3):
+    state, status, s = jnew(config, state)
+    assert int(status) == jaxkv.Status.OK
+    ids.append(int(s))
+  assert ids == [0, 1, 2]
+  scale = 1 / math.sqrt(HEAD_DIM)
+  oracles = {s: SequenceOracle([None, 3], np.float32, scale) for s in ids}
+  pos = {s: 0 for s in ids}
+  rng = np.random.default_rng([13, 0, 0])
+  for it in range(20):
+    n = int(rng.integers(1, W + 1))
+    step_ids = [int(x) for x in rng.choice(ids, size=n)]
+    positions = []
+    counts = {}
+    for s in step_ids:
+      positions.append(pos[s] + counts.get(s, 0))
+      counts[s] = counts.get(s, 0) + 1
+    layers = []
+    for l in range(2):
+      triples = [tok(50 + s, p, l, n_q_heads=N_Q_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM)
+                 for s, p in zip(step_ids, positions)]
+      q, k, v = (np.stack(x) for x in zip(*triples))
+      layers.append((q, k, v))
+    padded = [tuple(jnp.asarray(np.concatenate(
+        [x, np.zeros((W - n,) + x.shape[1:], np.float32)])) for x in lay) for lay in layers]
+    ids_arr = np.full((W,), config.max_seqs, np.int32)
+    ids_arr[:n] = step_ids
+    state, out0, out1, statuses = jstep(config, state, jnp.asarray(ids_arr), jnp.int32(n),
+                                        *padded[0], *padded[1])
+    assert np.asarray(statuses).tolist() == [0] * 5, (it, np.asarray(statuses))
+    assert np.asarray(state.step.positions)[:n].tolist() == positions
+    for l, out in enumerate((out0, out1)):
+      want = np.zeros((n, N_Q_HEADS, HEAD_DIM))
+      t = 0
+      while t < n:   # runs of one id, in step order
+        u = t
+        while u < n and step_ids[u] == step_ids[t]:
+          u += 1
+        q, k, v = layers[l]
+        want[t:u] = oracles[step_ids[t]].feed(l, q[t:u], k[t:u], v[t:u])
+        t = u
+      np.testing.assert_allclose(np.asarray(out)[:n], want, rtol=0, atol=tol(np.float32),
+                                 err_msg=f"step {it} layer {l}")
+    for s in step_ids:
+      pos[s] += 1
+  assert len(traces) == 1
+  assert np.asarray(state.pos).tolist() == [pos[s] for s in ids] + [0]
