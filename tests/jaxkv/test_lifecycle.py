@@ -1,0 +1,342 @@
+"""Declarations, positions and lifecycle: SPEC §11 scenarios 22–36 (two flat layers).
+
+Every refusal is checked by value and by a bitwise state snapshot (scratch
+column excluded) taken before the call. Numerics are compared with
+`tests/oracle.py` or, in scenario 22, with attention computed directly in NumPy
+from the stored K/V.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from conftest import tol
+from scenario_utils import (
+    HEAD_DIM,
+    N_KV_HEADS,
+    N_Q_HEADS,
+    Harness,
+    assert_same_state,
+    default_config,
+    snapshot,
+)
+
+flat = jaxkv.LayerPolicy.flat
+ring = jaxkv.LayerPolicy.ring
+
+TWO_FLAT = [flat(), flat()]
+
+
+@pytest.fixture(params=["facade", "pure-poisoned"])
+def driver(request):
+  """Drives numeric scenarios through the facade or the NaN-poisoned pure API."""
+  return request.param
+
+
+def harness(driver="facade", **overrides):
+  overrides.setdefault("layers", TWO_FLAT)
+  return Harness(default_config(**overrides), driver=driver)
+
+
+def inputs(h, l, seq_ids, positions):
+  """jnp q/k/v for the harness's content of these tokens on layer l."""
+  tags = [h.tags[s] for s in seq_ids]
+  return tuple(jnp.asarray(x) for x in h._layer_inputs(l, tags, positions, None))
+
+
+def assert_refused(cache, call):
+  """`call()` returns False or None and leaves the state bitwise unchanged."""
+  before = snapshot(cache.state)
+  result = call()
+  assert result is False or result is None, result
+  assert_same_state(before, snapshot(cache.state))
+
+
+def assert_step_error(cache, match, call):
+  """`call()` raises StepError matching `match` and leaves the state bitwise unchanged."""
+  before = snapshot(cache.state)
+  with pytest.raises(jaxkv.StepError, match=match):
+    call()
+  assert_same_state(before, snapshot(cache.state))
+
+
+# --------------------------------------------------------------------------- 22–25
+
+
+def test_scenario_22_one_span_equals_plain_model():
+  """Scenario 22: step([s]*5) equals causal softmax over the stored K/V, in NumPy float32."""
+  h = harness()
+  s = h.new()
+  outs = h.step([s] * 5)
+  state = h.cache.state
+  scale = np.float32(1 / math.sqrt(HEAD_DIM))
+  group = N_Q_HEADS // N_KV_HEADS
+  for l in range(2):
+    q, k, v = (np.asarray(x) for x in inputs(h, l, [s] * 5, range(5)))
+    kc = np.asarray(state.k[l])[:5, s].astype(np.float32)     # [5, H_kv, D]
+    vc = np.asarray(state.v[l])[:5, s].astype(np.float32)
+    assert kc.tobytes() == k.astype(np.float16).astype(np.float32).tobytes()
+    assert vc.tobytes() == v.astype(np.float16).astype(np.float32).tobytes()
+    want = np.zeros((5, N_Q_HEADS, HEAD_DIM), np.float32)
+    for i in range(5):
+      for hq in range(N_Q_HEADS):
+        scores = scale * (kc[: i + 1, hq // group] @ q[i, hq])
+        weights = np.exp(scores - scores.max())
+        want[i, hq] = (weights / weights.sum()) @ vc[: i + 1, hq // group]
+    np.testing.assert_allclose(outs[l], want, rtol=0, atol=tol(np.float32))
+
+
+def test_scenario_23_two_sequences_flattened(driver):
+  """Scenario 23: ids 0..3 issued, 0 and 2 removed; step([1]*4 + [3]*3) equals separate runs."""
+  h = harness(driver)
+  ids = [h.new() for _ in range(4)]
+  assert ids == [0, 1, 2, 3]
+  h.step([0, 0, 2, 2, 2])   # history that removal must make invisible
+  assert h.rm(0) and h.rm(2)
+  h.step([1] * 4 + [3] * 3)
+  assert (h.cache.pos(1), h.cache.pos(3)) == (4, 3)
+
+
+def test_scenario_24_interleaved(driver):
+  """Scenario 24: step([x,x,y,x]) at [0,1,0,2] equals the separate runs, in order."""
+  h = harness(driver)
+  x, y = h.new(), h.new()
+  assert h.expected_positions([x, x, y, x]) == [0, 1, 0, 2]
+  h.step([x, x, y, x])
+  h.step([y, x, y, y, x])
+  assert (h.cache.pos(x), h.cache.pos(y)) == (5, 4)
+
+
+def test_scenario_25_prefill_then_decode(driver):
+  """Scenario 25: step([x]*4 + [y]*3) then three step([x, y]); every row matches."""
+  h = harness(driver)
+  x, y = h.new(), h.new()
+  h.step([x] * 4 + [y] * 3)
+  for i in range(3):
+    assert h.expected_positions([x, y]) == [4 + i, 3 + i]
+    h.step([x, y])
+  assert (h.cache.pos(x), h.cache.pos(y)) == (7, 6)
+
+
+# --------------------------------------------------------------------------- 26–31
+
+
+def test_scenario_26_span_must_continue_its_sequence():
+  """Scenario 26: wrong positions raise StepError, change nothing, and keep the declaration."""
+  h = harness()
+  cache = h.cache
+  s = h.new()
+  assert cache.declare_step([s, s]) is True
+  assert_step_error(cache, "BAD_POSITIONS", lambda: cache.prepare_step([1, 2]))
+  assert int(cache.state.phase) == jaxkv.Phase.DECLARED
+  assert_step_error(cache, "BAD_POSITIONS", lambda: cache.prepare_step([0, 2]))
+  step = cache.prepare_step([0, 1])
+  assert np.asarray(step.positions)[:2].tolist() == [0, 1]
+  assert int(cache.state.phase) == jaxkv.Phase.PREPARED
+
+
+def test_scenario_27_spanned_twice_continued_across_both():
+  """Scenario 27: step([x,y,x]) at [0,0,1]; then [2,1,4] is refused and [2,1,3] accepted."""
+  h = harness()
+  cache = h.cache
+  x, y = h.new(), h.new()
+  assert h.expected_positions([x, y, x]) == [0, 0, 1]
+  h.step([x, y, x])
+  assert (cache.pos(x), cache.pos(y)) == (2, 1)
+  assert cache.declare_step([x, y, x]) is True
+  assert_step_error(cache, "BAD_POSITIONS", lambda: cache.prepare_step([2, 1, 4]))
+  step = cache.prepare_step([2, 1, 3])
+  assert np.asarray(step.positions)[:3].tolist() == [2, 1, 3]
+  assert int(step.n_segments) == 3
+
+
+def test_scenario_28_no_declaration():
+  """Scenario 28: on a fresh cache prepare_step, attend and commit_step raise StepError."""
+  h = harness()
+  cache = h.cache
+  s = h.new()
+  q, k, v = inputs(h, 0, [s], [0])
+  assert_step_error(cache, "NO_DECLARATION", lambda: cache.prepare_step())
+  assert_step_error(cache, "NO_DECLARATION", lambda: cache.prepare_step([0]))
+  assert_step_error(cache, "NOT_PREPARED", lambda: cache.attend(0, q, k, v))
+  assert_step_error(cache, "NOT_PREPARED", lambda: cache.commit_step())
+  assert int(cache.state.phase) == jaxkv.Phase.IDLE
+
+
+def test_scenario_29_bad_declarations():
+  """Scenario 29: [], [-1], [4] (scratch column), [2] (never issued) are refused."""
+  h = harness()
+  cache = h.cache
+  assert (h.new(), h.new()) == (0, 1)
+  for bad in ([], [-1], [4], [2], [0, 2], [1, -1], [2**31 - 1], [0] * 9):
+    assert_refused(cache, lambda bad=bad: cache.declare_step(bad))
+  assert int(cache.state.phase) == jaxkv.Phase.IDLE
+  assert cache.declare_step([0, 1]) is True
+
+
+def test_scenario_30_capacity():
+  """Scenario 30 (capacity 4): NO_ROOM refusals leave every position where it was."""
+  h = harness(capacity=4)
+  cache = h.cache
+  x, y = h.new(), h.new()
+  assert_refused(cache, lambda: cache.declare_step([x] * 5))
+  h.step([x, x, y, y])
+  assert int(cache.state.held) == 4
+  for bad in ([x], [y], [x, y]):
+    assert_refused(cache, lambda bad=bad: cache.declare_step(bad))
+  assert (cache.pos(x), cache.pos(y)) == (2, 2)
+  assert_refused(cache, lambda: cache.seq_clone(x, 1))
+
+
+def test_scenario_31_token_counts_must_agree():
+  """Scenario 31: n = 3, W = 8: prepare and attend refuse mismatched token counts."""
+  h = harness()
+  cache = h.cache
+  s = h.new()
+  assert cache.declare_step([s, s, s]) is True
+  assert_step_error(cache, "BAD_POSITIONS", lambda: cache.prepare_step([0, 1]))
+  cache.prepare_step()
+  q3, k3, v3 = inputs(h, 0, [s] * 3, range(3))
+
+  def rows(x, r):
+    """x padded with NaN (or cut) to r rows."""
+    x = np.asarray(x)
+    if r <= x.shape[0]:
+      return jnp.asarray(x[:r])
+    return jnp.asarray(np.concatenate([x, np.full((r - x.shape[0],) + x.shape[1:], np.nan,
+                                                  np.float32)]))
+
+  shape_error = r"(?i)\bT\b|rows|shape|token count"
+  assert_step_error(cache, shape_error, lambda: cache.attend(0, rows(q3, 2), rows(k3, 2),
+                                                             rows(v3, 2)))
+  assert_step_error(cache, shape_error, lambda: cache.attend(0, q3, rows(k3, 4), v3))
+  assert_step_error(cache, shape_error, lambda: cache.attend(0, q3, k3, rows(v3, 8)))
+  assert int(cache.state.phase) == jaxkv.Phase.PREPARED
+  out3 = np.asarray(cache.attend(0, q3, k3, v3))
+  out8 = np.asarray(cache.attend(0, rows(q3, 8), rows(k3, 8), rows(v3, 8)))
+  assert out3.shape == (3, N_Q_HEADS, HEAD_DIM) and out8.shape == (8, N_Q_HEADS, HEAD_DIM)
+  assert np.all(np.isfinite(out8[:3]))
+  assert out8[:3].tobytes() == out3.tobytes()
+  q1, k1, v1 = inputs(h, 1, [s] * 3, range(3))
+  cache.attend(1, q1, k1, v1)
+  cache.commit_step()
+  assert cache.pos(s) == 3
+
+
+# --------------------------------------------------------------------------- 33–36
+
+
+def test_scenario_33_removal_invalidates_the_step():
+  """Scenario 33: seq_rm drops the declaration; seq_new does not."""
+  h = harness()
+  cache = h.cache
+  x, y = h.new(), h.new()
+  assert cache.declare_step([x, y]) is True
+  assert h.rm(y) is True
+  assert int(cache.state.phase) == jaxkv.Phase.IDLE
+  assert_step_error(cache, "NO_DECLARATION", lambda: cache.prepare_step())
+  assert cache.declare_step([x]) is True
+  z = h.new()
+  assert z == y
+  step = cache.prepare_step()
+  assert int(step.n_tokens) == 1 and np.asarray(step.seq_cols)[0] == x
+
+
+def test_scenario_33_other_invalidations():
+  """SPEC §6.1: seq_clone, rewind (even to pos) and a refused verb; refusals keep the step."""
+  h = harness()
+  cache = h.cache
+  x = h.new()
+  h.step([x, x])
+  # Refused verbs never change the phase.
+  assert cache.declare_step([x]) is True
+  assert_refused(cache, lambda: cache.rewind(x, 5))
+  assert_refused(cache, lambda: cache.seq_rm(3))
+  assert_refused(cache, lambda: cache.seq_clone(3))
+  assert int(cache.state.phase) == jaxkv.Phase.DECLARED
+  # A successful clone invalidates.
+  assert h.clone(x) is not None
+  assert_step_error(cache, "NO_DECLARATION", lambda: cache.prepare_step())
+  # A rewind to pos(x) invalidates too.
+  assert cache.declare_step([x]) is True
+  assert h.rewind(x, 2) is True and cache.pos(x) == 2
+  assert_step_error(cache, "NO_DECLARATION", lambda: cache.prepare_step())
+  h.step([x])
+
+
+def test_scenario_34_rewind_keeps_a_prefix():
+  """Scenario 34: rewind(y, 2) lowers pos and held, keeps hw, and leaves x untouched."""
+  h = harness()
+  cache = h.cache
+  x, y = h.new(), h.new()
+  h.step([x] * 4 + [y] * 4)
+  before = snapshot(cache.state)
+  assert h.rewind(y, 2) is True
+  after = snapshot(cache.state)
+  assert cache.pos(y) == 2 and int(np.asarray(cache.state.hw)[y]) == 4
+  assert int(cache.state.held) == 6
+  assert cache.pos(x) == 4 and int(np.asarray(cache.state.hw)[x]) == 4
+  for name in before:
+    if name.startswith((".k", ".v")):
+      assert before[name][:, x].tobytes() == after[name][:, x].tobytes(), name
+  assert h.rm(y) is True
+  assert int(cache.state.held) == 4
+  assert int(np.asarray(cache.state.hw)[y]) == 0 and cache.pos(y) == 0
+
+
+def test_scenario_35_rewind_then_continue(driver):
+  """Scenario 35: tokens 0..3, rewind to 2, tokens 2..4 in one step equal an unbroken run."""
+  h = harness(driver)
+  s = h.new()
+  h.step([s] * 4)
+  assert h.rewind(s, 2) is True
+  outs = h.step([s] * 3)   # the oracle was rewound too: it is the unbroken run 0..4
+  cold = harness(driver)
+  c = cold.new(tag=h.tags[s])
+  cold.step([c] * 2)
+  cold_outs = cold.step([c] * 3)
+  for l in range(2):
+    np.testing.assert_allclose(outs[l], cold_outs[l], rtol=0, atol=tol(np.float16))
+
+
+def test_scenario_36_rewind_bounds():
+  """Scenario 36: rewind past pos or below 0 is refused; the ring floor bounds rewinds."""
+  h = harness()
+  cache = h.cache
+  s = h.new()
+  h.step([s] * 3)
+  assert_refused(cache, lambda: cache.rewind(s, 4))
+  assert_refused(cache, lambda: cache.rewind(s, -1))
+  assert_refused(cache, lambda: cache.rewind(s + 1, 0))
+  assert cache.pos(s) == 3
+
+  # ring(2), max_write 1 (R = 2): five 1-token steps give hw 5, floor 4.
+  h = harness(layers=[flat(), ring(2)], max_write=1)
+  cache = h.cache
+  assert h.config.ring_rows(1) == 2
+  s = h.new()
+  for _ in range(5):
+    h.step([s])
+  assert int(np.asarray(cache.state.hw)[s]) == 5
+  assert int(jaxkv.pure.floor(h.config, cache.state, jnp.int32(s))) == 4
+  assert_refused(cache, lambda: cache.rewind(s, 3))
+  assert h.rewind(s, 4) is True
+  assert_refused(cache, lambda: cache.rewind(s, 3))
+  assert cache.pos(s) == 4 and int(np.asarray(cache.state.hw)[s]) == 5
+  h.step([s])   # continuing from the floor is exact
+  h.step([s])
+
+  # ring(2), max_write 5 (R = 6): one 5-token step does not wrap; floor 0.
+  h = harness(layers=[flat(), ring(2)], max_write=5)
+  cache = h.cache
+  assert h.config.ring_rows(1) == 6
+  s = h.new()
+  h.step([s] * 5)
+  assert int(jaxkv.pure.floor(h.config, cache.state, jnp.int32(s))) == 0
+  assert h.rewind(s, 1) is True
+  h.step([s] * 2)
