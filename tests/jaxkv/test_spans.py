@@ -25,6 +25,8 @@ from scenario_utils import (
     Harness,
     assert_same_state,
     default_config,
+    probe,
+    probe_expected,
     snapshot,
     tok,
 )
@@ -388,3 +390,63 @@ def test_scenario_13_jitted_pure_step_traces_once():
       pos[s] += 1
   assert len(traces) == 1
   assert np.asarray(state.pos).tolist() == [pos[s] for s in ids] + [0]
+
+
+# --------------------------------------------------------------------------- the oracle itself
+
+
+def _probe_feed(oracle, layer, positions, *, block=False):
+  triples = [probe(p) for p in positions]
+  q, k, v = (np.stack(x) for x in zip(*triples))
+  return oracle.feed(layer, q, k, v, block=block)[:, 0, :2]
+
+
+def test_oracle_reproduces_spec_worked_examples():
+  """The oracle gives the SPEC's own probe numbers (§7.3, §9; scenarios 42 and 46)."""
+  # §7.3: [flat, ring(4)], a at 5, step [a, a, b, a]: ring 4.5, 5.5, 1, 6.5; flat 3.5, 4, 1, 4.5.
+  a = SequenceOracle([None, 4], np.float32, 1.0)
+  b = SequenceOracle([None, 4], np.float32, 1.0)
+  for l in range(2):
+    _probe_feed(a, l, range(5))
+  got = {}
+  for l in range(2):
+    rows = [_probe_feed(a, l, [5, 6]), _probe_feed(b, l, [0]), _probe_feed(a, l, [7])]
+    got[l] = np.concatenate(rows)[:, 0].tolist()
+  assert got == {0: [3.5, 4.0, 1.0, 4.5], 1: [4.5, 5.5, 1.0, 6.5]}
+  # §7.3 wrap case: ring(4), a at 9, two tokens: the queries see 6..9 and 7..10.
+  w = SequenceOracle([4], np.float32, 1.0)
+  _probe_feed(w, 0, range(9))
+  assert _probe_feed(w, 0, [9, 10])[:, 0].tolist() == [8.5, 9.5]
+  # §9 / scenario 46: [flat, ring(2)], x at 6, a block of 4: 5.5 (flat) and 8 (ring);
+  # a causal query at 6 would read 6.5 on the ring; block K/V are not kept.
+  x = SequenceOracle([None, 2], np.float32, 1.0)
+  for l in range(2):
+    _probe_feed(x, l, range(6))
+  assert _probe_feed(x, 0, [6, 7, 8, 9], block=True)[:, 0].tolist() == [5.5] * 4
+  assert _probe_feed(x, 1, [6, 7, 8, 9], block=True)[:, 0].tolist() == [8.0] * 4
+  assert (x.length(0), x.length(1)) == (6, 6)
+  assert _probe_feed(x, 1, [6])[:, 0].tolist() == [6.5]
+  # Channel 1 is the mean of squares; rewind and fork keep exactly a prefix.
+  np.testing.assert_allclose(_probe_feed(x.fork(3), 0, [3])[0], probe_expected(range(4)))
+  x.rewind(2)
+  assert (x.length(0), x.length(1)) == (2, 2)
+  np.testing.assert_allclose(_probe_feed(x, 1, [2])[0], probe_expected([1, 2]))
+
+
+def test_poison_free_storage_keeps_owned_rows_only():
+  """The NaN poison covers free columns, scratch and unowned rows, and nothing a sequence owns."""
+  config = default_config(layers=[flat(), ring(2)], max_write=1, kv_dtype=jnp.float32)
+  h = Harness(config, driver="pure-poisoned", content="probe")
+  a, b = h.new(), h.new()
+  for _ in range(5):
+    h.step([a])
+  h.step([b])
+  assert h.rewind(a, 4) is True   # hw 5, floor 4 (R = 2): ring rows of position 3 and 4 differ
+  h.cache.poison()
+  k0, k1 = (np.asarray(x) for x in h.cache.state.k)
+  assert np.all(np.isnan(k0[4:, a])) and not np.any(np.isnan(k0[:4, a]))
+  assert np.all(np.isnan(k0[1:, b])) and not np.any(np.isnan(k0[:1, b]))
+  assert np.all(np.isnan(k0[:, 2:]))                  # free columns and scratch
+  assert not np.any(np.isnan(k1[3 % 2, a])) and np.all(np.isnan(k1[4 % 2, a]))
+  h.step([a])   # still exact: nothing the cache keeps was poisoned
+  h.step([b])
