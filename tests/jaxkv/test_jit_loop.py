@@ -255,7 +255,8 @@ def pure_step(verbs, state, seq_ids, n, blocks, tags):
   state, s_prepare = verbs.prepare_step(state)
   if callable(tags):
     tags = tags(state.step)
-  positions = state.step.positions
+  # A copy: with separately jitted verbs, `attend` donates the state it reads.
+  positions = jnp.copy(state.step.positions)
   statuses = [s_declare, s_prepare]
   out, outs = None, []
   for layer in range(N_LAYERS):
