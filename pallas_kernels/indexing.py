@@ -127,3 +127,67 @@ def pad_segment_row(n_tokens, scratch_col):
   n = jnp.asarray(n_tokens, jnp.int32)
   zero = jnp.zeros((), jnp.int32)
   return jnp.stack([n, zero, jnp.asarray(scratch_col, jnp.int32), zero, zero])
+
+
+# Tile-level helpers for the Mosaic GPU attention kernel. A segment's read range
+# is one or two row runs (`ring_runs`; a flat layer has one run starting at row
+# `lo`). Each run is cut into tiles of `block` rows whose first tile starts at the
+# run's first row rounded down to `align` (TMA on tiled shared memory needs
+# aligned row offsets); tiles are numbered across both runs, oldest keys first,
+# so key positions increase with the tile number.
+
+
+def visible_key_range(first_query_pos, last_query_pos, lo, end, kind, *,
+                      window: int | None):
+  """Keys `[start, stop)` that some query in `[first, last]` of a segment may see.
+
+  A causal query at `p` sees at most up to `p` and, on a ring, from
+  `p - window + 1`; an owner block sees its whole read range `[lo, end)`.
+  """
+  is_block = kind == KIND_BLOCK
+  stop = jnp.where(is_block, end, jnp.minimum(end, last_query_pos + 1))
+  if window is None:
+    return lo, stop
+  start = jnp.where(is_block, lo, jnp.maximum(lo, first_query_pos - window + 1))
+  return start, stop
+
+
+def run_tiling(first_row, first_len, second_len, *, block: int, align: int):
+  """Tiles covering the runs `[first_row, first_row + first_len)` and `[0, second_len)`.
+
+  Returns `(tile0_row, num_first_tiles, num_second_tiles)`: first-run tile `t`
+  starts at row `tile0_row + t * block`, second-run tile `u` at `u * block`.
+  """
+  tile0_row = first_row - first_row % align
+  num_first = jnp.where(first_len > 0, (first_row + first_len - tile0_row + block - 1) // block, 0)
+  num_second = (second_len + block - 1) // block
+  return tile0_row, num_first, num_second
+
+
+def tile_of_key(key_pos, lo, first_row, first_len, tile0_row, num_first_tiles, *,
+                block: int):
+  """Tile number (see `run_tiling`) holding logical key `key_pos` of `[lo, end)`."""
+  in_first = key_pos < lo + first_len
+  first_tile = (first_row + (key_pos - lo) - tile0_row) // block
+  second_tile = num_first_tiles + (key_pos - lo - first_len) // block
+  return jnp.where(in_first, first_tile, second_tile)
+
+
+def tile_span(tile, lo, first_row, first_len, second_len, tile0_row, num_first_tiles, *,
+              block: int):
+  """Rows and keys of one tile: `(tile_row, rows_start, rows_end, key_at_rows_start)`.
+
+  The tile covers rows `[tile_row, tile_row + block)`; of these, rows
+  `[rows_start, rows_end)` belong to the read range, and row `r` there holds
+  logical key `key_at_rows_start + (r - rows_start)` (rows of one run hold
+  consecutive positions). Works on scalars, traced or not.
+  """
+  in_first = tile < num_first_tiles
+  second_tile = tile - num_first_tiles
+  tile_row = jnp.where(in_first, tile0_row + tile * block, second_tile * block)
+  run_start = jnp.where(in_first, first_row, 0)
+  run_end = jnp.where(in_first, first_row + first_len, second_len)
+  run_key = jnp.where(in_first, lo, lo + first_len)
+  rows_start = jnp.maximum(run_start, tile_row)
+  rows_end = jnp.minimum(run_end, tile_row + block)
+  return tile_row, rows_start, rows_end, run_key + (rows_start - run_start)

@@ -1,0 +1,93 @@
+"""Frozen tuning Configs for the Mosaic GPU kernels, with heuristic defaults.
+
+Configs hold tuning knobs only, never semantics: any valid Config gives the same
+result up to floating-point rounding. They are frozen and hashable, so they can
+be static `jit` arguments, and `__post_init__` validates every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VarlenAttentionConfig:
+  """Tuning knobs of `varlen_attention_sm90`.
+
+  Attributes:
+    block_q: query rows per program, a row being one (token, query head of the
+      GQA group) pair; the wgmma M dimension, so a multiple of 64 when
+      `use_wgmma`.
+    block_k: keys per streamed K/V tile (a multiple of 64 when `use_wgmma`).
+    num_stages: K/V tiles in flight (TMA double/triple buffering), >= 1.
+    split_len: fewest keys one split of a single-q-tile segment reads
+      (flash-decoding split-K); splits are chosen on device from the lengths.
+    split_budget: static number of extra programs available to splits; the
+      per-split length grows on device so the splits always fit in it.
+    max_splits: most splits of one segment (the combine gathers this many).
+    sort_items: launch the programs with the most K/V tiles first.
+    use_wgmma: True runs the production kernel (wgmma tensor-core matmuls on
+      swizzled shared-memory tiles). False runs an otherwise identical variant
+      whose matmuls are float32 `dot_general`s on plain tiles, which the Mosaic
+      GPU interpreter can execute and which also serves float32 storage.
+  """
+
+  block_q: int = 64
+  block_k: int = 64
+  num_stages: int = 3
+  split_len: int = 1024
+  split_budget: int = 512
+  max_splits: int = 16
+  sort_items: bool = True
+  use_wgmma: bool = True
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "num_stages", "split_len", "max_splits"):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
+    _require(isinstance(self.split_budget, int) and self.split_budget >= 0,
+             f"split_budget={self.split_budget!r} must be an int >= 0")
+    if self.use_wgmma:
+      _require(self.block_q % 64 == 0, f"block_q={self.block_q} must be a multiple of 64 "
+               "for wgmma")
+      _require(self.block_k % 64 == 0 and self.block_k <= 256,
+               f"block_k={self.block_k} must be a multiple of 64 and <= 256 for wgmma")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvWriteConfig:
+  """Tuning knobs of `kv_write_sm90`.
+
+  Attributes:
+    block_heads: KV heads one program copies (divides the cache's head count).
+  """
+
+  block_heads: int = 0   # 0: all heads of a token in one program
+
+  def __post_init__(self):
+    _require(isinstance(self.block_heads, int) and self.block_heads >= 0,
+             f"block_heads={self.block_heads!r} must be an int >= 0")
+
+
+def default_varlen_attention_config(*, group: int, head_dim: int,
+                                    interpret: bool) -> VarlenAttentionConfig:
+  """Heuristic default for one call.
+
+  The interpreter runs every program through host callbacks, so interpreted
+  calls get small tiles and a small split budget (still exercising splits);
+  compiled calls get 64x64 tiles, three stages and about four programs per SM
+  of split budget on an H100/H200 (132 SMs). `group` is the GQA group size
+  (query heads per KV head), which must divide `block_q`.
+  """
+  if interpret:
+    return VarlenAttentionConfig(block_q=math.lcm(8, group), block_k=8, num_stages=2, split_len=16,
+                                 split_budget=4, max_splits=4, use_wgmma=False)
+  num_stages = 3 if head_dim <= 128 else 2
+  return VarlenAttentionConfig(block_q=64, block_k=64, num_stages=num_stages,
+                               split_len=1024, split_budget=512, max_splits=16)

@@ -1,0 +1,114 @@
+"""In-place K/V write of a step's real tokens: the Mosaic GPU kernel (sm90).
+
+One program per (token, block of KV heads). A real token's new K and V rows are
+brought into shared memory by TMA and stored by TMA at `(rows[t], seq_cols[t])`
+of the caches; padding tokens (`t >= n_tokens`) exit at once, so the scratch
+column is never touched. The caches enter the kernel as mutable array refs
+(`jax.new_ref`, then `jax.freeze`), so the Mosaic GPU custom call aliases each
+cache operand to its result and, when the caller donates the caches, XLA
+updates them in place with no cache-sized copy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+from pallas_kernels import _compat
+from pallas_kernels import config as config_lib
+
+_SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+_TMA_MAX_BOX = 256
+
+
+def _kv_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,  # Inputs
+                     k_cache_ref, v_cache_ref,   # Inputs, written in place (Refs)
+                     k_smem, v_smem, k_bar, v_bar,   # Scratch
+                     *, block_heads):
+  """Grid axes "token" and "heads" (blocks of `block_heads` KV heads)."""
+  token = lax.axis_index("token")
+  heads = pl.ds(lax.axis_index("heads") * block_heads, block_heads)
+
+  @pl.when(token < n_tokens_ref[0])
+  def _write():
+    row, col = rows_ref[token], seq_cols_ref[token]
+    plgpu.copy_gmem_to_smem(k_new_ref.at[token, heads], k_smem, k_bar)
+    plgpu.copy_gmem_to_smem(v_new_ref.at[token, heads], v_smem, v_bar)
+    plgpu.barrier_wait(k_bar)
+    plgpu.copy_smem_to_gmem(k_smem, k_cache_ref.at[row, col, heads])
+    plgpu.barrier_wait(v_bar)
+    plgpu.copy_smem_to_gmem(v_smem, v_cache_ref.at[row, col, heads])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def static_check(k_cache, *, block_heads):
+  """Raises NotImplementedError for valid requests this kernel cannot serve."""
+  _, _, num_kv_heads, head_dim = k_cache.shape
+  dtype = np.dtype(k_cache.dtype)
+  if dtype not in _SUPPORTED_DTYPES:
+    raise NotImplementedError(f"kv dtype {dtype} is not supported")
+  if (head_dim * dtype.itemsize) % 16 or head_dim > _TMA_MAX_BOX:
+    raise NotImplementedError(f"{head_dim=} rows of {dtype} must be a multiple of 16 "
+                              f"bytes and at most {_TMA_MAX_BOX} elements for TMA")
+  if num_kv_heads % block_heads or block_heads > _TMA_MAX_BOX:
+    raise NotImplementedError(f"{block_heads=} must divide {num_kv_heads=} and be at "
+                              f"most {_TMA_MAX_BOX}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
+def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block_heads,
+              interpret):
+  num_tokens, num_kv_heads, head_dim = k_new.shape
+  dtype = k_cache.dtype
+  # The cast (round to nearest even, like the reference's astype) is a tiny XLA
+  # op on [T, K, D]; the kernel then moves bytes only.
+  k_new = k_new.astype(dtype)
+  v_new = v_new.astype(dtype)
+  k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
+  v_ref = jax.new_ref(v_cache, memory_space=plgpu.GMEM)
+  plgpu.kernel(
+      functools.partial(_kv_write_kernel, block_heads=block_heads),
+      out_type=(),
+      scratch_types=[plgpu.SMEM((block_heads, head_dim), dtype),
+                     plgpu.SMEM((block_heads, head_dim), dtype),
+                     plgpu.Barrier(), plgpu.Barrier()],
+      grid=(num_tokens, num_kv_heads // block_heads),
+      grid_names=("token", "heads"),
+      interpret=interpret,
+  )(seq_cols, rows, jnp.reshape(n_tokens, (1,)).astype(jnp.int32), k_new, v_new, k_ref,
+    v_ref)
+  return jax.freeze(k_ref), jax.freeze(v_ref)
+
+
+def kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
+                  config=None, interpret=False):
+  """Sets `cache[rows[t], seq_cols[t]] = new[t]` (cast) for `t < n_tokens`, in place.
+
+  Args:
+    k_cache, v_cache: `[R, C, K, D]` caches (bf16, fp16 or fp32); donate them at
+      the enclosing jit boundary for a true in-place update.
+    k_new, v_new: `[T, K, D]` new K/V (any float dtype; cast to the cache's).
+    seq_cols, rows: `[T]` int32 column and row of each token.
+    n_tokens: int32 scalar; tokens `n_tokens..T-1` are padding and not written.
+    config: a `KvWriteConfig`; None picks the default.
+    interpret: False compiles for the GPU; True (or `InterpretGPUParams`) runs
+      the Mosaic GPU interpreter.
+
+  Returns:
+    `(k_cache, v_cache)` updated.
+
+  Raises:
+    NotImplementedError: for a dtype or head geometry TMA cannot move.
+  """
+  config = config_lib.KvWriteConfig() if config is None else config
+  block_heads = config.block_heads or k_cache.shape[2]
+  static_check(k_cache, block_heads=block_heads)
+  return _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows,
+                   jnp.asarray(n_tokens, jnp.int32), block_heads=block_heads,
+                   interpret=_compat.resolve_interpret(interpret))

@@ -1,0 +1,410 @@
+"""Varlen attention over a step's segment table: the Mosaic GPU kernel (sm90).
+
+Work is cut into *items*, one program per (item, KV head):
+
+- a segment's query rows are its (token, query head of the GQA group) pairs,
+  `q_len * G` of them, cut into q tiles of `block_q` rows (one tile for decode),
+  so the G query heads of a group share every K/V tile they stream;
+- a segment with a single q tile (decode, short prefill) is further split over
+  its keys (flash decoding); the number of splits is chosen on device from the
+  segment lengths, within a static budget of programs.
+
+Each program streams the K/V tiles of its key range (the segment's one or two
+ring row runs, see `indexing.run_tiling`) through a `num_stages`-deep TMA
+pipeline, keeps an online float32 softmax in registers, and writes a normalized
+float32 partial output plus its log-sum-exp (base 2). A small XLA epilogue
+combines the splits and scatters rows back to `[T, H_q, D]` in q's dtype.
+
+Programs of padded items exit at once; keys are selected with `jnp.where` on
+loaded tiles (rows outside the read range may hold NaN), and tiles with rows
+outside the read range have those V rows zeroed in shared memory before the
+P @ V matmul (0 * NaN would be NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+from pallas_kernels import _compat
+from pallas_kernels import config as config_lib
+from pallas_kernels import indexing
+from pallas_kernels.varlen_attention import MASK_VALUE
+
+LOG2E = math.log2(math.e)
+ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
+
+# Columns of the per-item table the kernel reads.
+(IT_SLOT, IT_ACTIVE, IT_COL, IT_KIND, IT_Q_ROW0, IT_Q_TOK0, IT_POS0, IT_LO, IT_END,
+ IT_FIRST_ROW, IT_FIRST_LEN, IT_SECOND_LEN, IT_TILE0_ROW, IT_NUM_FIRST, IT_T_BEGIN,
+ IT_T_END) = range(16)
+NUM_ITEM_FIELDS = 16
+
+_SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+
+
+def _cdiv(a, b):
+  return (a + b - 1) // b
+
+
+def static_check(q, k_cache, *, config):
+  """Raises NotImplementedError for valid requests this kernel cannot serve."""
+  _, num_q_heads, head_dim = q.shape
+  num_rows, _, num_kv_heads, _ = k_cache.shape
+  group = num_q_heads // num_kv_heads
+  dtype = np.dtype(k_cache.dtype)
+  if dtype not in _SUPPORTED_DTYPES:
+    raise NotImplementedError(f"kv dtype {dtype} is not supported")
+  if config.block_q % group:
+    raise NotImplementedError(f"GQA group {group} must divide {config.block_q=}")
+  if not config.use_wgmma:
+    return
+  if dtype == np.dtype(jnp.float32):
+    # wgmma on float32 operands rounds them to tf32 (~1e-3), outside SPEC's 1e-5.
+    raise NotImplementedError("float32 storage needs the dot_general variant "
+                              "(use_wgmma=False), which only the interpreter runs")
+  if head_dim % 64:
+    raise NotImplementedError(f"{head_dim=} must be a multiple of 64 for wgmma")
+  if num_rows % ROW_ALIGN or num_rows < config.block_k:
+    raise NotImplementedError(f"{num_rows=} must be a multiple of {ROW_ALIGN} and >= "
+                              f"{config.block_k=} for TMA into tiled shared memory")
+
+
+def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, block_k,
+                  align, config):
+  """Per-segment fields and item counts, all `[W]` int32 (jnp, on device)."""
+  width = seq_info.shape[0]
+  q_start = seq_info[:, indexing.SEG_Q_START]
+  q_len = seq_info[:, indexing.SEG_Q_LEN]
+  is_real = (jnp.arange(width, dtype=jnp.int32) < n_segments) & (q_len > 0)
+  q_len = jnp.where(is_real, q_len, 0)
+  pos0 = seq_info[:, indexing.SEG_POS0]
+  kind = seq_info[:, indexing.SEG_KIND]
+  lo = indexing.read_start(pos0, window=window)
+  end = pos0 + q_len
+  if window is None:
+    first_row, first_len, second_len = lo, end - lo, jnp.zeros_like(lo)
+  else:
+    first_row, first_len, second_len = indexing.ring_runs(lo, end, num_rows=num_rows)
+  first_len = jnp.where(is_real, first_len, 0)
+  second_len = jnp.where(is_real, second_len, 0)
+  tile0_row, num_first, num_second = indexing.run_tiling(
+      first_row, first_len, second_len, block=block_k, align=align)
+  num_tiles = num_first + num_second
+  q_tiles = _cdiv(q_len * group, block_q)
+  # Splits: only segments of one q tile; the split length grows with the total
+  # work so that all splits fit in the static budget (sum <= budget + segments).
+  is_single = q_tiles == 1
+  single_tiles = jnp.sum(jnp.where(is_single, num_tiles, 0))
+  min_tiles = _cdiv(config.split_len, block_k)
+  chunk = jnp.maximum(min_tiles, _cdiv(single_tiles, max(config.split_budget, 1)))
+  if config.split_budget == 0:
+    chunk = jnp.maximum(chunk, jnp.max(num_tiles))
+  splits = jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits)
+  tiles_per_split = _cdiv(num_tiles, splits)
+  splits = jnp.where(is_single, _cdiv(num_tiles, jnp.maximum(tiles_per_split, 1)), 1)
+  splits = jnp.maximum(splits, 1)
+  num_items = jnp.where(is_real, q_tiles * splits, 0)
+  return dict(q_start=q_start, q_len=q_len, col=seq_info[:, indexing.SEG_COL], pos0=pos0,
+              kind=kind, lo=lo, end=end, first_row=first_row, first_len=first_len,
+              second_len=second_len, tile0_row=tile0_row, num_first=num_first,
+              num_tiles=num_tiles, splits=splits, tiles_per_split=tiles_per_split,
+              num_items=num_items, cu_items=jnp.cumsum(num_items))
+
+
+def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
+  """`[max_items, NUM_ITEM_FIELDS]` int32 table, one row per program (item)."""
+  item = jnp.arange(max_items, dtype=jnp.int32)
+  cu = seg["cu_items"]
+  s = jnp.minimum(jnp.searchsorted(cu, item, side="right").astype(jnp.int32),
+                  cu.shape[0] - 1)
+  active = item < cu[-1]
+  f = {name: value[s] for name, value in seg.items() if name != "cu_items"}
+  local = item - (cu[s] - f["num_items"])
+  q_tile = local // f["splits"]
+  split = local % f["splits"]
+  q_tok0 = q_tile * block_q                      # first row of the tile in the segment
+  rows = jnp.minimum(f["q_len"] * group - q_tok0, block_q)
+  first_q = f["pos0"] + q_tok0 // group
+  last_q = f["pos0"] + (q_tok0 + jnp.maximum(rows, 1) - 1) // group
+  key_start, key_stop = indexing.visible_key_range(first_q, last_q, f["lo"], f["end"],
+                                                   f["kind"], window=window)
+  tile_args = (f["lo"], f["first_row"], f["first_len"], f["tile0_row"], f["num_first"])
+  t_lo = indexing.tile_of_key(key_start, *tile_args, block=block_k)
+  t_hi = indexing.tile_of_key(key_stop - 1, *tile_args, block=block_k) + 1
+  t_begin = jnp.maximum(t_lo, split * f["tiles_per_split"])
+  t_end = jnp.minimum(t_hi, (split + 1) * f["tiles_per_split"])
+  t_end = jnp.where(active, jnp.maximum(t_end, t_begin), t_begin)
+  table = jnp.stack([
+      item, active.astype(jnp.int32), f["col"], f["kind"],
+      f["q_start"] * group + q_tok0, q_tok0, f["pos0"], f["lo"], f["end"],
+      f["first_row"], f["first_len"], f["second_len"], f["tile0_row"], f["num_first"],
+      t_begin, t_end], axis=1).astype(jnp.int32)
+  if sort_items:
+    # Longest first: the GPU dispatches programs in order, so this shortens the tail.
+    order = jnp.argsort(-(t_end - t_begin) * active, stable=True)
+    table = table[order]
+  return table
+
+
+def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
+                      o_ref, lse_ref,                   # Outputs
+                      q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bars, v_bars,  # Scratch
+                      *, group, block_q, block_k, num_stages, num_rows, window,
+                      use_wgmma):
+  """One program: one item (segment q tile x key split) for one KV head.
+
+  Grid axes: "item" (rows of the item table, longest first) and "head" (KV
+  head). Inputs: the item table (flattened), q as `[K, rows, D]` (rows are
+  (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches.
+  Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
+  log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
+  """
+  item = lax.axis_index("item")
+  head = lax.axis_index("head")
+  field = lambda f: items_ref[item * NUM_ITEM_FIELDS + f]
+  dtype = k_ref.dtype
+  head_dim = k_ref.shape[-1]
+
+  @pl.when(field(IT_ACTIVE) != 0)
+  def _run():
+    slot = field(IT_SLOT)
+    col, kind = field(IT_COL), field(IT_KIND)
+    q_tok0, pos0, lo, end = field(IT_Q_TOK0), field(IT_POS0), field(IT_LO), field(IT_END)
+    tile_args = (lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
+                 field(IT_TILE0_ROW), field(IT_NUM_FIRST))
+    t_begin, t_end = field(IT_T_BEGIN), field(IT_T_END)
+
+    def span(t):
+      tile_row, rows_start, rows_end, key0 = indexing.tile_span(t, *tile_args, block=block_k)
+      # The production kernel loads the aligned tile (TMA zero-fills rows past
+      # the array); the interpreter raises on out-of-bounds reads, so the
+      # variant loads the last `block_k` rows instead and masks the overlap.
+      load_row = tile_row if use_wgmma else jnp.minimum(tile_row, num_rows - block_k)
+      return load_row, rows_start, rows_end, key0
+
+    def fetch(t, stage):
+      load_row = span(t)[0]
+      if use_wgmma:
+        load_row = pl.multiple_of(load_row, ROW_ALIGN)
+      rows = pl.ds(load_row, block_k)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows, col, head], k_smem.at[stage], k_bars.at[stage])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows, col, head], v_smem.at[stage], v_bars.at[stage])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(field(IT_Q_ROW0), block_q)], q_smem, q_bar)
+    for stage in range(num_stages):
+      @pl.when(t_begin + stage < t_end)
+      def _prologue():
+        fetch(t_begin + stage, stage)
+    plgpu.barrier_wait(q_bar)
+    q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
+
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = wgmma_layout.reduce(1)
+    iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+    # Query position of each row: rows are (token, group head) pairs.
+    query_pos = pos0 + _div(q_tok0 + iota((block_q, block_k), 0), group)
+    key_col = iota((block_q, block_k), 1)
+
+    def body(t, carry):
+      acc, m_i, l_i = carry
+      stage = lax.rem(t - t_begin, jnp.int32(num_stages))
+      load_row, rows_start, rows_end, key0 = span(t)
+      is_partial = (rows_start > load_row) | (rows_end < load_row + block_k)
+      plgpu.barrier_wait(k_bars.at[stage])
+      if use_wgmma:
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, q, plgpu.transpose_ref(k_smem.at[stage], (1, 0)))
+          return acc_ref[...]
+        s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
+      else:
+        s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
+                            precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+      row = load_row + key_col
+      key_pos = key0 + (row - rows_start)
+      mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
+          key_pos, query_pos, lo, end, kind, window=window)
+      s = jnp.where(mask, s, MASK_VALUE)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      p = jnp.where(mask, p, 0.0)
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(dtype)
+
+      plgpu.barrier_wait(v_bars.at[stage])
+      v_tile = v_smem.at[stage]
+      v_row = load_row + iota((block_k, head_dim), 0)
+      v_valid = (v_row >= rows_start) & (v_row < rows_end)
+      if use_wgmma:
+        @pl.when(is_partial)
+        def _zero_rows_outside_read_range():
+          v = plgpu.load(v_tile, layout=wgmma_layout)
+          v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
+          plgpu.commit_smem()
+        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
+            plgpu.ACC.init(acc))
+      else:
+        v = jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
+        acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
+                                    precision=lax.Precision.HIGHEST,
+                                    preferred_element_type=jnp.float32)
+
+      @pl.when(t + num_stages < t_end)
+      def _refill():
+        fetch(t + num_stages, stage)
+      return acc, m_new, l_i
+
+    acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+    m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
+    l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+    acc, m_i, l_i = lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
+
+    has_keys = l_i > 0.0
+    l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
+    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+    lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, head])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _div(x, divisor: int):
+  """`x // divisor` for non-negative int32 `x`; a shift for powers of two."""
+  if divisor & (divisor - 1) == 0:
+    return lax.shift_right_logical(x, jnp.int32(divisor.bit_length() - 1))
+  return lax.div(x, jnp.int32(divisor))
+
+
+def _smem_transforms(use_wgmma, dtype):
+  if not use_wgmma:
+    return ()
+  swizzle_elems = 128 // np.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+
+
+def _combine(o_part, lse_part, seg, seq_info, *, num_tokens, group, block_q, max_splits,
+             out_dtype):
+  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`."""
+  num_items, num_kv_heads, _, head_dim = o_part.shape
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  # Segment rows are in step order; padded rows have q_len 0 and sort last.
+  starts = jnp.where(seg["q_len"] > 0, seg["q_start"], jnp.iinfo(jnp.int32).max)
+  s = jnp.clip(jnp.searchsorted(starts, tokens, side="right").astype(jnp.int32) - 1,
+               0, starts.shape[0] - 1)
+  local_row = (tokens - seg["q_start"][s]) * group        # first of the token's G rows
+  q_tile = local_row // block_q
+  item_base = seg["cu_items"][s] - seg["num_items"][s] + q_tile * seg["splits"][s]
+  split = jnp.arange(max_splits, dtype=jnp.int32)
+  is_split = split[None, :] < seg["splits"][s][:, None]                 # [T, J]
+  items = jnp.clip(item_base[:, None] + split[None, :], 0, num_items - 1)
+  row_block = (local_row % block_q) // group
+  o_part = o_part.reshape(num_items, num_kv_heads, block_q // group, group, head_dim)
+  lse_part = lse_part.reshape(num_items, num_kv_heads, block_q // group, group)
+  heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, None, :]
+  o = o_part[items[:, :, None], heads, row_block[:, None, None]]         # [T, J, K, G, D]
+  lse = lse_part[items[:, :, None], heads, row_block[:, None, None]]     # [T, J, K, G]
+  is_split = is_split[:, :, None, None]
+  lse = jnp.where(is_split, lse, MASK_VALUE)
+  weight = jnp.where(is_split, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
+  # Select, never multiply: an unused split's buffer was never written.
+  o = jnp.where(is_split[..., None], o, 0.0)
+  out = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
+  return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale", "config", "interpret"))
+def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale, config,
+                      interpret):
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_rows, _, num_kv_heads, _ = k_cache.shape
+  group = num_q_heads // num_kv_heads
+  dtype = k_cache.dtype
+  block_q = config.block_q
+  block_k = min(config.block_k, num_rows) if not config.use_wgmma else config.block_k
+  align = ROW_ALIGN if config.use_wgmma else 1
+  seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
+                      block_q=block_q, block_k=block_k, align=align, config=config)
+  max_items = _cdiv(num_tokens * group, block_q) + num_tokens + config.split_budget
+  items = _item_table(seg, max_items=max_items, group=group, block_q=block_q,
+                      block_k=block_k, window=window, sort_items=config.sort_items)
+  # q rows as (token, group head) pairs per KV head, pre-scaled for exp2, padded
+  # so that every q tile's TMA stays inside the array.
+  qt = (q.astype(jnp.float32) * (scale * LOG2E)).astype(dtype)
+  qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+  qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
+  qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0)))
+  transforms = _smem_transforms(config.use_wgmma, dtype)
+  kernel = functools.partial(
+      _attention_kernel, group=group, block_q=block_q, block_k=block_k,
+      num_stages=config.num_stages, num_rows=num_rows, window=window,
+      use_wgmma=config.use_wgmma)
+  o_part, lse_part = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
+      scratch_types=[
+          plgpu.SMEM((block_q, head_dim), dtype),
+          plgpu.SMEM((config.num_stages, block_k, head_dim), dtype, transforms=transforms),
+          plgpu.SMEM((config.num_stages, block_k, head_dim), dtype, transforms=transforms),
+          plgpu.SMEM((block_q, head_dim), jnp.float32),
+          plgpu.SMEM((block_q,), jnp.float32),
+          plgpu.Barrier(),
+          plgpu.Barrier(num_barriers=config.num_stages),
+          plgpu.Barrier(num_barriers=config.num_stages),
+      ],
+      grid=(max_items, num_kv_heads),
+      grid_names=("item", "head"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=_compat.resolve_interpret(interpret),
+  )(items.reshape(-1), qt, k_cache, v_cache)
+  return _combine(o_part, lse_part, seg, seq_info, num_tokens=num_tokens, group=group,
+                  block_q=block_q, max_splits=config.max_splits, out_dtype=q.dtype)
+
+
+def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,
+                          config=None, interpret=False):
+  """Attention of every step token over its own column's visible keys (SPEC §8).
+
+  Args:
+    q: `[T, H_q, D]` queries in step-token order (any float dtype).
+    k_cache, v_cache: `[R, C, K, D]` storage of one layer (bf16, fp16 or fp32),
+      already holding this step's K/V; rows outside a segment's read range may
+      hold anything, NaN included.
+    seq_info: `[T, 5]` int32 segment table; rows `[0, n_segments)` are real.
+    n_segments: int32 scalar.
+    window: None (flat) or the ring window.
+    scale: softmax scale (Python float).
+    config: a `VarlenAttentionConfig`; None picks the heuristic default.
+    interpret: False compiles for the GPU; True (or `InterpretGPUParams`) runs
+      the Mosaic GPU interpreter.
+
+  Returns:
+    `[T, H_q, D]` in q's dtype; rows of padding tokens are unspecified.
+
+  Raises:
+    NotImplementedError: for a valid request this kernel cannot serve (dtype,
+      head dim, row count, GQA group; wgmma under the interpreter).
+  """
+  interpret_params = _compat.resolve_interpret(interpret)
+  if config is None:
+    config = config_lib.default_varlen_attention_config(
+        group=q.shape[1] // k_cache.shape[2], head_dim=q.shape[-1],
+        interpret=interpret_params is not None)
+  if interpret_params is not None and config.use_wgmma:
+    raise NotImplementedError("the Mosaic GPU interpreter cannot run wgmma here; use "
+                              "VarlenAttentionConfig(use_wgmma=False)")
+  static_check(q, k_cache, config=config)
+  return _varlen_attention(q, k_cache, v_cache, seq_info, jnp.asarray(n_segments, jnp.int32),
+                           window=window, scale=float(scale), config=config,
+                           interpret=interpret_params)
