@@ -271,12 +271,14 @@ class Harness:
     cache: an existing cache object to drive instead of a new one.
     driver: "facade" (jaxkv.BatchedSequenceCache) or "pure-poisoned" (a
       PureCache whose free storage is NaN-poisoned before every step).
+    scale: passed to every attend (None: the SPEC default 1/sqrt(head_dim)).
   """
 
   def __init__(self, config, *, implementation: str | None = "reference", n_q_heads: int = N_Q_HEADS,
                content: str = "tok", dependent: bool = False, cache=None,
-               driver: str = "facade"):
+               driver: str = "facade", scale: float | None = None):
     self.config = config
+    self.scale = scale
     if cache is None and driver == "pure-poisoned":
       cache = PureCache(config, implementation=implementation)
     self.poisoned = driver == "pure-poisoned"
@@ -287,7 +289,8 @@ class Harness:
     self.dependent = dependent
     self.windows = layer_windows(config)
     self.kv_dtype = np.dtype(config.kv_dtype)
-    self.scales = [1.0 / math.sqrt(lc.head_dim) for lc in config.layers]
+    self.scales = [1.0 / math.sqrt(lc.head_dim) if scale is None else scale
+                   for lc in config.layers]
     self.oracles: dict[int, SequenceOracle] = {}
     self.tags: dict[int, int] = {}
     self._next_tag = 1000
@@ -396,7 +399,8 @@ class Harness:
       q, k, v = contents(l, cache_prev)
       if T is not None and T != n:
         q, k, v = (pad_nan(x, T) for x in (q, k, v))
-      out = np.asarray(self.cache.attend(l, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)))
+      out = np.asarray(self.cache.attend(l, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                         scale=self.scale))
       assert out.shape[0] == (n if T is None else T), out.shape
       assert out.dtype == np.float32, out.dtype
       cache_prev = out[:n]

@@ -74,7 +74,7 @@ def test_scenario_02_decode_continues_each_history(make):
   a, b = h.new(), h.new()
   h.step([a, a, b])
   assert h.expected_positions([a, b]) == [2, 1]
-  h.step([a, b])
+  h.step([a, b], T=8)   # T = W: NaN in the padded q/k/v rows must not reach real rows
   assert (h.cache.pos(a), h.cache.pos(b)) == (3, 2)
 
 
@@ -107,7 +107,7 @@ def test_scenario_04_window_bounds_each_span(make):
   h.step([a, b])
   for p in range(4, 9):
     assert h.expected_positions([a, b]) == [p, p - 2]
-    h.step([a, b])
+    h.step([a, b], T=4 if p % 2 else None)
   assert (h.cache.pos(a), h.cache.pos(b)) == (9, 7)
 
 
@@ -233,6 +233,64 @@ def test_scenario_10_fork_and_source_diverge_while_rows_grow(make):
     h.step([a, b])
     assert h.cache.state.k[0].shape[0] == 16
     assert h.cache.state.v[0].shape[0] == 16
+
+
+@pytest.mark.parametrize("n_q_heads, n_kv_heads", [(2, 2), (4, 1), (8, 2)],
+                         ids=["group1", "mqa", "gqa4"])
+def test_spans_gqa_groups(make, n_q_heads, n_kv_heads):
+  """SPEC §8 GQA/MQA: query head h reads KV head h // g, for g = 1, H_q and 4 (scenario 1 shape)."""
+  layers = [jaxkv.LayerConfig(flat(), n_kv_heads, HEAD_DIM),
+            jaxkv.LayerConfig(ring(3), n_kv_heads, 16)]
+  h = make(default_config(layers=layers), n_q_heads=n_q_heads)
+  a, b = h.new(), h.new()
+  h.step([a, a, a, b, b])
+  h.step([b, a, b], T=8)
+  h.step([a, b, a, a])
+
+
+@pytest.mark.parametrize("max_write", [1, 3, 8])
+def test_spans_ring_before_at_after_wrap(max_write):
+  """STYLE §5 product: max_write 1, 3, W over [flat, ring(3)], two sequences past the wrap."""
+  config = default_config(layers=[flat(), ring(3)], max_write=max_write, capacity=64,
+                          kv_dtype=jnp.float32, initial_capacity=64)
+  h = Harness(config, driver="pure-poisoned")
+  a, b = h.new(), h.new()
+  rows = config.ring_rows(1)
+  assert rows == min(64, 3 + max_write - 1)
+  total = 0
+  while h.pos(a) < 2 * rows + 2:   # every ring row rewritten at least twice
+    n = min(max_write, 3)
+    ids = ([a] * (n - 1) + [b]) if n > 1 else [a if total % 3 else b]
+    h.step(ids, T=max_write if total % 2 else None)
+    total += 1
+  assert h.cache.pos(a) == h.pos(a)
+
+
+def test_explicit_scale(implementation):
+  """SPEC §6.4: attend(scale=...) replaces 1/sqrt(head_dim)."""
+  h = Harness(default_config(layers=[flat(), ring(2)], max_write=4), implementation=implementation,
+              scale=0.75)
+  a, b = h.new(), h.new()
+  h.step([a, a, b])
+  h.step([b, a])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_output_follows_q_dtype(dtype):
+  """SPEC §6.4: the output comes back in q's dtype (here 16-bit q/k/v over float32 storage)."""
+  config = default_config(kv_dtype=jnp.float32)
+  cache = jaxkv.BatchedSequenceCache(config, implementation="reference")
+  a = cache.seq_new()
+  q, k, v = tok(7, 0, 0)
+  q, k, v = (jnp.asarray(x[None]).astype(dtype) for x in (q, k, v))
+  assert cache.declare_step([a]) is True
+  cache.prepare_step()
+  out = cache.attend(0, q, k, v)
+  assert out.dtype == np.dtype(dtype)
+  cache.commit_step()
+  # One visible key: the output is that key's value (as stored), per GQA group.
+  want = np.repeat(np.asarray(v[0], np.float32), N_Q_HEADS // N_KV_HEADS, axis=0)
+  np.testing.assert_allclose(np.asarray(out[0], np.float32), want, rtol=0, atol=tol(dtype))
 
 
 # --------------------------------------------------------------------------- 11–13
