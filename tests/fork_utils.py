@@ -8,6 +8,8 @@ and small drivers that feed probe content at the positions a step gets.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,3 +151,21 @@ def step_fields(step) -> dict[str, list]:
     assert arr.dtype == np.int32, (name, arr.dtype)
     out[name] = arr.tolist()
   return out
+
+
+def prepared(cache, seq_ids, *, owner_blocks=None) -> dict[str, list]:
+  """Declares (must be accepted) and prepares a step; returns its `step_fields`.
+
+  The step is left PREPARED; a later `run_step`/`Harness.step` re-declares it
+  (§6.1: a declaration in PREPARED drops the prepared step, committing nothing).
+  """
+  assert cache.declare_step(list(seq_ids), owner_blocks=owner_blocks) is True
+  return step_fields(cache.prepare_step())
+
+
+def nan_scratch(state, max_seqs: int):
+  """`state` with the scratch column (`max_seqs`) of every K and V set to NaN."""
+  def fill(a):
+    return a.at[:, max_seqs].set(jnp.asarray(np.nan, a.dtype))
+  return dataclasses.replace(state, k=tuple(fill(a) for a in state.k),
+                             v=tuple(fill(a) for a in state.v))
