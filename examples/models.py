@@ -1,0 +1,277 @@
+"""Llama-style and Gemma-3-style decoders on jaxkv, in Flax NNX.
+
+Both run one cache step at a time: `model(tokens, state)` takes the step's
+`int32[W]` tokens and a `CacheState` whose step is prepared, runs every layer
+(each a `jaxkv.nnx.CachedAttention` on its own cache layer) and returns
+`(logits, new_state)`. Gemma 3's sliding-window layers are jaxkv ring layers and
+its global layers flat layers, so `ModelConfig.cache_config` builds the matching
+`jaxkv.CacheConfig`.
+
+Weights are random unless loaded from a Hugging Face checkpoint directory with
+`examples.hf.load_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxkv
+from jaxkv.nnx import CachedAttention, RMSNorm, RopeScaling
+
+LLAMA = "llama"
+GEMMA3 = "gemma3"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture of a Llama- or Gemma-3-style decoder (hashable, static).
+
+  Attributes:
+    arch: `"llama"` or `"gemma3"`.
+    vocab_size, hidden_size, intermediate_size, num_layers: sizes.
+    num_heads, num_kv_heads, head_dim: attention geometry (GQA when
+      `num_kv_heads < num_heads`).
+    rope_theta: RoPE base of the global (flat) layers.
+    rope_scaling: `RopeScaling` of the global layers.
+    rope_local_theta: RoPE base of sliding layers (Gemma 3).
+    rms_eps: RMSNorm epsilon.
+    tie_embeddings: the LM head reuses the embedding matrix.
+    sliding_window: window of sliding layers (None: no sliding layer).
+    layer_types: per layer `"full"` or `"sliding"`.
+    query_pre_attn_scalar: Gemma 3's softmax scale is its inverse square root;
+      None means `1/sqrt(head_dim)`.
+    final_logit_softcap: None, or `cap * tanh(logits / cap)`.
+    bos_token_id, eos_token_ids: special tokens (eos ids end a request).
+  """
+
+  arch: str = LLAMA
+  vocab_size: int = 256
+  hidden_size: int = 64
+  intermediate_size: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 16
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rope_local_theta: float = 10000.0
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
+  query_pre_attn_scalar: float | None = None
+  final_logit_softcap: float | None = None
+  bos_token_id: int | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if self.arch not in (LLAMA, GEMMA3):
+      raise ValueError(f"arch={self.arch!r} must be 'llama' or 'gemma3'")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                       f"num_kv_heads={self.num_kv_heads}")
+    types = self.layer_types or ("full",) * self.num_layers
+    object.__setattr__(self, "layer_types", tuple(types))
+    object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+    if len(self.layer_types) != self.num_layers:
+      raise ValueError(f"layer_types has {len(self.layer_types)} entries; "
+                       f"num_layers={self.num_layers}")
+    for t in self.layer_types:
+      if t not in ("full", "sliding"):
+        raise ValueError(f"layer_types entry {t!r} must be 'full' or 'sliding'")
+    if "sliding" in self.layer_types and not (self.sliding_window or 0) >= 1:
+      raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 with sliding layers")
+
+  @classmethod
+  def llama(cls, **kwargs) -> "ModelConfig":
+    """A small random-weights Llama-style config (override any field)."""
+    return cls(arch=LLAMA, **kwargs)
+
+  @classmethod
+  def gemma3(cls, **kwargs) -> "ModelConfig":
+    """A small Gemma-3-style config: 5 sliding layers then 1 global, window 8."""
+    defaults = dict(arch=GEMMA3, num_layers=6, num_heads=2, num_kv_heads=1, head_dim=32,
+                    sliding_window=8, layer_types=("sliding",) * 5 + ("full",),
+                    rope_theta=1_000_000.0, query_pre_attn_scalar=32.0, tie_embeddings=True)
+    defaults.update(kwargs)
+    return cls(**defaults)
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embedding counted once when tied)."""
+    attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    mlp = 3 * self.hidden_size * self.intermediate_size
+    norms = (4 if self.arch == GEMMA3 else 2) * self.hidden_size
+    embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+    return self.num_layers * (attn + mlp + norms) + embed + self.hidden_size
+
+  def cache_layers(self) -> list[jaxkv.LayerConfig]:
+    """One `jaxkv.LayerConfig` per layer: sliding -> ring(window), full -> flat."""
+    layers = []
+    for t in self.layer_types:
+      policy = (jaxkv.LayerPolicy.ring(self.sliding_window) if t == "sliding"
+                else jaxkv.LayerPolicy.flat())
+      layers.append(jaxkv.LayerConfig(policy, self.num_kv_heads, self.head_dim))
+    return layers
+
+  def cache_config(self, *, capacity: int, max_seqs: int, max_write: int,
+                   kv_dtype=jnp.float32, initial_capacity: int | None = None
+                   ) -> jaxkv.CacheConfig:
+    """The `jaxkv.CacheConfig` this model runs on (initial capacity = capacity by default)."""
+    return jaxkv.CacheConfig(
+        self.cache_layers(), capacity=capacity, max_seqs=max_seqs, max_write=max_write,
+        kv_dtype=kv_dtype,
+        initial_capacity=capacity if initial_capacity is None else initial_capacity)
+
+
+class MLP(nnx.Module):
+  """Gated MLP: `down(act(gate(x)) * up(x))`; SiLU (Llama) or tanh-GELU (Gemma)."""
+
+  def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype,
+                                            param_dtype=param_dtype, rngs=rngs)
+    self.gate_proj = linear(config.hidden_size, config.intermediate_size)
+    self.up_proj = linear(config.hidden_size, config.intermediate_size)
+    self.down_proj = linear(config.intermediate_size, config.hidden_size)
+    self.is_gelu = config.arch == GEMMA3
+
+  def __call__(self, x):
+    gate = self.gate_proj(x)
+    gate = jax.nn.gelu(gate, approximate=True) if self.is_gelu else jax.nn.silu(gate)
+    return self.down_proj(gate * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+  """One pre-norm decoder layer; Gemma 3 adds post-attention and post-MLP norms."""
+
+  def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, layer: int, *,
+               dtype, param_dtype, implementation, rngs: nnx.Rngs):
+    is_gemma = config.arch == GEMMA3
+    is_sliding = config.layer_types[layer] == "sliding"
+    offset = 1.0 if is_gemma else 0.0
+    norm = lambda: RMSNorm(config.hidden_size, eps=config.rms_eps, offset=offset,
+                           param_dtype=param_dtype)
+    scale = (None if config.query_pre_attn_scalar is None
+             else 1.0 / math.sqrt(config.query_pre_attn_scalar))
+    self.attn = CachedAttention(
+        cache_config, layer, features=config.hidden_size, num_heads=config.num_heads,
+        rope_theta=config.rope_local_theta if is_sliding else config.rope_theta,
+        rope_scaling=None if is_sliding else config.rope_scaling,
+        qk_norm="gemma" if is_gemma else None, norm_eps=config.rms_eps, scale=scale,
+        dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
+    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.input_layernorm = norm()
+    self.post_attention_layernorm = norm()
+    self.is_gemma = is_gemma
+    if is_gemma:
+      self.pre_feedforward_layernorm = norm()
+      self.post_feedforward_layernorm = norm()
+
+  def __call__(self, x, state):
+    h, state = self.attn(self.input_layernorm(x), state)
+    if self.is_gemma:
+      x = x + self.post_attention_layernorm(h)
+      return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), state
+    x = x + h
+    return x + self.mlp(self.post_attention_layernorm(x)), state
+
+
+class Decoder(nnx.Module):
+  """A Llama- or Gemma-3-style causal LM over a jaxkv cache.
+
+  Args:
+    config: the `ModelConfig`.
+    cache_config: a `jaxkv.CacheConfig` with `config.num_layers` layers matching
+      `config.cache_layers()` (any capacity, `max_seqs`, `max_write`).
+    dtype: computation dtype (float32 by default).
+    param_dtype: parameter dtype.
+    implementation: attention implementation passed to every layer.
+    rngs: `nnx.Rngs` for the random initial weights.
+  """
+
+  def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, *,
+               dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
+               rngs: nnx.Rngs):
+    if not isinstance(config, ModelConfig):
+      raise TypeError(f"config={config!r} must be a ModelConfig")
+    if tuple(cache_config.layers) != tuple(config.cache_layers()):
+      raise ValueError(f"cache_config.layers={cache_config.layers} must equal "
+                       f"config.cache_layers()={tuple(config.cache_layers())}")
+    self.config, self.cache_config = config, cache_config
+    self.dtype = np.dtype(dtype)
+    # Small init (std 0.02, like Hugging Face's initializer_range) keeps random logits tame.
+    self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                           param_dtype=param_dtype,
+                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.layers = nnx.List([
+        DecoderLayer(config, cache_config, l, dtype=dtype, param_dtype=param_dtype,
+                     implementation=implementation, rngs=rngs)
+        for l in range(config.num_layers)])
+    self.norm = RMSNorm(config.hidden_size, eps=config.rms_eps,
+                        offset=1.0 if config.arch == GEMMA3 else 0.0, param_dtype=param_dtype)
+    self.lm_head = None if config.tie_embeddings else nnx.Linear(
+        config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs)
+
+  def hidden(self, tokens, state):
+    """Final-norm hidden states `[W, hidden]` of one step, and the new state."""
+    width = self.cache_config.step_width
+    if tokens.shape != (width,):
+      raise ValueError(f"tokens must be int32[W={width}]; got tokens.shape={tokens.shape}")
+    x = self.embed(tokens.astype(jnp.int32))
+    if self.config.arch == GEMMA3:
+      x = x * jnp.asarray(math.sqrt(self.config.hidden_size), self.dtype).astype(x.dtype)
+    for layer in self.layers:
+      x, state = layer(x, state)
+    return self.norm(x), state
+
+  def logits(self, h):
+    """LM-head logits (float32) of hidden states `[..., hidden]`."""
+    if self.lm_head is None:
+      logits = self.embed.attend(h)
+    else:
+      logits = self.lm_head(h)
+    logits = logits.astype(jnp.float32)
+    cap = self.config.final_logit_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+  def __call__(self, tokens, state, *, rows=None):
+    """One cache step.
+
+    Args:
+      tokens: `int32[W]` step tokens (padding rows are ignored).
+      state: `CacheState` with a prepared step; consumed.
+      rows: optional `int32[R]` step-token indices; then only their logits are
+        computed (a serving loop needs one row per sequence, not `W`).
+
+    Returns:
+      `(logits float32[W or R, vocab], new_state)`.
+    """
+    h, state = self.hidden(tokens, state)
+    if rows is not None:
+      h = h[rows]
+    return self.logits(h), state
+
+
+def Llama(config: ModelConfig, cache_config: jaxkv.CacheConfig, **kwargs) -> Decoder:
+  """A Llama-style `Decoder` (checks `config.arch`)."""
+  if config.arch != LLAMA:
+    raise ValueError(f"config.arch={config.arch!r} must be 'llama'")
+  return Decoder(config, cache_config, **kwargs)
+
+
+def Gemma3(config: ModelConfig, cache_config: jaxkv.CacheConfig, **kwargs) -> Decoder:
+  """A Gemma-3-style `Decoder` (checks `config.arch`)."""
+  if config.arch != GEMMA3:
+    raise ValueError(f"config.arch={config.arch!r} must be 'gemma3'")
+  return Decoder(config, cache_config, **kwargs)

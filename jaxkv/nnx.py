@@ -1,0 +1,258 @@
+"""Flax NNX adapter: `CachedAttention` over the pure jaxkv API.
+
+The cache state is passed in and returned explicitly, never held in a mutable
+Variable, so a model built from these modules can donate the state and carry it
+through `jax.lax.while_loop`:
+
+  state, status = jaxkv.pure.declare_step(config, state, seq_ids, n, blocks)
+  state, status = jaxkv.pure.prepare_step(config, state)
+  out, state = attention(x, state)     # every layer, in order
+  state, status = jaxkv.pure.commit_step(config, state)
+
+Each token's RoPE position comes from the prepared Step (`state.step.positions`);
+segments, owner blocks (§9) and ring windows come with it, so the module needs
+no per-step bookkeeping. This is the only jaxkv module that imports Flax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv import CacheConfig, CacheState, pure
+
+__all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "rope_inv_freq"]
+
+
+def _dtype_or_none(name, value):
+  if value is None:
+    return None
+  try:
+    return np.dtype(value)
+  except TypeError as e:
+    raise ValueError(f"{name}={value!r} is not a dtype") from e
+
+
+class RopeScaling:
+  """Frequency scaling of rotary embeddings, as in Hugging Face `rope_scaling`.
+
+  Hashable and static. `kind` is `"default"`, `"linear"` (every frequency
+  divided by `factor`) or `"llama3"` (Llama 3.1's wavelength-dependent scaling).
+
+  Args:
+    kind: the rope type.
+    factor: scaling factor (`> 0`).
+    low_freq_factor, high_freq_factor, original_max_position: Llama 3 settings.
+  """
+
+  __slots__ = ("kind", "factor", "low_freq_factor", "high_freq_factor", "original_max_position")
+
+  def __init__(self, kind: str = "default", factor: float = 1.0, low_freq_factor: float = 1.0,
+               high_freq_factor: float = 4.0, original_max_position: int = 8192):
+    if kind not in ("default", "linear", "llama3"):
+      raise ValueError(f"kind={kind!r} must be 'default', 'linear' or 'llama3'")
+    if not factor > 0:
+      raise ValueError(f"factor={factor} must be > 0")
+    self.kind, self.factor = kind, float(factor)
+    self.low_freq_factor, self.high_freq_factor = float(low_freq_factor), float(high_freq_factor)
+    self.original_max_position = int(original_max_position)
+
+  @classmethod
+  def from_hf(cls, rope_scaling: dict | None) -> "RopeScaling":
+    """Reads a Hugging Face `rope_scaling` dict (None means no scaling)."""
+    if not rope_scaling:
+      return cls()
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    return cls(kind, rope_scaling.get("factor", 1.0), rope_scaling.get("low_freq_factor", 1.0),
+               rope_scaling.get("high_freq_factor", 4.0),
+               rope_scaling.get("original_max_position_embeddings", 8192))
+
+  def _key(self):
+    return tuple(getattr(self, s) for s in self.__slots__)
+
+  def __eq__(self, other):
+    return isinstance(other, RopeScaling) and self._key() == other._key()
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __repr__(self):
+    return f"RopeScaling{self._key()}"
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+  """`float32[head_dim // 2]` inverse frequencies, computed on the host in float64."""
+  if head_dim % 2:
+    raise ValueError(f"head_dim={head_dim} must be even for rotary embeddings")
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  scaling = scaling or RopeScaling()
+  if scaling.kind == "linear":
+    inv = inv / scaling.factor
+  elif scaling.kind == "llama3":
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = ((scaling.original_max_position / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv = np.where(is_medium, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
+  return inv.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+  """Rotary embedding in Hugging Face's half-split layout, computed in float32.
+
+  Args:
+    x: `[T, H, D]`.
+    positions: `int32[T]` per-token positions.
+    inv_freq: `float32[D // 2]`.
+
+  Returns:
+    `[T, H, D]` in `x.dtype`.
+  """
+  freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+  angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]   # [T, 1, D]
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  """RMS normalisation over the last axis, in float32.
+
+  `offset = 0` is Llama's (`weight * x̂`, weight initialised to 1); `offset = 1`
+  is Gemma's (`(1 + weight) * x̂`, weight initialised to 0).
+
+  Args:
+    features: size of the normalised axis.
+    eps: added to the mean square.
+    offset: 0.0 or 1.0.
+    param_dtype: weight dtype.
+  """
+
+  def __init__(self, features: int, *, eps: float = 1e-6, offset: float = 0.0,
+               param_dtype=jnp.float32):
+    if features < 1:
+      raise ValueError(f"features={features} must be >= 1")
+    if offset not in (0.0, 1.0):
+      raise ValueError(f"offset={offset} must be 0.0 (Llama) or 1.0 (Gemma)")
+    self.eps, self.offset = float(eps), float(offset)
+    init = jnp.zeros if offset else jnp.ones
+    self.weight = nnx.Param(init((features,), param_dtype))
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    weight = self.weight[...].astype(jnp.float32)
+    if self.offset:
+      return (normed * (self.offset + weight)).astype(x.dtype)
+    # Llama casts back to the input dtype before the weight multiply.
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+class CachedAttention(nnx.Module):
+  """Multi-head (GQA) self-attention over one jaxkv cache layer.
+
+  `__call__(x, state)` projects `x` to q/k/v, applies RoPE at the prepared
+  step's positions, writes K/V into the layer and attends with
+  `jaxkv.pure.attend` (flat or ring per the config), then projects the output.
+  The layer's `n_kv_heads` and `head_dim` come from the cache config.
+
+  Args:
+    cache_config: the `CacheConfig` (static).
+    layer: this module's layer id in the cache.
+    features: model width (input and output size).
+    num_heads: query heads; a multiple of the layer's `n_kv_heads`.
+    rope_theta: RoPE base.
+    rope_scaling: optional `RopeScaling`.
+    qk_norm: None, `"llama"` or `"gemma"`: RMS-normalise q and k per head before
+      RoPE (Gemma 3 uses `"gemma"`).
+    norm_eps: epsilon of the q/k norms.
+    scale: softmax scale; None means `1/sqrt(head_dim)`.
+    use_bias: biases on the q/k/v projections.
+    dtype: computation dtype (None keeps the input's).
+    param_dtype: parameter dtype.
+    implementation: passed to `jaxkv.pure.attend` (None picks the kernels on a
+      Hopper GPU, else the reference).
+    rngs: `nnx.Rngs` for the initial weights.
+  """
+
+  def __init__(self, cache_config: CacheConfig, layer: int, *, features: int, num_heads: int,
+               rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
+               qk_norm: str | None = None, norm_eps: float = 1e-6, scale: float | None = None,
+               use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    if not isinstance(cache_config, CacheConfig):
+      raise TypeError(f"cache_config={cache_config!r} must be a CacheConfig")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not (
+        0 <= layer < cache_config.num_layers):
+      raise ValueError(f"layer={layer!r} must be an int in [0, {cache_config.num_layers})")
+    layer_config = cache_config.layers[layer]
+    kv_heads, head_dim = layer_config.n_kv_heads, layer_config.head_dim
+    if num_heads < 1 or num_heads % kv_heads:
+      raise ValueError(f"num_heads={num_heads} must be a positive multiple of layer {layer}'s "
+                       f"n_kv_heads={kv_heads}")
+    if features < 1:
+      raise ValueError(f"features={features} must be >= 1")
+    if qk_norm not in (None, "llama", "gemma"):
+      raise ValueError(f"qk_norm={qk_norm!r} must be None, 'llama' or 'gemma'")
+    if implementation not in (None, "reference", "mosaic_gpu", "interpret"):
+      raise ValueError(f"implementation={implementation!r} must be None, 'reference', "
+                       "'mosaic_gpu' or 'interpret'")
+    rope_inv_freq(head_dim, rope_theta, rope_scaling)   # validates head_dim, theta
+    self.cache_config, self.layer = cache_config, layer
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
+    self.rope_theta, self.rope_scaling = float(rope_theta), rope_scaling
+    self.scale = None if scale is None else float(scale)
+    self.dtype = _dtype_or_none("dtype", dtype)
+    self.implementation = implementation
+    linear = lambda n_in, n_out, bias: nnx.Linear(
+        n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_proj = linear(features, num_heads * head_dim, use_bias)
+    self.k_proj = linear(features, kv_heads * head_dim, use_bias)
+    self.v_proj = linear(features, kv_heads * head_dim, use_bias)
+    self.o_proj = linear(num_heads * head_dim, features, False)
+    if qk_norm is None:
+      self.q_norm = self.k_norm = None
+    else:
+      offset = 1.0 if qk_norm == "gemma" else 0.0
+      self.q_norm = RMSNorm(head_dim, eps=norm_eps, offset=offset, param_dtype=param_dtype)
+      self.k_norm = RMSNorm(head_dim, eps=norm_eps, offset=offset, param_dtype=param_dtype)
+
+  def __call__(self, x, state: CacheState):
+    """One step of this layer.
+
+    Args:
+      x: `[W, features]` hidden states on the step's token axis (rows `n..W-1`
+        are padding; their outputs are garbage).
+      state: the `CacheState` with a prepared step; consumed (pass it on).
+
+    Returns:
+      `(out [W, features], new_state)`.
+
+    Raises:
+      ValueError: at trace time, when `x` is not `[W, features]`.
+    """
+    width = self.cache_config.step_width
+    if x.ndim != 2 or x.shape[0] != width:
+      raise ValueError(f"x must be [W={width}, features]; got x.shape={x.shape}")
+    if self.dtype is not None:
+      x = x.astype(self.dtype)
+    q = self.q_proj(x).reshape(width, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(width, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(width, self.num_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    positions = state.step.positions
+    inv_freq = rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    state, out, _ = pure.attend(self.cache_config, state, self.layer, q, k, v,
+                                scale=self.scale, implementation=self.implementation)
+    out = self.o_proj(out.reshape(width, self.num_heads * self.head_dim))
+    return out, state
