@@ -175,7 +175,15 @@ def test_scenario_29_bad_declarations():
   assert (h.new(), h.new()) == (0, 1)
   for bad in ([], [-1], [4], [2], [0, 2], [1, -1], [2**31 - 1], [0] * 9):
     assert_refused(cache, lambda bad=bad: cache.declare_step(bad))
+  assert_refused(cache, lambda: cache.declare_step([2**40]))
   assert int(cache.state.phase) == jaxkv.Phase.IDLE
+  # SPEC §5 queries: any id that is not live reads pos 0 and not live.
+  for bad_id in (-1, 2, 4, 5, 2**31 - 1, 2**40):
+    assert cache.pos(bad_id) == 0 and cache.is_live(bad_id) is False
+    assert_refused(cache, lambda bad_id=bad_id: cache.seq_rm(bad_id))
+    assert_refused(cache, lambda bad_id=bad_id: cache.rewind(bad_id, 0))
+    assert_refused(cache, lambda bad_id=bad_id: cache.seq_clone(bad_id))
+  assert (cache.max_seqs(), cache.capacity()) == (4, 32)
   assert cache.declare_step([0, 1]) is True
 
 
@@ -216,6 +224,14 @@ def test_scenario_31_token_counts_must_agree():
                                                              rows(v3, 2)))
   assert_step_error(cache, shape_error, lambda: cache.attend(0, q3, rows(k3, 4), v3))
   assert_step_error(cache, shape_error, lambda: cache.attend(0, q3, k3, rows(v3, 8)))
+  # Another shape or head count wrong (SPEC §6.4).
+  head_error = r"(?i)head|shape"
+  assert_step_error(cache, head_error, lambda: cache.attend(0, q3[:, :3], k3, v3))
+  assert_step_error(cache, head_error, lambda: cache.attend(0, q3, k3[:, :1], v3[:, :1]))
+  assert_step_error(cache, head_error, lambda: cache.attend(0, q3[..., :4], k3[..., :4],
+                                                           v3[..., :4]))
+  assert_step_error(cache, r"(?i)\bT\b|rows|shape|token count|rank",
+                    lambda: cache.attend(0, q3[0], k3[0], v3[0]))
   assert int(cache.state.phase) == jaxkv.Phase.PREPARED
   out3 = np.asarray(cache.attend(0, q3, k3, v3))
   out8 = np.asarray(cache.attend(0, rows(q3, 8), rows(k3, 8), rows(v3, 8)))
@@ -312,6 +328,8 @@ def test_scenario_36_rewind_bounds():
   h.step([s] * 3)
   assert_refused(cache, lambda: cache.rewind(s, 4))
   assert_refused(cache, lambda: cache.rewind(s, -1))
+  assert_refused(cache, lambda: cache.rewind(s, 2**40))
+  assert_refused(cache, lambda: cache.rewind(s, -2**40))
   assert_refused(cache, lambda: cache.rewind(s + 1, 0))
   assert cache.pos(s) == 3
 

@@ -197,6 +197,13 @@ def test_scenario_08_fork_copies_prefix_then_diverges(make):
   assert h.cache.pos(b) == 2 and int(np.asarray(h.cache.state.hw)[b]) == 2
   c = h.clone(a, 100)
   assert c == 2 and h.cache.pos(c) == 2
+  # SPEC §5 seq_clone EMPTY: keep = min(upto, pos(src)) <= 0 is refused, state unchanged.
+  d = h.new()
+  for src, upto in ((a, 0), (a, -3), (d, None), (d, 5)):
+    before = snapshot(h.cache.state)
+    assert h.cache.seq_clone(src, upto) is None
+    assert_same_state(before, snapshot(h.cache.state))
+  assert h.rm(d) is True
   outs = h.step([a, b], tags=[h.tags[a], h.tags[a]])   # both against their (equal) oracles
   assert outs[0][0].tobytes() == outs[0][1].tobytes()
   assert (h.cache.pos(a), h.cache.pos(b), h.cache.pos(c)) == (3, 3, 2)
