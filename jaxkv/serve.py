@@ -425,6 +425,11 @@ def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
 # ----------------------------------------------------------------------------- engine
 
 
+_jit_admit = jax.jit(_admit, static_argnums=0, donate_argnums=1)
+_jit_fork = jax.jit(_fork, static_argnums=0, donate_argnums=1)
+_jit_release = jax.jit(_release, static_argnums=0, donate_argnums=1)
+
+
 class Engine:
   """Continuous batching over a request queue, the decode loop in one `jax.jit`.
 
@@ -453,10 +458,9 @@ class Engine:
       raise ValueError(f"max_stop_tokens={max_stop_tokens} must be >= 1")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
     self.graphdef, self.params = nnx.split(model)
+    # Looked up here, not at import, so a test can wrap `decode_loop` (chex.assert_max_traces).
     self._loop = jax.jit(decode_loop, static_argnums=(0, 1), donate_argnums=3)
-    self._admit = jax.jit(_admit, static_argnums=0, donate_argnums=1)
-    self._fork = jax.jit(_fork, static_argnums=0, donate_argnums=1)
-    self._release = jax.jit(_release, static_argnums=0, donate_argnums=1)
+    self._admit, self._fork, self._release = _jit_admit, _jit_fork, _jit_release
     self.state: LoopState | None = None
     self.stats = EngineStats()
 
@@ -620,6 +624,12 @@ def _run_step(graphdef, config, params, cache, tokens):
   return cache, logits, _first_bad(st_prepare, st_commit)
 
 
+_RUNNER_VERBS = {name: jax.jit(getattr(pure, name), static_argnums=0, donate_argnums=1)
+                 for name in ("seq_new", "seq_clone", "seq_rm", "rewind", "declare_step")}
+_jit_rows_needed = jax.jit(pure.rows_needed, static_argnums=0)
+_jit_run_step = jax.jit(_run_step, static_argnums=(0, 1), donate_argnums=3)
+
+
 class ModelRunner:
   """Host-level, step-by-step driving of a model on its own cache.
 
@@ -639,12 +649,11 @@ class ModelRunner:
     self.config = config
     self.graphdef, self.params = nnx.split(model)
     self.cache = init_state(config)
-    verb = lambda f: jax.jit(f, static_argnums=0, donate_argnums=1)
-    self._seq_new, self._seq_clone = verb(pure.seq_new), verb(pure.seq_clone)
-    self._seq_rm, self._rewind = verb(pure.seq_rm), verb(pure.rewind)
-    self._declare = verb(pure.declare_step)
-    self._rows_needed = jax.jit(pure.rows_needed, static_argnums=0)
-    self._step = jax.jit(_run_step, static_argnums=(0, 1), donate_argnums=3)
+    self._seq_new, self._seq_clone = _RUNNER_VERBS["seq_new"], _RUNNER_VERBS["seq_clone"]
+    self._seq_rm, self._rewind = _RUNNER_VERBS["seq_rm"], _RUNNER_VERBS["rewind"]
+    self._declare = _RUNNER_VERBS["declare_step"]
+    self._rows_needed = _jit_rows_needed
+    self._step = _jit_run_step
 
   def seq_new(self) -> int | None:
     self.cache, status, seq_id = self._seq_new(self.config, self.cache)
