@@ -10,6 +10,7 @@ choice re-raises).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jaxkv._config import CacheConfig
+from jaxkv._sharding import per_shard, validate_mesh
 from jaxkv._state import CacheState, Phase, Status
 from jaxkv._validate import static_validate_attend, static_validate_implementation
 
@@ -31,26 +33,27 @@ def default_implementation() -> str:
   return "reference"
 
 
-def _write_and_attend(implementation, k_cache, v_cache, q, k, v, step, layer_args):
-  """Runs the write then the attention with one implementation."""
-  rows, n_tokens, n_segments, window, scale = layer_args
+def _write_and_attend(implementation, *, window, scale):
+  """`(k_cache, v_cache, q, k, v, step, rows, n_tokens, n_segments) -> (k, v, out)`
+  for one implementation: the write, then the attention over the written cache."""
   if implementation == "reference":
-    k_cache, v_cache = pallas_kernels.kv_write_reference(
-        k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens)
-    out = pallas_kernels.varlen_attention_reference(
-        q, k_cache, v_cache, step.seq_info, n_segments, window=window, scale=scale)
+    write, attention = pallas_kernels.kv_write_reference, pallas_kernels.varlen_attention_reference
+  else:
+    interpret = implementation == "interpret"
+    write = functools.partial(pallas_kernels.kv_write, interpret=interpret)
+    attention = functools.partial(pallas_kernels.varlen_attention, interpret=interpret)
+
+  def run(k_cache, v_cache, q, k, v, step, rows, n_tokens, n_segments):
+    k_cache, v_cache = write(k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens)
+    out = attention(q, k_cache, v_cache, step.seq_info, n_segments, window=window,
+                    scale=scale)
     return k_cache, v_cache, out
-  interpret = implementation == "interpret"
-  k_cache, v_cache = pallas_kernels.kv_write(
-      k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens, interpret=interpret)
-  out = pallas_kernels.varlen_attention(
-      q, k_cache, v_cache, step.seq_info, n_segments, window=window, scale=scale,
-      interpret=interpret)
-  return k_cache, v_cache, out
+
+  return run
 
 
 def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale=None,
-           implementation=None):
+           implementation=None, mesh=None, kv_axis: str = "tp"):
   """Writes layer `layer`'s K/V for the step's real tokens, then attends (SPEC §6.4, §8).
 
   Args:
@@ -60,6 +63,8 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
     q: `[W, H_q, D]`; k, v: `[W, n_kv_heads, D]`. Rows `n..W-1` are padding.
     scale: softmax scale (static); None means `1/sqrt(head_dim)`.
     implementation: see the module docstring.
+    mesh, kv_axis: with a mesh (static), K/V are split over their heads along
+      `kv_axis` and the write and attention run per shard (`jaxkv._sharding`).
 
   Returns:
     `(state, out, status)`: `out` is `[W, H_q, D]` in `q.dtype`, rows `n..W-1`
@@ -71,6 +76,7 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   """
   static_validate_implementation(implementation)
   static_validate_attend(config, layer, q, k, v, width=config.step_width)
+  validate_mesh(config, mesh, kv_axis)
   head_dim = config.layers[layer].head_dim
   scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
   is_prepared = state.phase == Phase.PREPARED
@@ -78,15 +84,17 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   # A refused attend writes nothing (n = 0) and reports no segment.
   n_tokens = jnp.where(is_prepared, step.n_tokens, 0)
   n_segments = jnp.where(is_prepared, step.n_segments, 0)
-  layer_args = (step.write_rows[layer], n_tokens, n_segments, config.window(layer), scale)
-  operands = (state.k[layer], state.v[layer], q, k, v, step, layer_args)
+  operands = (state.k[layer], state.v[layer], q, k, v, step, step.write_rows[layer],
+              n_tokens, n_segments)
+  static = dict(window=config.window(layer), scale=scale)
+  run = lambda impl: per_shard(_write_and_attend(impl, **static), mesh, kv_axis)(*operands)
   if implementation is None:
     try:
-      k_cache, v_cache, out = _write_and_attend(default_implementation(), *operands)
+      k_cache, v_cache, out = run(default_implementation())
     except NotImplementedError:
-      k_cache, v_cache, out = _write_and_attend("reference", *operands)
+      k_cache, v_cache, out = run("reference")
   else:
-    k_cache, v_cache, out = _write_and_attend(implementation, *operands)
+    k_cache, v_cache, out = run(implementation)
   out = jnp.where(is_prepared, out, jnp.zeros_like(out))
   status = jnp.where(is_prepared, jnp.int32(Status.OK), jnp.int32(Status.NOT_PREPARED))
   new_k = state.k[:layer] + (k_cache,) + state.k[layer + 1:]

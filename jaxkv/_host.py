@@ -39,7 +39,7 @@ _declare_step = _jit_verb(_verbs.declare_step)
 _prepare_step = _jit_verb(_verbs.prepare_step)
 _commit_step = _jit_verb(_verbs.commit_step)
 _attend = jax.jit(_pure_attend, static_argnums=(0, 2), donate_argnums=1,
-                  static_argnames=("scale", "implementation"))
+                  static_argnames=("scale", "implementation", "mesh", "kv_axis"))
 _rows_needed = jax.jit(_verbs.rows_needed, static_argnums=0)
 
 
@@ -78,15 +78,21 @@ class BatchedSequenceCache:
     config: the `CacheConfig`.
     implementation: `None` (Mosaic GPU kernels on Hopper, else the reference),
       `"reference"`, `"mosaic_gpu"` or `"interpret"`.
+    mesh: optional `jax.sharding.Mesh`: K/V are split over their KV-head axis
+      along `kv_axis` (which must divide every layer's `n_kv_heads`), control
+      values are replicated, and the kernels run per shard.
+    kv_axis: the mesh axis that splits KV heads.
   """
 
-  def __init__(self, config: CacheConfig, *, implementation: str | None = None):
+  def __init__(self, config: CacheConfig, *, implementation: str | None = None,
+               mesh=None, kv_axis: str = "tp"):
     if not isinstance(config, CacheConfig):
       raise TypeError(f"config={config!r} must be a CacheConfig")
     static_validate_implementation(implementation)
     self._config = config
     self._implementation = implementation
-    self._state = init_state(config)
+    self._mesh, self._kv_axis = mesh, kv_axis
+    self._state = init_state(config, mesh=mesh, kv_axis=kv_axis)
 
   # Queries -----------------------------------------------------------------
 
@@ -251,7 +257,8 @@ class BatchedSequenceCache:
       q, k, v = pad(q), pad(k), pad(v)
     self._state, out, status = _attend(self._config, self._state, int(layer), q, k, v,
                                        scale=None if scale is None else float(scale),
-                                       implementation=self._implementation)
+                                       implementation=self._implementation,
+                                       mesh=self._mesh, kv_axis=self._kv_axis)
     self._raise_step_error(status, "attend")
     return out[:num_tokens]
 

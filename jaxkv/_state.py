@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._config import CacheConfig
+from jaxkv._sharding import kv_sharding, replicated, validate_mesh
 from pallas_kernels import indexing
 
 
@@ -137,16 +138,36 @@ def empty_step(config: CacheConfig) -> Step:
   )
 
 
-def init_state(config: CacheConfig) -> CacheState:
-  """Zeroed storage with `F = initial_flat_rows`, zero control values, phase IDLE."""
+def _zeros(shape, dtype, sharding):
+  """A zero array created directly with `sharding` (no single-device staging copy)."""
+  if sharding is None:
+    return jnp.zeros(shape, dtype)
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheState:
+  """Zeroed storage with `F = initial_flat_rows`, zero control values, phase IDLE.
+
+  Args:
+    config: the `CacheConfig`.
+    mesh: optional `jax.sharding.Mesh`; K/V are then split over their KV-head
+      axis along `kv_axis` and every control value is replicated.
+    kv_axis: the mesh axis that splits KV heads.
+
+  Raises:
+    ValueError: `kv_axis` is not a mesh axis, or it does not divide some layer's
+      `n_kv_heads`.
+  """
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config={config!r} must be a CacheConfig")
+  validate_mesh(config, mesh, kv_axis)
+  kv = None if mesh is None else kv_sharding(mesh, kv_axis)
   shapes = [config.layer_shape(l, config.initial_flat_rows) for l in range(config.num_layers)]
   # Distinct buffers per leaf: the state is donated leaf by leaf.
   zeros_i = lambda: jnp.zeros((config.max_seqs,), jnp.int32)
-  return CacheState(
-      k=tuple(jnp.zeros(s, config.kv_dtype) for s in shapes),
-      v=tuple(jnp.zeros(s, config.kv_dtype) for s in shapes),
+  state = CacheState(
+      k=tuple(_zeros(s, config.kv_dtype, kv) for s in shapes),
+      v=tuple(_zeros(s, config.kv_dtype, kv) for s in shapes),
       live=zeros_i(),
       pos=zeros_i(),
       hw=zeros_i(),
@@ -157,6 +178,10 @@ def init_state(config: CacheConfig) -> CacheState:
       decl_n=jnp.zeros((), jnp.int32),
       step=empty_step(config),
   )
+  if mesh is None:
+    return state
+  control = jax.device_put(dataclasses.replace(state, k=(), v=()), replicated(mesh))
+  return dataclasses.replace(control, k=state.k, v=state.v)
 
 
 def flat_rows(config: CacheConfig, state: CacheState) -> int:

@@ -275,13 +275,21 @@ def commit_step(config: CacheConfig, state: CacheState):
 
 
 def grown_array(array, rows: int):
-  """A new `[rows, ...]` array whose first rows are `array`'s bytes, the rest zero."""
-  return _grow_rows(array, rows)
+  """A new `[rows, ...]` array whose first rows are `array`'s bytes, the rest zero.
+
+  The result keeps `array`'s sharding, built in place on each device.
+  """
+  return _grow_rows(rows, array.sharding)(array)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _grow_rows(array, rows):
-  return jnp.zeros((rows,) + array.shape[1:], array.dtype).at[:array.shape[0]].set(array)
+@functools.lru_cache(maxsize=64)
+def _grow_rows(rows: int, sharding):
+  def grow_one(array):
+    # Zero rows appended along the unsharded row axis: each device pads its own
+    # heads, so a head-sharded cache stays sharded with no collective.
+    extra = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
+    return jnp.pad(array, extra)
+  return jax.jit(grow_one, out_shardings=sharding)
 
 
 def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_array):
