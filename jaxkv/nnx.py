@@ -149,7 +149,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     xf = x.astype(jnp.float32)
     normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    weight = self.weight[...].astype(jnp.float32)
+    weight = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
     if self.offset:
       return (normed * (self.offset + weight)).astype(x.dtype)
     # Llama casts back to the input dtype before the weight multiply.
