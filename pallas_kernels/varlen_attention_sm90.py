@@ -107,10 +107,10 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, blo
   chunk = jnp.maximum(min_tiles, _cdiv(single_tiles, max(config.split_budget, 1)))
   if config.split_budget == 0:
     chunk = jnp.maximum(chunk, jnp.max(num_tiles))
-  splits = jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits)
-  tiles_per_split = _cdiv(num_tiles, splits)
-  splits = jnp.where(is_single, _cdiv(num_tiles, jnp.maximum(tiles_per_split, 1)), 1)
-  splits = jnp.maximum(splits, 1)
+  splits = jnp.where(is_single, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
+  tiles_per_split = jnp.maximum(_cdiv(num_tiles, splits), 1)
+  # Every split gets at least one tile: drop the empty tail of a rounded split.
+  splits = jnp.maximum(_cdiv(num_tiles, tiles_per_split), 1)
   num_items = jnp.where(is_real, q_tiles * splits, 0)
   return dict(q_start=q_start, q_len=q_len, col=seq_info[:, indexing.SEG_COL], pos0=pos0,
               kind=kind, lo=lo, end=end, first_row=first_row, first_len=first_len,
@@ -149,7 +149,7 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
       t_begin, t_end], axis=1).astype(jnp.int32)
   if sort_items:
     # Longest first: the GPU dispatches programs in order, so this shortens the tail.
-    order = jnp.argsort(-(t_end - t_begin) * active, stable=True)
+    order = jnp.argsort(-(t_end - t_begin) * active.astype(jnp.int32), stable=True)
     table = table[order]
   return table
 
@@ -221,7 +221,7 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       plgpu.barrier_wait(k_bars.at[stage])
       if use_wgmma:
         def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, q, plgpu.transpose_ref(k_smem.at[stage], (1, 0)))
+          plgpu.wgmma(acc_ref, q, k_smem.at[stage].transpose((1, 0)))
           return acc_ref[...]
         s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
       else:
@@ -261,6 +261,11 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
 
       @pl.when(t + num_stages < t_end)
       def _refill():
+        if not use_wgmma:
+          # The tiles were read by ordinary loads; order those before the TMA
+          # (async proxy) overwrites the stage. wgmma already reads through the
+          # async proxy, and the production V fix-up ends with this fence.
+          plgpu.commit_smem()
         fetch(t + num_stages, stage)
       return acc, m_new, l_i
 
