@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
-import jax
+# Four host devices so the sharding tests can build a mesh on a CPU machine; it
+# must be set before JAX initialises its backends.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 import pytest
