@@ -223,8 +223,8 @@ def test_scratch_column_with_padded_width(implementation):
   state = state_copy(cache)
   variants = [state, nan_scratch(state, config.max_seqs), poison_free_storage(state, config)]
   results = []
+  pure = PureCache(config, implementation=implementation)  # one instance: one compilation
   for variant in variants:
-    pure = PureCache(config, implementation=implementation)
     pure.state = variant
     hp = Harness(config, implementation=implementation, cache=pure)
     assert [hp.new(tag=t) for t in tags] == [0, 1]
