@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import tol
+from conftest import KERNEL_IMPLEMENTATIONS, tol
 from oracle import SequenceOracle
 from scenario_utils import (
     HEAD_DIM,
@@ -35,10 +35,18 @@ flat = jaxkv.LayerPolicy.flat
 ring = jaxkv.LayerPolicy.ring
 
 
-@pytest.fixture(params=["facade", "pure-poisoned"])
-def driver(request):
-  """Drives the scenario through the facade or through the NaN-poisoned pure API."""
-  return request.param
+# (implementation, driver) pairs: the reference runs both drivers; the kernels, whose
+# stray reads the poison is there to catch and which are slow under the interpreter, run
+# the poisoned pure driver only (the facade adds nothing implementation-specific).
+VARIANTS = [(impl, drv) for impl in KERNEL_IMPLEMENTATIONS
+            for drv in (("facade", "pure-poisoned") if impl == "reference" else ("pure-poisoned",))]
+
+
+def pytest_generate_tests(metafunc):
+  """Parametrizes tests taking `driver` over VARIANTS (overriding the `implementation` fixture)."""
+  if "driver" in metafunc.fixturenames:
+    metafunc.parametrize("implementation, driver", VARIANTS,
+                         ids=[f"{impl}-{drv}" for impl, drv in VARIANTS])
 
 
 @pytest.fixture
@@ -242,13 +250,19 @@ def test_scenario_10_fork_and_source_diverge_while_rows_grow(make):
     assert h.cache.state.v[0].shape[0] == 16
 
 
-@pytest.mark.parametrize("n_q_heads, n_kv_heads", [(2, 2), (4, 1), (8, 2)],
-                         ids=["group1", "mqa", "gqa4"])
-def test_spans_gqa_groups(make, n_q_heads, n_kv_heads):
+# Every group size with the reference; the kernels (slow under the interpreter) with g = 4.
+GQA_CASES = [("reference", 2, 2), ("reference", 4, 1), ("reference", 8, 2)] + [
+    (impl, 8, 2) for impl in KERNEL_IMPLEMENTATIONS if impl != "reference"]
+
+
+@pytest.mark.parametrize("implementation, n_q_heads, n_kv_heads", GQA_CASES,
+                         ids=[f"{i}-hq{q}-hkv{k}" for i, q, k in GQA_CASES])
+def test_spans_gqa_groups(implementation, n_q_heads, n_kv_heads):
   """SPEC §8 GQA/MQA: query head h reads KV head h // g, for g = 1, H_q and 4 (scenario 1 shape)."""
   layers = [jaxkv.LayerConfig(flat(), n_kv_heads, HEAD_DIM),
             jaxkv.LayerConfig(ring(3), n_kv_heads, 16)]
-  h = make(default_config(layers=layers), n_q_heads=n_q_heads)
+  h = Harness(default_config(layers=layers), implementation=implementation,
+              driver="pure-poisoned", n_q_heads=n_q_heads)
   a, b = h.new(), h.new()
   h.step([a, a, a, b, b])
   h.step([b, a, b], T=8)
@@ -278,8 +292,7 @@ def test_explicit_scale(implementation):
   h = Harness(default_config(layers=[flat(), ring(2)], max_write=4), implementation=implementation,
               scale=0.75)
   a, b = h.new(), h.new()
-  h.step([a, a, b])
-  h.step([b, a])
+  h.step([a, a, b, a, b])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
