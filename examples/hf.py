@@ -42,14 +42,23 @@ def read_config(checkpoint: str) -> ModelConfig:
   if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
     cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
   model_type = cfg.get("model_type")
+  if model_type not in _LLAMA_TYPES + _GEMMA3_TYPES:
+    raise ValueError(f"model_type={model_type!r} in {path} is not supported "
+                     "(Llama or Gemma 3 text)")
+
+  def need(key):
+    if key not in cfg:
+      raise ValueError(f"{path} has no {key!r}")
+    return cfg[key]
+
   eos = cfg.get("eos_token_id")
   eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+  heads = need("num_attention_heads")
   common = dict(
-      vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-      intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-      num_heads=cfg["num_attention_heads"],
-      num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+      vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
+      intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+      num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+      head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
       rms_eps=cfg.get("rms_norm_eps", 1e-6), bos_token_id=cfg.get("bos_token_id"),
       eos_token_ids=eos)
   if model_type in _LLAMA_TYPES:
@@ -57,25 +66,23 @@ def read_config(checkpoint: str) -> ModelConfig:
                            cfg.get("rope_scaling"))
     return ModelConfig(arch=LLAMA, rope_theta=theta, rope_scaling=scaling,
                        tie_embeddings=cfg.get("tie_word_embeddings", False), **common)
-  if model_type in _GEMMA3_TYPES:
-    params = cfg.get("rope_parameters") or {}
-    theta, scaling = _rope(params.get("full_attention"), cfg.get("rope_theta", 1_000_000.0),
-                           cfg.get("rope_scaling"))
-    local_theta, _ = _rope(params.get("sliding_attention"),
-                           cfg.get("rope_local_base_freq", 10000.0), None)
-    types = cfg.get("layer_types")
-    if types is None:
-      pattern = cfg.get("sliding_window_pattern", 6)
-      types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-               for i in range(cfg["num_hidden_layers"])]
-    return ModelConfig(
-        arch=GEMMA3, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
-        tie_embeddings=cfg.get("tie_word_embeddings", True),
-        sliding_window=cfg.get("sliding_window"),
-        layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
-        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
-        final_logit_softcap=cfg.get("final_logit_softcapping"), **common)
-  raise ValueError(f"model_type={model_type!r} in {path} is not supported (Llama or Gemma 3 text)")
+  params = cfg.get("rope_parameters") or {}
+  theta, scaling = _rope(params.get("full_attention"), cfg.get("rope_theta", 1_000_000.0),
+                         cfg.get("rope_scaling"))
+  local_theta, _ = _rope(params.get("sliding_attention"),
+                         cfg.get("rope_local_base_freq", 10000.0), None)
+  types = cfg.get("layer_types")
+  if types is None:
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+             for i in range(cfg["num_hidden_layers"])]
+  return ModelConfig(
+      arch=GEMMA3, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+      tie_embeddings=cfg.get("tie_word_embeddings", True),
+      sliding_window=cfg.get("sliding_window"),
+      layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+      query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
+      final_logit_softcap=cfg.get("final_logit_softcapping"), **common)
 
 
 def read_tensors(checkpoint: str) -> dict[str, np.ndarray]:
