@@ -1,147 +1,224 @@
-"""`python -m jaxkv.demo`: several sequences through prefill, decode, a fork and a rewind.
+"""`python -m jaxkv.demo`: serve a batch of prompts through an example model on jaxkv.
 
-Random K/V go through `BatchedSequenceCache` on a flat + ring layer stack; every
-step's outputs are checked against a per-sequence NumPy attention over that
-sequence's own history (float64), and each sequence's position is printed.
+Builds a Gemma-3-style (sliding-window ring layers + global flat layers) or
+Llama-style decoder from `examples.models` with random weights, or loads a
+Hugging Face checkpoint directory (`--checkpoint`: config.json + safetensors,
+and tokenizer.json for text), and serves `--requests` prompts with
+`jaxkv.serve.Engine`: continuous batching with chunked prefill mixed into
+decode steps, the whole multi-step loop inside one `jax.jit`. It prints every
+request's tokens (text when a tokenizer exists) and a summary: tokens/s, steps,
+mean batch occupancy, and cache rows and bytes in use.
+
+On a Hopper GPU the attention uses the Pallas Mosaic GPU kernels
+(`--implementation` default); elsewhere the pure-jnp reference. Run it from the
+repository root (it imports the `examples` package).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxkv
+from jaxkv import serve
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def _parse_args(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m jaxkv.demo", description=__doc__)
-  parser.add_argument("--seqs", type=int, default=4, help="sequences to serve (default 4)")
-  parser.add_argument("--prompt", type=int, default=12, help="longest prompt length")
-  parser.add_argument("--decode", type=int, default=10, help="decode steps (default 10)")
-  parser.add_argument("--window", type=int, default=6, help="ring layer window (default 6)")
-  parser.add_argument("--max-write", type=int, default=8, help="step width W (default 8)")
-  parser.add_argument("--implementation", default=None,
-                      choices=["reference", "mosaic_gpu", "interpret"],
-                      help="attention implementation (default: Mosaic GPU on Hopper, "
-                           "else the reference)")
-  parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-  return parser.parse_args(argv)
+  p = argparse.ArgumentParser(prog="python -m jaxkv.demo", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  m = p.add_argument_group("model")
+  m.add_argument("--model", choices=["gemma3", "llama"], default="gemma3",
+                 help="random-weights architecture when no --checkpoint (default gemma3)")
+  m.add_argument("--checkpoint", default=None,
+                 help="Hugging Face checkpoint directory (Llama or Gemma 3 text): config.json, "
+                      "*.safetensors, optional tokenizer.json")
+  m.add_argument("--layers", type=int, default=6, help="random model: layers (default 6)")
+  m.add_argument("--hidden", type=int, default=64, help="random model: width (default 64)")
+  m.add_argument("--vocab", type=int, default=512, help="random model: vocabulary (default 512)")
+  m.add_argument("--window", type=int, default=16,
+                 help="random gemma3: sliding window of the ring layers (default 16)")
+  m.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+                 help="parameters, activations and K/V storage (default float32)")
+  c = p.add_argument_group("cache and engine")
+  c.add_argument("--max-seqs", type=int, default=8, help="sequence columns (default 8)")
+  c.add_argument("--max-write", type=int, default=32,
+                 help="step width W: tokens per step, prefill chunks + decodes (default 32)")
+  c.add_argument("--capacity", type=int, default=1024,
+                 help="shared token budget of all live sequences (default 1024)")
+  c.add_argument("--initial-capacity", type=int, default=None,
+                 help="flat rows allocated up front (default: capacity; smaller values grow "
+                      "on the host between loop entries)")
+  c.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
+                 default=None, help="attention implementation (default: Mosaic GPU kernels on a "
+                                    "Hopper GPU, else the reference)")
+  r = p.add_argument_group("requests and sampling")
+  r.add_argument("--requests", type=int, default=16, help="requests to serve (default 16)")
+  r.add_argument("--prompt", action="append", default=None,
+                 help="a text prompt (needs a checkpoint tokenizer); repeat for several")
+  r.add_argument("--prompt-min", type=int, default=4, help="random prompts: shortest (default 4)")
+  r.add_argument("--prompt-max", type=int, default=64,
+                 help="random prompts: longest (default 64)")
+  r.add_argument("--max-tokens", type=int, default=24, help="new tokens per request (default 24)")
+  r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+  r.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off (default 0)")
+  r.add_argument("--top-p", type=float, default=1.0, help="nucleus filter (default 1.0)")
+  r.add_argument("--n", type=int, default=1,
+                 help="parallel samples per request, forked from the prompt (default 1)")
+  r.add_argument("--seed", type=int, default=0, help="seed of prompts, weights, sampling")
+  o = p.add_argument_group("output")
+  o.add_argument("--check", action="store_true",
+                 help="re-decode the first 3 requests one by one (greedy) and compare")
+  o.add_argument("--quiet", action="store_true", help="no per-request lines, no progress bar")
+  args = p.parse_args(argv)
+  for name in ("layers", "hidden", "vocab", "window", "max_seqs", "max_write", "capacity",
+               "requests", "prompt_min", "max_tokens", "n"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+  if args.prompt_max < args.prompt_min:
+    p.error(f"--prompt-max={args.prompt_max} must be >= --prompt-min={args.prompt_min}")
+  return args
 
 
-class _History:
-  """One sequence's K/V per layer as the demo's independent check sees it."""
-
-  def __init__(self, num_layers):
-    self.k = [[] for _ in range(num_layers)]
-    self.v = [[] for _ in range(num_layers)]
-
-  def fork(self, upto):
-    other = _History(len(self.k))
-    other.k = [list(ks[:upto]) for ks in self.k]
-    other.v = [list(vs[:upto]) for vs in self.v]
-    return other
-
-  def rewind(self, position):
-    self.k = [ks[:position] for ks in self.k]
-    self.v = [vs[:position] for vs in self.v]
+def _import_examples():
+  try:
+    from examples import hf, models   # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise SystemExit("python -m jaxkv.demo needs the repository's `examples` package: run it "
+                     f"from the repository root ({e})") from e
+  return hf, models
 
 
-def _expected(history, layer, q, window, dtype):
-  """float64 causal (sliding-window) attention of `q` at the history's last positions."""
-  keys = np.stack(history.k[layer]).astype(dtype).astype(np.float64)   # [S, K, D]
-  values = np.stack(history.v[layer]).astype(dtype).astype(np.float64)
-  num_keys, num_queries = keys.shape[0], q.shape[0]
-  group = q.shape[1] // keys.shape[1]
-  out = np.zeros(q.shape, np.float64)
-  for i in range(num_queries):
-    p = num_keys - num_queries + i
-    lo = 0 if window is None else max(0, p - window + 1)
-    for h in range(q.shape[1]):
-      s = keys[lo:p + 1, h // group] @ q[i, h].astype(np.float64) / math.sqrt(q.shape[2])
-      w = np.exp(s - s.max())
-      out[i, h] = (w / w.sum()) @ values[lo:p + 1, h // group]
-  return out
+def _build(args):
+  """`(model, model_config, tokenizer)` from the flags."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  hf, models = _import_examples()
+  dtype = _DTYPES[args.dtype]
+  cache = dict(capacity=args.capacity, max_seqs=args.max_seqs, max_write=args.max_write,
+               kv_dtype=dtype, initial_capacity=args.initial_capacity)
+  if args.checkpoint:
+    model, config, _ = hf.load_model(args.checkpoint, dtype=dtype, param_dtype=dtype,
+                                     implementation=args.implementation, **cache)
+    return model, config, hf.load_tokenizer(args.checkpoint)
+  heads = max(1, args.hidden // 16)
+  common = dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                intermediate_size=2 * args.hidden, num_layers=args.layers, num_heads=heads,
+                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=16)
+  if args.model == "gemma3":
+    types = tuple("full" if (i + 1) % 3 == 0 else "sliding" for i in range(args.layers))
+    config = models.ModelConfig.gemma3(sliding_window=args.window, layer_types=types,
+                                       query_pre_attn_scalar=16.0, **common)
+  else:
+    config = models.ModelConfig.llama(**common)
+  model = models.Decoder(config, config.cache_config(**cache), dtype=dtype, param_dtype=dtype,
+                         implementation=args.implementation, rngs=nnx.Rngs(args.seed))
+  return model, config, None
 
 
-class _Demo:
-  """Drives the cache and the check side by side."""
+def _requests(args, config, tokenizer):
+  params = serve.SamplingParams(
+      max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=config.eos_token_ids[:8])
+  if args.prompt:
+    if tokenizer is None:
+      raise SystemExit("--prompt needs a --checkpoint with tokenizer.json (and `tokenizers`)")
+    prompts = [tuple(tokenizer.encode(text).ids) for text in args.prompt]
+  else:
+    rng = np.random.default_rng(args.seed)
+    prompts = [tuple(int(t) for t in rng.integers(0, config.vocab_size, size=int(
+        rng.integers(args.prompt_min, args.prompt_max + 1)))) for _ in range(args.requests)]
+  # Each request gets its own seed (seed + index).
+  return [serve.Request(prompt, dataclasses.replace(params, seed=params.seed + i))
+          for i, prompt in enumerate(prompts)]
 
-  def __init__(self, args):
-    self.rng = np.random.default_rng(args.seed)
-    self.windows = [None, args.window]
-    layers = [jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 2, 16),
-              jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(args.window), 2, 16)]
-    self.config = jaxkv.CacheConfig(layers, capacity=64 * args.seqs, max_seqs=args.seqs + 1,
-                                    max_write=args.max_write, kv_dtype=jnp.float32,
-                                    initial_capacity=16)
-    self.cache = jaxkv.BatchedSequenceCache(self.config, implementation=args.implementation)
-    self.histories = {}
-    self.worst = 0.0
 
-  def new(self):
-    seq_id = self.cache.seq_new()
-    self.histories[seq_id] = _History(len(self.windows))
-    return seq_id
+def _show(tokens, tokenizer):
+  if tokenizer is not None:
+    return repr(tokenizer.decode(list(tokens)))
+  text = " ".join(str(t) for t in tokens)
+  return text if len(text) < 100 else text[:97] + "..."
 
-  def step(self, seq_ids):
-    """One step: declare, prepare, write + attend every layer, check, commit."""
-    assert self.cache.declare_step(seq_ids), f"declaration {seq_ids} refused"
-    self.cache.prepare_step()
-    n = len(seq_ids)
-    for layer, window in enumerate(self.windows):
-      q = self.rng.standard_normal((n, 4, 16)).astype(np.float32)
-      k = self.rng.standard_normal((n, 2, 16)).astype(np.float32)
-      v = self.rng.standard_normal((n, 2, 16)).astype(np.float32)
-      out = np.asarray(self.cache.attend(layer, q, k, v))
-      for seq_id in dict.fromkeys(seq_ids):
-        rows = [i for i, s in enumerate(seq_ids) if s == seq_id]
-        history = self.histories[seq_id]
-        history.k[layer].extend(k[rows])
-        history.v[layer].extend(v[rows])
-        expected = _expected(history, layer, q[rows], window, np.float32)
-        self.worst = max(self.worst, float(np.abs(out[rows] - expected).max()))
-    self.cache.commit_step()
 
-  def report(self, label):
-    live = [s for s in self.histories if self.cache.is_live(s)]
-    text = ", ".join(f"seq {s}: pos {self.cache.pos(s)}" for s in live)
-    print(f"{label:<26} {text}")
+def _check(model, results) -> bool:
+  """Greedy re-decode of the first 3 completions, one sequence at a time."""
+  from examples.decoding import greedy_generate   # pylint: disable=g-import-not-at-top
+  ok = True
+  for c in [c for c in results if c.index == 0][:3]:
+    want = greedy_generate(serve.ModelRunner(model), [list(c.prompt)], len(c.tokens))[0]
+    same = want == c.tokens
+    ok &= same
+    print(f"check request {c.request_id}: {'OK' if same else 'MISMATCH'}")
+  return ok
 
 
 def main(argv=None) -> int:
   args = _parse_args(argv)
-  start = time.perf_counter()
-  demo = _Demo(args)
-  print(f"jaxkv demo on {jax.devices()[0].platform}: layers [flat, ring({args.window})], "
-        f"W={args.max_write}, {args.seqs} sequences")
-  seq_ids = [demo.new() for _ in range(args.seqs)]
-  lengths = [max(1, args.prompt - 3 * i) for i in range(args.seqs)]
-  pending = [s for s, n in zip(seq_ids, lengths) for _ in range(n)]
-  while pending:   # chunked prefill, several sequences per step
-    demo.step(pending[:args.max_write])
-    pending = pending[args.max_write:]
-  demo.report("after prefill")
-  fork = demo.cache.seq_clone(seq_ids[0], lengths[0] - 2)
-  demo.histories[fork] = demo.histories[seq_ids[0]].fork(lengths[0] - 2)
-  demo.report(f"fork {fork} of seq {seq_ids[0]}")
-  for i in range(args.decode):
-    active = list(demo.histories)
-    demo.step(active[:args.max_write])
-    if i == args.decode // 2:
-      target = demo.cache.pos(seq_ids[1]) - 1
-      assert demo.cache.rewind(seq_ids[1], target), "rewind refused"
-      demo.histories[seq_ids[1]].rewind(target)
-      demo.report(f"rewind seq {seq_ids[1]} by 1")
-  demo.report("after decode")
-  ok = demo.worst < 1e-4
-  print(f"max |jaxkv - numpy float64 attention| = {demo.worst:.2e}  "
-        f"({'OK' if ok else 'MISMATCH'}); {time.perf_counter() - start:.1f} s")
-  return 0 if ok else 1
+  started = time.perf_counter()
+  model, config, tokenizer = _build(args)
+  cache = model.cache_config
+  requests = _requests(args, config, tokenizer)
+  longest = max(len(r.prompt) for r in requests) + args.max_tokens
+  engine = serve.Engine(model, max_len=longest)
+  rings = sum(layer.policy.is_ring for layer in cache.layers)
+  print(f"jaxkv demo on {jax.devices()[0].platform}: {config.arch} "
+        f"({'checkpoint' if args.checkpoint else 'random weights'}, {config.num_layers} layers: "
+        f"{cache.num_layers - rings} flat, {rings} ring, {config.num_params / 1e6:.2f}M params), "
+        f"{len(requests)} requests x n={args.n}, W={cache.step_width}, "
+        f"max_seqs={cache.max_seqs}, capacity={cache.capacity}")
+
+  bar = None
+  if not args.quiet:
+    try:
+      from tqdm import tqdm   # pylint: disable=g-import-not-at-top
+      bar = tqdm(total=len(requests) * args.n, unit="req", file=sys.stdout, leave=False)
+    except ImportError:
+      bar = None
+  first = {}
+
+  def on_progress(stats, finished):
+    if not first:
+      first.update(seconds=stats.seconds, steps=stats.steps, step_tokens=stats.step_tokens)
+    if bar is not None:
+      bar.update(len(finished))
+      bar.set_postfix(steps=stats.steps, tokens=stats.step_tokens)
+
+  results = engine.run(requests, on_progress=on_progress)
+  if bar is not None:
+    bar.close()
+  stats = engine.stats
+  if not args.quiet:
+    for c in results:
+      label = f"request {c.request_id}" + (f".{c.index}" if args.n > 1 else "")
+      print(f"{label:>12} [{len(c.prompt):3d} prompt] {_show(c.tokens, tokenizer)}"
+            f"  ({c.finish_reason})")
+  rows = stats.peak_rows
+  in_use = serve.bytes_in_use(cache, [rows])
+  allocated = serve.storage_bytes(engine.state.cache)
+  warm_s = stats.seconds - first.get("seconds", 0.0)
+  warm_tokens = stats.step_tokens - first.get("step_tokens", 0)
+  print(f"generated {stats.generated} tokens in {stats.seconds:.2f} s "
+        f"({stats.generated / stats.seconds:.1f} tokens/s, {stats.step_tokens / stats.seconds:.1f}"
+        f" step tokens/s, first loop entry with compilation included)")
+  if warm_s > 0 and warm_tokens > 0:
+    print(f"after the first loop entry: {warm_tokens / warm_s:.1f} step tokens/s, "
+          f"{1e3 * warm_s / max(stats.steps - first['steps'], 1):.2f} ms/step")
+  print(f"steps {stats.steps}, loop entries {stats.loop_entries}, mean batch occupancy "
+        f"{stats.occupancy / max(stats.steps, 1):.2f} sequences "
+        f"({stats.step_tokens / max(stats.steps, 1):.1f}/{cache.step_width} tokens per step)")
+  print(f"cache: peak {rows} rows in use ({in_use / 2**20:.2f} MiB of K/V), "
+        f"{allocated / 2**20:.2f} MiB allocated; total {time.perf_counter() - started:.1f} s")
+  if args.check:
+    if args.temperature > 0:
+      print("check skipped: it compares greedy decoding (--temperature 0)")
+      return 0
+    return 0 if _check(model, results) else 1
+  return 0
 
 
 if __name__ == "__main__":

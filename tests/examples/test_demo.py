@@ -1,0 +1,46 @@
+"""`python -m jaxkv.demo`: flags, output and the optional greedy check."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from jaxkv import demo
+
+
+def test_demo_serves_and_checks(capsys):
+  code = demo.main(["--requests", "3", "--max-tokens", "5", "--layers", "3", "--prompt-max",
+                    "20", "--max-write", "8", "--window", "4", "--initial-capacity", "16",
+                    "--check"])
+  out = capsys.readouterr().out
+  assert code == 0
+  assert len(re.findall(r"request \d+ \[", out)) == 3
+  assert "generated 15 tokens" in out
+  assert re.search(r"mean batch occupancy \d+\.\d+ sequences", out)
+  assert re.search(r"cache: peak \d+ rows in use", out)
+  assert out.count(": OK") == 3
+
+
+def test_demo_parallel_samples_llama(capsys):
+  code = demo.main(["--model", "llama", "--requests", "2", "--n", "2", "--max-tokens", "3",
+                    "--layers", "1", "--temperature", "1.0", "--top-k", "5", "--quiet"])
+  out = capsys.readouterr().out
+  assert code == 0 and "generated 12 tokens" in out and "request 0" not in out
+
+
+def test_help_documents_every_flag(capsys):
+  with pytest.raises(SystemExit, match="0"):
+    demo.main(["--help"])
+  text = capsys.readouterr().out
+  parser_flags = re.findall(r"add_argument\(\"(--[a-z-]+)\"", pathlib.Path(demo.__file__).read_text())
+  assert len(parser_flags) > 20
+  for flag in parser_flags:
+    assert re.search(re.escape(flag) + r"\b.*\n?\s+\S", text), flag
+
+
+def test_bad_flags_are_refused(capsys):
+  with pytest.raises(SystemExit, match="2"):
+    demo.main(["--requests", "0"])
+  assert "--requests=0 must be >= 1" in capsys.readouterr().err
