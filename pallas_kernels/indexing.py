@@ -143,6 +143,8 @@ def visible_key_range(first_query_pos, last_query_pos, lo, end, kind, *,
 
   A causal query at `p` sees at most up to `p` and, on a ring, from
   `p - window + 1`; an owner block sees its whole read range `[lo, end)`.
+  Called with `first` and `last` swapped, it gives the keys that every query
+  in `[first, last]` sees (empty when `start >= stop`).
   """
   is_block = kind == KIND_BLOCK
   stop = jnp.where(is_block, end, jnp.minimum(end, last_query_pos + 1))

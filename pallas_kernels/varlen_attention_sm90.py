@@ -44,8 +44,8 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
 # Columns of the per-item table the kernel reads.
 (IT_SLOT, IT_ACTIVE, IT_COL, IT_KIND, IT_Q_ROW0, IT_Q_TOK0, IT_POS0, IT_LO, IT_END,
  IT_FIRST_ROW, IT_FIRST_LEN, IT_SECOND_LEN, IT_TILE0_ROW, IT_NUM_FIRST, IT_T_BEGIN,
- IT_T_END) = range(16)
-NUM_ITEM_FIELDS = 16
+ IT_T_END, IT_ALL_START, IT_ALL_STOP) = range(18)
+NUM_ITEM_FIELDS = 18
 
 _SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 
@@ -72,6 +72,11 @@ def static_check(q, k_cache, *, config):
                               "(use_wgmma=False), which only the interpreter runs")
   if head_dim % 64:
     raise NotImplementedError(f"{head_dim=} must be a multiple of 64 for wgmma")
+  if config.block_k == head_dim:
+    # Observed on H200 with jax 0.11.2: square K/V tiles (64x64, 128x128) give
+    # wrong results; docs/PERFORMANCE.md has the measurements.
+    raise NotImplementedError(f"{config.block_k=} == {head_dim=} (square K/V tiles) "
+                              "miscomputes on Mosaic GPU; use another block_k")
   if num_rows % ROW_ALIGN or num_rows < config.block_k:
     raise NotImplementedError(f"{num_rows=} must be a multiple of {ROW_ALIGN} and >= "
                               f"{config.block_k=} for TMA into tiled shared memory")
@@ -136,6 +141,10 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
   last_q = f["pos0"] + (q_tok0 + jnp.maximum(rows, 1) - 1) // group
   key_start, key_stop = indexing.visible_key_range(first_q, last_q, f["lo"], f["end"],
                                                    f["kind"], window=window)
+  # Keys every query of the tile sees: the range of its last query's window
+  # start and its first query's causal end.
+  all_start, all_stop = indexing.visible_key_range(last_q, first_q, f["lo"], f["end"],
+                                                   f["kind"], window=window)
   tile_args = (f["lo"], f["first_row"], f["first_len"], f["tile0_row"], f["num_first"])
   t_lo = indexing.tile_of_key(key_start, *tile_args, block=block_k)
   t_hi = indexing.tile_of_key(key_stop - 1, *tile_args, block=block_k) + 1
@@ -146,7 +155,7 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
       item, active.astype(jnp.int32), f["col"], f["kind"],
       f["q_start"] * group + q_tok0, q_tok0, f["pos0"], f["lo"], f["end"],
       f["first_row"], f["first_len"], f["second_len"], f["tile0_row"], f["num_first"],
-      t_begin, t_end], axis=1).astype(jnp.int32)
+      t_begin, t_end, all_start, all_stop], axis=1).astype(jnp.int32)
   if sort_items:
     # Longest first: the GPU dispatches programs in order, so this shortens the tail.
     order = jnp.argsort(-(t_end - t_begin) * active.astype(jnp.int32), stable=True)
@@ -181,6 +190,7 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
     tile_args = (lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
                  field(IT_TILE0_ROW), field(IT_NUM_FIRST))
     t_begin, t_end = field(IT_T_BEGIN), field(IT_T_END)
+    all_start, all_stop = field(IT_ALL_START), field(IT_ALL_STOP)
 
     def span(t):
       tile_row, rows_start, rows_end, key0 = indexing.tile_span(t, *tile_args, block=block_k)
@@ -228,18 +238,29 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
         s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
                             precision=lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
-      row = load_row + key_col
-      key_pos = key0 + (row - rows_start)
-      mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
-          key_pos, query_pos, lo, end, kind, window=window)
-      s = jnp.where(mask, s, MASK_VALUE)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      p = jnp.where(mask, p, 0.0)
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(dtype)
+
+      def softmax_update(s, m_i, l_i, acc, *, masked):
+        if masked:
+          row = load_row + key_col
+          key_pos = key0 + (row - rows_start)
+          mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
+              key_pos, query_pos, lo, end, kind, window=window)
+          s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        if masked:
+          p = jnp.where(mask, p, 0.0)
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return m_new, l_i, acc, p.astype(dtype)
+
+      # A tile whose rows all hold read-range keys that every query of the item
+      # sees (interior decode tiles) skips the mask arithmetic.
+      is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
+      m_new, l_i, acc, p16 = lax.cond(
+          is_full, functools.partial(softmax_update, masked=False),
+          functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
 
       plgpu.barrier_wait(v_bars.at[stage])
       v_tile = v_smem.at[stage]
@@ -325,6 +346,9 @@ def _combine(o_part, lse_part, seg, seq_info, *, num_tokens, group, block_q, max
   # Select, never multiply: an unused split's buffer was never written.
   o = jnp.where(is_split[..., None], o, 0.0)
   out = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
+  # Padding tokens gathered unwritten partials; give them zeros, deterministically.
+  is_token = (tokens >= seg["q_start"][s]) & (tokens < seg["q_start"][s] + seg["q_len"][s])
+  out = jnp.where(is_token[:, None, None, None], out, 0.0)
   return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
 
 

@@ -48,10 +48,16 @@ GPU_FAMILIES = [
            capacity=300, num_steps=9, q_dtype=jnp.float32),
     Family("fp16-flat-mha-d64", jnp.float16, None, 2, 2, 64, width=32, max_seqs=4,
            capacity=256, num_steps=9),
-    Family("bf16-ring29-gqa8x2-d64-padded", jnp.bfloat16, 29, 8, 2, 64, width=36, max_seqs=3,
-           capacity=200, num_steps=9),
+    Family("bf16-ring93-gqa8x2-d64-padded", jnp.bfloat16, 93, 8, 2, 64, width=36, max_seqs=3,
+           capacity=400, num_steps=9),
 ]
-SPLIT_CONFIG = config_lib.VarlenAttentionConfig(split_len=64, split_budget=16, max_splits=4)
+# block_k differs from head_dim: square K/V tiles are refused (see static_check).
+SPLIT_CONFIGS = {
+    64: config_lib.VarlenAttentionConfig(block_k=128, split_len=128, split_budget=16,
+                                         max_splits=4),
+    128: config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
+                                          max_splits=4),
+}
 INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     block_q=8, block_k=8, num_stages=3, split_len=8, split_budget=2, max_splits=3,
     sort_items=False, use_wgmma=False)
@@ -102,9 +108,10 @@ def test_interpreted_kernel_with_splits_matches_reference(family, rng):
 
 
 @requires_hopper
-@pytest.mark.parametrize("config", [None, SPLIT_CONFIG], ids=["default", "splits"])
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
 @pytest.mark.parametrize("family", GPU_FAMILIES, ids=str)
-def test_compiled_kernel_matches_reference(family, config, rng):
+def test_compiled_kernel_matches_reference(family, splits, rng):
+  config = SPLIT_CONFIGS[family.head_dim] if splits else None
   _check_family(family, rng, config=config, interpret=False)
 
 
@@ -140,10 +147,11 @@ def test_production_kernel_lowers_to_one_mosaic_gpu_call(window):
 @pytest.mark.parametrize("shapes, config, match", [
     ((8, 8, 64, 2, 128, jnp.float32), None, "float32 storage"),
     ((8, 8, 64, 2, 32, jnp.bfloat16), None, "multiple of 64 for wgmma"),
-    ((8, 8, 60, 2, 64, jnp.bfloat16), None, "must be a multiple of 8"),
+    ((8, 8, 60, 2, 128, jnp.bfloat16), None, "must be a multiple of 8"),
     ((8, 6, 64, 2, 64, jnp.bfloat16), None, "GQA group 3"),
     ((8, 8, 64, 2, 64, jnp.int8), None, "kv dtype int8"),
-], ids=["f32", "d32", "rows60", "group3", "int8"])
+    ((8, 8, 64, 2, 64, jnp.bfloat16), None, "square K/V tiles"),
+], ids=["f32", "d32", "rows60", "group3", "int8", "square"])
 def test_production_kernel_refuses_what_it_cannot_serve(shapes, config, match):
   q, k, _, _, _ = _shapes(*shapes)
   with pytest.raises(NotImplementedError, match=match):
