@@ -22,6 +22,7 @@ runs are derandomized unless `JAXKV_HYPOTHESIS_RANDOM=1`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 
@@ -46,8 +47,8 @@ INITIAL_CAPACITY = 2
 # SPEC §6.1 / §10.2 phase values.
 IDLE, DECLARED, PREPARED, COMMITTED = 0, 1, 2, 3
 
-EXAMPLES = int(os.environ.get("JAXKV_HYPOTHESIS_EXAMPLES", "12"))
-STEPS_PER_EXAMPLE = 80
+EXAMPLES = int(os.environ.get("JAXKV_HYPOTHESIS_EXAMPLES", "16"))
+STEPS_PER_EXAMPLE = 150
 RTOL = tol(jnp.float32)
 
 
@@ -348,6 +349,7 @@ class CacheMachine(RuleBasedStateMachine):
 
   config = None  # set by `machine_for`
   calls = 0      # facade calls over all examples of this class
+  stats = None   # collections.Counter of what the run exercised
 
   def __init__(self):
     super().__init__()
@@ -355,6 +357,7 @@ class CacheMachine(RuleBasedStateMachine):
     self.model = Model(self.config)
     self.n_layers = len(self.config.layers)
     self.width = self.config.max_write
+    self.next_layer = 0  # the layer protocol_call serves next in PREPARED
     self.check_control()
 
   # Helpers.
@@ -413,8 +416,9 @@ class CacheMachine(RuleBasedStateMachine):
     floor = self.model.floor(s) if self.model.is_live(s) else 0
     candidates = sorted({-1, 0, 1, floor - 1, floor, floor + 1, pos - 1, pos, pos + 1,
                          *extra})
-    return data.draw(st.one_of(st.sampled_from(candidates), st.integers(-1, CAPACITY + 1)),
-                     label="position")
+    if data.draw(st.booleans(), label="near"):
+      return data.draw(st.sampled_from(candidates), label="position")
+    return data.draw(st.integers(-1, CAPACITY + 1), label="position")
 
   def call_checked(self, name, facade_call, model_call, *, unchanged_if):
     """Runs one facade call and its model twin; compares results and the state.
@@ -440,6 +444,9 @@ class CacheMachine(RuleBasedStateMachine):
       want = e
     got_error = isinstance(got, jaxkv.StepError)
     want_error = isinstance(want, ModelStepError)
+    outcome = "error" if want_error else (
+        "refused" if (want is None and name != "clear") or want is False else "ok")
+    self.stats[f"{name}:{outcome}"] += 1
     assert got_error == want_error, (name, got, want)
     if want_error or unchanged_if(want):
       assert_same_state(before, snapshot(self.cache.state))
@@ -456,6 +463,8 @@ class CacheMachine(RuleBasedStateMachine):
 
   @rule(data=st.data())
   def seq_clone(self, data):
+    if self.model.free_id() is None and data.draw(st.booleans(), label="make_room"):
+      self.seq_rm_any(data)  # all columns live: usually free one first
     src = self.id_arg(data)
     upto = None if data.draw(st.booleans(), label="whole") else self.near(
         data, src, extra=(100,))
@@ -466,6 +475,9 @@ class CacheMachine(RuleBasedStateMachine):
 
   @rule(data=st.data())
   def seq_rm(self, data):
+    self.seq_rm_any(data)
+
+  def seq_rm_any(self, data):
     s = self.id_arg(data)
     got, want = self.call_checked("seq_rm", lambda: self.cache.seq_rm(s),
                                   lambda: self.model.seq_rm(s), unchanged_if=lambda w: not w)
@@ -475,10 +487,33 @@ class CacheMachine(RuleBasedStateMachine):
   def rewind(self, data):
     s = self.id_arg(data)
     position = self.near(data, s)
+    if self.model.is_live(s) and 0 <= position < self.model.floor(s):
+      self.stats["rewind:below_floor"] += 1
     got, want = self.call_checked("rewind", lambda: self.cache.rewind(s, position),
                                   lambda: self.model.rewind(s, position),
                                   unchanged_if=lambda w: not w)
     assert got is want, ("rewind", s, position)
+
+  @rule(data=st.data())
+  def at_the_floor(self, data):
+    """Rewind or clone the sequence with the highest floor at floor - 1 or floor."""
+    live = [s for s in range(MAX_SEQS) if self.model.live[s]]
+    if not live:
+      return
+    s = max(live, key=self.model.floor)
+    target = self.model.floor(s) - data.draw(st.integers(0, 1), label="below")
+    if data.draw(st.booleans(), label="clone"):
+      got, want = self.call_checked(
+          "seq_clone", lambda: self.cache.seq_clone(s, target),
+          lambda: self.model.seq_clone(s, target), unchanged_if=lambda w: w is None)
+      assert got == want, ("seq_clone", s, target)
+    else:
+      if 0 <= target < self.model.floor(s):
+        self.stats["rewind:below_floor"] += 1
+      got, want = self.call_checked(
+          "rewind", lambda: self.cache.rewind(s, target),
+          lambda: self.model.rewind(s, target), unchanged_if=lambda w: not w)
+      assert got is want, ("rewind", s, target)
 
   @rule(data=st.data())
   def clear(self, data):
@@ -530,6 +565,8 @@ class CacheMachine(RuleBasedStateMachine):
         "declare_step", lambda: self.cache.declare_step(ids, owner_blocks=blocks),
         lambda: self.model.declare_step(ids, blocks), unchanged_if=lambda w: not w)
     assert got is want, ("declare_step", ids, blocks)
+    if blocks:
+      self.stats[f"declare_with_blocks:{'ok' if got else 'refused'}"] += 1
     return got
 
   def prepare(self, positions):
@@ -540,6 +577,8 @@ class CacheMachine(RuleBasedStateMachine):
         unchanged_if=lambda w: was_prepared)
     if not isinstance(want, ModelStepError):
       self.check_step(got)
+      if not was_prepared:
+        self.next_layer = 0
     return got
 
   def attend(self, layer, n_rows, *, bad=None):
@@ -563,9 +602,14 @@ class CacheMachine(RuleBasedStateMachine):
         lambda: self.model.attend(layer, shapes_ok), unchanged_if=lambda w: False)
     if isinstance(want, ModelStepError):
       return
+    if layer == self.next_layer:
+      self.next_layer += 1
     out = np.asarray(got)
     assert out.shape == (n_rows, N_Q_HEADS, HEAD_DIM) and out.dtype == np.float32, out.shape
+    self.stats["max_hw"] = max(self.stats["max_hw"], max(self.model.hw))
+    self.stats["max_flat_rows"] = max(self.stats["max_flat_rows"], self.model.flat_rows)
     for t, expected in enumerate(want):
+      self.stats["rows_checked" if expected is not None else "rows_unspecified"] += 1
       if expected is None:
         continue  # a visible row holds unspecified bytes (a skipped layer)
       row = np.zeros((N_Q_HEADS, HEAD_DIM), np.float64)
@@ -579,14 +623,13 @@ class CacheMachine(RuleBasedStateMachine):
                                unchanged_if=lambda w: was_committed)
     assert got is None or isinstance(got, jaxkv.StepError)
 
-  @rule(data=st.data())
-  def declare_step(self, data):
+  def any_declare(self, data):
     ids, blocks = self.draw_declaration(data)
     self.declare(ids, blocks)
 
-  @rule(data=st.data())
-  def prepare_step(self, data):
-    mode = data.draw(st.sampled_from(["none", "none", "right", "wrong"]), label="positions")
+  def any_prepare(self, data, mode=None):
+    if mode is None:
+      mode = data.draw(st.sampled_from(["none", "none", "right", "wrong"]), label="positions")
     model = self.model
     if model.phase == PREPARED:
       right = list(model.step.positions)
@@ -616,20 +659,71 @@ class CacheMachine(RuleBasedStateMachine):
           positions = [positions[0] - 1]
     self.prepare(positions)
 
-  @rule(data=st.data())
-  def attend_layer(self, data):
+  def any_attend(self, data, layer=None, misuse=False):
     model = self.model
     n = len(model.step.positions) if model.phase == PREPARED else self.width
-    layer = data.draw(st.one_of(st.integers(0, self.n_layers - 1),
-                                st.sampled_from([-1, self.n_layers])), label="layer")
-    n_rows = data.draw(st.sampled_from(sorted({n, self.width, max(1, n - 1), n + 1})),
-                       label="T")
-    bad = data.draw(st.sampled_from([None] * 6 + ["heads", "head_dim", "rows"]), label="bad")
+    if layer is None or not data.draw(st.integers(0, 9), label="keep_layer"):
+      layer = data.draw(st.integers(-1, self.n_layers), label="layer")
+    bad = None
+    if misuse:
+      how = data.draw(st.sampled_from(["layer", "T", "heads", "head_dim", "rows"]), label="bad")
+      if how == "layer":
+        layer = data.draw(st.sampled_from([-1, self.n_layers]), label="bad_layer")
+      elif how != "T":
+        bad = how
+    if misuse and how == "T":
+      n_rows = data.draw(st.sampled_from(
+          sorted({max(1, n - 1), n + 1} - {self.width} or {n + 1})), label="bad_T")
+    else:
+      n_rows = data.draw(st.sampled_from(sorted({n, self.width})), label="T")
     self.attend(layer, n_rows, bad=bad)
 
-  @rule()
-  def commit_step(self):
-    self.commit()
+  @rule(data=st.data())
+  def misuse(self, data):
+    """Wrong positions, ill-shaped attends, or any verb in any phase."""
+    kind = data.draw(st.sampled_from(["positions", "attend", "declare", "prepare", "attend_any",
+                                      "commit"]), label="misuse")
+    if kind == "positions":
+      self.any_prepare(data, mode="wrong")
+    elif kind == "attend":
+      self.any_attend(data, misuse=True)
+    elif kind == "declare":
+      self.any_declare(data)
+    elif kind == "prepare":
+      self.any_prepare(data)
+    elif kind == "attend_any":
+      self.any_attend(data)
+    else:
+      self.commit()
+
+  @rule(data=st.data())
+  def protocol_call(self, data):
+    """One of declare/prepare/attend/commit, usually the one the phase expects.
+
+    One call in three picks any of the four, so every verb also meets every
+    phase (StepErrors, no-ops, replaced and dropped declarations).
+    """
+    phase = self.model.phase
+    verbs = ["declare", "prepare", "attend", "commit"]
+    if data.draw(st.integers(0, 2), label="natural"):
+      if phase in (IDLE, COMMITTED):
+        verb = "declare"
+      elif phase == DECLARED:
+        verb = "prepare"
+      else:
+        # Serve the layers in order, then commit; sometimes commit early.
+        verb = "commit" if self.next_layer >= self.n_layers else data.draw(
+            st.sampled_from(["attend"] * 5 + ["commit"]), label="early_commit")
+    else:
+      verb = data.draw(st.sampled_from(verbs), label="verb")
+    if verb == "declare":
+      self.any_declare(data)
+    elif verb == "prepare":
+      self.any_prepare(data)
+    elif verb == "attend":
+      self.any_attend(data, layer=self.next_layer if self.next_layer < self.n_layers else None)
+    else:
+      self.commit()
 
   @rule(data=st.data())
   def whole_step(self, data):
@@ -669,7 +763,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 def machine_for(name: str):
   """A CacheMachine subclass bound to CONFIGS[name]."""
-  return type(f"CacheMachine_{name}", (CacheMachine,), {"config": CONFIGS[name], "calls": 0})
+  return type(f"CacheMachine_{name}", (CacheMachine,),
+              {"config": CONFIGS[name], "calls": 0, "stats": collections.Counter()})
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -685,7 +780,23 @@ def test_facade_agrees_with_model(name):
       suppress_health_check=list(hypothesis.HealthCheck),
   )
   run_state_machine_as_test(machine, settings=settings)
+  stats = machine.stats
   if os.environ.get("JAXKV_REPORT_CALLS"):
-    print(f"{name}: {machine.calls} facade calls")
-  # Roughly 1,000+ facade calls per config at the default budget.
+    print(f"{name}: {machine.calls} facade calls; {dict(sorted(stats.items()))}")
+  # The run must have exercised what scenario 50 asks for (a vacuous run fails).
   assert machine.calls >= 40 * EXAMPLES, machine.calls
+  if EXAMPLES >= 10:
+    for key in MUST_OCCUR:
+      assert stats[key] > 0, (key, dict(stats))
+    assert stats["rows_checked"] >= 10 * EXAMPLES, dict(stats)
+    assert stats["max_flat_rows"] == CAPACITY and stats["max_hw"] == CAPACITY, dict(stats)
+
+
+# Outcomes every run of at least 10 examples must contain.
+MUST_OCCUR = (
+    "seq_new:ok", "seq_new:refused", "seq_clone:ok", "seq_clone:refused", "seq_rm:ok",
+    "seq_rm:refused", "rewind:ok", "rewind:refused", "rewind:below_floor", "clear:ok",
+    "declare_step:ok", "declare_step:refused", "declare_with_blocks:ok",
+    "declare_with_blocks:refused", "prepare_step:ok", "prepare_step:error", "attend:ok",
+    "attend:error", "commit_step:ok", "commit_step:error", "commit_step:refused",
+)
