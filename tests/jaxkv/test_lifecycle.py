@@ -358,3 +358,14 @@ def test_scenario_36_rewind_bounds():
   assert int(jaxkv.pure.floor(h.config, cache.state, jnp.int32(s))) == 0
   assert h.rewind(s, 1) is True
   h.step([s] * 2)
+
+
+def test_scenario_25_dependent_model(driver):
+  """Scenario 25 with the SPEC §11 dependent model: layer 1's q/k/v are maps of layer 0's output."""
+  h = Harness(default_config(layers=TWO_FLAT), driver=driver, dependent=True)
+  x, y = h.new(), h.new()
+  h.step([x] * 4 + [y] * 3)
+  for _ in range(3):
+    h.step([x, y])
+  assert h.rewind(x, 5) is True
+  h.step([y, x, x])

@@ -292,7 +292,7 @@ def test_explicit_scale(implementation):
   h = Harness(default_config(layers=[flat(), ring(2)], max_write=4), implementation=implementation,
               scale=0.75)
   a, b = h.new(), h.new()
-  h.step([a, a, b, a, b])
+  h.step([a, a, b, a])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
