@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -138,6 +139,13 @@ def test_scenario_26_span_must_continue_its_sequence():
   step = cache.prepare_step([0, 1])
   assert np.asarray(step.positions)[:2].tolist() == [0, 1]
   assert int(cache.state.phase) == jaxkv.Phase.PREPARED
+  # Positions and ids may come as NumPy or JAX integer arrays, as a demanding caller passes them.
+  cache.prepare_step(np.array([0, 1], np.int32))
+  cache.prepare_step(jnp.array([0, 1], jnp.int32))
+  assert_step_error(cache, "BAD_POSITIONS", lambda: cache.prepare_step(np.array([0, 2])))
+  assert cache.declare_step(np.array([s, s, s], np.int32)) is True
+  assert np.asarray(cache.prepare_step(jnp.arange(3, dtype=jnp.int32)).positions)[:3].tolist() == [
+      0, 1, 2]
 
 
 def test_scenario_27_spanned_twice_continued_across_both():
@@ -369,3 +377,107 @@ def test_scenario_25_dependent_model(driver):
     h.step([x, y])
   assert h.rewind(x, 5) is True
   h.step([y, x, x])
+
+
+# --------------------------------------------------------------------------- pure twins
+
+
+def _jit(fn):
+  return jax.jit(fn, static_argnums=0)
+
+
+def test_scenario_28_pure_twins_report_status_and_keep_state():
+  """Scenario 28, pure API (SPEC §10.3): statuses, an unchanged state, and zeros from attend."""
+  config = default_config(layers=TWO_FLAT)
+  state = jaxkv.init_state(config)
+  state, status, s = _jit(jaxkv.pure.seq_new)(config, state)
+  assert int(status) == jaxkv.Status.OK and int(s) == 0
+  before = snapshot(state)
+  state, status = _jit(jaxkv.pure.prepare_step)(config, state)
+  assert int(status) == jaxkv.Status.NO_DECLARATION
+  assert_same_state(before, snapshot(state))
+  q = jnp.ones((8, N_Q_HEADS, HEAD_DIM), jnp.float32)
+  kv = jnp.ones((8, N_KV_HEADS, HEAD_DIM), jnp.float32)
+  attend = jax.jit(lambda c, st, q, k, v: jaxkv.pure.attend(c, st, 0, q, k, v,
+                                                             implementation="reference"),
+                   static_argnums=0)
+  state, out, status = attend(config, state, q, kv, kv)
+  assert int(status) == jaxkv.Status.NOT_PREPARED
+  assert out.shape == (8, N_Q_HEADS, HEAD_DIM) and not np.any(np.asarray(out))
+  assert_same_state(before, snapshot(state))
+  state, status = _jit(jaxkv.pure.commit_step)(config, state)
+  assert int(status) == jaxkv.Status.NOT_PREPARED
+  assert_same_state(before, snapshot(state))
+
+
+def test_pure_statuses_follow_the_spec_check_order():
+  """SPEC §5, §6.2: the first failing check sets the status, and every refusal changes nothing."""
+  config = default_config(layers=[flat(), ring(2)], capacity=6, max_seqs=2, max_write=4,
+                          initial_capacity=6)
+  W = 4
+  declare = _jit(jaxkv.pure.declare_step)
+  prepare = _jit(jaxkv.pure.prepare_step)
+  commit = _jit(jaxkv.pure.commit_step)
+  clone = _jit(jaxkv.pure.seq_clone)
+  rewind = _jit(jaxkv.pure.rewind)
+  rm = _jit(jaxkv.pure.seq_rm)
+  new = _jit(jaxkv.pure.seq_new)
+  state = jaxkv.init_state(config)
+  no_blocks = jnp.zeros((W, 2), jnp.int32)
+
+  def ids(*xs):
+    arr = np.full((W,), config.max_seqs, np.int32)
+    arr[:len(xs)] = xs
+    return jnp.asarray(arr)
+
+  def expect(result, status):
+    nonlocal state
+    before = snapshot(state)
+    new_state, got = result[0], result[1]
+    assert int(got) == status, (jaxkv.Status(int(got)).name, status.name)
+    assert_same_state(before, snapshot(new_state))
+    state = new_state
+
+  S = jaxkv.Status
+  state, status, x = new(config, state)
+  assert int(status) == S.OK and int(x) == 0
+  expect(clone(config, state, jnp.int32(1), jnp.int32(jaxkv.pure.WHOLE)), S.NOT_LIVE)
+  expect(clone(config, state, x, jnp.int32(jaxkv.pure.WHOLE)), S.EMPTY)   # pos 0
+  expect(declare(config, state, ids(), jnp.int32(0), no_blocks), S.EMPTY)
+  expect(declare(config, state, ids(1, 1, 1, 1), jnp.int32(5), no_blocks), S.TOO_WIDE)
+  expect(declare(config, state, ids(0, 1), jnp.int32(2), no_blocks), S.NOT_LIVE)
+  bad_block = jnp.asarray(np.array([[0, 3]] + [[0, 0]] * 3, np.int32))
+  expect(declare(config, state, ids(0, 0), jnp.int32(2), bad_block), S.BAD_BLOCKS)
+  # Three 2-token steps for x: hw 6 wraps ring(2) (R = min(6, 2 + 4 - 1) = 5), floor 6 - 5 + 1 = 2.
+  for _ in range(3):
+    state, status = declare(config, state, ids(0, 0), jnp.int32(2), no_blocks)
+    assert int(status) == S.OK
+    state, status = prepare(config, state)
+    assert int(status) == S.OK
+    state, status = commit(config, state)
+    assert int(status) == S.OK
+  assert np.asarray(state.pos).tolist() == [6, 0] and int(state.held) == 6
+  assert int(jaxkv.pure.floor(config, state, x)) == 2
+  expect(declare(config, state, ids(0), jnp.int32(1), no_blocks), S.NO_ROOM)
+  expect(declare(config, state, ids(0, 0, 0, 0), jnp.int32(4), bad_block), S.BAD_BLOCKS)
+  expect(rewind(config, state, jnp.int32(1), jnp.int32(0)), S.NOT_LIVE)
+  expect(rewind(config, state, x, jnp.int32(7)), S.BAD_TARGET)
+  expect(rewind(config, state, x, jnp.int32(-1)), S.BAD_TARGET)
+  expect(rewind(config, state, x, jnp.int32(1)), S.BELOW_FLOOR)
+  expect(clone(config, state, x, jnp.int32(0)), S.EMPTY)
+  expect(clone(config, state, x, jnp.int32(1)), S.BELOW_FLOOR)
+  expect(clone(config, state, x, jnp.int32(2)), S.NO_ROOM)   # held 6 = capacity
+  state, status = rewind(config, state, x, jnp.int32(3))
+  assert int(status) == S.OK and int(state.held) == 3
+  state, status, y = new(config, state)
+  assert int(status) == S.OK and int(y) == 1
+  expect(new(config, state), S.NO_FREE_ID)
+  expect(clone(config, state, x, jnp.int32(3)), S.NO_FREE_ID)   # room for 3, no id
+  expect(rm(config, state, jnp.int32(-1)), S.NOT_LIVE)
+  expect(rm(config, state, jnp.int32(2)), S.NOT_LIVE)
+  state, status = rm(config, state, y)
+  assert int(status) == S.OK
+  state, status, f = clone(config, state, x, jnp.int32(2))
+  assert int(status) == S.OK and int(f) == 1
+  assert np.asarray(state.pos).tolist() == [3, 2] and np.asarray(state.hw).tolist() == [6, 6]
+  assert int(state.held) == 5

@@ -72,7 +72,14 @@ def test_scenario_01_spans_match_separate_runs(make):
   a, b = h.new(), h.new()
   assert (a, b) == (0, 1)
   assert h.expected_positions([a, a, a, b, b]) == [0, 1, 2, 0, 1]
-  h.step([a, a, a, b, b])   # checks prepared positions and every row against the oracles
+  assert h.cache.declare_step([a, a, a, b, b]) is True
+  step = h.cache.prepare_step()
+  assert int(step.n_tokens) == 5 and int(step.n_segments) == 2
+  assert np.asarray(step.seq_cols).tolist() == [0, 0, 0, 1, 1, 4, 4, 4]
+  assert np.asarray(step.write_rows).tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+  assert np.asarray(step.seq_info).tolist() == [[0, 3, 0, 0, 0], [3, 2, 1, 0, 0]] + [
+      [5, 0, 4, 0, 0]] * 6
+  h.step([a, a, a, b, b])   # re-declared; checks positions and every row against the oracles
   assert (h.cache.pos(a), h.cache.pos(b)) == (3, 2)
 
 
@@ -94,6 +101,8 @@ def test_scenario_03_sequence_spanned_twice_keeps_order(make):
   step = h.cache.prepare_step()
   assert step_positions(step, 3) == [0, 0, 1]
   assert int(step.n_segments) == 3
+  assert np.asarray(step.seq_info)[:4].tolist() == [
+      [0, 1, 0, 0, 0], [1, 1, 1, 0, 0], [2, 1, 0, 1, 0], [3, 0, 4, 0, 0]]
   # Re-declaring drops the prepared step (SPEC §6.1); the harness step then runs it for real.
   outs = h.step([a, b, a])
   # Row 0 is a's first token alone: attention over one key returns that key's value exactly
