@@ -289,10 +289,8 @@ def main():
                                                           interpret=False)
   configs = {
       "default": None,
-      "s2": dataclasses.replace(default, num_stages=2),
-      "s4 split2048": dataclasses.replace(default, num_stages=4, split_len=2048),
-      "s3 split512 budget1024": dataclasses.replace(default, split_len=512,
-                                                    split_budget=1024),
+      "s3": dataclasses.replace(default, num_stages=3),
+      "split4096": dataclasses.replace(default, split_len=4096),
   }
   copy_ceiling(rows)
   run_decode(rows, "decode 64 seqs 32/8 D128 512..8192", 64, 32, 8, 128, 512, 8192, configs,

@@ -82,7 +82,7 @@ def default_varlen_attention_config(*, group: int, head_dim: int,
   The interpreter runs every program through host callbacks, so interpreted
   calls get small tiles and a small split budget (still exercising splits);
   compiled calls get 64-row q tiles, K/V tiles of 64 (128 for head dim 64),
-  2-4 stages and about four programs per SM of split budget on an H100/H200
+  two stages and about four programs per SM of split budget on an H100/H200
   (132 SMs). `group` is the GQA group size
   (query heads per KV head), which must divide `block_q`.
   """
@@ -91,9 +91,7 @@ def default_varlen_attention_config(*, group: int, head_dim: int,
                                  split_budget=4, max_splits=4, use_wgmma=False)
   # block_k != head_dim: square K/V tiles miscompute (see varlen_attention_sm90).
   # Stages and split lengths: the best of a small sweep on H200 (docs/PERFORMANCE.md).
-  if head_dim == 64:
-    return VarlenAttentionConfig(block_q=64, block_k=128, num_stages=2, split_len=1024,
-                                 split_budget=512, max_splits=16)
-  num_stages = 4 if head_dim <= 128 else 2
-  return VarlenAttentionConfig(block_q=64, block_k=64, num_stages=num_stages,
-                               split_len=2048, split_budget=512, max_splits=16)
+  # Two stages keep a program at ~80 KB of shared memory, so two fit on one SM.
+  block_k = 128 if head_dim == 64 else 64
+  return VarlenAttentionConfig(block_q=64, block_k=block_k, num_stages=2, split_len=2048,
+                               split_budget=512, max_splits=16)

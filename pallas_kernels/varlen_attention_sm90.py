@@ -128,8 +128,7 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
   """`[max_items, NUM_ITEM_FIELDS]` int32 table, one row per program (item)."""
   item = jnp.arange(max_items, dtype=jnp.int32)
   cu = seg["cu_items"]
-  s = jnp.minimum(jnp.searchsorted(cu, item, side="right").astype(jnp.int32),
-                  cu.shape[0] - 1)
+  s = jnp.minimum(_searchsorted(cu, item).astype(jnp.int32), cu.shape[0] - 1)
   active = item < cu[-1]
   f = {name: value[s] for name, value in seg.items() if name != "cu_items"}
   local = item - (cu[s] - f["num_items"])
@@ -165,9 +164,9 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
 
 def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
-                      q_smem, k_smem, v_smem, o_smem, lse_smem, q_bar, k_bars, v_bars,  # Scratch
+                      q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, num_rows, window,
-                      use_wgmma):
+                      use_wgmma, transforms):
   """One program: one item (segment q tile x key split) for one KV head.
 
   Grid axes: "item" (rows of the item table, longest first) and "head" (KV
@@ -175,6 +174,9 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches.
   Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
   log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
+  Scratch: the q tile and its barrier; the K/V stages and the output staging
+  buffers live in two consecutive scopes, so they share shared memory (two
+  programs fit on one SM).
   """
   item = lax.axis_index("item")
   head = lax.axis_index("head")
@@ -200,109 +202,142 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       load_row = tile_row if use_wgmma else jnp.minimum(tile_row, num_rows - block_k)
       return load_row, rows_start, rows_end, key0
 
-    def fetch(t, stage):
-      load_row = span(t)[0]
-      if use_wgmma:
-        load_row = pl.multiple_of(load_row, ROW_ALIGN)
-      rows = pl.ds(load_row, block_k)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, col, head], k_smem.at[stage], k_bars.at[stage])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, col, head], v_smem.at[stage], v_bars.at[stage])
-
     plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(field(IT_Q_ROW0), block_q)], q_smem, q_bar)
-    for stage in range(num_stages):
-      @pl.when(t_begin + stage < t_end)
-      def _prologue():
-        fetch(t_begin + stage, stage)
-    plgpu.barrier_wait(q_bar)
-    q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
 
-    wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = wgmma_layout.reduce(1)
-    iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
-    # Query position of each row: rows are (token, group head) pairs.
-    query_pos = pos0 + _div(q_tok0 + iota((block_q, block_k), 0), group)
-    key_col = iota((block_q, block_k), 1)
+    def stream(k_smem, v_smem, k_bars, v_bars):
+      """Streams the item's K/V tiles; returns `(acc, m_i, l_i)`."""
+      return _stream_tiles(
+          k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, span=span, col=col,
+          head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
+          kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
+          block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma)
 
-    def body(t, carry):
-      acc, m_i, l_i = carry
-      stage = lax.rem(t - t_begin, jnp.int32(num_stages))
-      load_row, rows_start, rows_end, key0 = span(t)
-      is_partial = (rows_start > load_row) | (rows_end < load_row + block_k)
-      plgpu.barrier_wait(k_bars.at[stage])
-      if use_wgmma:
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, q, k_smem.at[stage].transpose((1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
-      else:
-        s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
-                            precision=lax.Precision.HIGHEST,
-                            preferred_element_type=jnp.float32)
+    stage_shape = (num_stages, block_k, head_dim)
+    acc, m_i, l_i = pl.run_scoped(
+        stream, plgpu.SMEM(stage_shape, dtype, transforms=transforms),
+        plgpu.SMEM(stage_shape, dtype, transforms=transforms),
+        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages))
 
-      def softmax_update(s, m_i, l_i, acc, *, masked):
-        if masked:
-          row = load_row + key_col
-          key_pos = key0 + (row - rows_start)
-          mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
-              key_pos, query_pos, lo, end, kind, window=window)
-          s = jnp.where(mask, s, MASK_VALUE)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        if masked:
-          p = jnp.where(mask, p, 0.0)
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        return m_new, l_i, acc, p.astype(dtype)
+    def store(o_smem, lse_smem):
+      has_keys = l_i > 0.0
+      l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
+      o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, head])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot, head])
+      plgpu.wait_smem_to_gmem(0)
 
-      # A tile whose rows all hold read-range keys that every query of the item
-      # sees (interior decode tiles) skips the mask arithmetic.
-      is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
-      m_new, l_i, acc, p16 = lax.cond(
-          is_full, functools.partial(softmax_update, masked=False),
-          functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
+    pl.run_scoped(store, plgpu.SMEM((block_q, head_dim), jnp.float32),
+                  plgpu.SMEM((block_q,), jnp.float32))
 
-      plgpu.barrier_wait(v_bars.at[stage])
-      v_tile = v_smem.at[stage]
-      v_row = load_row + iota((block_k, head_dim), 0)
-      v_valid = (v_row >= rows_start) & (v_row < rows_end)
-      if use_wgmma:
-        @pl.when(is_partial)
-        def _zero_rows_outside_read_range():
-          v = plgpu.load(v_tile, layout=wgmma_layout)
-          v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
-          plgpu.commit_smem()
-        acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
-            plgpu.ACC.init(acc))
-      else:
-        v = jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
-        acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
-                                    precision=lax.Precision.HIGHEST,
-                                    preferred_element_type=jnp.float32)
 
-      @pl.when(t + num_stages < t_end)
-      def _refill():
-        if not use_wgmma:
-          # The tiles were read by ordinary loads; order those before the TMA
-          # (async proxy) overwrites the stage. wgmma already reads through the
-          # async proxy, and the production V fix-up ends with this fence.
-          plgpu.commit_smem()
-        fetch(t + num_stages, stage)
-      return acc, m_new, l_i
+def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
+                  head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
+                  group, block_q, block_k, num_stages, window, use_wgmma):
+  """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item."""
+  dtype = k_ref.dtype
+  head_dim = k_ref.shape[-1]
+  def fetch(t, stage):
+    load_row = span(t)[0]
+    if use_wgmma:
+      load_row = pl.multiple_of(load_row, ROW_ALIGN)
+    rows = pl.ds(load_row, block_k)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, col, head], k_smem.at[stage], k_bars.at[stage])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, col, head], v_smem.at[stage], v_bars.at[stage])
 
-    acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
-    m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
-    l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-    acc, m_i, l_i = lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
+  for stage in range(num_stages):
+    @pl.when(t_begin + stage < t_end)
+    def _prologue():
+      fetch(t_begin + stage, stage)
+  plgpu.barrier_wait(q_bar)
+  q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
 
-    has_keys = l_i > 0.0
-    l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
-    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, head])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot, head])
-    plgpu.wait_smem_to_gmem(0)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = wgmma_layout.reduce(1)
+  iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
+  # Query position of each row: rows are (token, group head) pairs.
+  query_pos = pos0 + _div(q_tok0 + iota((block_q, block_k), 0), group)
+  key_col = iota((block_q, block_k), 1)
+
+  def body(t, carry):
+    acc, m_i, l_i = carry
+    stage = lax.rem(t - t_begin, jnp.int32(num_stages))
+    load_row, rows_start, rows_end, key0 = span(t)
+    is_partial = (rows_start > load_row) | (rows_end < load_row + block_k)
+    plgpu.barrier_wait(k_bars.at[stage])
+    if use_wgmma:
+      def compute_qk(acc_ref):
+        plgpu.wgmma(acc_ref, q, k_smem.at[stage].transpose((1, 0)))
+        return acc_ref[...]
+      s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
+    else:
+      s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
+                          precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+    def softmax_update(s, m_i, l_i, acc, *, masked):
+      if masked:
+        row = load_row + key_col
+        key_pos = key0 + (row - rows_start)
+        mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
+            key_pos, query_pos, lo, end, kind, window=window)
+        s = jnp.where(mask, s, MASK_VALUE)
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+      if masked:
+        p = jnp.where(mask, p, 0.0)
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      return m_new, l_i, acc, p.astype(dtype)
+
+    # A tile whose rows all hold read-range keys that every query of the item
+    # sees (interior decode tiles) skips the mask arithmetic.
+    is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
+    m_new, l_i, acc, p16 = lax.cond(
+        is_full, functools.partial(softmax_update, masked=False),
+        functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
+
+    plgpu.barrier_wait(v_bars.at[stage])
+    v_tile = v_smem.at[stage]
+    v_row = load_row + iota((block_k, head_dim), 0)
+    v_valid = (v_row >= rows_start) & (v_row < rows_end)
+    if use_wgmma:
+      @pl.when(is_partial)
+      def _zero_rows_outside_read_range():
+        v = plgpu.load(v_tile, layout=wgmma_layout)
+        v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+      acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
+          plgpu.ACC.init(acc))
+    else:
+      v = jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
+      acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
+                                  precision=lax.Precision.HIGHEST,
+                                  preferred_element_type=jnp.float32)
+
+    @pl.when(t + num_stages < t_end)
+    def _refill():
+      if not use_wgmma:
+        # The tiles were read by ordinary loads; order those before the TMA
+        # (async proxy) overwrites the stage. wgmma already reads through the
+        # async proxy, and the production V fix-up ends with this fence.
+        plgpu.commit_smem()
+      fetch(t + num_stages, stage)
+    return acc, m_new, l_i
+
+  acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+  m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
+  l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
+  return lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
+
+
+def _searchsorted(sorted_values, queries):
+  """`searchsorted(..., side="right")`: one fused compare for small tables (decode)."""
+  small = sorted_values.size * queries.size <= 1 << 22
+  return jnp.searchsorted(sorted_values, queries, side="right",
+                          method="compare_all" if small else "scan")
 
 
 def _div(x, divisor: int):
@@ -326,8 +361,7 @@ def _combine(o_part, lse_part, seg, seq_info, *, num_tokens, group, block_q, max
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
   # Segment rows are in step order; padded rows have q_len 0 and sort last.
   starts = jnp.where(seg["q_len"] > 0, seg["q_start"], jnp.iinfo(jnp.int32).max)
-  s = jnp.clip(jnp.searchsorted(starts, tokens, side="right").astype(jnp.int32) - 1,
-               0, starts.shape[0] - 1)
+  s = jnp.clip(_searchsorted(starts, tokens).astype(jnp.int32) - 1, 0, starts.shape[0] - 1)
   local_row = (tokens - seg["q_start"][s]) * group        # first of the token's G rows
   q_tile = local_row // block_q
   item_base = seg["cu_items"][s] - seg["num_items"][s] + q_tile * seg["splits"][s]
@@ -377,21 +411,12 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   kernel = functools.partial(
       _attention_kernel, group=group, block_q=block_q, block_k=block_k,
       num_stages=config.num_stages, num_rows=num_rows, window=window,
-      use_wgmma=config.use_wgmma)
+      use_wgmma=config.use_wgmma, transforms=transforms)
   o_part, lse_part = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
-      scratch_types=[
-          plgpu.SMEM((block_q, head_dim), dtype),
-          plgpu.SMEM((config.num_stages, block_k, head_dim), dtype, transforms=transforms),
-          plgpu.SMEM((config.num_stages, block_k, head_dim), dtype, transforms=transforms),
-          plgpu.SMEM((block_q, head_dim), jnp.float32),
-          plgpu.SMEM((block_q,), jnp.float32),
-          plgpu.Barrier(),
-          plgpu.Barrier(num_barriers=config.num_stages),
-          plgpu.Barrier(num_barriers=config.num_stages),
-      ],
+      scratch_types=[plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()],
       grid=(max_items, num_kv_heads),
       grid_names=("item", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
