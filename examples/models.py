@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 import jaxkv
-from jaxkv.nnx import CachedAttention, RMSNorm, RopeScaling
+from jaxkv.nnx import CachedAttention, RMSNorm, RopeScaling, bucketed
 
 LLAMA = "llama"
 GEMMA3 = "gemma3"
@@ -155,7 +155,7 @@ class DecoderLayer(nnx.Module):
   """One pre-norm decoder layer; Gemma 3 adds post-attention and post-MLP norms."""
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, layer: int, *,
-               dtype, param_dtype, implementation, rngs: nnx.Rngs):
+               dtype, param_dtype, implementation, bucket, rngs: nnx.Rngs):
     is_gemma = config.arch == GEMMA3
     is_sliding = config.layer_types[layer] == "sliding"
     offset = 1.0 if is_gemma else 0.0
@@ -168,8 +168,10 @@ class DecoderLayer(nnx.Module):
         rope_theta=config.rope_local_theta if is_sliding else config.rope_theta,
         rope_scaling=None if is_sliding else config.rope_scaling,
         qk_norm="gemma" if is_gemma else None, norm_eps=config.rms_eps, scale=scale,
-        dtype=dtype, param_dtype=param_dtype, implementation=implementation, rngs=rngs)
+        dtype=dtype, param_dtype=param_dtype, implementation=implementation, bucket=bucket,
+        rngs=rngs)
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.bucket = bucket
     self.input_layernorm = norm()
     self.post_attention_layernorm = norm()
     self.is_gemma = is_gemma
@@ -179,11 +181,12 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, state):
     h, state = self.attn(self.input_layernorm(x), state)
+    mlp = lambda y: bucketed(self.mlp, y, state.step.n_tokens, self.bucket)
     if self.is_gemma:
       x = x + self.post_attention_layernorm(h)
-      return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), state
+      return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x))), state
     x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x)), state
+    return x + mlp(self.post_attention_layernorm(x)), state
 
 
 class Decoder(nnx.Module):
@@ -196,12 +199,15 @@ class Decoder(nnx.Module):
     dtype: computation dtype (float32 by default).
     param_dtype: parameter dtype.
     implementation: attention implementation passed to every layer.
+    bucket: optional row count for small steps: a step with at most `bucket`
+      real tokens (a decode step) runs projections and MLPs on `bucket` rows
+      instead of `W` (`jaxkv.nnx.bucketed`).
     rngs: `nnx.Rngs` for the random initial weights.
   """
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, *,
                dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
-               rngs: nnx.Rngs):
+               bucket: int | None = None, rngs: nnx.Rngs):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config={config!r} must be a ModelConfig")
     if tuple(cache_config.layers) != tuple(config.cache_layers()):
@@ -215,7 +221,7 @@ class Decoder(nnx.Module):
                            embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.layers = nnx.List([
         DecoderLayer(config, cache_config, l, dtype=dtype, param_dtype=param_dtype,
-                     implementation=implementation, rngs=rngs)
+                     implementation=implementation, bucket=bucket, rngs=rngs)
         for l in range(config.num_layers)])
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_eps,
                         offset=1.0 if config.arch == GEMMA3 else 0.0, param_dtype=param_dtype)

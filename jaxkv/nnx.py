@@ -25,7 +25,8 @@ from flax import nnx
 
 from jaxkv import CacheConfig, CacheState, pure
 
-__all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "rope_inv_freq"]
+__all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "bucketed",
+           "rope_inv_freq"]
 
 
 def _dtype_or_none(name, value):
@@ -123,6 +124,32 @@ def apply_rope(x, positions, inv_freq):
   return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
+def bucketed(fn, x, n_tokens, bucket: int | None):
+  """`fn(x)` for `x [W, ...]`, computed on the first `bucket` rows when `n_tokens <= bucket`.
+
+  A step's token axis is static (`W`), but a decode step often carries far
+  fewer real tokens. Row-wise work (projections, MLPs) then runs on a smaller
+  static bucket inside a `lax.cond`; rows `bucket..W-1` of the result are zeros
+  (they are padding: `n_tokens <= bucket`). The cache never enters the branches,
+  so no buffer is copied.
+
+  Args:
+    fn: a row-wise function `[T, ...] -> [T, ...]`.
+    x: `[W, ...]`.
+    n_tokens: `int32[]` real tokens of the step (`state.step.n_tokens`).
+    bucket: static row count, or None (always the full width).
+  """
+  width = x.shape[0]
+  if bucket is None or bucket >= width:
+    return fn(x)
+
+  def small():
+    y = fn(x[:bucket])
+    return jnp.pad(y, ((0, width - bucket),) + ((0, 0),) * (y.ndim - 1))
+
+  return jax.lax.cond(n_tokens <= bucket, small, lambda: fn(x))
+
+
 class RMSNorm(nnx.Module):
   """RMS normalisation over the last axis, in float32.
 
@@ -180,6 +207,8 @@ class CachedAttention(nnx.Module):
     param_dtype: parameter dtype.
     implementation: passed to `jaxkv.pure.attend` (None picks the kernels on a
       Hopper GPU, else the reference).
+    bucket: optional static row count: steps with at most this many real tokens
+      run the projections on `bucket` rows instead of `W` (see `bucketed`).
     rngs: `nnx.Rngs` for the initial weights.
   """
 
@@ -187,7 +216,8 @@ class CachedAttention(nnx.Module):
                rope_theta: float = 10000.0, rope_scaling: RopeScaling | None = None,
                qk_norm: str | None = None, norm_eps: float = 1e-6, scale: float | None = None,
                use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
-               implementation: str | None = None, rngs: nnx.Rngs):
+               implementation: str | None = None, bucket: int | None = None,
+               rngs: nnx.Rngs):
     if not isinstance(cache_config, CacheConfig):
       raise TypeError(f"cache_config={cache_config!r} must be a CacheConfig")
     if isinstance(layer, bool) or not isinstance(layer, int) or not (
@@ -205,7 +235,10 @@ class CachedAttention(nnx.Module):
     if implementation not in (None, "reference", "mosaic_gpu", "interpret"):
       raise ValueError(f"implementation={implementation!r} must be None, 'reference', "
                        "'mosaic_gpu' or 'interpret'")
+    if bucket is not None and not (isinstance(bucket, int) and bucket >= 1):
+      raise ValueError(f"bucket={bucket!r} must be None or an int >= 1")
     rope_inv_freq(head_dim, rope_theta, rope_scaling)   # validates head_dim, theta
+    self.bucket = bucket
     self.cache_config, self.layer = cache_config, layer
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
     self.rope_theta, self.rope_scaling = float(rope_theta), rope_scaling
@@ -244,9 +277,13 @@ class CachedAttention(nnx.Module):
       raise ValueError(f"x must be [W={width}, features]; got x.shape={x.shape}")
     if self.dtype is not None:
       x = x.astype(self.dtype)
-    q = self.q_proj(x).reshape(width, self.num_heads, self.head_dim)
-    k = self.k_proj(x).reshape(width, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x).reshape(width, self.num_kv_heads, self.head_dim)
+    n_tokens = state.step.n_tokens
+    project = lambda h: jnp.concatenate([self.q_proj(h), self.k_proj(h), self.v_proj(h)], -1)
+    qkv = bucketed(project, x, n_tokens, self.bucket)
+    q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+    q = qkv[:, :q_size].reshape(width, self.num_heads, self.head_dim)
+    k = qkv[:, q_size:q_size + kv_size].reshape(width, self.num_kv_heads, self.head_dim)
+    v = qkv[:, q_size + kv_size:].reshape(width, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     positions = state.step.positions
@@ -254,5 +291,6 @@ class CachedAttention(nnx.Module):
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     state, out, _ = pure.attend(self.cache_config, state, self.layer, q, k, v,
                                 scale=self.scale, implementation=self.implementation)
-    out = self.o_proj(out.reshape(width, self.num_heads * self.head_dim))
+    out = bucketed(self.o_proj, out.reshape(width, self.num_heads * self.head_dim), n_tokens,
+                   self.bucket)
     return out, state

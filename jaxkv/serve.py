@@ -535,7 +535,9 @@ class Engine:
                                         tokens[c, start:end].tolist(),
                                         "stop" if host["stopped"][c] else "length"))
           stats.generated += end - start
-        ls = dataclasses.replace(ls, done=ls.done.at[jnp.asarray(finished)].set(0))
+        collected = np.zeros((config.max_seqs,), bool)
+        collected[finished] = True   # a fixed-shape mask: no new compilation per count
+        ls = dataclasses.replace(ls, done=jnp.where(jnp.asarray(collected), 0, ls.done))
       for c in [c for c in pending_forks
                 if host["fed"][c] >= host["hold"][c] and host["hold"][c] < self.max_len]:
         ls = self._fork_column(ls, c, pending_forks.pop(c), columns, reserved)

@@ -231,3 +231,25 @@ def test_wrong_input_shape_raises():
   module = CachedAttention(config, 0, features=FEATURES, num_heads=HEADS, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="x must be"):
     module(jnp.zeros((WIDTH + 1, FEATURES), jnp.float32), jaxkv.init_state(config))
+
+
+def test_bucketed_projections_match_full_width(rng):
+  """With `bucket`, small steps run the projections on fewer rows; outputs are unchanged."""
+  config = _config(jaxkv.LayerPolicy.ring(3), max_seqs=2)
+  full = CachedAttention(config, 0, features=FEATURES, num_heads=HEADS, rngs=nnx.Rngs(4))
+  small = CachedAttention(config, 0, features=FEATURES, num_heads=HEADS, bucket=2,
+                          rngs=nnx.Rngs(4))
+  outs = {}
+  for name, module in (("full", full), ("small", small)):
+    state = jaxkv.init_state(config)
+    for _ in range(2):
+      state, _, _ = pure.seq_new(config, state)
+    xs = np.random.default_rng(0).standard_normal((6, WIDTH, FEATURES)).astype(np.float32)
+    got = []
+    for i, ids in enumerate([[0, 0, 1, 1], [0], [0, 1], [1, 1, 1], [1], [0, 1]]):
+      out, state = _step(config, module, state, ids, xs[i][:len(ids)])
+      got.append(out)
+    outs[name] = np.concatenate(got)
+  np.testing.assert_allclose(outs["small"], outs["full"], atol=1e-6, rtol=0)
+  with pytest.raises(ValueError, match="bucket=0"):
+    CachedAttention(config, 0, features=FEATURES, num_heads=HEADS, bucket=0, rngs=nnx.Rngs(0))
