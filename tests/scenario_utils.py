@@ -7,6 +7,7 @@ and compares against `tests/oracle.py`, which shares no code with jaxkv.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -433,6 +434,22 @@ class Harness:
                                    err_msg=f"layer {l}, ids {ids}, positions {positions}")
 
 
+@functools.cache
+def _jitted_pure_verbs() -> dict:
+  """One jit wrapper per pure verb, shared by every PureCache so compilations are reused."""
+  pure = jaxkv.pure
+  verbs = {name: jax.jit(getattr(pure, name), static_argnums=0)
+           for name in ("seq_new", "seq_clone", "seq_rm", "rewind", "declare_step",
+                        "prepare_step", "commit_step", "rows_needed")}
+
+  def attend(cfg, state, layer, q, k, v, scale, *, implementation):
+    return pure.attend(cfg, state, layer, q, k, v, scale=scale, implementation=implementation)
+
+  verbs["attend"] = jax.jit(attend, static_argnums=(0, 2, 6),
+                            static_argnames=("implementation",))
+  return verbs
+
+
 class PureCache:
   """A facade-alike over `jaxkv.pure` whose `state` may be replaced between calls.
 
@@ -448,23 +465,19 @@ class PureCache:
   """
 
   def __init__(self, config, *, implementation: str | None = "reference"):
-    pure = jaxkv.pure
     self.config = config
     self.implementation = implementation
     self.state = jaxkv.init_state(config)
-    jit = lambda f, **kw: jax.jit(f, static_argnums=0, **kw)
-    self._seq_new = jit(pure.seq_new)
-    self._seq_clone = jit(pure.seq_clone)
-    self._seq_rm = jit(pure.seq_rm)
-    self._rewind = jit(pure.rewind)
-    self._declare = jit(pure.declare_step)
-    self._prepare = jit(pure.prepare_step)
-    self._commit = jit(pure.commit_step)
-    self._rows_needed = jit(pure.rows_needed)
-    self._attend = jax.jit(
-        lambda cfg, state, layer, q, k, v, scale: pure.attend(
-            cfg, state, layer, q, k, v, scale=scale, implementation=implementation),
-        static_argnums=(0, 2, 6))
+    jitted = _jitted_pure_verbs()
+    self._seq_new = jitted["seq_new"]
+    self._seq_clone = jitted["seq_clone"]
+    self._seq_rm = jitted["seq_rm"]
+    self._rewind = jitted["rewind"]
+    self._declare = jitted["declare_step"]
+    self._prepare = jitted["prepare_step"]
+    self._commit = jitted["commit_step"]
+    self._rows_needed = jitted["rows_needed"]
+    self._attend = functools.partial(jitted["attend"], implementation=implementation)
 
   def poison(self) -> None:
     """NaN-fills every K/V row no live sequence owns (see `poison_free_storage`)."""
