@@ -440,7 +440,7 @@ def _jitted_pure_verbs() -> dict:
   pure = jaxkv.pure
   verbs = {name: jax.jit(getattr(pure, name), static_argnums=0)
            for name in ("seq_new", "seq_clone", "seq_rm", "rewind", "declare_step",
-                        "prepare_step", "commit_step", "rows_needed")}
+                        "prepare_step", "commit_step", "rows_needed", "clear")}
 
   def attend(cfg, state, layer, q, k, v, scale, *, implementation):
     return pure.attend(cfg, state, layer, q, k, v, scale=scale, implementation=implementation)
@@ -516,6 +516,10 @@ class PureCache:
   def rewind(self, s, position) -> bool:
     self.state, status = self._rewind(self.config, self.state, jnp.int32(s), jnp.int32(position))
     return self._ok(status, "rewind")
+
+  def clear(self) -> None:
+    self.state, status = _jitted_pure_verbs()["clear"](self.config, self.state)
+    assert self._ok(status, "clear")
 
   def declare_step(self, seq_ids, owner_blocks=None) -> bool:
     width = self.config.step_width

@@ -481,3 +481,30 @@ def test_pure_statuses_follow_the_spec_check_order():
   assert int(status) == S.OK and int(f) == 1
   assert np.asarray(state.pos).tolist() == [3, 2] and np.asarray(state.hw).tolist() == [6, 6]
   assert int(state.held) == 5
+
+
+def test_clear_drops_sequences_and_keeps_storage(driver):
+  """SPEC §5 clear(): every sequence and the step go, held = 0; storage keeps shape and bytes."""
+  h = harness(driver, initial_capacity=4)
+  cache = h.cache
+  x, y = h.new(), h.new()
+  h.step([x] * 5 + [y] * 2)
+  assert cache.declare_step([x, y]) is True
+  before = snapshot(cache.state)
+  cache.clear()
+  after = snapshot(cache.state)
+  for name in before:
+    if name.startswith((".k", ".v")):
+      assert before[name].tobytes() == after[name].tobytes(), name
+  assert after[".k[0]"].shape[0] == 8
+  assert np.asarray(cache.state.live).tolist() == [0] * 4
+  assert np.asarray(cache.state.pos).tolist() == [0] * 4
+  assert np.asarray(cache.state.hw).tolist() == [0] * 4
+  assert int(cache.state.held) == 0 and int(cache.state.phase) == jaxkv.Phase.IDLE
+  assert cache.pos(x) == 0 and not cache.is_live(y)
+  if driver == "facade":
+    assert_step_error(cache, "NO_DECLARATION", lambda: cache.prepare_step())
+  h.oracles.clear()
+  h.tags.clear()
+  assert (h.new(), h.new()) == (0, 1)
+  h.step([1, 0, 1])   # fresh oracles: nothing of the cleared histories is seen

@@ -408,6 +408,16 @@ def test_scenario_13_public_surface():
     assert value.shape == shape and value.dtype == np.int32, name
 
 
+def test_scenario_13_facade_implementation_argument():
+  """SPEC §10.5, §10.7: implementation=None works on any platform; unknown names are refused."""
+  config = default_config()
+  h = Harness(config, implementation=None)
+  a, b = h.new(), h.new()
+  h.step([a, b, a])
+  with pytest.raises(ValueError, match="implementation"):
+    jaxkv.BatchedSequenceCache(config, implementation="triton")
+
+
 def test_scenario_13_jitted_pure_step_traces_once():
   """Scenario 13: one jitted pure step, driven through 20 varied steps, traces once and is exact."""
   config = default_config(layers=[flat(), ring(3)], capacity=128, initial_capacity=128, max_write=4,
