@@ -191,3 +191,17 @@ def test_config_is_a_static_jit_argument():
   assert int(jf(a, jnp.int32(1))) == 9
   assert int(jf(b, jnp.int32(2))) == 10
   assert len(traces) == 1
+
+
+def test_static_fields_take_python_or_numpy_ints_never_arrays():
+  """STYLE habit 5/8: an array in a static field is a TypeError; NumPy ints normalise to int."""
+  with pytest.raises(TypeError, match=r"capacity"):
+    config(capacity=jnp.int32(32))
+  with pytest.raises(TypeError, match=r"window"):
+    ring(jnp.int32(4))
+  with pytest.raises(TypeError, match=r"head_dim"):
+    layer(head_dim=jnp.int32(8))
+  a = config(capacity=np.int64(32), max_write=np.int32(8))
+  assert a == config() and hash(a) == hash(config())
+  assert type(a.capacity) is int and type(a.max_write) is int
+  assert ring(np.int64(3)) == ring(3) and type(ring(np.int64(3)).window) is int
