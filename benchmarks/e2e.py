@@ -71,11 +71,11 @@ def _model_config(small: bool) -> ModelConfig:
                            rope_theta=500000.0, tie_embeddings=True)
 
 
-def _attention_used() -> str:
-  """Which attention `implementation=None` runs here: probe the kernels once."""
+def _attention_used(cfg: ModelConfig) -> str:
+  """Which attention `implementation=None` runs for this model: probe the kernels once."""
   if jax.devices()[0].platform != "gpu":
     return "reference (no GPU)"
-  layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 1, 64)
+  layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), cfg.num_kv_heads, cfg.head_dim)
   config = jaxkv.CacheConfig([layer], capacity=16, max_seqs=1, max_write=8,
                              kv_dtype=jnp.bfloat16, initial_capacity=16)
   state = jaxkv.init_state(config)
@@ -83,9 +83,10 @@ def _attention_used() -> str:
   state, _ = jaxkv.pure.declare_step(config, state, jnp.zeros((8,), jnp.int32), jnp.int32(8),
                                      jnp.zeros((8, 2), jnp.int32))
   state, _ = jaxkv.pure.prepare_step(config, state)
-  x = jnp.ones((8, 1, 64), jnp.bfloat16)
+  q = jnp.ones((8, cfg.num_heads, cfg.head_dim), jnp.bfloat16)
+  kv = jnp.ones((8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
   try:
-    jax.block_until_ready(jaxkv.pure.attend(config, state, 0, x, x, x,
+    jax.block_until_ready(jaxkv.pure.attend(config, state, 0, q, kv, kv,
                                             implementation="mosaic_gpu"))
     return "mosaic_gpu"
   except NotImplementedError as e:
@@ -274,16 +275,6 @@ def main(argv=None) -> int:
              "prompt_tokens": sum(map(len, prompts)), "max_write": args.max_write,
              "bucket": bucket}
   outputs = {}
-  if not args.skip_jaxkv:
-    results["jaxkv_attention"] = (args.implementation if args.implementation
-                                  else _attention_used())
-    t0 = time.perf_counter()
-    results["jaxkv"], outputs["jaxkv"] = run_jaxkv(model, prompts, args.new_tokens)
-    r = results["jaxkv"]
-    print(f"jaxkv ({results['jaxkv_attention']}): {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} "
-          f"tokens/s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step, mean occupancy "
-          f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries "
-          f"(with warm-up {time.perf_counter() - t0:.0f} s)")
   if not args.skip_baseline:
     t0 = time.perf_counter()
     results["baseline"], outputs["baseline"] = run_baseline(cfg, model, prompts, args.new_tokens)
@@ -292,6 +283,18 @@ def main(argv=None) -> int:
           f"{r['prefill_seconds']:.2f} s of {r['padded_prefill_tokens']} padded tokens, decode "
           f"{r['ms_per_decode_step']:.2f} ms/step), {r['tokens_per_s']:.0f} tokens/s "
           f"(with warm-up {time.perf_counter() - t0:.0f} s)")
+    _save(args.out, results)
+  if not args.skip_jaxkv:
+    results["jaxkv_attention"] = (args.implementation if args.implementation
+                                  else _attention_used(cfg))
+    t0 = time.perf_counter()
+    results["jaxkv"], outputs["jaxkv"] = run_jaxkv(model, prompts, args.new_tokens)
+    r = results["jaxkv"]
+    print(f"jaxkv ({results['jaxkv_attention']}): {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} "
+          f"tokens/s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step, mean occupancy "
+          f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries "
+          f"(with warm-up {time.perf_counter() - t0:.0f} s)")
+    _save(args.out, results)
   if "jaxkv" in results and "baseline" in results:
     results["speedup"] = results["baseline"]["seconds"] / results["jaxkv"]["seconds"]
     pairs = list(zip(outputs["jaxkv"], outputs["baseline"]))
@@ -302,10 +305,15 @@ def main(argv=None) -> int:
     print(f"speed-up jaxkv / padded: {results['speedup']:.2f}x; first tokens agree for "
           f"{first_equal}/{len(prompts)} requests, all tokens for {all_equal} (bf16 near-ties "
           "may differ)")
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(results, f, indent=1)
+  _save(args.out, results)
   return 0
+
+
+def _save(path, results):
+  """Writes the results so far (the baseline runs first: a cut-off run keeps it)."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
