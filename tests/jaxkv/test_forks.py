@@ -65,7 +65,7 @@ def test_partial_fork_of_wrapped_ring():
   assert f is not None
   assert h.cache.pos(f) == 9 and hw_of(h.cache, f) == 10
   outs = h.step([f], tags=[h.tags[a]])  # a's own token 9, checked against a's oracle forked at 9
-  np.testing.assert_allclose(outs[-1], a_last[-1], atol=tol(jnp.float16), rtol=0)
+  np.testing.assert_allclose(outs[-1], a_last[-1], atol=tol(h.kv_dtype), rtol=0)
   assert h.cache.pos(a) == 10 and h.cache.pos(f) == 10
 
 
