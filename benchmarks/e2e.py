@@ -76,8 +76,9 @@ def _attention_used(cfg: ModelConfig) -> str:
   if jax.devices()[0].platform != "gpu":
     return "reference (no GPU)"
   layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), cfg.num_kv_heads, cfg.head_dim)
-  config = jaxkv.CacheConfig([layer], capacity=16, max_seqs=1, max_write=8,
-                             kv_dtype=jnp.bfloat16, initial_capacity=16)
+  # Rows like the benchmark's (a multiple of the kernels' key block), one sequence.
+  config = jaxkv.CacheConfig([layer], capacity=256, max_seqs=1, max_write=8,
+                             kv_dtype=jnp.bfloat16, initial_capacity=256)
   state = jaxkv.init_state(config)
   state, _, _ = jaxkv.pure.seq_new(config, state)
   state, _ = jaxkv.pure.declare_step(config, state, jnp.zeros((8,), jnp.int32), jnp.int32(8),
@@ -258,8 +259,12 @@ def main(argv=None) -> int:
              for n in rng.integers(args.prompt_min, args.prompt_max + 1, size=args.requests)]
   longest = max(len(p) for p in prompts) + args.new_tokens
   capacity = sum(len(p) + args.new_tokens for p in prompts)
-  cache = cfg.cache_config(capacity=capacity, max_seqs=args.requests, max_write=args.max_write,
-                           kv_dtype=jnp.bfloat16, initial_capacity=longest)
+  # Flat rows: the longest sequence, rounded up to the kernels' row multiple (they
+  # refuse other row counts, and jaxkv would silently run the reference instead).
+  rows = -(-longest // serve.ROW_MULTIPLE) * serve.ROW_MULTIPLE
+  cache = cfg.cache_config(capacity=max(capacity, rows), max_seqs=args.requests,
+                           max_write=args.max_write, kv_dtype=jnp.bfloat16,
+                           initial_capacity=rows)
   from flax import nnx   # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   bucket = args.requests if args.bucket is None else (args.bucket or None)

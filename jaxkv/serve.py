@@ -49,6 +49,15 @@ __all__ = ["Completion", "Engine", "EngineStats", "LoopState", "ModelRunner", "R
            "storage_bytes"]
 
 _NEG = float(np.finfo(np.float32).min)
+# Flat growth rounds rows up to this multiple (capped at capacity): the Mosaic GPU
+# kernels need a row count that is a multiple of 8 and at least their key block
+# (128), and refuse (falling back to the reference) otherwise.
+ROW_MULTIPLE = 128
+
+
+def _grown_rows(config: CacheConfig, current: int, needed: int) -> int:
+  rows = max(needed, 2 * current)
+  return min(config.capacity, -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -610,8 +619,7 @@ class Engine:
     needed = max(reserved.values())
     if needed <= current:
       return ls
-    rows = min(config.capacity, max(needed, 2 * current))
-    return _grow(config, ls, rows)
+    return _grow(config, ls, _grown_rows(config, current, needed))
 
 
 # ----------------------------------------------------------------------------- step runner
@@ -714,7 +722,7 @@ class ModelRunner:
       current = next(self.cache.k[l].shape[0] for l, layer in enumerate(config.layers)
                      if not layer.policy.is_ring)
       if needed > current:
-        self.cache = pure.grow(config, self.cache, min(config.capacity, max(needed, 2 * current)))
+        self.cache = pure.grow(config, self.cache, _grown_rows(config, current, needed))
     self.cache, logits, status = self._step(self.graphdef, config, self.params, self.cache,
                                             jnp.asarray(toks))
     if int(status) != Status.OK:

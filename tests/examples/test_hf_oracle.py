@@ -21,6 +21,7 @@ import dataclasses
 import importlib.util
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -100,7 +101,9 @@ def test_batched_replay_matches_transformers(kind):
   if kind == "gemma3":
     assert config.sliding_window == 4 and "sliding" in config.layer_types
     assert max(len(t) for t in tokens) > runner.config.ring_rows(0)   # rings wrap
-  got = _replay(runner, tokens)
+  # Full float32 matmuls on GPUs too (their default may use TF32, ~1e-3 off).
+  with jax.default_matmul_precision("highest"):
+    got = _replay(runner, tokens)
   for i, want in enumerate(reference):
     assert got[i].shape == want.shape, i
     np.testing.assert_allclose(got[i], want, atol=ATOL, rtol=0, err_msg=f"sequence {i}")
