@@ -173,3 +173,25 @@ def test_requests_that_cannot_fit_raise(model):
     engine.run([serve.Request((1,), serve.SamplingParams(max_tokens=2, stop_tokens=tuple(range(9))))])
   with pytest.raises(ValueError, match="cache_config"):
     serve.Engine(object())
+
+
+def test_decode_loop_updates_the_cache_in_place(model):
+  """The jitted loop aliases the donated cache and copies no K/V-sized buffer."""
+  import re   # pylint: disable=g-import-not-at-top
+  config = model.cache_config
+  graphdef, params = nnx.split(model)
+  ls = serve.init_loop_state(config, 48, 4)
+  kv_shapes = {tuple(a.shape) for a in ls.cache.k}
+  compiled = jax.jit(serve.decode_loop, static_argnums=(0, 1), donate_argnums=3).lower(
+      graphdef, config, params, ls, jnp.int32(8)).compile()
+  instruction = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w\-]+)\(")
+  copies = []
+  for line in compiled.as_text().splitlines():
+    match = instruction.match(line)
+    if match and match["op"] in ("copy", "copy-start"):
+      for dims in re.findall(r"\b\w+\[([\d,]*)\]", match["shape"]):
+        if tuple(int(d) for d in dims.split(",") if d) in kv_shapes:
+          copies.append(line.strip())
+  assert not copies, copies[:3]
+  kv_bytes = sum(a.nbytes for a in ls.cache.k + ls.cache.v)
+  assert compiled.memory_analysis().alias_size_in_bytes >= kv_bytes
