@@ -44,3 +44,11 @@ def test_bad_flags_are_refused(capsys):
   with pytest.raises(SystemExit, match="2"):
     demo.main(["--requests", "0"])
   assert "--requests=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_loads_a_checkpoint(capsys):
+  fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "hf_llama"
+  code = demo.main(["--checkpoint", str(fixture), "--requests", "2", "--max-tokens", "3",
+                    "--prompt-max", "10", "--max-write", "8", "--check"])
+  out = capsys.readouterr().out
+  assert code == 0 and "llama (checkpoint, 2 layers" in out and out.count(": OK") == 2
