@@ -185,16 +185,20 @@ def test_retained_boundary_and_older_snapshot():
 WIDTHS = [1, 3, 5]
 
 
-def _probe_harness(width, cache=None):
+DRIVERS = ["facade", "pure-poisoned"]  # pure-poisoned: NaN in every row no live sequence owns
+
+
+def _probe_harness(width, cache=None, driver="facade"):
   config = default_config(layers=[FLAT, ring(4)], capacity=128, max_write=width,
                           kv_dtype=jnp.float32)
-  return config, Harness(config, content="probe", cache=cache)
+  return config, Harness(config, content="probe", cache=cache, driver=driver)
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"W{w}")
-def test_clones_of_snapshot_are_exact(width):
+def test_clones_of_snapshot_are_exact(width, driver):
   """18: clones of a hw-21 snapshot at 21, 21 − W, 20 and 21 again give exact probe values."""
-  config, h = _probe_harness(width)
+  config, h = _probe_harness(width, driver=driver)
   src = h.new()
   advance(h, src, 21, width, "src")
   snap = h.clone(src, 21)
@@ -219,10 +223,11 @@ def test_clones_of_snapshot_are_exact(width):
     advance(h, c, 24, width, "clone at 19")
 
 
+@pytest.mark.parametrize("driver", DRIVERS)
 @pytest.mark.parametrize("width", WIDTHS, ids=lambda w: f"W{w}")
-def test_older_snapshot_reaches_further_back(width):
+def test_older_snapshot_reaches_further_back(width, driver):
   """19: a hw-9 snapshot accepts 8 (floors 8/6/4) where the hw-21 one refuses it."""
-  config, h = _probe_harness(width)
+  config, h = _probe_harness(width, driver=driver)
   src = h.new()
   advance(h, src, 9, width, "src")
   old = h.clone(src, 9)
