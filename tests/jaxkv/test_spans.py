@@ -297,18 +297,18 @@ def test_spans_ring_before_at_after_wrap(max_write):
 
 
 def test_explicit_scale(implementation):
-  """SPEC §6.4: attend(scale=...) replaces 1/sqrt(head_dim)."""
-  h = Harness(default_config(layers=[flat(), ring(2)], max_write=4), implementation=implementation,
-              scale=0.75)
+  """SPEC §6.4: attend(scale=...) replaces 1/sqrt(head_dim); float32 storage, tight tolerance."""
+  config = default_config(layers=[flat(), ring(2)], max_write=4, kv_dtype=jnp.float32)
+  h = Harness(config, implementation=implementation, scale=0.75, driver="pure-poisoned")
   a, b = h.new(), h.new()
   h.step([a, a, b, a])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
-def test_output_follows_q_dtype(dtype):
+def test_output_follows_q_dtype(implementation, dtype):
   """SPEC §6.4: the output comes back in q's dtype (here 16-bit q/k/v over float32 storage)."""
   config = default_config(kv_dtype=jnp.float32)
-  cache = jaxkv.BatchedSequenceCache(config, implementation="reference")
+  cache = jaxkv.BatchedSequenceCache(config, implementation=implementation)
   a = cache.seq_new()
   q, k, v = tok(7, 0, 0)
   q, k, v = (jnp.asarray(x[None]).astype(dtype) for x in (q, k, v))
