@@ -31,6 +31,7 @@ from scenario_utils import default_config
 from scenario_utils import snapshot
 
 FLAT = jaxkv.LayerPolicy.flat()
+DRIVERS = ["facade", "pure-poisoned"]  # pure-poisoned: NaN in every row no live sequence owns
 
 
 def ring(window):
@@ -93,10 +94,10 @@ def _snapshot_config():
                         initial_capacity=2)
 
 
-def _snapshot_setup():
+def _snapshot_setup(driver):
   """src prefills 21 tokens in chunks of 3, snap = clone at 21, src runs on to 42 and leaves."""
   config = _snapshot_config()
-  h = Harness(config, dependent=True)
+  h = Harness(config, dependent=True, driver=driver)
   src = h.new()
   advance(h, src, 21, 3)
   snap = h.clone(src, 21, tag=h.tags[src])
@@ -120,9 +121,10 @@ def _assert_cold(got, cold, what):
   np.testing.assert_allclose(got, cold, atol=tol(jnp.float16), rtol=0, err_msg=what)
 
 
-def test_snapshot_survives_source_and_fork_writes():
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_snapshot_survives_source_and_fork_writes(driver):
   """16: clones of a snapshot equal cold runs after the source rewrote its ring and left."""
-  config, h, snap = _snapshot_setup()
+  config, h, snap = _snapshot_setup(driver)
   src_tag = h.tags[snap]
 
   c1 = h.clone(snap, 21)
@@ -144,9 +146,10 @@ def test_snapshot_survives_source_and_fork_writes():
   _assert_cold(got, cold3[21:], "clone at 21 after the snapshot left")
 
 
-def test_retained_boundary_and_older_snapshot():
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_retained_boundary_and_older_snapshot(driver):
   """17: snap21 (floor 18) serves 18 but refuses 17; an older snap17 (floor 14) serves 17."""
-  config, h, snap21 = _snapshot_setup()
+  config, h, snap21 = _snapshot_setup(driver)
   src_tag = h.tags[snap21]
   assert floor_of(config, h.cache.state, snap21) == 18
 
@@ -183,9 +186,6 @@ def test_retained_boundary_and_older_snapshot():
 # --------------------------------------------------------------------------- 18, 19, 21 (probe)
 
 WIDTHS = [1, 3, 5]
-
-
-DRIVERS = ["facade", "pure-poisoned"]  # pure-poisoned: NaN in every row no live sequence owns
 
 
 def _probe_harness(width, cache=None, driver="facade"):
