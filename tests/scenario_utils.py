@@ -108,7 +108,7 @@ def assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> Non
       xb = x.reshape(-1).view(np.uint8).reshape(x.size, -1) if x.size else x
       yb = y.reshape(-1).view(np.uint8).reshape(y.size, -1) if y.size else y
       diff = np.nonzero(np.any(xb != yb, axis=-1))[0]
-      first = np.unravel_index(int(diff[0]), x.shape) if x.ndim else ()
+      first = tuple(int(i) for i in np.unravel_index(int(diff[0]), x.shape)) if x.ndim else ()
       raise AssertionError(
           f"{name} differs at {len(diff)} elements, first at {first}: "
           f"{x[first] if x.ndim else x} != {y[first] if y.ndim else y}")
