@@ -269,6 +269,12 @@ class Decoder(nnx.Module):
     return self.logits(h), state
 
 
+def build(config: ModelConfig, cache_config: jaxkv.CacheConfig, *, seed: int = 0,
+          **kwargs) -> Decoder:
+  """A `Decoder` with random weights drawn from `seed` (kwargs go to `Decoder`)."""
+  return Decoder(config, cache_config, rngs=nnx.Rngs(seed), **kwargs)
+
+
 def Llama(config: ModelConfig, cache_config: jaxkv.CacheConfig, **kwargs) -> Decoder:
   """A Llama-style `Decoder` (checks `config.arch`)."""
   if config.arch != LLAMA:

@@ -97,7 +97,6 @@ def _import_examples():
 
 def _build(args):
   """`(model, model_config, tokenizer)` from the flags."""
-  from flax import nnx   # pylint: disable=g-import-not-at-top
   hf, models = _import_examples()
   dtype = _DTYPES[args.dtype]
   cache = dict(capacity=args.capacity, max_seqs=args.max_seqs, max_write=args.max_write,
@@ -116,8 +115,8 @@ def _build(args):
                                        query_pre_attn_scalar=16.0, **common)
   else:
     config = models.ModelConfig.llama(**common)
-  model = models.Decoder(config, config.cache_config(**cache), dtype=dtype, param_dtype=dtype,
-                         implementation=args.implementation, rngs=nnx.Rngs(args.seed))
+  model = models.build(config, config.cache_config(**cache), seed=args.seed, dtype=dtype,
+                       param_dtype=dtype, implementation=args.implementation)
   return model, config, None
 
 

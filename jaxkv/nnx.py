@@ -26,7 +26,17 @@ from flax import nnx
 from jaxkv import CacheConfig, CacheState, pure
 
 __all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "bucketed",
-           "rope_inv_freq"]
+           "merge_model", "rope_inv_freq", "split_model"]
+
+
+def split_model(model):
+  """`(graphdef, params)` of an NNX model (`nnx.split`), for jitted functions elsewhere."""
+  return nnx.split(model)
+
+
+def merge_model(graphdef, params):
+  """The model back from `split_model`'s parts (`nnx.merge`), inside a traced function."""
+  return nnx.merge(graphdef, params)
 
 
 def _dtype_or_none(name, value):

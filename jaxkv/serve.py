@@ -377,8 +377,8 @@ def decode_loop(graphdef, config: CacheConfig, params, ls: LoopState, max_steps)
   Returns:
     The new `LoopState`.
   """
-  from flax import nnx   # pylint: disable=g-import-not-at-top
-  model = nnx.merge(graphdef, params)
+  from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
+  model = merge_model(graphdef, params)
   first_step = ls.steps
   done_before = ls.done.sum()
 
@@ -453,7 +453,7 @@ class Engine:
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8):
-    from flax import nnx   # pylint: disable=g-import-not-at-top
+    from jaxkv.nnx import split_model   # pylint: disable=g-import-not-at-top
     config = getattr(model, "cache_config", None)
     if not isinstance(config, CacheConfig):
       raise ValueError(f"model={type(model).__name__} must have a CacheConfig `cache_config`")
@@ -466,7 +466,7 @@ class Engine:
     if max_stop_tokens < 1:
       raise ValueError(f"max_stop_tokens={max_stop_tokens} must be >= 1")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, self.params = split_model(model)
     # Looked up here, not at import, so a test can wrap `decode_loop` (chex.assert_max_traces).
     self._loop = jax.jit(decode_loop, static_argnums=(0, 1), donate_argnums=3)
     self._admit, self._fork, self._release = _jit_admit, _jit_fork, _jit_release
@@ -626,8 +626,8 @@ class Engine:
 
 
 def _run_step(graphdef, config, params, cache, tokens):
-  from flax import nnx   # pylint: disable=g-import-not-at-top
-  model = nnx.merge(graphdef, params)
+  from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
+  model = merge_model(graphdef, params)
   cache, st_prepare = pure.prepare_step(config, cache)
   logits, cache = model(tokens, cache)
   cache, st_commit = pure.commit_step(config, cache)
@@ -652,12 +652,12 @@ class ModelRunner:
   """
 
   def __init__(self, model):
-    from flax import nnx   # pylint: disable=g-import-not-at-top
+    from jaxkv.nnx import split_model   # pylint: disable=g-import-not-at-top
     config = getattr(model, "cache_config", None)
     if not isinstance(config, CacheConfig):
       raise ValueError(f"model={type(model).__name__} must have a CacheConfig `cache_config`")
     self.config = config
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, self.params = split_model(model)
     self.cache = init_state(config)
     self._seq_new, self._seq_clone = _RUNNER_VERBS["seq_new"], _RUNNER_VERBS["seq_clone"]
     self._seq_rm, self._rewind = _RUNNER_VERBS["seq_rm"], _RUNNER_VERBS["rewind"]

@@ -52,3 +52,21 @@ def test_demo_loads_a_checkpoint(capsys):
                     "--prompt-max", "10", "--max-write", "8", "--check"])
   out = capsys.readouterr().out
   assert code == 0 and "llama (checkpoint, 2 layers" in out and out.count(": OK") == 2
+
+
+def test_demo_text_prompts_with_a_tokenizer(tmp_path, capsys):
+  """A checkpoint with tokenizer.json: --prompt text is encoded and outputs are decoded."""
+  tokenizers = pytest.importorskip("tokenizers", reason="the optional tokenizers package is "
+                                   "not installed")
+  fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "hf_llama"
+  for name in ("config.json", "model.safetensors"):
+    (tmp_path / name).write_bytes((fixture / name).read_bytes())
+  vocab = {f"w{i}": i for i in range(128)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  code = demo.main(["--checkpoint", str(tmp_path), "--prompt", "w5 w17 w99", "--max-tokens",
+                    "3", "--max-write", "8"])
+  out = capsys.readouterr().out
+  assert code == 0 and "1 requests" in out
+  assert re.search(r"request 0 \[  3 prompt\] 'w\d+", out)
