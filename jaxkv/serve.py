@@ -343,7 +343,9 @@ def _loop_body(config: CacheConfig, model, ls: LoopState) -> LoopState:
   def retire(i, c):
     return pure.seq_rm(config, c, jnp.where(finished[i], i, -1))[0]
 
-  cache = jax.lax.fori_loop(0, s, retire, cache)
+  # Most steps finish nothing: skip the per-column removals then.
+  cache = jax.lax.cond(jnp.any(finished), lambda c: jax.lax.fori_loop(0, s, retire, c),
+                       lambda c: c, cache)
   as_int = lambda b: b.astype(jnp.int32)
   return dataclasses.replace(
       ls, cache=cache, tokens=tokens_buf, length=length, fed=fed,
