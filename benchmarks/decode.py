@@ -289,8 +289,9 @@ def main():
                                                           interpret=False)
   configs = {
       "default": None,
-      "s3": dataclasses.replace(default, num_stages=3),
-      "split4096": dataclasses.replace(default, split_len=4096),
+      "programs 528": dataclasses.replace(default, max_programs=528),
+      "programs 2112": dataclasses.replace(default, max_programs=2112),
+      "one program per item": dataclasses.replace(default, max_programs=1 << 30),
   }
   copy_ceiling(rows)
   run_decode(rows, "decode 64 seqs 32/8 D128 512..8192", 64, 32, 8, 128, 512, 8192, configs,
@@ -301,8 +302,8 @@ def main():
              configs, check=True)
   run_write(rows)
   if not args.quick:
-    run_mixed(rows, {"default": None, "max_splits 4": dataclasses.replace(default, max_splits=4)})
-    run_prefill(rows, {"max_splits 2": dataclasses.replace(default, max_splits=2)})
+    run_mixed(rows, {"default": None})
+    run_prefill(rows, {"default": None})
   print_table(rows)
   if args.out:
     with open(args.out, "w") as f:

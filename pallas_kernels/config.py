@@ -31,7 +31,12 @@ class VarlenAttentionConfig:
     split_budget: static number of extra programs available to splits; the
       per-split length grows on device so the splits always fit in it.
     max_splits: most splits of one segment (the combine gathers this many).
-    sort_items: launch the programs with the most K/V tiles first.
+    max_split_tokens: most tokens whose segments may split in one call (the
+      longest single-q-tile segments first); the combine merges splits for this
+      many tokens only.
+    sort_items: hand out the items with the most K/V tiles first.
+    max_programs: programs launched (over all KV heads); each loops over its
+      share of the active items. A few waves of the SMs' program slots.
     use_wgmma: True runs the production kernel (wgmma tensor-core matmuls on
       swizzled shared-memory tiles). False runs an otherwise identical variant
       whose matmuls are float32 `dot_general`s on plain tiles, which the Mosaic
@@ -44,11 +49,14 @@ class VarlenAttentionConfig:
   split_len: int = 1024
   split_budget: int = 512
   max_splits: int = 16
+  max_split_tokens: int = 256
   sort_items: bool = True
+  max_programs: int = 1056
   use_wgmma: bool = True
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "num_stages", "split_len", "max_splits"):
+    for name in ("block_q", "block_k", "num_stages", "split_len", "max_splits",
+                 "max_split_tokens", "max_programs"):
       value = getattr(self, name)
       _require(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
     _require(isinstance(self.split_budget, int) and self.split_budget >= 0,
@@ -88,7 +96,8 @@ def default_varlen_attention_config(*, group: int, head_dim: int,
   """
   if interpret:
     return VarlenAttentionConfig(block_q=math.lcm(8, group), block_k=8, num_stages=2, split_len=16,
-                                 split_budget=4, max_splits=4, use_wgmma=False)
+                                 split_budget=4, max_splits=4, max_programs=4,
+                                 use_wgmma=False)
   # block_k != head_dim: square K/V tiles miscompute (see varlen_attention_sm90).
   # Stages and split lengths: the best of a small sweep on H200 (docs/PERFORMANCE.md).
   # Two stages keep a program at ~80 KB of shared memory, so two fit on one SM.

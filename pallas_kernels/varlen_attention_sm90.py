@@ -44,8 +44,8 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
 # Columns of the per-item table the kernel reads.
 (IT_SLOT, IT_ACTIVE, IT_COL, IT_KIND, IT_Q_ROW0, IT_Q_TOK0, IT_POS0, IT_LO, IT_END,
  IT_FIRST_ROW, IT_FIRST_LEN, IT_SECOND_LEN, IT_TILE0_ROW, IT_NUM_FIRST, IT_T_BEGIN,
- IT_T_END, IT_ALL_START, IT_ALL_STOP) = range(18)
-NUM_ITEM_FIELDS = 18
+ IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS) = range(19)
+NUM_ITEM_FIELDS = 19
 
 _SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 
@@ -106,9 +106,16 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, blo
   q_tiles = _cdiv(q_len * group, block_q)
   # Splits: only segments of one q tile; the split length grows with the total
   # work so that all splits fit in the static budget (sum <= budget + segments).
-  is_single = q_tiles == 1
-  single_tiles = jnp.sum(jnp.where(is_single, num_tiles, 0))
   min_tiles = _cdiv(config.split_len, block_k)
+  # Only segments of one q tile long enough to split may split, and only as many
+  # (longest first) as keep their tokens within `max_split_tokens`: the combine
+  # merges splits for that many tokens and copies every other token's one row.
+  may_split = (q_tiles == 1) & (num_tiles > min_tiles)
+  order = jnp.argsort(-jnp.where(may_split, num_tiles, -1), stable=True)
+  split_tokens = jnp.cumsum(jnp.where(may_split, q_len, 0)[order])
+  is_single = jnp.zeros_like(may_split).at[order].set(
+      may_split[order] & (split_tokens <= config.max_split_tokens))
+  single_tiles = jnp.sum(jnp.where(is_single, num_tiles, 0))
   chunk = jnp.maximum(min_tiles, _cdiv(single_tiles, max(config.split_budget, 1)))
   if config.split_budget == 0:
     chunk = jnp.maximum(chunk, jnp.max(num_tiles))
@@ -125,7 +132,7 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, blo
 
 
 def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
-  """`[max_items, NUM_ITEM_FIELDS]` int32 table, one row per program (item)."""
+  """Flat int32 `[1 + max_items * NUM_ITEM_FIELDS]`: the active count, then one row per item."""
   item = jnp.arange(max_items, dtype=jnp.int32)
   cu = seg["cu_items"]
   s = jnp.minimum(_searchsorted(cu, item).astype(jnp.int32), cu.shape[0] - 1)
@@ -154,23 +161,26 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
       item, active.astype(jnp.int32), f["col"], f["kind"],
       f["q_start"] * group + q_tok0, q_tok0, f["pos0"], f["lo"], f["end"],
       f["first_row"], f["first_len"], f["second_len"], f["tile0_row"], f["num_first"],
-      t_begin, t_end, all_start, all_stop], axis=1).astype(jnp.int32)
+      t_begin, t_end, all_start, all_stop, rows], axis=1).astype(jnp.int32)
   if sort_items:
     # Longest first: the GPU dispatches programs in order, so this shortens the tail.
-    order = jnp.argsort(-(t_end - t_begin) * active.astype(jnp.int32), stable=True)
-    table = table[order]
-  return table
+    order = jnp.argsort(jnp.where(active, -(t_end - t_begin), 1), stable=True)
+    table = table[order]   # active items stay first
+  return jnp.concatenate([cu[-1:], table.reshape(-1)])
 
 
 def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, num_rows, window,
-                      use_wgmma, transforms):
-  """One program: one item (segment q tile x key split) for one KV head.
+                      use_wgmma, transforms, num_workers):
+  """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
-  Grid axes: "item" (rows of the item table, longest first) and "head" (KV
-  head). Inputs: the item table (flattened), q as `[K, rows, D]` (rows are
+  Grid axes: "worker" (`num_workers` programs per head, each looping over the
+  active items, longest first) and "head" (KV head). A static grid sized for the
+  worst case would launch mostly empty programs, which still hold shared
+  memory while they start. Inputs: the item table (flattened, preceded by the
+  number of active items), q as `[K, rows, D]` (rows are
   (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches.
   Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
   log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
@@ -178,14 +188,13 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   buffers live in two consecutive scopes, so they share shared memory (two
   programs fit on one SM).
   """
-  item = lax.axis_index("item")
   head = lax.axis_index("head")
-  field = lambda f: items_ref[item * NUM_ITEM_FIELDS + f]
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
 
-  @pl.when(field(IT_ACTIVE) != 0)
-  def _run():
+  @pl.loop(lax.axis_index("worker"), items_ref[0], step=num_workers)
+  def _run(item):
+    field = lambda f: items_ref[1 + item * NUM_ITEM_FIELDS + f]
     slot = field(IT_SLOT)
     col, kind = field(IT_COL), field(IT_KIND)
     q_tok0, pos0, lo, end = field(IT_Q_TOK0), field(IT_POS0), field(IT_LO), field(IT_END)
@@ -224,7 +233,17 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
       lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[slot, head])
+      # Store only the item's real rows, rounded up to 8: a decode item has G of
+      # 64. TMA sizes are static, so the count is stored as a sum of powers of two.
+      num_rows8 = (field(IT_ROWS) + 7) // 8 * 8
+      size = 1 << (block_q.bit_length() - 1)
+      while size >= 8:
+        @pl.when(num_rows8 & size != 0)
+        def _store_rows(size=size):
+          offset = num_rows8 & -(2 * size)    # the larger chunks come first
+          rows = pl.ds(offset, size)
+          plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[slot, head, rows])
+        size //= 2
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot, head])
       plgpu.wait_smem_to_gmem(0)
 
@@ -354,35 +373,49 @@ def _smem_transforms(use_wgmma, dtype):
   return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
 
 
-def _combine(o_part, lse_part, seg, seq_info, *, num_tokens, group, block_q, max_splits,
-             out_dtype):
-  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`."""
+def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
+             max_split_tokens, out_dtype):
+  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`.
+
+  Every token's first (often only) partial is gathered once; tokens of split
+  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
+  compacted and merged over their `max_splits` partials, then scattered back.
+  """
   num_items, num_kv_heads, _, head_dim = o_part.shape
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
   # Segment rows are in step order; padded rows have q_len 0 and sort last.
   starts = jnp.where(seg["q_len"] > 0, seg["q_start"], jnp.iinfo(jnp.int32).max)
   s = jnp.clip(_searchsorted(starts, tokens).astype(jnp.int32) - 1, 0, starts.shape[0] - 1)
+  is_token = (tokens >= seg["q_start"][s]) & (tokens < seg["q_start"][s] + seg["q_len"][s])
   local_row = (tokens - seg["q_start"][s]) * group        # first of the token's G rows
-  q_tile = local_row // block_q
-  item_base = seg["cu_items"][s] - seg["num_items"][s] + q_tile * seg["splits"][s]
-  split = jnp.arange(max_splits, dtype=jnp.int32)
-  is_split = split[None, :] < seg["splits"][s][:, None]                 # [T, J]
-  items = jnp.clip(item_base[:, None] + split[None, :], 0, num_items - 1)
+  splits = seg["splits"][s]
+  item_base = seg["cu_items"][s] - seg["num_items"][s] + (local_row // block_q) * splits
+  item_base = jnp.clip(item_base, 0, num_items - 1)
   row_block = (local_row % block_q) // group
   o_part = o_part.reshape(num_items, num_kv_heads, block_q // group, group, head_dim)
   lse_part = lse_part.reshape(num_items, num_kv_heads, block_q // group, group)
-  heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, None, :]
-  o = o_part[items[:, :, None], heads, row_block[:, None, None]]         # [T, J, K, G, D]
-  lse = lse_part[items[:, :, None], heads, row_block[:, None, None]]     # [T, J, K, G]
-  is_split = is_split[:, :, None, None]
-  lse = jnp.where(is_split, lse, MASK_VALUE)
-  weight = jnp.where(is_split, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
-  # Select, never multiply: an unused split's buffer was never written.
-  o = jnp.where(is_split[..., None], o, 0.0)
-  out = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
+  heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
+  out = o_part[item_base[:, None], heads, row_block[:, None]]            # [T, K, G, D]
   # Padding tokens gathered unwritten partials; give them zeros, deterministically.
-  is_token = (tokens >= seg["q_start"][s]) & (tokens < seg["q_start"][s] + seg["q_len"][s])
   out = jnp.where(is_token[:, None, None, None], out, 0.0)
+  num_split_tokens = min(num_tokens, max_split_tokens)
+  if max_splits > 1 and num_split_tokens:
+    (picked,) = jnp.nonzero(is_token & (splits > 1), size=num_split_tokens,
+                            fill_value=num_tokens)
+    safe = jnp.minimum(picked, num_tokens - 1)
+    split = jnp.arange(max_splits, dtype=jnp.int32)
+    is_split = split[None, :] < splits[safe][:, None]                    # [S, J]
+    items = jnp.clip(item_base[safe][:, None] + split[None, :], 0, num_items - 1)
+    rows = row_block[safe][:, None, None]
+    o = o_part[items[:, :, None], heads[None], rows]                     # [S, J, K, G, D]
+    lse = lse_part[items[:, :, None], heads[None], rows]                 # [S, J, K, G]
+    is_split = is_split[:, :, None, None]
+    lse = jnp.where(is_split, lse, MASK_VALUE)
+    weight = jnp.where(is_split, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
+    # Select, never multiply: an unused split's buffer was never written.
+    o = jnp.where(is_split[..., None], o, 0.0)
+    merged = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
+    out = out.at[picked].set(merged, mode="drop")   # fill entries (== T) are dropped
   return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
 
 
@@ -408,22 +441,24 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
   qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0)))
   transforms = _smem_transforms(config.use_wgmma, dtype)
+  num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(
       _attention_kernel, group=group, block_q=block_q, block_k=block_k,
       num_stages=config.num_stages, num_rows=num_rows, window=window,
-      use_wgmma=config.use_wgmma, transforms=transforms)
+      use_wgmma=config.use_wgmma, transforms=transforms, num_workers=num_workers)
   o_part, lse_part = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
       scratch_types=[plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()],
-      grid=(max_items, num_kv_heads),
-      grid_names=("item", "head"),
+      grid=(num_workers, num_kv_heads),
+      grid_names=("worker", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_compat.resolve_interpret(interpret),
-  )(items.reshape(-1), qt, k_cache, v_cache)
-  return _combine(o_part, lse_part, seg, seq_info, num_tokens=num_tokens, group=group,
-                  block_q=block_q, max_splits=config.max_splits, out_dtype=q.dtype)
+  )(items, qt, k_cache, v_cache)
+  return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
+                  max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
+                  out_dtype=q.dtype)
 
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,

@@ -60,6 +60,7 @@ SPLIT_CONFIGS = {
 }
 INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     block_q=8, block_k=8, num_stages=3, split_len=8, split_budget=2, max_splits=3,
+    max_split_tokens=3,
     sort_items=False, use_wgmma=False)
 
 requires_hopper = pytest.mark.skipif(
