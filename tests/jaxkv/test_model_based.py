@@ -444,8 +444,14 @@ class CacheMachine(RuleBasedStateMachine):
       want = e
     got_error = isinstance(got, jaxkv.StepError)
     want_error = isinstance(want, ModelStepError)
-    outcome = "error" if want_error else (
-        "refused" if (want is None and name != "clear") or want is False else "ok")
+    if want_error:
+      outcome = "error"
+    elif name == "commit_step" and want is False:
+      outcome = "noop"  # a second commit
+    elif want is False or (want is None and name != "clear"):
+      outcome = "refused"
+    else:
+      outcome = "ok"
     self.stats[f"{name}:{outcome}"] += 1
     assert got_error == want_error, (name, got, want)
     if want_error or unchanged_if(want):
@@ -534,6 +540,14 @@ class CacheMachine(RuleBasedStateMachine):
 
   # The step protocol.
 
+  def draw_valid_block(self, data, ids):
+    """A valid owner block: a suffix of the last sequence's final run, longest first."""
+    run_start = len(ids) - 1
+    while run_start > 0 and ids[run_start - 1] == ids[-1]:
+      run_start -= 1
+    start = data.draw(st.integers(run_start, len(ids) - 1), label="block_start")
+    return (start, len(ids) - start)
+
   def draw_declaration(self, data):
     live = [s for s in range(MAX_SEQS) if self.model.live[s]]
     if data.draw(st.integers(0, 9), label="bad_n"):
@@ -547,12 +561,7 @@ class CacheMachine(RuleBasedStateMachine):
     blocks = None
     kind = data.draw(st.integers(0, 5), label="blocks_kind")
     if kind == 1 and ids:
-      # A valid block: a suffix of the last sequence's final run.
-      run_start = len(ids) - 1
-      while run_start > 0 and ids[run_start - 1] == ids[-1]:
-        run_start -= 1
-      start = data.draw(st.integers(run_start, len(ids) - 1), label="block_start")
-      blocks = [(start, len(ids) - start)]
+      blocks = [self.draw_valid_block(data, ids)]
     elif kind == 2:
       blocks = data.draw(st.lists(st.tuples(st.integers(-1, n + 1), st.integers(0, n + 1)),
                                   min_size=1, max_size=2), label="blocks")
@@ -682,7 +691,7 @@ class CacheMachine(RuleBasedStateMachine):
   def misuse(self, data):
     """Wrong positions, ill-shaped attends, or any verb in any phase."""
     kind = data.draw(st.sampled_from(["positions", "attend", "declare", "prepare", "attend_any",
-                                      "commit"]), label="misuse")
+                                      "commit", "commit_twice"]), label="misuse")
     if kind == "positions":
       self.any_prepare(data, mode="wrong")
     elif kind == "attend":
@@ -693,7 +702,10 @@ class CacheMachine(RuleBasedStateMachine):
       self.any_prepare(data)
     elif kind == "attend_any":
       self.any_attend(data)
+    elif kind == "commit":
+      self.commit()
     else:
+      self.commit()
       self.commit()
 
   @rule(data=st.data())
@@ -725,9 +737,26 @@ class CacheMachine(RuleBasedStateMachine):
     else:
       self.commit()
 
+  def make_room(self, data, tokens):
+    """When the budget cannot take `tokens` more, usually rewind or remove a sequence."""
+    if self.model.held + tokens <= CAPACITY or not data.draw(st.integers(0, 3), label="room"):
+      return
+    s = max(range(MAX_SEQS), key=lambda s: self.model.pos[s])
+    target = max(self.model.floor(s), self.model.pos[s] - 4)
+    if data.draw(st.booleans(), label="room_by_rewind") and target < self.model.pos[s]:
+      got, want = self.call_checked(
+          "rewind", lambda: self.cache.rewind(s, target),
+          lambda: self.model.rewind(s, target), unchanged_if=lambda w: not w)
+      assert got is want, ("rewind", s, target)
+    else:
+      got, want = self.call_checked("seq_rm", lambda: self.cache.seq_rm(s),
+                                    lambda: self.model.seq_rm(s), unchanged_if=lambda w: not w)
+      assert got is want, ("seq_rm", s)
+
   @rule(data=st.data())
   def whole_step(self, data):
     """A declared, prepared, fully served and committed step (most progress)."""
+    self.make_room(data, self.width)
     live = [s for s in range(MAX_SEQS) if self.model.live[s]]
     if not live:
       self.seq_new()
@@ -735,8 +764,8 @@ class CacheMachine(RuleBasedStateMachine):
     n = data.draw(st.integers(1, self.width), label="n")
     ids = data.draw(st.lists(st.sampled_from(live), min_size=n, max_size=n), label="ids")
     blocks = None
-    if data.draw(st.integers(0, 4), label="with_block") == 0:
-      blocks = [(n - 1, 1)]
+    if data.draw(st.integers(0, 3), label="with_block") == 0:
+      blocks = [self.draw_valid_block(data, ids)]
     if not self.declare(ids, blocks):
       return
     self.prepare(None)
@@ -748,6 +777,7 @@ class CacheMachine(RuleBasedStateMachine):
   @rule(data=st.data())
   def decode_step(self, data):
     """One token for every live sequence, served and committed."""
+    self.make_room(data, MAX_SEQS)
     live = [s for s in range(MAX_SEQS) if self.model.live[s]]
     if not live:
       self.seq_new()
@@ -798,5 +828,5 @@ MUST_OCCUR = (
     "seq_rm:refused", "rewind:ok", "rewind:refused", "rewind:below_floor", "clear:ok",
     "declare_step:ok", "declare_step:refused", "declare_with_blocks:ok",
     "declare_with_blocks:refused", "prepare_step:ok", "prepare_step:error", "attend:ok",
-    "attend:error", "commit_step:ok", "commit_step:error", "commit_step:refused",
+    "attend:error", "commit_step:ok", "commit_step:error", "commit_step:noop",
 )
