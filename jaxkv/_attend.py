@@ -20,7 +20,8 @@ import pallas_kernels
 from jaxkv._config import CacheConfig
 from jaxkv._sharding import per_shard, validate_mesh
 from jaxkv._state import CacheState, Phase, Status
-from jaxkv._validate import static_validate_attend, static_validate_implementation
+from jaxkv._validate import (static_validate_attend, static_validate_implementation,
+                             static_validate_state)
 
 
 def default_implementation() -> str:
@@ -75,6 +76,7 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
     ValueError: at trace time for a bad layer id, shape, head count or argument.
   """
   static_validate_implementation(implementation)
+  static_validate_state(config, state)
   static_validate_attend(config, layer, q, k, v, width=config.step_width)
   validate_mesh(config, mesh, kv_axis)
   head_dim = config.layers[layer].head_dim

@@ -133,6 +133,8 @@ class CacheConfig:
       object.__setattr__(self, name, int(value))
     if self.capacity >= _MAX_INT32:
       raise ValueError(f"capacity={self.capacity} must be < 2**31")
+    if self.max_write >= _MAX_INT32:
+      raise ValueError(f"max_write={self.max_write} must be < 2**31")
     if self.max_seqs >= _MAX_INT32 - 1:
       raise ValueError(f"max_seqs={self.max_seqs} must be < 2**31 - 1")
     for i, layer in enumerate(layers):

@@ -58,6 +58,36 @@ def _as_int(name: str, value) -> int:
     raise TypeError(f"{name}={value!r} must be an int") from e
 
 
+def _as_list(name: str, value) -> list:
+  """The items of a sequence argument, else TypeError naming it."""
+  # bytes would iterate as small ints; a str fails item by item, naming the item.
+  if isinstance(value, (bytes, bytearray)) or not hasattr(value, "__iter__"):
+    raise TypeError(f"{name}={value!r} must be a sequence")
+  return list(value)
+
+
+def _as_array(name: str, value):
+  """An array from an array (or nested list), else TypeError naming it.
+
+  The dtype and shape are checked by `static_validate_attend` (a StepError).
+  """
+  if isinstance(value, (jax.Array, np.ndarray)):
+    array = value
+  elif isinstance(value, (list, tuple)):
+    array = np.asarray(value)
+  else:
+    raise TypeError(f"{name} must be an array; got {type(value).__name__}")
+  return jnp.asarray(array)
+
+
+def _as_scale(scale):
+  if scale is None:
+    return None
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+    raise TypeError(f"scale={scale!r} must be a Python float or None")
+  return float(scale)
+
+
 def _clamp32(value: int) -> int:
   """Clamps to int32: out-of-range ids and positions stay invalid after the cast."""
   return min(max(value, _INT32_MIN), _INT32_MAX)
@@ -168,7 +198,8 @@ class BatchedSequenceCache:
   def declare_step(self, seq_ids, owner_blocks=None) -> bool:
     """Declares the next step's tokens (SPEC §6.2, §9); False on refusal."""
     width = self._config.step_width
-    ids = [_clamp32(_as_int(f"seq_ids[{i}]", s)) for i, s in enumerate(seq_ids)]
+    ids = [_clamp32(_as_int(f"seq_ids[{i}]", s))
+           for i, s in enumerate(_as_list("seq_ids", seq_ids))]
     blocks = self._block_rows(owner_blocks)
     if blocks is None:
       return False
@@ -183,7 +214,7 @@ class BatchedSequenceCache:
     """`int32[W, 2]` block rows, or None when the blocks cannot be valid at all."""
     width = self._config.step_width
     rows = np.zeros((width, 2), np.int32)
-    blocks = list(owner_blocks or ())
+    blocks = [] if owner_blocks is None else _as_list("owner_blocks", owner_blocks)
     if len(blocks) > width:
       return None   # at most one block per owner, each of >= 1 of <= W tokens
     for i, block in enumerate(blocks):
@@ -219,7 +250,8 @@ class BatchedSequenceCache:
       raise StepError(f"prepare_step needs a declaration; phase is {phase.name}",
                       Status.NO_DECLARATION)
     n = int(self._state.decl_n)
-    values = [_as_int(f"positions[{i}]", p) for i, p in enumerate(positions)]
+    values = [_as_int(f"positions[{i}]", p)
+              for i, p in enumerate(_as_list("positions", positions))]
     if len(values) != n or any(not _INT32_MIN <= p <= _INT32_MAX for p in values):
       raise StepError(f"positions must hold exactly n={n} int32 entries; got "
                       f"{len(values)}", Status.BAD_POSITIONS)
@@ -249,14 +281,15 @@ class BatchedSequenceCache:
     Raises:
       StepError: not PREPARED, a bad layer id, or inconsistent shapes.
     """
-    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    q, k, v = (_as_array(name, x) for name, x in (("q", q), ("k", k), ("v", v)))
+    scale = _as_scale(scale)
     self._check_attend(layer, q, k, v)
     num_tokens, width = q.shape[0], self._config.step_width
     if num_tokens != width:
       pad = lambda x: jnp.pad(x, ((0, width - num_tokens), (0, 0), (0, 0)))
       q, k, v = pad(q), pad(k), pad(v)
     self._state, out, status = _attend(self._config, self._state, int(layer), q, k, v,
-                                       scale=None if scale is None else float(scale),
+                                       scale=scale,
                                        implementation=self._implementation,
                                        mesh=self._mesh, kv_axis=self._kv_axis)
     self._raise_step_error(status, "attend")

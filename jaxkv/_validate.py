@@ -61,3 +61,56 @@ def dynamic_validate_state(config: CacheConfig, state: CacheState) -> None:
   flat = [state.k[l].shape[0] for l, c in enumerate(config.layers) if not c.policy.is_ring]
   if flat:
     assert np.all(hw <= flat[0]), f"hw {hw} exceeds flat rows {flat[0]}"
+
+
+def static_validate_int_arg(name: str, x, shape: tuple[int, ...]) -> None:
+  """An integer argument of a pure verb: integer dtype and exactly `shape`.
+
+  Python ints are accepted for scalars; floats are refused rather than truncated.
+  """
+  if isinstance(x, (bool, np.bool_)):
+    raise ValueError(f"{name}={x!r} must be an integer, not a bool")
+  if isinstance(x, int) and not shape:
+    if not -2**31 <= x < 2**31:
+      raise ValueError(f"{name}={x} does not fit in int32")
+    return
+  dtype = getattr(x, "dtype", None)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape {shape}; got "
+                     f"dtype {dtype} ({type(x).__name__})")
+  if tuple(jnp.shape(x)) != shape:
+    raise ValueError(f"{name} must have shape {shape}; got {tuple(jnp.shape(x))}")
+
+
+def static_validate_state(config: CacheConfig, state) -> None:
+  """The state's leaves have the shapes and dtypes `config` implies (SPEC §10.2)."""
+  if not isinstance(state, CacheState):
+    raise TypeError(f"state={type(state).__name__} must be a CacheState")
+  if len(state.k) != config.num_layers or len(state.v) != config.num_layers:
+    raise ValueError(f"state has {len(state.k)} K and {len(state.v)} V layers; config has "
+                     f"{config.num_layers}")
+  flat_rows = {a.shape[0] for a, c in zip(state.k, config.layers) if not c.policy.is_ring}
+  if len(flat_rows) > 1:
+    raise ValueError(f"state's flat layers disagree on their row count: {sorted(flat_rows)}")
+  rows = flat_rows.pop() if flat_rows else 0
+  for l in range(config.num_layers):
+    expected = config.layer_shape(l, rows)
+    for name, a in (("k", state.k[l]), ("v", state.v[l])):
+      if a.shape != expected or a.dtype != config.kv_dtype:
+        raise ValueError(f"state.{name}[{l}] is {a.dtype}{list(a.shape)}; config needs "
+                         f"{config.kv_dtype}{list(expected)}")
+  if not 0 < rows <= config.capacity and config.has_flat:
+    raise ValueError(f"state's flat rows {rows} must be in [1, capacity={config.capacity}]")
+  width, seqs = config.step_width, config.max_seqs
+  for name, shape in (("live", (seqs,)), ("pos", (seqs,)), ("hw", (seqs,)), ("held", ()),
+                      ("phase", ()), ("decl_ids", (width,)), ("decl_block", (width,)),
+                      ("decl_n", ()), ("step.seq_cols", (width,)),
+                      ("step.positions", (width,)),
+                      ("step.write_rows", (config.num_layers, width)),
+                      ("step.seq_info", (width, 5))):
+    leaf = state
+    for part in name.split("."):
+      leaf = getattr(leaf, part)
+    if tuple(leaf.shape) != shape or leaf.dtype != jnp.int32:
+      raise ValueError(f"state.{name} is {leaf.dtype}{list(leaf.shape)}; config needs "
+                       f"int32{list(shape)}")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxkv import _plan
 from jaxkv._config import CacheConfig
 from jaxkv._state import CacheState, Phase, Status, empty_step, flat_rows
+from jaxkv._validate import static_validate_int_arg, static_validate_state
 from pallas_kernels import indexing
 
 WHOLE = 2**31 - 1
@@ -25,6 +26,18 @@ WHOLE = 2**31 - 1
 
 _CONTROL_FIELDS = ("live", "pos", "hw", "held", "phase", "decl_ids", "decl_block",
                    "decl_n", "step")
+
+
+def _check(config: CacheConfig, state: CacheState, **int_args) -> None:
+  """Trace-time checks of a verb's config, state and integer arguments.
+
+  Each keyword is `name=(value, shape)`; scalars have shape `()`.
+  """
+  if not isinstance(config, CacheConfig):
+    raise TypeError(f"config={config!r} must be a CacheConfig")
+  static_validate_state(config, state)
+  for name, (value, shape) in int_args.items():
+    static_validate_int_arg(name, value, shape)
 
 
 def _i32(x):
@@ -78,6 +91,7 @@ def _lowest_free(state: CacheState):
 
 def floor(config: CacheConfig, state: CacheState, seq_id):
   """Lowest length `rewind`/`seq_clone` may target for `seq_id` (SPEC §4.2); int32."""
+  _check(config, state, seq_id=(seq_id, ()))
   _, col = _column(config, seq_id)
   return indexing.floor(state.hw[col], config.rings())
 
@@ -88,6 +102,7 @@ def seq_new(config: CacheConfig, state: CacheState):
   Returns:
     `(state, status, id)`; `id = -1` and status NO_FREE_ID when every id is live.
   """
+  _check(config, state)
   any_free, new_id = _lowest_free(state)
   live = state.live.at[new_id].set(jnp.where(any_free, 1, state.live[new_id]))
   status = jnp.where(any_free, _i32(Status.OK), _i32(Status.NO_FREE_ID))
@@ -105,6 +120,7 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
     `(state, status, id)`; `id = -1` on refusal (NOT_LIVE, EMPTY, BELOW_FLOOR,
     NO_ROOM, NO_FREE_ID, checked in that order).
   """
+  _check(config, state, src=(src, ()), upto=(upto, ()))
   is_live, src_col = _is_live(config, state, src)
   keep = jnp.minimum(_i32(upto), jnp.where(is_live, state.pos[src_col], 0))
   any_free, dst = _lowest_free(state)
@@ -128,6 +144,7 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
 
 def seq_rm(config: CacheConfig, state: CacheState, seq_id):
   """Removes a live sequence, releasing its budget; `(state, status)`."""
+  _check(config, state, seq_id=(seq_id, ()))
   is_live, col = _is_live(config, state, seq_id)
   new = _invalidated(
       config, state, live=state.live.at[col].set(0), pos=state.pos.at[col].set(0),
@@ -143,6 +160,7 @@ def rewind(config: CacheConfig, state: CacheState, seq_id, position):
     `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`) or
     BELOW_FLOOR refuse, in that order.
   """
+  _check(config, state, seq_id=(seq_id, ()), position=(position, ()))
   is_live, col = _is_live(config, state, seq_id)
   position = _i32(position)
   status = _first_failure([
@@ -158,6 +176,7 @@ def rewind(config: CacheConfig, state: CacheState, seq_id, position):
 
 def clear(config: CacheConfig, state: CacheState):
   """Drops every sequence and the step; storage keeps its shape and bytes."""
+  _check(config, state)
   zeros = jnp.zeros((config.max_seqs,), jnp.int32)
   new = _invalidated(config, state, live=zeros, pos=zeros, hw=zeros, held=_i32(0),
                      step=empty_step(config))
@@ -199,6 +218,8 @@ def declare_step(config: CacheConfig, state: CacheState, seq_ids, n, blocks):
     `(state, status)`: EMPTY, TOO_WIDE, NOT_LIVE, BAD_BLOCKS, NO_ROOM refuse,
     checked in that order.
   """
+  _check(config, state, seq_ids=(seq_ids, (config.step_width,)), n=(n, ()),
+         blocks=(blocks, (config.step_width, 2)))
   ids, n, blocks = _i32(seq_ids), _i32(n), _i32(blocks)
   is_real = _plan.token_mask(config, n)
   in_range, cols = _column(config, ids)
@@ -224,6 +245,7 @@ def _declared_positions(config: CacheConfig, state: CacheState):
 
 def rows_needed(config: CacheConfig, state: CacheState):
   """Flat rows the standing declaration needs (0 if none stands); int32."""
+  _check(config, state)
   stands = (state.phase == Phase.DECLARED) | (state.phase == Phase.PREPARED)
   needed = _plan.rows_needed(config, state.decl_n, _declared_positions(config, state))
   return jnp.where(stands, needed, 0)
@@ -239,6 +261,8 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
     `(state, status)`: NO_DECLARATION (IDLE or COMMITTED), BAD_POSITIONS, or
     NEEDS_ROWS (flat rows too few; grow first) refuse. In PREPARED it is a no-op.
   """
+  _check(config, state, **({} if positions is None else
+                           {"positions": (positions, (config.step_width,))}))
   is_declared = state.phase == Phase.DECLARED
   is_prepared = state.phase == Phase.PREPARED
   derived = _declared_positions(config, state)
@@ -265,6 +289,7 @@ def commit_step(config: CacheConfig, state: CacheState):
   Owner-block segments advance nothing. Committing twice is a no-op (the max);
   any phase but PREPARED or COMMITTED gives NOT_PREPARED.
   """
+  _check(config, state)
   ok = (state.phase == Phase.PREPARED) | (state.phase == Phase.COMMITTED)
   cols, ends = _plan.committed_ends(config, state.step)
   pos = state.pos.at[cols].max(ends, mode="drop")
@@ -302,6 +327,7 @@ def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_ar
   Raises:
     ValueError: no flat layer, or not `F < rows <= capacity`.
   """
+  _check(config, state)
   current = flat_rows(config, state)
   if not config.has_flat:
     raise ValueError("grow needs a flat layer; this config has only rings")
