@@ -17,7 +17,14 @@ SPEC written here (it shares no code with jaxkv). After every call:
   layer left unserved (SPEC §6.4 allows it).
 
 The budget is `JAXKV_HYPOTHESIS_EXAMPLES` examples per config (default below);
-runs are derandomized unless `JAXKV_HYPOTHESIS_RANDOM=1`.
+runs are derandomized unless `JAXKV_HYPOTHESIS_RANDOM=1`; `JAXKV_REPORT_CALLS=1`
+prints what a run exercised. Each run also asserts that it met every outcome in
+`MUST_OCCUR`, so a generator that drifts into vacuity fails.
+
+Planted bugs this test caught (monkeypatched locally, never committed): the
+floor ignored (`pallas_kernels.indexing.floor` returning 0), ring windows one
+key too wide, commit advancing owner-block segments, and owner blocks attended
+causally.
 """
 
 from __future__ import annotations
