@@ -1,24 +1,26 @@
 """Varlen attention over a step's segment table: the Mosaic GPU kernel (sm90).
 
-Work is cut into *items*, one program per (item, KV head):
+Work is cut into *items*, each served for one KV head at a time:
 
 - a segment's query rows are its (token, query head of the GQA group) pairs,
   `q_len * G` of them, cut into q tiles of `block_q` rows (one tile for decode),
   so the G query heads of a group share every K/V tile they stream;
-- a segment with a single q tile (decode, short prefill) is further split over
-  its keys (flash decoding); the number of splits is chosen on device from the
-  segment lengths, within a static budget of programs.
+- a segment with a single q tile (decode, short prefill) may be further split
+  over its keys (flash decoding); the number of splits is chosen on device from
+  the segment lengths, within a static budget.
 
-Each program streams the K/V tiles of its key range (the segment's one or two
-ring row runs, see `indexing.run_tiling`) through a `num_stages`-deep TMA
-pipeline, keeps an online float32 softmax in registers, and writes a normalized
-float32 partial output plus its log-sum-exp (base 2). A small XLA epilogue
-combines the splits and scatters rows back to `[T, H_q, D]` in q's dtype.
+Segments with `q_len = 0` (padded rows of the table) produce no items. A fixed
+grid of `max_programs` programs (workers x KV heads) loops over the active
+items, longest first. Each item streams the K/V tiles of its key range (the
+segment's one or two ring row runs, see `indexing.run_tiling`) through a
+`num_stages`-deep TMA pipeline, keeps an online float32 softmax in registers,
+and writes its real rows of a normalized float32 partial output plus the
+log-sum-exp (base 2). A small XLA epilogue copies each token's partial back to
+`[T, H_q, D]` in q's dtype, merging the splits of split segments.
 
-Programs of padded items exit at once; keys are selected with `jnp.where` on
-loaded tiles (rows outside the read range may hold NaN), and tiles with rows
-outside the read range have those V rows zeroed in shared memory before the
-P @ V matmul (0 * NaN would be NaN).
+Keys are selected with `jnp.where` on loaded tiles (rows outside the read range
+may hold NaN), and tiles with rows outside the read range have those V rows
+zeroed in shared memory before the P @ V matmul (0 * NaN would be NaN).
 """
 
 from __future__ import annotations
@@ -104,22 +106,22 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, blo
       first_row, first_len, second_len, block=block_k, align=align)
   num_tiles = num_first + num_second
   q_tiles = _cdiv(q_len * group, block_q)
-  # Splits: only segments of one q tile; the split length grows with the total
-  # work so that all splits fit in the static budget (sum <= budget + segments).
-  min_tiles = _cdiv(config.split_len, block_k)
   # Only segments of one q tile long enough to split may split, and only as many
   # (longest first) as keep their tokens within `max_split_tokens`: the combine
   # merges splits for that many tokens and copies every other token's one row.
+  min_tiles = _cdiv(config.split_len, block_k)
   may_split = (q_tiles == 1) & (num_tiles > min_tiles)
   order = jnp.argsort(-jnp.where(may_split, num_tiles, -1), stable=True)
   split_tokens = jnp.cumsum(jnp.where(may_split, q_len, 0)[order])
-  is_single = jnp.zeros_like(may_split).at[order].set(
+  splittable = jnp.zeros_like(may_split).at[order].set(
       may_split[order] & (split_tokens <= config.max_split_tokens))
-  single_tiles = jnp.sum(jnp.where(is_single, num_tiles, 0))
-  chunk = jnp.maximum(min_tiles, _cdiv(single_tiles, max(config.split_budget, 1)))
+  # The split length grows with the total work so that all splits fit in the
+  # static budget (sum of splits <= budget + segments).
+  split_work = jnp.sum(jnp.where(splittable, num_tiles, 0))
+  chunk = jnp.maximum(min_tiles, _cdiv(split_work, max(config.split_budget, 1)))
   if config.split_budget == 0:
     chunk = jnp.maximum(chunk, jnp.max(num_tiles))
-  splits = jnp.where(is_single, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
+  splits = jnp.where(splittable, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
   tiles_per_split = jnp.maximum(_cdiv(num_tiles, splits), 1)
   # Every split gets at least one tile: drop the empty tail of a rounded split.
   splits = jnp.maximum(_cdiv(num_tiles, tiles_per_split), 1)
@@ -163,7 +165,7 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
       f["first_row"], f["first_len"], f["second_len"], f["tile0_row"], f["num_first"],
       t_begin, t_end, all_start, all_stop, rows], axis=1).astype(jnp.int32)
   if sort_items:
-    # Longest first: the GPU dispatches programs in order, so this shortens the tail.
+    # Longest first: workers take items in table order, so this shortens the tail.
     order = jnp.argsort(jnp.where(active, -(t_end - t_begin), 1), stable=True)
     table = table[order]   # active items stay first
   return jnp.concatenate([cu[-1:], table.reshape(-1)])
