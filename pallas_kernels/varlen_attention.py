@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import indexing
 
@@ -43,8 +44,8 @@ def static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments, 
     raise ValueError(f"n_segments must be a scalar; got shape {jnp.shape(n_segments)}")
   if window is not None and (not isinstance(window, int) or window < 1):
     raise ValueError(f"{window=} must be None (flat) or an int >= 1")
-  if not isinstance(scale, (int, float)):
-    raise ValueError(f"{scale=} must be a Python float")
+  if not isinstance(scale, (int, float, np.floating)):   # NumPy floats are fine too
+    raise ValueError(f"{scale=} must be a Python or NumPy float")
 
 
 def token_segments(seq_info, n_segments, num_tokens: int):
