@@ -48,19 +48,27 @@ def static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments, 
     raise ValueError(f"{scale=} must be a Python or NumPy float")
 
 
+# Rows per block of the reference's key loop: bounds its gathered K/V to about
+# this many float32 elements per operand, whatever the cache size.
+_REFERENCE_BLOCK_ELEMENTS = 1 << 24
+
+
 def token_segments(seq_info, n_segments, num_tokens: int):
   """Per-token segment fields: `(has_segment, q_start, q_len, col, pos0, kind)`.
 
   Each is `[num_tokens]` int32 (bool for `has_segment`); tokens covered by no real
-  segment (padding) get `has_segment = False` and zeros elsewhere.
+  segment (padding) get `has_segment = False`. Real rows are in step order, so a
+  token's segment is the last real row starting at or before it.
   """
-  tokens = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
-  q_start = seq_info[:, indexing.SEG_Q_START][None, :]
-  q_end = q_start + seq_info[:, indexing.SEG_Q_LEN][None, :]
-  is_real = (jnp.arange(seq_info.shape[0], dtype=jnp.int32) < n_segments)[None, :]
-  in_segment = (tokens >= q_start) & (tokens < q_end) & is_real   # [T, segments]
-  has_segment = jnp.any(in_segment, axis=1)
-  fields = jnp.where(in_segment[:, :, None], seq_info[None, :, :], 0).sum(axis=1)
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  q_start = seq_info[:, indexing.SEG_Q_START]
+  is_real = jnp.arange(seq_info.shape[0], dtype=jnp.int32) < n_segments
+  starts = jnp.where(is_real, q_start, jnp.iinfo(jnp.int32).max)
+  index = jnp.searchsorted(starts, tokens, side="right").astype(jnp.int32) - 1
+  fields = seq_info[jnp.clip(index, 0, seq_info.shape[0] - 1)]             # [T, 5]
+  has_segment = (index >= 0) & (tokens < fields[:, indexing.SEG_Q_START]
+                                + fields[:, indexing.SEG_Q_LEN])
+  fields = jnp.where(has_segment[:, None], fields, 0)
   return (has_segment, fields[:, indexing.SEG_Q_START], fields[:, indexing.SEG_Q_LEN],
           fields[:, indexing.SEG_COL], fields[:, indexing.SEG_POS0],
           fields[:, indexing.SEG_KIND])
@@ -69,6 +77,9 @@ def token_segments(seq_info, n_segments, num_tokens: int):
 def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, window,
                                scale):
   """Attention of every step token over its own column's visible keys.
+
+  Each token streams its column's rows in blocks with an online float32 softmax,
+  so memory stays bounded (`_REFERENCE_BLOCK_ELEMENTS`) for any cache size.
 
   Args:
     q: `[T, H_q, D]` queries in step-token order.
@@ -91,28 +102,40 @@ def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, win
   group = num_q_heads // num_kv_heads
   has_segment, q_start, q_len, col, pos0, kind = token_segments(
       seq_info, n_segments, num_tokens)
-  query_pos = pos0 + jnp.arange(num_tokens, dtype=jnp.int32) - q_start
+  query_pos = (pos0 + jnp.arange(num_tokens, dtype=jnp.int32) - q_start)[:, None]
   lo = indexing.read_start(pos0, window=window)[:, None]
   end = (pos0 + q_len)[:, None]
-  rows = jnp.arange(num_rows, dtype=jnp.int32)[None, :]
-  key_pos = indexing.key_positions(rows, lo, end, num_rows=num_rows, window=window)
-  visible = indexing.is_visible(key_pos, query_pos[:, None], lo, end, kind[:, None],
-                                window=window) & has_segment[:, None]   # [T, S]
-  keys = jnp.swapaxes(k_cache[:, col], 0, 1).astype(jnp.float32)       # [T, S, K, D]
-  values = jnp.swapaxes(v_cache[:, col], 0, 1).astype(jnp.float32)
-  # Select, never multiply: a masked row may hold NaN, and 0 * NaN is NaN.
-  keys = jnp.where(visible[:, :, None, None], keys, 0.0)
-  values = jnp.where(visible[:, :, None, None], values, 0.0)
   queries = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-  scores = jnp.einsum("TKGD,TSKD->TKGS", queries, keys,
-                      precision=jax.lax.Precision.HIGHEST) * scale
-  scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
-  probs = jnp.exp(scores - scores.max(axis=-1, keepdims=True))
-  probs = jnp.where(visible[:, None, None, :], probs, 0.0)
-  denom = probs.sum(axis=-1, keepdims=True)
-  out = jnp.einsum("TKGS,TSKD->TKGD", probs, values,
-                   precision=jax.lax.Precision.HIGHEST)
-  out = out / jnp.where(denom > 0, denom, 1.0)   # guarded: padded rows see nothing
+  block = max(1, min(num_rows, _REFERENCE_BLOCK_ELEMENTS // (num_tokens * num_kv_heads
+                                                             * head_dim)))
+  num_blocks = -(-num_rows // block)
+
+  def attend_block(b, carry):
+    m_i, l_i, acc = carry                        # [T, K, G], [T, K, G], [T, K, G, D]
+    rows = b * block + jnp.arange(block, dtype=jnp.int32)
+    safe_rows = jnp.minimum(rows, num_rows - 1)[None, :]
+    key_pos = indexing.key_positions(safe_rows, lo, end, num_rows=num_rows, window=window)
+    visible = (indexing.is_visible(key_pos, query_pos, lo, end, kind[:, None], window=window)
+               & has_segment[:, None] & (rows < num_rows)[None, :])       # [T, S]
+    gather = lambda cache: cache[safe_rows.T, col[None, :]].swapaxes(0, 1)  # [T, S, K, D]
+    # Select, never multiply: a masked row may hold NaN, and 0 * NaN is NaN.
+    keys = jnp.where(visible[:, :, None, None], gather(k_cache).astype(jnp.float32), 0.0)
+    values = jnp.where(visible[:, :, None, None], gather(v_cache).astype(jnp.float32), 0.0)
+    scores = jnp.einsum("TKGD,TSKD->TKGS", queries, keys,
+                        precision=jax.lax.Precision.HIGHEST) * scale
+    scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
+    m_new = jnp.maximum(m_i, scores.max(axis=-1))
+    probs = jnp.where(visible[:, None, None, :], jnp.exp(scores - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m_i - m_new)
+    acc = acc * alpha[..., None] + jnp.einsum("TKGS,TSKD->TKGD", probs, values,
+                                              precision=jax.lax.Precision.HIGHEST)
+    return m_new, l_i * alpha + probs.sum(axis=-1), acc
+
+  shape = (num_tokens, num_kv_heads, group)
+  init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (head_dim,), jnp.float32))
+  _, denom, out = jax.lax.fori_loop(0, num_blocks, attend_block, init)
+  out = out / jnp.where(denom > 0, denom, 1.0)[..., None]   # guarded: padded rows see nothing
   return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
