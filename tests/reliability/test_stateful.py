@@ -19,7 +19,7 @@ After every rule:
     every K/V row no live sequence owns before attending.
 
 Budget: we count rule steps (one verb, or one whole step for `full_step`, plus
-the invariant check). CI runs 2 tests x 50 hypothesis runs x at most 30 steps,
+the invariant check). CI runs 2 tests x 30 hypothesis runs x at most 50 steps,
 about 2,600 steps in all (each test prints its count; with
 JAXKV_RELIABILITY_REPORT=path it also appends them to that file as JSON lines).
 JAXKV_RELIABILITY_EXAMPLES=N raises the runs so both tests together take about N
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+                                 run_state_machine_as_test)
 
 import jaxkv
 from model import FACADE_STEP_ERRORS, Phase, Status
@@ -48,9 +48,12 @@ from scenario_utils import assert_same_state, poison_free_storage, snapshot
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 HUGE_FACADE = [INT32_MAX, INT32_MIN, 2**31, 2**32, 2**40, -(2**63), 2**64 + 1]
 HUGE_PURE = [INT32_MAX, INT32_MIN, INT32_MAX - 1, INT32_MIN + 1]
-STEPS_PER_RUN = 30
-RUNS = 50
+STEPS_PER_RUN = 50
+RUNS = 30
 STEPS = {"facade": 0, "pure": 0}
+# Weighted actions; "full_step" is declare + prepare + attend every layer + (usually) commit.
+ACTIONS = (["full_step"] * 8 + ["declare_step", "prepare_step", "attend", "commit_step"] * 2
+           + ["seq_new"] * 2 + ["seq_clone", "rewind"] * 3 + ["seq_rm"] * 2 + ["clear", "grow"])
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -94,56 +97,64 @@ class CacheMachine(RuleBasedStateMachine):
 
   # ------------------------------------------------------------------ strategies
 
+  def choice(self, options):
+    """A uniform choice from `options`, from the run's seeded generator."""
+    return options[int(self.rng.integers(len(options)))]
+
+  def int(self, lo: int, hi: int) -> int:
+    """A uniform int in [lo, hi], from the run's seeded generator."""
+    return int(self.rng.integers(lo, hi, endpoint=True))
+
   def _live(self):
     return [s for s in range(self.config.max_seqs) if self.model.live[s]]
 
-  def draw_id(self, data, *, live_weight=3):
-    """An id: mostly live ones, else anything in or near range, else huge."""
+  def draw_id(self, data):
+    """An id: a live one 4 times in 5 when any is live, else anything near range or huge."""
     ms = self.config.max_seqs
-    options = [st.integers(-2, ms + 1),
-               st.sampled_from(HUGE_PURE if self.PURE else HUGE_FACADE)]
     live = self._live()
-    if live:
-      options = [st.sampled_from(live)] * live_weight + options
-    value = data.draw(st.one_of(options))
-    if not self.PURE and INT32_MIN <= value <= INT32_MAX and data.draw(st.booleans()):
-      value = data.draw(st.sampled_from([np.int32, np.int64]))(value)   # numpy ints are fine
+    if live and self.int(0, 4) != 4:
+      return self.choice(live)
+    value = self.int(-2, ms + 1) if self.choice((0, 1)) else self.choice(
+        HUGE_PURE if self.PURE else HUGE_FACADE)
+    if not self.PURE and INT32_MIN <= value <= INT32_MAX and self.choice((False, True)):
+      value = self.choice([np.int32, np.int64])(value)   # numpy ints are fine
     return value
 
   def draw_target(self, data, s):
     """A rewind/clone target around the interesting values of sequence `s`."""
     pos, floor = self.model.pos(_py(s)), self.model.floor(_py(s))
     huge = HUGE_PURE if self.PURE else HUGE_FACADE
-    return data.draw(st.one_of(st.integers(-2, pos + 2), st.sampled_from(
-        [floor - 1, floor, pos, pos - self.width, pos - self.width + 1]), st.sampled_from(huge)))
+    return self.choice([self.int(-2, pos + 2), floor - 1, floor, floor - 1, floor, pos,
+                        pos - self.width, pos - self.width + 1, self.choice(huge)])
 
   def draw_ids(self, data):
     """A declaration's ids: usually 1..W live ids in runs, sometimes empty, wide or dead."""
-    n = data.draw(st.one_of(st.integers(1, self.width), st.sampled_from([0, self.width + 1])))
+    n = self.int(1, self.width)
+    if self.int(0, 9) == 9:
+      n = self.choice([0, self.width + 1])
     ids = []
     while len(ids) < n:
-      s = self.draw_id(data, live_weight=6)
-      ids.extend([s] * data.draw(st.integers(1, max(1, n - len(ids)))))
+      s = self.draw_id(data)
+      ids.extend([s] * self.int(1, max(1, n - len(ids))))
     return ids[:n]
 
   def draw_blocks(self, data, ids):
     """Owner blocks: none, valid ones (a suffix of an owner's last run), or random."""
-    mode = data.draw(st.sampled_from(["none", "none", "valid", "valid", "random"]))
+    mode = self.choice(["none", "none", "valid", "valid", "random"])
     n = len(ids)
     if mode == "none" or n == 0:
       return []
     if mode == "random":
-      pair = st.tuples(st.integers(-1, n + 1), st.integers(-1, n + 1))
-      return data.draw(st.lists(pair, min_size=1, max_size=2))
-    owners = data.draw(st.lists(st.sampled_from(sorted(set(_py(s) for s in ids))),
-                                min_size=1, max_size=2, unique=True))
+      return [(self.int(-1, n + 1), self.int(-1, n + 1)) for _ in range(self.int(1, 2))]
+    candidates = sorted(set(_py(s) for s in ids))
+    owners = [int(x) for x in self.rng.permutation(candidates)[:self.int(1, 2)]]
     blocks = []
     for owner in owners:
       last = max(t for t, s in enumerate(ids) if _py(s) == owner)
       first = last
       while first > 0 and _py(ids[first - 1]) == owner:
         first -= 1
-      start = data.draw(st.integers(first, last))
+      start = self.int(first, last)
       blocks.append((start, last - start + 1))
     return blocks
 
@@ -213,10 +224,17 @@ class CacheMachine(RuleBasedStateMachine):
       assert int(step.n_segments) == len(segs)
       assert np.asarray(step.seq_info).tolist() == segs + [[n, 0, ms, 0, 0]] * (width - len(segs))
 
+  # ------------------------------------------------------------------ the one rule
+
+  @rule(data=st.data())
+  def act(self, data):
+    """One action, drawn with weights: whole steps dominate so histories get long."""
+    action = data.draw(st.sampled_from(ACTIONS), label="action")
+    getattr(self, "do_" + action)(data)
+
   # ------------------------------------------------------------------ sequence verbs
 
-  @rule()
-  def seq_new(self):
+  def do_seq_new(self, data=None):
     before = self._snap()
     status, want = self.model.seq_new()
     if self.PURE:
@@ -229,10 +247,9 @@ class CacheMachine(RuleBasedStateMachine):
     if want is not None:
       self._fresh_tag(want)
 
-  @rule(data=st.data())
-  def seq_clone(self, data):
+  def do_seq_clone(self, data):
     src = self.draw_id(data)
-    upto = data.draw(st.one_of(st.none(), st.just(self.draw_target(data, src))))
+    upto = self.choice([None, self.draw_target(data, src), self.draw_target(data, src)])
     before = self._snap()
     status, want = self.model.seq_clone(_py(src), None if upto is None else _py(upto))
     if self.PURE:
@@ -247,8 +264,7 @@ class CacheMachine(RuleBasedStateMachine):
     if want is not None:
       self._fresh_tag(want)
 
-  @rule(data=st.data())
-  def seq_rm(self, data):
+  def do_seq_rm(self, data):
     s = self.draw_id(data)
     before = self._snap()
     status = self.model.seq_rm(_py(s))
@@ -259,8 +275,7 @@ class CacheMachine(RuleBasedStateMachine):
       got = self.expect_refusal_or_error(before, status, lambda: self.cache.seq_rm(s))
       assert got == (status == Status.OK)
 
-  @rule(data=st.data())
-  def rewind(self, data):
+  def do_rewind(self, data):
     s = self.draw_id(data)
     position = self.draw_target(data, s)
     before = self._snap()
@@ -272,10 +287,7 @@ class CacheMachine(RuleBasedStateMachine):
       got = self.expect_refusal_or_error(before, status, lambda: self.cache.rewind(s, position))
       assert got == (status == Status.OK), (s, position)
 
-  @rule(roll=st.integers(0, 5))
-  def clear(self, roll):
-    if roll:   # clear wipes the machine's progress; keep it to about 1 in 6
-      return
+  def do_clear(self, data):
     self.model.clear()
     if self.PURE:
       self.state, status = H.p_clear(self.config, self.state)
@@ -292,11 +304,11 @@ class CacheMachine(RuleBasedStateMachine):
     if self.PURE:
       width = self.width
       n = len(ids)
-      padded = [data.draw(st.sampled_from([self.config.max_seqs, 0, -1, INT32_MAX]))
+      padded = [self.choice([self.config.max_seqs, 0, -1, INT32_MAX])
                 for _ in range(width)]
       padded[:min(n, width)] = ids[:width]
       rows = np.zeros((width, 2), np.int32)
-      places = data.draw(st.permutations(range(width)))
+      places = list(self.rng.permutation(width))
       for b, r in zip(blocks, places):
         rows[r] = b
       self.state, got = H.p_declare(self.config, self.state, jnp.asarray(padded, jnp.int32),
@@ -308,8 +320,7 @@ class CacheMachine(RuleBasedStateMachine):
       assert got == (status == Status.OK), (ids, blocks)
     return status
 
-  @rule(data=st.data())
-  def declare_step(self, data):
+  def do_declare_step(self, data):
     ids = self.draw_ids(data)
     self._declare(ids, self.draw_blocks(data, ids), data)
 
@@ -330,7 +341,7 @@ class CacheMachine(RuleBasedStateMachine):
       status = self.model.prepare_step(positions, grow=False)
       arr = None
       if positions is not None:
-        arr = [data.draw(st.integers(INT32_MIN, INT32_MAX)) for _ in range(self.width)]
+        arr = [self.int(INT32_MIN, INT32_MAX) for _ in range(self.width)]
         arr[:len(positions)] = positions
         arr = jnp.asarray(arr, jnp.int32)
       self.state, got = H.p_prepare(self.config, self.state, arr)
@@ -340,25 +351,23 @@ class CacheMachine(RuleBasedStateMachine):
     self.expect_refusal_or_error(before, status, lambda: self.cache.prepare_step(positions))
     return status
 
-  @rule(data=st.data())
-  def prepare_step(self, data):
+  def do_prepare_step(self, data):
     positions = None
-    mode = data.draw(st.sampled_from(["none", "right", "wrong", "length", "huge"]))
+    mode = self.choice(["none", "right", "wrong", "length", "huge"])
     if self.model.phase in (Phase.DECLARED, Phase.PREPARED):
       derived = self.model.derived_positions()
       n = len(derived)
       if mode == "right":
         positions = derived
       elif mode == "wrong":
-        t = data.draw(st.integers(0, n - 1))
+        t = self.int(0, n - 1)
         positions = list(derived)
-        positions[t] += data.draw(st.sampled_from([-1, 1, 2]))
+        positions[t] += self.choice([-1, 1, 2])
       elif mode == "length" and not self.PURE:
-        positions = derived + [derived[-1] + 1] if data.draw(st.booleans()) else derived[:-1]
+        positions = derived + [derived[-1] + 1] if self.choice((False, True)) else derived[:-1]
       elif mode == "huge":
         positions = list(derived)
-        positions[data.draw(st.integers(0, n - 1))] = data.draw(
-            st.sampled_from(HUGE_PURE if self.PURE else HUGE_FACADE))
+        positions[self.int(0, n - 1)] = self.choice(HUGE_PURE if self.PURE else HUGE_FACADE)
     elif mode != "none" and not self.PURE:
       positions = [0]
     if self.PURE and positions is not None and self.model.phase not in (
@@ -366,15 +375,13 @@ class CacheMachine(RuleBasedStateMachine):
       positions = None
     self._prepare(positions, data)
 
-  @precondition(lambda self: self.PURE)
-  @rule(data=st.data())
-  def grow(self, data):
+  def do_grow(self, data):
     model = self.model
-    if not model.has_flat or model.flat_rows >= model.capacity:
+    if not self.PURE or not model.has_flat or model.flat_rows >= model.capacity:
       return
     # A few sizes only: every new F recompiles every verb.
-    rows = data.draw(st.sampled_from(sorted({min(model.capacity, 2 * model.flat_rows),
-                                             min(model.capacity, model.flat_rows + 1)})))
+    rows = self.choice(sorted({min(model.capacity, 2 * model.flat_rows),
+                                             min(model.capacity, model.flat_rows + 1)}))
     old_rows = model.flat_rows
     old = snapshot(self.state)
     self.state = jaxkv.pure.grow(self.config, self.state, rows)
@@ -398,14 +405,14 @@ class CacheMachine(RuleBasedStateMachine):
     good_layer = layer if 0 <= layer < self.config.num_layers else 0
     tags = [self.tags.get(_py(s), 0) for s in ids]
     q, k, v = H.content(entry, good_layer, positions, tags, self.rng)
-    width_rows = self.PURE or data.draw(st.booleans())
+    width_rows = self.PURE or self.choice((False, True))
     if width_rows and n < self.width:
       pad = lambda x: np.concatenate(
           [x, np.full((self.width - n,) + x.shape[1:], np.nan, np.float32)])
       q, k, v = pad(q), pad(k), pad(v)
     # Poison only before the step's first service: rows this step already wrote
     # on another layer are about to be committed, and no poison may touch them.
-    if self.PURE and not model.served and data.draw(st.booleans()):
+    if self.PURE and not model.served and self.choice((False, True)):
       self.state = poison_free_storage(self.state, self.config)
     before = self._snap()
     if bad_layer:
@@ -436,15 +443,12 @@ class CacheMachine(RuleBasedStateMachine):
     H.assert_rows_match(np.asarray(out)[:n], want, checked,
                         f"{self.name} layer {layer} ids {ids} positions {positions}")
 
-  @rule(data=st.data())
-  def attend(self, data):
+  def do_attend(self, data):
     layers = self.config.num_layers
-    layer = data.draw(st.one_of(st.integers(0, layers - 1), st.integers(0, layers - 1),
-                                st.sampled_from([-1, layers])))
+    layer = self.int(0, layers - 1) if self.int(0, 5) else self.choice([-1, layers])
     self._attend(layer, data, bad_layer=not 0 <= layer < layers)
 
-  @rule()
-  def commit_step(self):
+  def do_commit_step(self, data=None):
     before = self._snap()
     was_committed = self.model.phase == Phase.COMMITTED
     status = self.model.commit_step()
@@ -456,23 +460,28 @@ class CacheMachine(RuleBasedStateMachine):
     if was_committed:   # a second commit is a no-op (SPEC §6.5)
       assert_same_state(before, self._snap())
 
-  @rule(data=st.data())
-  def full_step(self, data):
+  def do_full_step(self, data):
     """Declare live ids (blocks sometimes), prepare, attend every layer, usually commit."""
     live = self._live()
     if not live:
-      self.seq_new()
+      self.do_seq_new()
       return
     room = self.config.capacity - self.model.held
-    n = data.draw(st.integers(1, max(1, min(self.width, room))))
+    n = self.int(1, max(1, min(self.width, room)))
     ids = []
     while len(ids) < n:
-      ids.extend([data.draw(st.sampled_from(live))] * data.draw(st.integers(1, n - len(ids))))
-    blocks = self.draw_blocks(data, ids) if data.draw(st.booleans()) else []
+      ids.extend([self.choice(live)] * self.int(1, n - len(ids)))
+    blocks = self.draw_blocks(data, ids) if self.choice((False, True)) else []
     if blocks and not self.model.blocks_valid([_py(s) for s in ids], blocks):
       blocks = []
     if self._declare(ids, blocks, data) != Status.OK:
       return
+    if not self.int(0, 3):   # a refused re-declaration leaves this one standing
+      self._declare(ids, [(-1, 1)], data)
+    if not self.int(0, 3):   # wrong positions: StepError / BAD_POSITIONS, nothing changes
+      wrong = self.model.derived_positions()
+      wrong[self.int(0, len(wrong) - 1)] += self.choice([-1, 1])
+      assert self._prepare(wrong, data) == Status.BAD_POSITIONS
     status = self._prepare(None, data)
     if status == Status.NEEDS_ROWS:
       target = self.model.growth_target()
@@ -482,8 +491,8 @@ class CacheMachine(RuleBasedStateMachine):
     assert status == Status.OK, status
     for layer in range(self.config.num_layers):
       self._attend(layer, data)
-    if data.draw(st.integers(0, 4)):
-      self.commit_step()
+    if self.int(0, 4) != 4:
+      self.do_commit_step()
 
 
 def _py(x) -> int:
