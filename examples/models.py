@@ -9,6 +9,14 @@ its global layers flat layers, so `ModelConfig.cache_config` builds the matching
 
 Weights are random unless loaded from a Hugging Face checkpoint directory with
 `examples.hf.load_model`.
+
+Tensor parallelism: with `mesh=` (and `kv_axis`, default `"tp"`), every
+attention layer splits its heads over `kv_axis` (see `jaxkv.nnx.CachedAttention`)
+and every MLP its intermediate features (gate/up over their outputs, down over
+its inputs); embeddings, norms and the LM head are replicated. The cache state
+must be built with the same mesh: `jaxkv.init_state(cache_config, mesh=model.mesh,
+kv_axis=model.kv_axis)` (`jaxkv.serve.Engine` does it). `shard_params` places an
+existing parameter tree (e.g. one loaded from Hugging Face) on a mesh.
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkv
-from jaxkv.nnx import CachedAttention, RMSNorm, RopeScaling, bucketed
+from jaxkv.nnx import (CachedAttention, RMSNorm, RopeScaling, bucketed, row_parallel_sharding,
+                       sharded_init, validate_tp)
 
 LLAMA = "llama"
 GEMMA3 = "gemma3"
@@ -137,30 +147,36 @@ class ModelConfig:
 class MLP(nnx.Module):
   """Gated MLP: `down(act(gate(x)) * up(x))`; SiLU (Llama) or tanh-GELU (Gemma)."""
 
-  def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-    linear = lambda n_in, n_out: nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype,
-                                            param_dtype=param_dtype, rngs=rngs)
-    self.gate_proj = linear(config.hidden_size, config.intermediate_size)
-    self.up_proj = linear(config.hidden_size, config.intermediate_size)
-    self.down_proj = linear(config.intermediate_size, config.hidden_size)
+  def __init__(self, config: ModelConfig, *, dtype, param_dtype, mesh=None, kv_axis="tp",
+               rngs: nnx.Rngs):
+    init = nnx.initializers.lecun_normal()
+    linear = lambda n_in, n_out, spec: nnx.Linear(
+        n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=sharded_init(init, mesh, spec), rngs=rngs)
+    # Megatron: gate/up split over their outputs, down over its inputs.
+    self.gate_proj = linear(config.hidden_size, config.intermediate_size, (None, kv_axis))
+    self.up_proj = linear(config.hidden_size, config.intermediate_size, (None, kv_axis))
+    self.down_proj = linear(config.intermediate_size, config.hidden_size, (kv_axis, None))
     self.is_gelu = config.arch == GEMMA3
+    self.mesh = mesh
 
   def __call__(self, x):
     gate = self.gate_proj(x)
     gate = jax.nn.gelu(gate, approximate=True) if self.is_gelu else jax.nn.silu(gate)
-    return self.down_proj(gate * self.up_proj(x))
+    return self.down_proj(gate * self.up_proj(x), out_sharding=row_parallel_sharding(self.mesh))
 
 
 class DecoderLayer(nnx.Module):
   """One pre-norm decoder layer; Gemma 3 adds post-attention and post-MLP norms."""
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, layer: int, *,
-               dtype, param_dtype, implementation, bucket, rngs: nnx.Rngs):
+               dtype, param_dtype, implementation, bucket, mesh=None, kv_axis="tp",
+               rngs: nnx.Rngs):
     is_gemma = config.arch == GEMMA3
     is_sliding = config.layer_types[layer] == "sliding"
     offset = 1.0 if is_gemma else 0.0
     norm = lambda: RMSNorm(config.hidden_size, eps=config.rms_eps, offset=offset,
-                           param_dtype=param_dtype)
+                           param_dtype=param_dtype, mesh=mesh)
     scale = (None if config.query_pre_attn_scalar is None
              else 1.0 / math.sqrt(config.query_pre_attn_scalar))
     self.attn = CachedAttention(
@@ -169,8 +185,9 @@ class DecoderLayer(nnx.Module):
         rope_scaling=None if is_sliding else config.rope_scaling,
         qk_norm="gemma" if is_gemma else None, norm_eps=config.rms_eps, scale=scale,
         dtype=dtype, param_dtype=param_dtype, implementation=implementation, bucket=bucket,
-        rngs=rngs)
-    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        mesh=mesh, kv_axis=kv_axis, rngs=rngs)
+    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh, kv_axis=kv_axis,
+                   rngs=rngs)
     self.bucket = bucket
     self.input_layernorm = norm()
     self.post_attention_layernorm = norm()
@@ -202,32 +219,49 @@ class Decoder(nnx.Module):
     bucket: optional row count for small steps: a step with at most `bucket`
       real tokens (a decode step) runs projections and MLPs on `bucket` rows
       instead of `W` (`jaxkv.nnx.bucketed`).
+    mesh: optional `jax.sharding.Mesh` (auto axes) for tensor parallelism:
+      attention heads and MLP features split over `kv_axis`, embeddings and
+      norms replicated (module docstring).
+    kv_axis: the mesh axis that splits heads and MLP features.
     rngs: `nnx.Rngs` for the random initial weights.
+
+  Raises:
+    ValueError: `num_heads`, `num_kv_heads` or `intermediate_size` is not
+      divisible by the `kv_axis` axis size (named), or the cache config does
+      not match.
   """
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, *,
                dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
-               bucket: int | None = None, rngs: nnx.Rngs):
+               bucket: int | None = None, mesh=None, kv_axis: str = "tp", rngs: nnx.Rngs):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config={config!r} must be a ModelConfig")
     if tuple(cache_config.layers) != tuple(config.cache_layers()):
       raise ValueError(f"cache_config.layers={cache_config.layers} must equal "
                        f"config.cache_layers()={tuple(config.cache_layers())}")
+    validate_tp(mesh, kv_axis, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                intermediate_size=config.intermediate_size)
     self.config, self.cache_config = config, cache_config
+    self.mesh, self.kv_axis = mesh, kv_axis
     self.dtype = np.dtype(dtype)
     # Small init (std 0.02, like Hugging Face's initializer_range) keeps random logits tame.
+    # With a mesh, embeddings, norms and the LM head are replicated on it.
+    replicated = lambda init: sharded_init(init, mesh, (None, None))
     self.embed = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                            param_dtype=param_dtype,
-                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+                           embedding_init=replicated(nnx.initializers.normal(0.02)), rngs=rngs)
     self.layers = nnx.List([
         DecoderLayer(config, cache_config, l, dtype=dtype, param_dtype=param_dtype,
-                     implementation=implementation, bucket=bucket, rngs=rngs)
+                     implementation=implementation, bucket=bucket, mesh=mesh, kv_axis=kv_axis,
+                     rngs=rngs)
         for l in range(config.num_layers)])
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_eps,
-                        offset=1.0 if config.arch == GEMMA3 else 0.0, param_dtype=param_dtype)
+                        offset=1.0 if config.arch == GEMMA3 else 0.0, param_dtype=param_dtype,
+                        mesh=mesh)
     self.lm_head = None if config.tie_embeddings else nnx.Linear(
         config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
-        param_dtype=param_dtype, rngs=rngs)
+        param_dtype=param_dtype, kernel_init=replicated(nnx.initializers.lecun_normal()),
+        rngs=rngs)
 
   def hidden(self, tokens, state):
     """Final-norm hidden states `[W, hidden]` of one step, and the new state."""
@@ -270,9 +304,72 @@ class Decoder(nnx.Module):
 
 
 def build(config: ModelConfig, cache_config: jaxkv.CacheConfig, *, seed: int = 0,
-          **kwargs) -> Decoder:
-  """A `Decoder` with random weights drawn from `seed` (kwargs go to `Decoder`)."""
-  return Decoder(config, cache_config, rngs=nnx.Rngs(seed), **kwargs)
+          mesh=None, kv_axis: str = "tp", **kwargs) -> Decoder:
+  """A `Decoder` with random weights drawn from `seed` (kwargs go to `Decoder`).
+
+  With `mesh`, the weights are the unsharded model's, split over `kv_axis`.
+  """
+  return Decoder(config, cache_config, rngs=nnx.Rngs(seed), mesh=mesh, kv_axis=kv_axis, **kwargs)
+
+
+# Parameter-path names split over `kv_axis` (Megatron): over outputs, over inputs.
+_SPLIT_OUTPUTS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_SPLIT_INPUTS = ("o_proj", "down_proj")
+
+
+def param_spec(path, kv_axis: str = "tp") -> P:
+  """The `PartitionSpec` of the parameter at `path` (a pytree key path or names).
+
+  q/k/v/gate/up kernels `[in, out]` split over `out`, their biases too;
+  o_proj/down kernels split over `in`; everything else (embeddings, norms,
+  LM head) replicated.
+  """
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  names = [n for n in names if n != "value"]
+  if len(names) >= 2 and names[-2] in _SPLIT_OUTPUTS:
+    return P(None, kv_axis) if names[-1] == "kernel" else P(kv_axis)
+  if len(names) >= 2 and names[-2] in _SPLIT_INPUTS and names[-1] == "kernel":
+    return P(kv_axis, None)
+  return P()
+
+
+def shard_params(params, mesh, kv_axis: str = "tp"):
+  """An existing parameter tree placed on `mesh` as a sharded `Decoder` holds it.
+
+  Works on any tree with the `Decoder`'s paths, e.g. `nnx.state(model)` of a
+  model built without a mesh and loaded from Hugging Face; the values are kept,
+  only their placement changes (`param_spec`).
+
+  Args:
+    params: an `nnx.State` (or nested dict) of a `Decoder`.
+    mesh: the `jax.sharding.Mesh`.
+    kv_axis: the mesh axis that splits heads and MLP features.
+
+  Returns:
+    The tree with every leaf a `jax.Array` of `NamedSharding(mesh, param_spec(path))`.
+  """
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.device_put(x, NamedSharding(mesh, param_spec(path, kv_axis))), params)
+
+
+def shard_model(model: Decoder, mesh, kv_axis: str = "tp") -> Decoder:
+  """A sharded copy of `model` (built without a mesh, e.g. Hugging Face-loaded) on `mesh`.
+
+  Builds the same architecture with `mesh` (which validates the head and MLP
+  sizes and makes every attention layer run per shard) and moves `model`'s
+  weights into it with `shard_params`. `model` itself is left as it is.
+  """
+  abstract = nnx.eval_shape(lambda: Decoder(
+      model.config, model.cache_config, dtype=model.dtype, param_dtype=jnp.float32,
+      implementation=model.layers[0].attn.implementation, bucket=model.layers[0].bucket,
+      mesh=mesh, kv_axis=kv_axis, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  values = jax.tree.leaves(shard_params(nnx.state(model), mesh, kv_axis))
+  structure = jax.tree.structure(abstract_state)   # keeps the sharding metadata
+  if structure.num_leaves != len(values):
+    raise ValueError(f"model has {len(values)} parameters; its sharded twin has "
+                     f"{structure.num_leaves}")
+  return nnx.merge(graphdef, jax.tree.unflatten(structure, values))
 
 
 def Llama(config: ModelConfig, cache_config: jaxkv.CacheConfig, **kwargs) -> Decoder:

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, Status, init_state, pure
 
@@ -258,18 +259,27 @@ class LoopState:
   status: jax.Array
 
 
-def init_loop_state(config: CacheConfig, max_len: int, max_stop: int) -> LoopState:
-  """A loop state with an empty cache and no column in use."""
+def init_loop_state(config: CacheConfig, max_len: int, max_stop: int, *, mesh=None,
+                    kv_axis: str = "tp") -> LoopState:
+  """A loop state with an empty cache and no column in use.
+
+  With `mesh`, the cache's K/V are split over their heads along `kv_axis` and
+  everything else is replicated on the mesh.
+  """
   s = config.max_seqs
   zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
   scalar = lambda: jnp.zeros((), jnp.int32)
-  return LoopState(
+  ls = LoopState(
       cache=init_state(config), tokens=jnp.zeros((s, max_len), jnp.int32),
       prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
       limit=zeros(), active=zeros(), done=zeros(), stopped=zeros(),
       temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((s,), jnp.float32),
       seed=zeros(), sample_index=zeros(), stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
       steps=scalar(), step_tokens=scalar(), occupancy=scalar(), status=scalar())
+  if mesh is None:
+    return ls
+  rest = jax.device_put(dataclasses.replace(ls, cache=None), NamedSharding(mesh, P()))
+  return dataclasses.replace(rest, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
 
 
 def _schedule(config: CacheConfig, ls: LoopState):
@@ -436,6 +446,25 @@ def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
 # ----------------------------------------------------------------------------- engine
 
 
+def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
+  """`(mesh, kv_axis)`: the arguments, else the model's attributes; validated."""
+  from jaxkv._sharding import validate_mesh   # pylint: disable=g-import-not-at-top
+  model_mesh = getattr(model, "mesh", None)
+  mesh = model_mesh if mesh is None else mesh
+  kv_axis = kv_axis or getattr(model, "kv_axis", None) or "tp"
+  if model_mesh is not None and mesh is not model_mesh and mesh != model_mesh:
+    raise ValueError(f"mesh={mesh} differs from the model's mesh {model_mesh}")
+  validate_mesh(config, mesh, kv_axis)
+  return mesh, kv_axis
+
+
+def _split_placed(model, mesh):
+  """`(graphdef, params)`, the params placed on `mesh` by their sharding metadata."""
+  from jaxkv.nnx import shard_state, split_model   # pylint: disable=g-import-not-at-top
+  graphdef, params = split_model(model)
+  return graphdef, (params if mesh is None else shard_state(params, mesh))
+
+
 _jit_admit = jax.jit(_admit, static_argnums=0, donate_argnums=1)
 _jit_fork = jax.jit(_fork, static_argnums=0, donate_argnums=1)
 _jit_release = jax.jit(_release, static_argnums=0, donate_argnums=1)
@@ -451,15 +480,22 @@ class Engine:
       buffer); default `min(capacity, 4096)`.
     max_steps: most steps per loop entry (bounds the time between host visits).
     max_stop_tokens: most stop tokens per request.
+    mesh: optional `jax.sharding.Mesh` for tensor parallelism; default the
+      model's `mesh` attribute (`examples.models.Decoder(..., mesh=)`). The
+      cache's K/V are split over `kv_axis`, the parameters are placed by their
+      sharding metadata (`jaxkv.nnx.shard_state`), the rest is replicated, and
+      the same jitted loop runs on the mesh.
+    kv_axis: the mesh axis splitting KV heads; default the model's `kv_axis`
+      attribute, else `"tp"`.
   """
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
-               max_stop_tokens: int = 8):
-    from jaxkv.nnx import split_model   # pylint: disable=g-import-not-at-top
+               max_stop_tokens: int = 8, mesh=None, kv_axis: str | None = None):
     config = getattr(model, "cache_config", None)
     if not isinstance(config, CacheConfig):
       raise ValueError(f"model={type(model).__name__} must have a CacheConfig `cache_config`")
     self.config = config
+    self.mesh, self.kv_axis = _model_mesh(model, config, mesh, kv_axis)
     self.max_len = min(config.capacity, 4096) if max_len is None else int(max_len)
     if self.max_len < 2:
       raise ValueError(f"max_len={self.max_len} must be >= 2")
@@ -468,7 +504,7 @@ class Engine:
     if max_stop_tokens < 1:
       raise ValueError(f"max_stop_tokens={max_stop_tokens} must be >= 1")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
-    self.graphdef, self.params = split_model(model)
+    self.graphdef, self.params = _split_placed(model, self.mesh)
     # Looked up here, not at import, so a test can wrap `decode_loop` (chex.assert_max_traces).
     self._loop = jax.jit(decode_loop, static_argnums=(0, 1), donate_argnums=3)
     self._admit, self._fork, self._release = _jit_admit, _jit_fork, _jit_release
@@ -515,7 +551,8 @@ class Engine:
     config = self.config
     self.stats = stats = EngineStats()
     started = time.perf_counter()
-    self.state = ls = init_loop_state(config, self.max_len, self.max_stop)
+    self.state = ls = init_loop_state(config, self.max_len, self.max_stop, mesh=self.mesh,
+                                      kv_axis=self.kv_axis)
     queue = list(requests)
     columns: dict[int, tuple[Request, int]] = {}   # column -> (request, sample index)
     reserved: dict[int, int] = {}                   # column -> cache rows reserved
@@ -651,16 +688,17 @@ class ModelRunner:
 
   Args:
     model: an NNX model following the step protocol, with `cache_config`.
+    mesh, kv_axis: as for `Engine` (default: the model's).
   """
 
-  def __init__(self, model):
-    from jaxkv.nnx import split_model   # pylint: disable=g-import-not-at-top
+  def __init__(self, model, *, mesh=None, kv_axis: str | None = None):
     config = getattr(model, "cache_config", None)
     if not isinstance(config, CacheConfig):
       raise ValueError(f"model={type(model).__name__} must have a CacheConfig `cache_config`")
     self.config = config
-    self.graphdef, self.params = split_model(model)
-    self.cache = init_state(config)
+    self.mesh, self.kv_axis = _model_mesh(model, config, mesh, kv_axis)
+    self.graphdef, self.params = _split_placed(model, self.mesh)
+    self.cache = init_state(config, mesh=self.mesh, kv_axis=self.kv_axis)
     self._seq_new, self._seq_clone = _RUNNER_VERBS["seq_new"], _RUNNER_VERBS["seq_clone"]
     self._seq_rm, self._rewind = _RUNNER_VERBS["seq_rm"], _RUNNER_VERBS["rewind"]
     self._declare = _RUNNER_VERBS["declare_step"]
