@@ -8,6 +8,17 @@ process. Reports ms per step, effective TB/s (live K/V bytes / time) and the
 speed-up. Checks the N-device output against the 1-device output first.
 
 Usage: python benchmarks/sharded.py [--devices 2] [--iters 20] [--implementation mosaic_gpu]
+
+`--model` instead serves the example Llama-style model (`examples.models`, bf16
+random weights, ~1.1B parameters by default: 16 layers, hidden 2048, 32 query /
+8 KV heads of dim 64, MLP 8192, vocabulary 32000; see the `--model-*` flags) with `jaxkv.serve.Engine` on a
+1-device mesh and on an N-device mesh (heads and MLP split over "tp"), and
+reports generated tokens/s of `--seqs` requests of `--prompt-len` prompt tokens
+and `--new-tokens` greedy tokens each (compile excluded: a warm-up run first).
+CPU smoke test (tiny sizes, two forced host devices):
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+    python benchmarks/sharded.py --model --tiny
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
+import sys
 import time
 
 import jax
@@ -22,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxkv
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jaxkv   # pylint: disable=g-import-not-at-top,wrong-import-position
 
 NUM_SEQS, Q_HEADS, KV_HEADS, HEAD_DIM = 64, 64, 16, 128
 
@@ -99,6 +114,78 @@ def _measure(config, lengths, devices, args):
   return out, 1e3 * float(np.median(times))
 
 
+# --------------------------------------------------------------------------- --model
+
+# (layers, hidden, heads, kv_heads, head_dim, intermediate, vocab)
+_MODEL_SIZES = {"1b": (16, 2048, 32, 8, 64, 8192, 32000), "tiny": (2, 64, 4, 2, 16, 128, 256)}
+
+
+def _model_config(args):
+  from examples.models import ModelConfig   # pylint: disable=g-import-not-at-top
+  layers, hidden, heads, kv_heads, head_dim, inter, vocab = _MODEL_SIZES[
+      "tiny" if args.tiny else "1b"]
+  pick = lambda flag, default: default if flag is None else flag
+  return ModelConfig.llama(
+      num_layers=pick(args.model_layers, layers), hidden_size=pick(args.model_hidden, hidden),
+      num_heads=pick(args.model_heads, heads), num_kv_heads=pick(args.model_kv_heads, kv_heads),
+      head_dim=pick(args.model_head_dim, head_dim),
+      intermediate_size=pick(args.model_intermediate, inter),
+      vocab_size=pick(args.model_vocab, vocab))
+
+
+def _serve(model_config, devices, requests, args):
+  """`(completions, generated tokens/s, step tokens/s, steps/s)` on a mesh of `devices`."""
+  from examples.models import build   # pylint: disable=g-import-not-at-top
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  per_seq = args.prompt_len + args.new_tokens
+  # Flat rows are per column: one request's history, rounded up as the engine grows them.
+  rows = -(-per_seq // serve.ROW_MULTIPLE) * serve.ROW_MULTIPLE
+  cache_config = model_config.cache_config(
+      capacity=args.seqs * per_seq, max_seqs=args.seqs, max_write=args.width,
+      kv_dtype=jnp.bfloat16, initial_capacity=rows)
+  model = build(model_config, cache_config, seed=0, dtype=jnp.bfloat16,
+                param_dtype=jnp.bfloat16, implementation=args.implementation,
+                bucket=args.seqs if args.seqs < args.width else None, mesh=mesh)
+  engine = serve.Engine(model, max_len=per_seq)
+  engine.run(requests)   # compiles
+  completions = engine.run(requests)
+  stats = engine.stats
+  return (completions, stats.generated / stats.seconds, stats.step_tokens / stats.seconds,
+          stats.steps / stats.seconds)
+
+
+def model_main(args):
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  devices = jax.devices()
+  model_config = _model_config(args)
+  rng = np.random.default_rng(0)
+  requests = [serve.Request(tuple(int(t) for t in rng.integers(0, model_config.vocab_size,
+                                                                args.prompt_len)),
+                            serve.SamplingParams(max_tokens=args.new_tokens))
+              for _ in range(args.seqs)]
+  rows = []
+  for n in (1, args.devices):
+    completions, *rates = _serve(model_config, devices[:n], requests, args)
+    rows.append((n, [c.tokens for c in completions], *rates))
+  same = sum(a == b for ta, tb in zip(rows[0][1], rows[-1][1]) for a, b in zip(ta, tb))
+  total = sum(len(t) for t in rows[0][1])
+  print(f"device: {devices[0].device_kind}; Llama-style {model_config.num_params / 1e6:.1f}M "
+        f"params bf16 ({model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+        f"{model_config.num_heads}/{model_config.num_kv_heads} heads x "
+        f"{model_config.head_dim}); {args.seqs} requests x ({args.prompt_len} prompt + "
+        f"{args.new_tokens} new) tokens, W={args.width}")
+  print(f"greedy tokens equal between 1 and {args.devices} devices: {same}/{total} "
+        "(bf16: the all-reduce order may flip near-ties)")
+  print("generated tokens/s: sampled tokens over the whole run (prefill included); "
+        "step tokens/s: prompt + generated tokens through the model")
+  print("| devices | generated tokens/s | step tokens/s | steps/s | speed-up |")
+  print("|---|---|---|---|---|")
+  for n, _, gen, step, steps in rows:
+    print(f"| {n} | {gen:.1f} | {step:.1f} | {steps:.2f} | {gen / rows[0][2]:.2f} |")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--devices", type=int, default=2)
@@ -107,7 +194,26 @@ def main():
   parser.add_argument("--implementation", default=None)
   parser.add_argument("--max-len", type=int, default=8192,
                       help="longest history; lengths are drawn from max_len/16..max_len")
+  model = parser.add_argument_group("--model: serve the example Llama-style model")
+  model.add_argument("--model", action="store_true", help="run the model benchmark")
+  model.add_argument("--tiny", action="store_true", help="tiny model sizes (CPU smoke test)")
+  model.add_argument("--seqs", type=int, default=None, help="requests (64; 4 with --tiny)")
+  model.add_argument("--prompt-len", type=int, default=None, help="512; 8 with --tiny")
+  model.add_argument("--new-tokens", type=int, default=None, help="128; 8 with --tiny")
+  model.add_argument("--width", type=int, default=None,
+                     help="step width W = max_write (512; 16 with --tiny)")
+  for name in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
+    model.add_argument(f"--model-{name}", type=int, default=None)
   args = parser.parse_args()
+  if args.model:
+    defaults = dict(seqs=(4, 64), prompt_len=(8, 512), new_tokens=(8, 128), width=(16, 512))
+    for name, (tiny, full) in defaults.items():
+      if getattr(args, name) is None:
+        setattr(args, name, tiny if args.tiny else full)
+    if len(jax.devices()) < args.devices:
+      raise SystemExit(f"--devices={args.devices} but only {len(jax.devices())} devices")
+    model_main(args)
+    return
   devices = jax.devices()
   if len(devices) < args.devices:
     raise SystemExit(f"--devices={args.devices} but only {len(devices)} devices")
