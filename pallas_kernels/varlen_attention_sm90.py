@@ -18,6 +18,10 @@ and writes its real rows of a normalized float32 partial output plus the
 log-sum-exp (base 2). A small XLA epilogue copies each token's partial back to
 `[T, H_q, D]` in q's dtype, merging the splits of split segments.
 
+A cache whose row count is not a multiple of 8 (most rings) or smaller than a
+K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
+a copy of the step's columns of that layer, which Mosaic GPU's tiled TMA needs.
+
 Keys are selected with `jnp.where` on loaded tiles (rows outside the read range
 may hold NaN), and tiles with rows outside the read range have those V rows
 zeroed in shared memory before the P @ V matmul (0 * NaN would be NaN).
@@ -57,9 +61,12 @@ def _cdiv(a, b):
 
 
 def static_check(q, k_cache, *, config):
-  """Raises NotImplementedError for valid requests this kernel cannot serve."""
+  """Raises NotImplementedError for valid requests this kernel cannot serve.
+
+  The row count never is a reason (see `tile_geometry`).
+  """
   _, num_q_heads, head_dim = q.shape
-  num_rows, _, num_kv_heads, _ = k_cache.shape
+  num_kv_heads = k_cache.shape[2]
   group = num_q_heads // num_kv_heads
   dtype = np.dtype(k_cache.dtype)
   if dtype not in _SUPPORTED_DTYPES:
@@ -79,9 +86,33 @@ def static_check(q, k_cache, *, config):
     # wrong results; docs/PERFORMANCE.md has the measurements.
     raise NotImplementedError(f"{config.block_k=} == {head_dim=} (square K/V tiles) "
                               "miscomputes on Mosaic GPU; use another block_k")
-  if num_rows % ROW_ALIGN or num_rows < config.block_k:
-    raise NotImplementedError(f"{num_rows=} must be a multiple of {ROW_ALIGN} and >= "
-                              f"{config.block_k=} for TMA into tiled shared memory")
+  # Every row count >= 1 is served: `tile_geometry` pads the rest.
+
+
+def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
+  """Static K/V tile rows and the row count the kernel's K/V arrays get.
+
+  Returns `(block_k, padded_rows)`. TMA into (8, 64)-tiled shared memory tiles
+  the cache's row axis too, so Mosaic GPU needs the K/V arrays' row count to be
+  a multiple of `ROW_ALIGN`, and tiles start at 8-aligned rows. A row count
+  that is not (a ring's `window + W - 1` rarely is) is padded up to the next
+  multiple with zero rows, which no read range reaches; the ring arithmetic
+  keeps the true `num_rows`. `block_k` is `config.block_k` when the (padded)
+  rows hold a whole tile; a smaller cache gets the largest smaller tile that
+  fits (64 or 128 rows for wgmma, never `head_dim`, see `static_check`), and is
+  padded up to one tile when none fits. Both variants use this geometry, so
+  the interpreter exercises the padding the production kernel runs.
+  """
+  padded_rows = _cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN
+  if config.block_k <= padded_rows:
+    return config.block_k, padded_rows
+  if config.use_wgmma:
+    sizes = [b for b in (64, 128) if b < config.block_k and b != head_dim]
+  else:
+    sizes = list(range(ROW_ALIGN, config.block_k, ROW_ALIGN))
+  fitting = [b for b in sizes if b <= padded_rows]
+  block_k = max(fitting) if fitting else min(sizes + [config.block_k])
+  return block_k, max(padded_rows, block_k)
 
 
 def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, block_k,
@@ -174,7 +205,7 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
 def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
                       q_smem, q_bar,                    # Scratch
-                      *, group, block_q, block_k, num_stages, num_rows, window,
+                      *, group, block_q, block_k, num_stages, cache_rows, window,
                       use_wgmma, transforms, num_workers):
   """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
@@ -183,7 +214,8 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   worst case would launch mostly empty programs, which still hold shared
   memory while they start. Inputs: the item table (flattened, preceded by the
   number of active items), q as `[K, rows, D]` (rows are
-  (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches.
+  (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches
+  (`cache_rows` rows, padded per `tile_geometry`).
   Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
   log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
   Scratch: the q tile and its barrier; the K/V stages and the output staging
@@ -210,7 +242,7 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       # The production kernel loads the aligned tile (TMA zero-fills rows past
       # the array); the interpreter raises on out-of-bounds reads, so the
       # variant loads the last `block_k` rows instead and masks the overlap.
-      load_row = tile_row if use_wgmma else jnp.minimum(tile_row, num_rows - block_k)
+      load_row = tile_row if use_wgmma else jnp.minimum(tile_row, cache_rows - block_k)
       return load_row, rows_start, rows_end, key0
 
     plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(field(IT_Q_ROW0), block_q)], q_smem, q_bar)
@@ -421,6 +453,28 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
   return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
 
 
+def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
+  """K/V arrays of `padded_rows` rows for the kernel, and the segment table to read them with.
+
+  Unchanged when no padding is needed. Otherwise the step's readable K/V is
+  copied with zero rows appended (see `tile_geometry`): the whole layer, or,
+  when the segment table has fewer rows than the cache has columns, only the
+  columns its rows name (a padded segment row names the scratch column, which
+  nothing reads), segment `i` then reading staged column `i`. The ring
+  arithmetic keeps the true row count, so no read range reaches the zero rows.
+  """
+  num_rows, num_cols = k_cache.shape[:2]
+  if padded_rows == num_rows:
+    return k_cache, v_cache, seq_info
+  width = seq_info.shape[0]
+  if width < num_cols:
+    cols = seq_info[:, indexing.SEG_COL]
+    k_cache, v_cache = k_cache[:, cols], v_cache[:, cols]
+    seq_info = seq_info.at[:, indexing.SEG_COL].set(jnp.arange(width, dtype=jnp.int32))
+  pad = ((0, padded_rows - num_rows), (0, 0), (0, 0), (0, 0))
+  return jnp.pad(k_cache, pad), jnp.pad(v_cache, pad), seq_info
+
+
 @functools.partial(jax.jit, static_argnames=("window", "scale", "config", "interpret"))
 def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale, config,
                       interpret):
@@ -429,10 +483,11 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   group = num_q_heads // num_kv_heads
   dtype = k_cache.dtype
   block_q = config.block_q
-  block_k = min(config.block_k, num_rows) if not config.use_wgmma else config.block_k
-  align = ROW_ALIGN if config.use_wgmma else 1
+  block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
+  k_cache, v_cache, seq_info = _padded_caches(k_cache, v_cache, seq_info,
+                                              padded_rows=padded_rows)
   seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
-                      block_q=block_q, block_k=block_k, align=align, config=config)
+                      block_q=block_q, block_k=block_k, align=ROW_ALIGN, config=config)
   max_items = _cdiv(num_tokens * group, block_q) + num_tokens + config.split_budget
   items = _item_table(seg, max_items=max_items, group=group, block_q=block_q,
                       block_k=block_k, window=window, sort_items=config.sort_items)
@@ -446,7 +501,7 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(
       _attention_kernel, group=group, block_q=block_q, block_k=block_k,
-      num_stages=config.num_stages, num_rows=num_rows, window=window,
+      num_stages=config.num_stages, cache_rows=padded_rows, window=window,
       use_wgmma=config.use_wgmma, transforms=transforms, num_workers=num_workers)
   o_part, lse_part = plgpu.kernel(
       kernel,
@@ -485,7 +540,7 @@ def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, 
 
   Raises:
     NotImplementedError: for a valid request this kernel cannot serve (dtype,
-      head dim, row count, GQA group; wgmma under the interpreter).
+      head dim, GQA group, square K/V tiles; wgmma under the interpreter).
   """
   interpret_params = _compat.resolve_interpret(interpret)
   if config is None:

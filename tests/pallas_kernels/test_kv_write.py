@@ -73,8 +73,8 @@ def test_kernel_matches_reference(case, implementation, rng):
       np.testing.assert_array_equal(g, a, err_msg=step.description)
 
 
-def _lowered_step(donate):
-  shapes = (jax.ShapeDtypeStruct((64, 9, 8, 128), jnp.bfloat16),) * 2 + (
+def _lowered_step(donate, rows=64):
+  shapes = (jax.ShapeDtypeStruct((rows, 9, 8, 128), jnp.bfloat16),) * 2 + (
       jax.ShapeDtypeStruct((16, 8, 128), jnp.bfloat16),) * 2 + (
           jax.ShapeDtypeStruct((16,), jnp.int32),) * 2 + (jax.ShapeDtypeStruct((), jnp.int32),)
   step = jax.jit(pallas_kernels.kv_write, donate_argnums=(0, 1) if donate else ())
@@ -91,6 +91,16 @@ def test_kernel_lowers_to_an_aliasing_mosaic_gpu_call():
   # With the caches donated, both entry parameters alias the two results.
   assert re.findall(r"%arg(\d+): tensor<64x9x8x128xbf16> \{tf.aliasing_output = (\d+)", entry
                     ) == [("0", "0"), ("1", "1")]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 11, 575])
+def test_kernel_lowers_for_unaligned_and_tiny_row_counts(rows):
+  # A token's row is a squeezed index of an untiled TMA box: any row count works
+  # (the CASES above run rings of 6 and 10 rows).
+  text = _lowered_step(donate=True, rows=rows)
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+  assert kv_write_sm90.static_check(jax.ShapeDtypeStruct((rows, 9, 8, 128), jnp.bfloat16),
+                                    block_heads=8) is None
 
 
 def test_undonated_caches_are_not_aliased_at_entry():

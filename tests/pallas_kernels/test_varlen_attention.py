@@ -37,6 +37,37 @@ INTERPRET_FAMILIES = [
            num_steps=8),
 ]
 
+# Row counts that are not a multiple of 8 or smaller than a K/V tile (a ring's
+# `window + W - 1` rarely is a multiple of 8): flat and ring, before, at and after
+# wrap (kernel_cases draws such histories), with fewer segment-table rows than
+# cache columns (the kernel stages only the named columns) and with more.
+# Families whose queries may see only a few keys store fp16, not bf16: their
+# outputs reach |2|, where bf16 rounding of the output or of the probabilities
+# (P @ V runs in the storage dtype) alone can exceed the 1e-2 tolerance.
+UNALIGNED_INTERPRET_FAMILIES = [
+    Family("fp16-flat-rows5-gqa4x1-d64-f32q", jnp.float16, None, 4, 1, 64, width=4,
+           max_seqs=3, capacity=5, num_steps=4, q_dtype=jnp.float32),
+    Family("fp16-ring4-rows6-mha-d64", jnp.float16, 4, 2, 2, 64, width=3, max_seqs=4,
+           capacity=40, num_steps=4),
+    Family("fp16-ring8-rows11-gqa2x1-d128", jnp.float16, 8, 2, 1, 128, width=4,
+           max_seqs=2, capacity=40, num_steps=4),
+    Family("f32-flat-rows13-mha-d64", jnp.float32, None, 1, 1, 64, width=3, max_seqs=4,
+           capacity=13, num_steps=4),
+    Family("bf16-ring34-rows37-gqa2x1-d64", jnp.bfloat16, 34, 2, 1, 64, width=4, max_seqs=3,
+           capacity=90, num_steps=3),
+]
+# A Gemma-like ring (window 572, W 4: 575 rows) and a 130-row flat cache with
+# interpreter K/V tiles of 64 rows.
+LARGE_UNALIGNED_INTERPRET_FAMILIES = [
+    Family("bf16-ring572-rows575-mha-d64", jnp.bfloat16, 572, 1, 1, 64, width=4, max_seqs=2,
+           capacity=700, num_steps=2),
+    Family("fp16-flat-rows130-gqa2x1-d64", jnp.float16, None, 2, 1, 64, width=4, max_seqs=2,
+           capacity=130, num_steps=2),
+]
+INTERPRET_BLOCK64_CONFIG = config_lib.VarlenAttentionConfig(
+    block_q=8, block_k=64, num_stages=2, split_len=128, split_budget=4, max_splits=4,
+    max_programs=4, use_wgmma=False)
+
 # Compiled families: rows a multiple of 8 and >= 64, head dims of 64 or 128; the
 # widths make multi-q-tile prefills and the small split length forces splits.
 GPU_FAMILIES = [
@@ -50,6 +81,28 @@ GPU_FAMILIES = [
            capacity=256, num_steps=9),
     Family("bf16-ring93-gqa8x2-d64-padded", jnp.bfloat16, 93, 8, 2, 64, width=36, max_seqs=3,
            capacity=400, num_steps=9),
+]
+# Compiled families whose rows are not a multiple of 8 or are fewer than a K/V
+# tile (padded per `tile_geometry`): 575 is Gemma-style window 512 with W 64.
+UNALIGNED_GPU_FAMILIES = [
+    Family("bf16-ring512-rows575-gqa8x2-d64", jnp.bfloat16, 512, 8, 2, 64, width=64,
+           max_seqs=4, capacity=1200, num_steps=6),
+    Family("fp16-flat-rows37-gqa4x1-d128", jnp.float16, None, 4, 1, 128, width=8, max_seqs=3,
+           capacity=37, num_steps=6),
+    Family("fp16-ring8-rows11-mha-d128-f32q", jnp.float16, 8, 2, 2, 128, width=4,
+           max_seqs=5, capacity=60, num_steps=6, q_dtype=jnp.float32),
+    Family("fp16-ring3-rows6-gqa8x2-d64", jnp.float16, 3, 8, 2, 64, width=4,
+           max_seqs=3, capacity=40, num_steps=6),
+    Family("fp16-flat-rows5-mha-d64", jnp.float16, None, 2, 2, 64, width=4, max_seqs=3,
+           capacity=5, num_steps=6),
+    Family("fp16-ring10-rows13-gqa4x2-d128-f32q", jnp.float16, 10, 8, 2, 128, width=4,
+           max_seqs=6, capacity=80, num_steps=6, q_dtype=jnp.float32),
+    Family("fp16-flat-rows130-gqa8x2-d128", jnp.float16, None, 8, 2, 128, width=16,
+           max_seqs=3, capacity=130, num_steps=6),
+    Family("fp16-ring69-rows72-mha-d64", jnp.float16, 69, 2, 2, 64, width=4, max_seqs=3,
+           capacity=200, num_steps=6),
+    Family("bf16-ring37-rows40-gqa8x2-d128", jnp.bfloat16, 37, 8, 2, 128, width=4,
+           max_seqs=3, capacity=120, num_steps=6),
 ]
 # block_k differs from head_dim: square K/V tiles are refused (see static_check).
 SPLIT_CONFIGS = {
@@ -116,6 +169,34 @@ def test_compiled_kernel_matches_reference(family, splits, rng):
   _check_family(family, rng, config=config, interpret=False)
 
 
+@pytest.mark.parametrize("family", UNALIGNED_INTERPRET_FAMILIES, ids=str)
+def test_interpreted_kernel_serves_unaligned_and_tiny_row_counts(family, rng):
+  _check_family(family, rng, config=None, interpret=True)
+
+
+@pytest.mark.parametrize("family", LARGE_UNALIGNED_INTERPRET_FAMILIES, ids=str)
+def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
+  _check_family(family, rng, config=INTERPRET_BLOCK64_CONFIG, interpret=True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
+@pytest.mark.parametrize("family", UNALIGNED_GPU_FAMILIES, ids=str)
+def test_compiled_kernel_serves_unaligned_and_tiny_row_counts(family, splits, rng):
+  config = SPLIT_CONFIGS[family.head_dim] if splits else None
+  _check_family(family, rng, config=config, interpret=False)
+
+
+@requires_hopper
+def test_compiled_kernel_shrinks_block_k_for_a_small_aligned_cache(rng):
+  # 200 rows: block_k 256 does not fit, 128 is square, so 64-row tiles (no padding).
+  family = Family("fp16-flat-rows200-gqa8x2-d128", jnp.float16, None, 8, 2, 128, width=16,
+                  max_seqs=3, capacity=200, num_steps=6)
+  config = config_lib.VarlenAttentionConfig(block_k=256)
+  assert varlen_attention_sm90.tile_geometry(200, 128, config=config) == (64, 200)
+  _check_family(family, rng, config=config, interpret=False)
+
+
 @requires_hopper
 def test_compiled_kernel_refuses_float32_storage(rng):
   family = INTERPRET_FAMILIES[2]
@@ -145,19 +226,77 @@ def test_production_kernel_lowers_to_one_mosaic_gpu_call(window):
   assert calls == ["mosaic_gpu_v2"]
 
 
+# (rows, head_dim, window, tokens): unaligned and tiny row counts, flat and ring,
+# with fewer tokens than cache columns (staged columns) and more (whole layer).
+UNALIGNED_LOWERING_CASES = [
+    (1, 128, None, 4), (5, 64, None, 8), (6, 128, 3, 4), (11, 64, 8, 8), (13, 128, 10, 4),
+    (37, 128, None, 16), (60, 64, 57, 4), (72, 64, 69, 8), (130, 128, None, 4),
+    (575, 64, 512, 64), (575, 128, 512, 8),
+]
+
+
+@pytest.mark.parametrize("rows, head_dim, window, tokens", UNALIGNED_LOWERING_CASES,
+                         ids=lambda x: str(x))
+def test_production_kernel_lowers_for_unaligned_and_tiny_row_counts(rows, head_dim, window,
+                                                                   tokens):
+  # Mosaic GPU checks the TMA shapes while lowering, so this proves it accepts them.
+  attend = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=window,
+                                     scale=0.1, config=None))
+  lowered = attend.trace(*_shapes(tokens, 8, rows, 2, head_dim, jnp.bfloat16)).lower(
+      lowering_platforms=("cuda",))
+  assert re.findall(r"custom_call @(\w+)", lowered.as_text()) == ["mosaic_gpu_v2"]
+
+
+@pytest.mark.parametrize("rows, head_dim, block_k, use_wgmma, want", [
+    (128, 128, 64, True, (64, 128)),     # aligned: unchanged
+    (575, 128, 64, True, (64, 576)),     # Gemma-like ring: next multiple of 8
+    (575, 64, 128, True, (128, 576)),
+    (5, 128, 64, True, (64, 64)),        # fewer rows than any tile: one tile
+    (100, 64, 128, True, (128, 128)),    # 64 would be square
+    (200, 128, 256, True, (64, 200)),    # largest smaller tile, 128 being square
+    (200, 64, 256, True, (128, 200)),
+    (5, 64, 8, False, (8, 8)),           # interpreter variant, same rules
+    (11, 64, 8, False, (8, 16)),
+    (20, 64, 64, False, (24, 24)),
+])
+def test_tile_geometry(rows, head_dim, block_k, use_wgmma, want):
+  config = config_lib.VarlenAttentionConfig(block_q=64, block_k=block_k, use_wgmma=use_wgmma)
+  block, padded = varlen_attention_sm90.tile_geometry(rows, head_dim, config=config)
+  assert (block, padded) == want
+  assert padded % varlen_attention_sm90.ROW_ALIGN == 0 and block <= padded and padded >= rows
+
+
 @pytest.mark.parametrize("shapes, config, match", [
     ((8, 8, 64, 2, 128, jnp.float32), None, "float32 storage"),
     ((8, 8, 64, 2, 32, jnp.bfloat16), None, "multiple of 64 for wgmma"),
-    ((8, 8, 60, 2, 128, jnp.bfloat16), None, "must be a multiple of 8"),
     ((8, 6, 64, 2, 64, jnp.bfloat16), None, "GQA group 3"),
     ((8, 8, 64, 2, 64, jnp.int8), None, "kv dtype int8"),
     ((8, 8, 64, 2, 64, jnp.bfloat16), None, "square K/V tiles"),
-], ids=["f32", "d32", "rows60", "group3", "int8", "square"])
+], ids=["f32", "d32", "group3", "int8", "square"])
 def test_production_kernel_refuses_what_it_cannot_serve(shapes, config, match):
   q, k, _, _, _ = _shapes(*shapes)
   with pytest.raises(NotImplementedError, match=match):
     varlen_attention_sm90.static_check(q, k, config=config or
                                        config_lib.VarlenAttentionConfig())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 60, 575])
+def test_production_kernel_accepts_every_row_count(rows):
+  q, k, _, _, _ = _shapes(8, 8, rows, 2, 128, jnp.bfloat16)
+  varlen_attention_sm90.static_check(q, k, config=config_lib.VarlenAttentionConfig())
+
+
+def test_validation_accepts_numpy_float_scales():
+  family = UNALIGNED_INTERPRET_FAMILIES[0]
+  q, k, v, seq_info, n_segments = _shapes(4, 4, 5, 1, 64, family.dtype)
+  for scale in (np.float32(0.125), np.float64(0.125), 0.125, 1):
+    pallas_kernels.varlen_attention_reference(
+        jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype),
+        jnp.zeros(seq_info.shape, jnp.int32), jnp.int32(0), window=None, scale=scale)
+  with pytest.raises(ValueError, match="must be a Python or NumPy float"):
+    pallas_kernels.varlen_attention_reference(
+        jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype),
+        jnp.zeros(seq_info.shape, jnp.int32), jnp.int32(0), window=None, scale="0.125")
 
 
 def test_interpreter_refuses_wgmma():
