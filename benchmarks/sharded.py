@@ -11,10 +11,11 @@ Usage: python benchmarks/sharded.py [--devices 2] [--iters 20] [--implementation
 
 `--model` instead serves the example Llama-style model (`examples.models`, bf16
 random weights, ~1.1B parameters by default: 16 layers, hidden 2048, 32 query /
-8 KV heads of dim 64, MLP 8192, vocabulary 32000; see the `--model-*` flags) with `jaxkv.serve.Engine` on a
-1-device mesh and on an N-device mesh (heads and MLP split over "tp"), and
-reports generated tokens/s of `--seqs` requests of `--prompt-len` prompt tokens
-and `--new-tokens` greedy tokens each (compile excluded: a warm-up run first).
+8 KV heads of dim 64, MLP 8192, vocabulary 32000; see the `--model-*` flags)
+with `jaxkv.serve.Engine` on a 1-device mesh and on an N-device mesh (heads and
+MLP split over "tp"), and reports tokens/s of `--seqs` requests of
+`--prompt-len` prompt tokens and `--new-tokens` greedy tokens each (compile
+excluded: a warm-up run first).
 CPU smoke test (tiny sizes, two forced host devices):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \

@@ -14,7 +14,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from examples.models import GEMMA3, LLAMA, Decoder, ModelConfig
+from examples.models import GEMMA3, LLAMA, Decoder, ModelConfig, shard_model
 from jaxkv.nnx import RopeScaling
 
 _LLAMA_TYPES = ("llama", "mistral")
@@ -159,8 +159,13 @@ def load_weights(model: Decoder, tensors: dict[str, np.ndarray]) -> None:
 
 def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
                kv_dtype=jnp.float32, dtype=jnp.float32, param_dtype=jnp.float32,
-               implementation: str | None = None, initial_capacity: int | None = None):
+               implementation: str | None = None, initial_capacity: int | None = None,
+               mesh=None, kv_axis: str = "tp"):
   """Builds the checkpoint's model on a fresh cache config and loads its weights.
+
+  With `mesh`, the loaded model is then split over `kv_axis`
+  (`examples.models.shard_model`: heads and MLP features split, the rest
+  replicated).
 
   Returns:
     `(model, model_config, cache_config)`.
@@ -172,6 +177,8 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
   model = Decoder(config, cache_config, dtype=dtype, param_dtype=param_dtype,
                   implementation=implementation, rngs=nnx.Rngs(0))
   load_weights(model, read_tensors(checkpoint))
+  if mesh is not None:
+    model = shard_model(model, mesh, kv_axis)
   return model, config, cache_config
 
 

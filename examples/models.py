@@ -15,8 +15,9 @@ attention layer splits its heads over `kv_axis` (see `jaxkv.nnx.CachedAttention`
 and every MLP its intermediate features (gate/up over their outputs, down over
 its inputs); embeddings, norms and the LM head are replicated. The cache state
 must be built with the same mesh: `jaxkv.init_state(cache_config, mesh=model.mesh,
-kv_axis=model.kv_axis)` (`jaxkv.serve.Engine` does it). `shard_params` places an
-existing parameter tree (e.g. one loaded from Hugging Face) on a mesh.
+kv_axis=model.kv_axis)` (`jaxkv.serve.Engine` does it). `shard_model` splits an
+existing model (e.g. one loaded from Hugging Face) and `shard_params` places a
+bare parameter tree on a mesh.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ class Decoder(nnx.Module):
     bucket: optional row count for small steps: a step with at most `bucket`
       real tokens (a decode step) runs projections and MLPs on `bucket` rows
       instead of `W` (`jaxkv.nnx.bucketed`).
-    mesh: optional `jax.sharding.Mesh` (auto axes) for tensor parallelism:
+    mesh: optional `jax.sharding.Mesh` (auto or explicit axes) for tensor parallelism:
       attention heads and MLP features split over `kv_axis`, embeddings and
       norms replicated (module docstring).
     kv_axis: the mesh axis that splits heads and MLP features.

@@ -34,8 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxkv import CacheConfig, CacheState, pure
 
 __all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "bucketed",
-           "merge_model", "rope_inv_freq", "row_parallel_sharding", "shard_state", "sharded_init", "split_model", "tp_size",
-           "validate_tp"]
+           "merge_model", "rope_inv_freq", "row_parallel_sharding", "shard_state",
+           "sharded_init", "split_model", "tp_size", "validate_tp"]
 
 
 def split_model(model):
@@ -105,11 +105,13 @@ def shard_state(state, mesh):
   Returns:
     The placed state (same structure).
   """
-  tp_size(mesh, next(iter(mesh.axis_names)))   # type check
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
   leaves, treedef = jax.tree.flatten(state)
   specs = jax.tree.leaves(nnx.get_partition_spec(state), is_leaf=lambda x: isinstance(x, P))
   if len(specs) != len(leaves):
     raise ValueError(f"state has {len(leaves)} leaves but {len(specs)} partition specs")
+
   def target(x, spec):
     if isinstance(spec, P) and spec != P():
       return NamedSharding(mesh, spec)
@@ -306,7 +308,7 @@ class CachedAttention(nnx.Module):
       Hopper GPU, else the reference).
     bucket: optional static row count: steps with at most this many real tokens
       run the projections on `bucket` rows instead of `W` (see `bucketed`).
-    mesh: optional `jax.sharding.Mesh` (auto axes): heads are split over
+    mesh: optional `jax.sharding.Mesh` (auto or explicit axes): heads are split over
       `kv_axis` (q/k/v kernels over their outputs, `o_proj` over its inputs,
       the cache layer over its KV heads); pass the cache state built with the
       same `mesh` and `kv_axis` (`jaxkv.init_state(config, mesh=, kv_axis=)`).

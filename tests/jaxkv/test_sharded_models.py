@@ -256,3 +256,22 @@ def test_engine_refuses_another_mesh():
   model = build(LLAMA, cache, mesh=mesh)
   with pytest.raises(ValueError, match=r"mesh=.* differs from the model's mesh"):
     serve.Engine(model, mesh=other)
+
+
+def test_sharded_model_runner_equals_unsharded(rng):
+  """`ModelRunner` takes the model's mesh: same logits step by step, K/V split."""
+  mesh = _mesh(2)
+  cache = LLAMA.cache_config(capacity=32, max_seqs=2, max_write=WIDTH, initial_capacity=4)
+  plain = _livelier(build(LLAMA, cache, implementation="reference"))
+  split = shard_model(plain, mesh)
+  runners = [serve.ModelRunner(plain), serve.ModelRunner(split)]
+  assert runners[1].mesh is mesh and runners[0].mesh is None
+  tokens = [int(t) for t in rng.integers(0, LLAMA.vocab_size, size=6)]
+  steps = [([0, 0, 0, 1, 1], tokens[:5]), ([0, 1], tokens[5:] + [3])]
+  for runner in runners:
+    assert runner.seq_new() == 0 and runner.seq_new() == 1
+  for ids, toks in steps:
+    expected, got = (runner.step(ids, toks) for runner in runners)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5)
+  for array in runners[1].cache.k + runners[1].cache.v:
+    _assert_split(array, P(None, None, "tp", None), mesh)
