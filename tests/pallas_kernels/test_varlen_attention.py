@@ -237,11 +237,15 @@ UNALIGNED_LOWERING_CASES = [
 
 @pytest.mark.parametrize("rows, head_dim, window, tokens", UNALIGNED_LOWERING_CASES,
                          ids=lambda x: str(x))
+@pytest.mark.parametrize("block_k", [None, 256], ids=["default", "block_k256"])
 def test_production_kernel_lowers_for_unaligned_and_tiny_row_counts(rows, head_dim, window,
-                                                                   tokens):
+                                                                   tokens, block_k):
   # Mosaic GPU checks the TMA shapes while lowering, so this proves it accepts them.
+  # One stage: three 256 x 128 K/V stages would not fit in shared memory.
+  config = None if block_k is None else config_lib.VarlenAttentionConfig(block_k=block_k,
+                                                                          num_stages=1)
   attend = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=window,
-                                     scale=0.1, config=None))
+                                     scale=0.1, config=config))
   lowered = attend.trace(*_shapes(tokens, 8, rows, 2, head_dim, jnp.bfloat16)).lower(
       lowering_platforms=("cuda",))
   assert re.findall(r"custom_call @(\w+)", lowered.as_text()) == ["mosaic_gpu_v2"]
