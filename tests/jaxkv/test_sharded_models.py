@@ -275,3 +275,20 @@ def test_sharded_model_runner_equals_unsharded(rng):
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-5)
   for array in runners[1].cache.k + runners[1].cache.v:
     _assert_split(array, P(None, None, "tp", None), mesh)
+
+
+def test_sharded_decode_loop_only_all_reduces_activations():
+  """The engine's jitted loop on a mesh: two all-reduces of `[W, hidden]` per layer
+  (o_proj, down_proj), no weight or K/V gathered, the K/V donated in place."""
+  mesh = _mesh(2)
+  cache = LLAMA.cache_config(capacity=32, max_seqs=2, max_write=WIDTH, initial_capacity=16)
+  engine = serve.Engine(build(LLAMA, cache, implementation="reference", mesh=mesh), max_len=16)
+  ls = serve.init_loop_state(cache, 16, engine.max_stop, mesh=mesh)
+  loop = engine._loop   # pylint: disable=protected-access
+  compiled = loop.lower(engine.graphdef, cache, engine.params, ls, jnp.int32(4)).compile()
+  moved = [(m.group(2), _shape_of(m.group(1)))
+           for m in _COLLECTIVE.finditer(compiled.as_text())]
+  assert sorted(moved) == [("all-reduce", (WIDTH, LLAMA.hidden_size))] * 2 * LLAMA.num_layers, moved
+  kv_bytes = sum(a.addressable_shards[0].data.nbytes for a in ls.cache.k + ls.cache.v)
+  alias = compiled.memory_analysis().alias_size_in_bytes
+  assert alias >= kv_bytes, f"{alias=} < per-device K/V bytes {kv_bytes}"
