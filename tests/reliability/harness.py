@@ -95,7 +95,7 @@ def new_model(config) -> CacheModel:
                     scales=[1.0 / math.sqrt(lc.head_dim) for lc in config.layers])
 
 
-def stateful_runs(default: int, *, tests: int = 2, steps_per_run: float = 25.0) -> int:
+def stateful_runs(default: int, *, tests: int = 2, steps_per_run: float = 40.0) -> int:
   """Hypothesis runs for one stateful test: `default`, or more for JAXKV_RELIABILITY_EXAMPLES.
 
   JAXKV_RELIABILITY_EXAMPLES is the total number of rule steps wanted over the

@@ -299,6 +299,8 @@ class CacheMachine(RuleBasedStateMachine):
 
   def _declare(self, ids, blocks, data):
     before = self._snap()
+    if self.PURE:   # the pure API has W block rows; length 0 marks an unused row
+      blocks = blocks[:self.width]
     model_blocks = [b for b in blocks if not (self.PURE and b[1] == 0)]
     status = self.model.declare_step([_py(s) for s in ids], model_blocks)
     if self.PURE:
