@@ -128,8 +128,8 @@ FACADE_CASES = [
      "implementation"),
 ]
 
-# Bugs (SPEC §10.5 facade; STYLE habit 8): these raise an error that does not
-# name the argument, or an error of the wrong type. Kept failing on purpose.
+# Regressions (SPEC §10.5 facade; STYLE habit 8), found by these tests and fixed in
+# 07fe30d: each raised an error that did not name the argument, or of the wrong type.
 FACADE_BUG_CASES = [
     # TypeError("'int' object is not iterable"): the message does not name seq_ids.
     ("declare-ids-int", "idle", lambda c: c.declare_step(5), TypeError, "seq_ids"),
@@ -168,7 +168,7 @@ def test_facade_bad_argument_raises_and_changes_nothing(phase, call, error, matc
 def test_facade_accepts_owner_blocks_as_an_int_array():
   """SPEC §6.2: owner_blocks lists (start, length) pairs; a NumPy [k, 2] int array is one.
 
-  Bug: `_block_rows` evaluates `owner_blocks or ()`, and the truth value of a
+  Regression (fixed in 07fe30d): `_block_rows` evaluates `owner_blocks or ()`, and the truth value of a
   multi-element array raises ValueError ("The truth value of an array with more
   than one element is ambiguous"), naming no argument.
   """
@@ -245,11 +245,12 @@ PURE_CASES = [
                                            jnp.ones((W, 2, 4))), ValueError, "k and v"),
 ]
 
-# Bugs (SPEC §10.3 "Static misuse (wrong shapes ...) raises ValueError at trace
-# time"; STYLE habit 7: static_validate_* checks shapes and dtypes). The pure
-# verbs other than attend validate no argument: wrong shapes broadcast silently
-# or fail deep inside with errors naming no argument, float ids and positions
-# are truncated to int32, and a state of another config is used as is.
+# Regressions, fixed in 07fe30d (SPEC §10.3 "Static misuse (wrong shapes ...)
+# raises ValueError at trace time"; STYLE habit 7). Before it, the pure verbs
+# other than attend validated no argument: wrong shapes broadcast silently or
+# failed deep inside with errors naming no argument, float ids and positions
+# were truncated to int32, and a state of another config was used as is. The
+# comments give the behaviour before the fix.
 PURE_BUG_CASES = [
     # Silently broadcast: one id for all n tokens (status OK).
     ("declare-ids-shape-1", False, pure.declare_step, (I32(0), I32(3)[0], BLOCKS), ValueError,
@@ -310,7 +311,7 @@ def test_pure_bad_argument_raises_at_trace_time(declared, verb, args, error, mat
 def test_pure_verbs_reject_a_state_of_another_config():
   """A state built for another config must not be used as is (SPEC §10.3 static misuse).
 
-  Bug: `pure.seq_rm(config, state_of_another_config, 0)` returns OK; the verbs
+  Regression (fixed in 07fe30d): `pure.seq_rm(config, state_of_another_config, 0)` returns OK; the verbs
   never compare the state's shapes (live [3] here, max_seqs 5 in the config)
   with the config.
   """
@@ -323,7 +324,7 @@ def test_pure_verbs_reject_a_state_of_another_config():
 def test_pure_verbs_reject_the_wrong_kind_of_object():
   """A non-CacheConfig config or a non-CacheState state is a TypeError naming it (STYLE habit 8).
 
-  Bug: both raise AttributeError ("'NoneType' object has no attribute
+  Regression (fixed in 07fe30d): both raise AttributeError ("'NoneType' object has no attribute
   'max_seqs'" / "... 'live'").
   """
   state = _pure_state()
@@ -337,7 +338,7 @@ def test_pure_verbs_reject_the_wrong_kind_of_object():
 def test_pure_verbs_name_python_ints_beyond_int32(value):
   """Huge Python ints passed to a pure verb are a ValueError naming the argument.
 
-  Bug: `_i32` (jnp.asarray(x, int32)) raises OverflowError ("Python integer
+  Regression (fixed in 07fe30d): `_i32` (jnp.asarray(x, int32)) raises OverflowError ("Python integer
   2147483648 out of bounds for int32"), which is not a ValueError.
   """
   state = _pure_state()
@@ -419,7 +420,7 @@ def test_configs_at_their_limits_trace(kwargs, layer):
 def test_config_accepting_max_write_2_31_must_trace():
   """SPEC §2 allows `w + max_write - 1 < 2**31`, i.e. max_write = 2**31 for flat-only layers.
 
-  Bug: CacheConfig accepts it, but `declare_step` cannot trace (OverflowError:
+  Regression (fixed in 07fe30d): CacheConfig accepts it, but `declare_step` cannot trace (OverflowError:
   "Python integer 2147483648 out of bounds for int32", from `n > step_width`);
   decl_n is int32 (SPEC §10.2), so W = 2**31 cannot be represented. Either the
   config refuses max_write >= 2**31 with a ValueError or the verbs trace.
