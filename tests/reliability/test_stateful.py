@@ -20,7 +20,7 @@ After every rule:
 
 Budget: we count rule steps (one verb, or one whole step for `full_step`, plus
 the invariant check). CI runs 2 tests x 30 hypothesis runs x at most 50 steps,
-about 2,600 steps in all (each test prints its count; with
+3,000 steps in all (1,500 each, measured) (each test prints its count; with
 JAXKV_RELIABILITY_REPORT=path it also appends them to that file as JSON lines).
 JAXKV_RELIABILITY_EXAMPLES=N raises the runs so both tests together take about N
 steps; JAXKV_RELIABILITY_RANDOM=1 draws fresh random examples instead of
