@@ -45,7 +45,9 @@ NUM_SEQS, Q_HEADS, KV_HEADS, HEAD_DIM = 64, 64, 16, 128
 
 def _config(lengths):
   layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), KV_HEADS, HEAD_DIM)
-  max_len = int(lengths.max()) + 1
+  # Rows rounded up to a multiple of 128: the kernels' tiled TMA then reads the
+  # cache in place (an unaligned row count costs a padded copy per call).
+  max_len = -(-(int(lengths.max()) + 1) // 128) * 128
   return jaxkv.CacheConfig([layer], capacity=int(lengths.sum()) + NUM_SEQS,
                            max_seqs=NUM_SEQS, max_write=NUM_SEQS, kv_dtype=jnp.bfloat16,
                            initial_capacity=max_len)

@@ -84,11 +84,14 @@ def key_positions(rows, lo, end, *, num_rows: int, window: int | None):
 
   Flat rows hold their own index. Ring row `r` holds `lo + ((r - lo) mod R)`; the
   result is only meaningful where it lies below `end` (see `in_read_range`).
-  `lo >= 0`, so the modulo of a non-negative value is used throughout.
+  Overflow-free in int32 for any ring size: `rows` and `lo mod R` lie in
+  `[0, R)`, so their difference lies in `(-R, R)` (`rows - lo + R` would
+  overflow once R exceeds 2**30).
   """
   if window is None:
     return rows
-  return lo + (rows - lo + num_rows) % num_rows
+  offset = rows - lo % num_rows
+  return lo + jnp.where(offset < 0, offset + num_rows, offset)
 
 
 def ring_runs(lo, end, *, num_rows: int):
