@@ -264,6 +264,7 @@ class BatchedSequenceCache:
     required = int(_rows_needed(self._config, self._state))
     current = flat_rows(self._config, self._state)
     rows = min(self._config.capacity, max(required, 2 * current))
+    # Looked up at call time, so a test that replaces `_allocate_rows` is honoured.
     self._state = _verbs.grow(self._config, self._state, rows,
                               allocate=lambda a, r: _allocate_rows(a, r))
 
@@ -295,8 +296,8 @@ class BatchedSequenceCache:
     self._raise_step_error(status, "attend")
     return out[:num_tokens]
 
-  def _check_attend(self, layer, q, k, v) -> int:
-    """Validates an attend call on the host; returns `n`."""
+  def _check_attend(self, layer, q, k, v) -> None:
+    """Validates an attend call on the host; raises StepError naming the problem."""
     phase = Phase(int(self._state.phase))
     if phase != Phase.PREPARED:
       raise StepError(f"attend needs a prepared step; phase is {phase.name}",
@@ -312,7 +313,6 @@ class BatchedSequenceCache:
       static_validate_attend(self._config, layer, q, k, v, width=q.shape[0])
     except ValueError as e:
       raise StepError(str(e), Status.NOT_PREPARED) from e
-    return n
 
   def commit_step(self) -> None:
     """Advances every causal segment's sequence (SPEC §6.5); a second commit is a no-op.
