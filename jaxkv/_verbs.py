@@ -269,7 +269,8 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   is_real = _plan.token_mask(config, state.decl_n)
   positions_ok = True if positions is None else jnp.all(
       jnp.where(is_real, _i32(positions) == derived, True))
-  too_few_rows = config.has_flat & (rows_needed(config, state) > flat_rows(config, state))
+  needed = _plan.rows_needed(config, state.decl_n, derived)
+  too_few_rows = config.has_flat & (needed > flat_rows(config, state))
   status = _first_failure([
       (~(is_declared | is_prepared), Status.NO_DECLARATION),
       (~jnp.asarray(positions_ok), Status.BAD_POSITIONS),
