@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jaxkv   # pylint: disable=g-import-not-at-top,wrong-import-position
-from examples.models import Decoder, ModelConfig   # pylint: disable=wrong-import-position
+from jaxkv.models import Decoder, ModelConfig   # pylint: disable=wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.nnx import apply_rope, rope_inv_freq   # pylint: disable=wrong-import-position
 

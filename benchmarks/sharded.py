@@ -9,7 +9,7 @@ speed-up. Checks the N-device output against the 1-device output first.
 
 Usage: python benchmarks/sharded.py [--devices 2] [--iters 20] [--implementation mosaic_gpu]
 
-`--model` instead serves the example Llama-style model (`examples.models`, bf16
+`--model` instead serves the example Llama-style model (`jaxkv.models`, bf16
 random weights, ~1.1B parameters by default: 16 layers, hidden 2048, 32 query /
 8 KV heads of dim 64, MLP 8192, vocabulary 32000; see the `--model-*` flags)
 with `jaxkv.serve.Engine` on a 1-device mesh and on an N-device mesh (heads and
@@ -124,7 +124,7 @@ _MODEL_SIZES = {"1b": (16, 2048, 32, 8, 64, 8192, 32000), "tiny": (2, 64, 4, 2, 
 
 
 def _model_config(args):
-  from examples.models import ModelConfig   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import ModelConfig   # pylint: disable=g-import-not-at-top
   layers, hidden, heads, kv_heads, head_dim, inter, vocab = _MODEL_SIZES[
       "tiny" if args.tiny else "1b"]
   pick = lambda flag, default: default if flag is None else flag
@@ -138,7 +138,7 @@ def _model_config(args):
 
 def _serve(model_config, devices, requests, args):
   """`(completions, generated tokens/s, step tokens/s, steps/s)` on a mesh of `devices`."""
-  from examples.models import build   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import build   # pylint: disable=g-import-not-at-top
   from jaxkv import serve   # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,))

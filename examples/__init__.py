@@ -1,7 +1,7 @@
-"""Example models and decoding recipes on jaxkv (public names only).
+"""Runnable example scripts on jaxkv (not installed; run from the repository root).
 
-- `examples.models`: Llama-style and Gemma-3-style decoders in Flax NNX.
-- `examples.hf`: loading Hugging Face checkpoints (safetensors + config.json).
-- `examples.parallel_sampling`, `examples.speculative`, `examples.dflash`: the
-  sequence verbs at work (fork, rewind, owner blocks).
+- `python -m examples.parallel_sampling`, `python -m examples.speculative`,
+  `python -m examples.dflash`: the sequence verbs at work (fork, rewind, owner blocks).
+
+The models and the Hugging Face loader they use are library code: `jaxkv.models`.
 """

@@ -9,7 +9,7 @@ rewind. The target then verifies `[last, d1..d_{B-1}]` causally, keeps the
 matching prefix plus its own next token, and rolls back the rejected tail with
 `rewind`. The output equals plain greedy decoding of the target.
 
-Here the drafter is any `examples.models.Decoder` (random weights in the demo:
+Here the drafter is any `jaxkv.models.Decoder` (random weights in the demo:
 the point is the cache protocol, not the acceptance rate).
 
   python -m examples.dflash
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from examples.decoding import accept_greedy, feed, greedy_generate
+from jaxkv.serve.decoding import accept_greedy, feed, greedy_generate
 from jaxkv.serve import ModelRunner
 
 
@@ -126,7 +126,7 @@ def dflash_generate(target: ModelRunner, drafter: ModelRunner,
 
 def main(argv=None) -> int:
   from flax import nnx   # pylint: disable=g-import-not-at-top
-  from examples.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m examples.dflash", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--block", type=int, default=4, help="block length B (default 4)")

@@ -29,7 +29,7 @@ def parallel_samples(engine: serve.Engine, prompt: Sequence[int], n: int, *, max
 
 def main(argv=None) -> int:
   from flax import nnx   # pylint: disable=g-import-not-at-top
-  from examples.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m examples.parallel_sampling",
                                    description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from examples.decoding import accept_greedy, feed, greedy_generate
+from jaxkv.serve.decoding import accept_greedy, feed, greedy_generate
 from jaxkv.serve import ModelRunner
 
 
@@ -97,7 +97,7 @@ def speculative_generate(target: ModelRunner, draft: ModelRunner,
 
 def main(argv=None) -> int:
   from flax import nnx   # pylint: disable=g-import-not-at-top
-  from examples.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(prog="python -m examples.speculative", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--k", type=int, default=4, help="drafts per round (default 4)")

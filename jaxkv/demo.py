@@ -1,7 +1,7 @@
 """`python -m jaxkv.demo`: serve a batch of prompts through an example model on jaxkv.
 
 Builds a Gemma-3-style (sliding-window ring layers + global flat layers) or
-Llama-style decoder from `examples.models` with random weights, or loads a
+Llama-style decoder from `jaxkv.models` with random weights, or loads a
 Hugging Face checkpoint directory (`--checkpoint`: config.json + safetensors,
 and tokenizer.json for text), and serves `--requests` prompts with
 `jaxkv.serve.Engine`: continuous batching with chunked prefill mixed into
@@ -10,8 +10,7 @@ request's tokens (text when a tokenizer exists) and a summary: tokens/s, steps,
 mean batch occupancy, and cache rows and bytes in use.
 
 On a Hopper GPU the attention uses the Pallas Mosaic GPU kernels
-(`--implementation` default); elsewhere the pure-jnp reference. Run it from the
-repository root (it imports the `examples` package).
+(`--implementation` default); elsewhere the pure-jnp reference.
 """
 
 from __future__ import annotations
@@ -25,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import serve
+from jaxkv import models, serve
+from jaxkv.models import hf
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -86,18 +86,8 @@ def _parse_args(argv=None):
   return args
 
 
-def _import_examples():
-  try:
-    from examples import hf, models   # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise SystemExit("python -m jaxkv.demo needs the repository's `examples` package: run it "
-                     f"from the repository root ({e})") from e
-  return hf, models
-
-
 def _build(args):
   """`(model, model_config, tokenizer)` from the flags."""
-  hf, models = _import_examples()
   dtype = _DTYPES[args.dtype]
   cache = dict(capacity=args.capacity, max_seqs=args.max_seqs, max_write=args.max_write,
                kv_dtype=dtype, initial_capacity=args.initial_capacity)
@@ -146,7 +136,7 @@ def _show(tokens, tokenizer):
 
 def _check(model, results) -> bool:
   """Greedy re-decode of the first 3 completions, one sequence at a time."""
-  from examples.decoding import greedy_generate   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.decoding import greedy_generate   # pylint: disable=g-import-not-at-top
   ok = True
   for c in [c for c in results if c.index == 0][:3]:
     want = greedy_generate(serve.ModelRunner(model), [list(c.prompt)], len(c.tokens))[0]

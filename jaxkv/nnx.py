@@ -95,7 +95,7 @@ def shard_state(state, mesh):
 
   Each leaf goes to `NamedSharding(mesh, nnx.get_partition_spec(...))`; a
   leaf without sharding metadata keeps its placement when it already lies on
-  `mesh` (e.g. placed by `examples.models.shard_params`) and is replicated
+  `mesh` (e.g. placed by `jaxkv.models.shard_params`) and is replicated
   otherwise (norms, embeddings).
 
   Args:

@@ -4,7 +4,7 @@ Builds a tiny random Llama and a tiny random Gemma 3 text model with
 `transformers` (float32, CPU), saves each as a checkpoint directory
 (`config.json` + `model.safetensors`) and the teacher-forced logits of a few token
 sequences (`logits.npz`: `tokens_i` int32 and `logits_i` float32 `[len, vocab]`).
-The tests load these with `examples.hf` and replay the sequences through jaxkv;
+The tests load these with `jaxkv.models.hf` and replay the sequences through jaxkv;
 they need neither torch nor transformers.
 
 Run from the repository root, in a separate environment (never a project dependency):

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples import dflash, hf, parallel_sampling, speculative
-from examples.decoding import greedy_generate
-from examples.models import Decoder, Gemma3, Llama, ModelConfig
+from examples import dflash, parallel_sampling, speculative
+from jaxkv.models import hf
+from jaxkv.serve.decoding import greedy_generate
+from jaxkv.models import Decoder, Gemma3, Llama, ModelConfig
 from jaxkv import serve
 
 PROMPTS = [[1, 5, 9, 2, 7, 30, 12], [3, 3, 8], [4, 1, 6, 6, 2, 9, 11, 40, 41, 2, 2, 17], [9]]

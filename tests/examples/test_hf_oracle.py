@@ -2,7 +2,7 @@
 
 The fixtures are tiny random float32 Llama and Gemma 3 checkpoints plus the
 logits `transformers` computed for five token sequences in one full forward
-each. Here the same weights run through `examples.models` on jaxkv, with the
+each. Here the same weights run through `jaxkv.models` on jaxkv, with the
 sequences fed in interleaved chunks (prefill mixed with decode in one step), a
 fork (sequence 4 shares sequence 0's first 9 tokens and is cloned from it), a
 rewind after wrong tokens, and Gemma's window-4 ring layers wrapping (R = 11,
@@ -25,8 +25,8 @@ import jax
 import numpy as np
 import pytest
 
-from examples import hf
-from examples.models import Decoder
+from jaxkv.models import hf
+from jaxkv.models import Decoder
 from jaxkv.serve import ModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from examples.decoding import greedy_generate
-from examples.models import Decoder, ModelConfig
+from jaxkv.serve.decoding import greedy_generate
+from jaxkv.models import Decoder, ModelConfig
 from jaxkv import serve
+import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
 
 MODEL = ModelConfig.gemma3(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
                            layer_types=("sliding", "full", "sliding"), num_heads=2,
@@ -45,7 +46,7 @@ def test_greedy_batch_equals_one_by_one_and_traces_once(model, rng, monkeypatch)
 
   The loop is compiled once for all entries (chex), and it runs many steps per entry.
   """
-  monkeypatch.setattr(serve, "decode_loop", chex.assert_max_traces(serve.decode_loop, n=1))
+  monkeypatch.setattr(serve.engine, "decode_loop", chex.assert_max_traces(serve.decode_loop, n=1))
   engine = serve.Engine(model, max_len=48)
   prompts = _prompts(rng, 10)
   limits = [int(rng.integers(1, 14)) for _ in prompts]

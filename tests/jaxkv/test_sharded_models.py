@@ -20,8 +20,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkv
 from conftest import tol
-from examples import hf
-from examples.models import ModelConfig, build, param_spec, shard_model
+from jaxkv.models import hf
+from jaxkv.models import ModelConfig, build, param_spec, shard_model
 from jaxkv import serve
 from jaxkv.nnx import CachedAttention, merge_model, split_model
 
@@ -297,7 +297,7 @@ def test_sharded_decode_loop_only_all_reduces_activations():
 
 
 def test_sharded_hf_llama_matches_transformers():
-  """`examples.hf.load_model(mesh=)` on the committed Llama fixture (4 q / 2 KV heads):
+  """`jaxkv.models.hf.load_model(mesh=)` on the committed Llama fixture (4 q / 2 KV heads):
   the sharded model's logits match the `transformers` reference of every sequence."""
   mesh = _mesh(2)
   fixture = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

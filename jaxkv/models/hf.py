@@ -1,4 +1,4 @@
-"""Loading Hugging Face checkpoints (Llama and Gemma 3 text) into `examples.models`.
+"""Loading Hugging Face checkpoints (Llama and Gemma 3 text) into `jaxkv.models`.
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors`
 files, read with the `safetensors` package (NumPy, no torch). A tokenizer comes
@@ -14,7 +14,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from examples.models import GEMMA3, LLAMA, Decoder, ModelConfig, shard_model
+from jaxkv.models.decoder import GEMMA3, LLAMA, Decoder, ModelConfig, shard_model
 from jaxkv.nnx import RopeScaling
 
 _LLAMA_TYPES = ("llama", "mistral")
@@ -164,7 +164,7 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
   """Builds the checkpoint's model on a fresh cache config and loads its weights.
 
   With `mesh`, the loaded model is then split over `kv_axis`
-  (`examples.models.shard_model`: heads and MLP features split, the rest
+  (`jaxkv.models.shard_model`: heads and MLP features split, the rest
   replicated).
 
   Returns:

@@ -8,7 +8,7 @@ its global layers flat layers, so `ModelConfig.cache_config` builds the matching
 `jaxkv.CacheConfig`.
 
 Weights are random unless loaded from a Hugging Face checkpoint directory with
-`examples.hf.load_model`.
+`jaxkv.models.hf.load_model`.
 
 Tensor parallelism: with `mesh=` (and `kv_axis`, default `"tp"`), every
 attention layer splits its heads over `kv_axis` (see `jaxkv.nnx.CachedAttention`)

@@ -1,0 +1,107 @@
+"""What users hand the engine and get back: requests, sampling parameters, completions, stats."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request is sampled.
+
+  Attributes:
+    max_tokens: most new tokens (`>= 1`).
+    temperature: 0 is greedy; otherwise logits are divided by it.
+    top_k: keep the `top_k` most likely tokens (0: all).
+    top_p: keep the smallest set whose probability reaches `top_p` (1: all).
+    seed: the request's seed; sample `i`'s token `t` uses
+      `fold_in(fold_in(key(seed), i), t)`, independent of batching.
+    stop_tokens: tokens that end the request (the stop token is kept).
+    n: parallel samples of the prompt (forked with `seq_clone`).
+  """
+
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_tokens: tuple[int, ...] = ()
+  n: int = 1
+
+  def __post_init__(self):
+    if self.max_tokens < 1:
+      raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+    if not self.temperature >= 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    if self.n < 1:
+      raise ValueError(f"n={self.n} must be >= 1")
+    if not 0 <= self.seed < 2**31:
+      raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """A prompt and its sampling parameters.
+
+  Attributes:
+    prompt: token ids (at least one).
+    params: `SamplingParams`.
+    request_id: any hashable label (default: its index in the `run` call).
+  """
+
+  prompt: tuple[int, ...]
+  params: SamplingParams = SamplingParams()
+  request_id: object = None
+
+  def __post_init__(self):
+    prompt = tuple(int(t) for t in self.prompt)
+    if not prompt:
+      raise ValueError("prompt must hold at least one token")
+    object.__setattr__(self, "prompt", prompt)
+
+
+@dataclasses.dataclass
+class Completion:
+  """One finished sample.
+
+  Attributes:
+    request_id: the request's label.
+    index: sample index (0..n-1).
+    prompt: the prompt tokens.
+    tokens: generated tokens.
+    finish_reason: `"stop"` (a stop token) or `"length"` (token limit).
+  """
+
+  request_id: object
+  index: int
+  prompt: tuple[int, ...]
+  tokens: list[int]
+  finish_reason: str
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters of one `Engine.run`.
+
+  Attributes:
+    steps: cache steps run.
+    step_tokens: real tokens carried by those steps (prefill + decode).
+    generated: tokens sampled.
+    occupancy: sum over steps of sequences in the step (mean = occupancy/steps).
+    loop_entries: entries into the jitted loop (host round trips).
+    seconds: wall time.
+    peak_rows: most cache rows (positions) held at once.
+  """
+
+  steps: int = 0
+  step_tokens: int = 0
+  generated: int = 0
+  occupancy: int = 0
+  loop_entries: int = 0
+  seconds: float = 0.0
+  peak_rows: int = 0
