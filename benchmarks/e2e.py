@@ -19,7 +19,10 @@ tokens (seed 0), 256 greedy new tokens each.
 Reported: wall time (compilation excluded: each path is warmed up on the same
 shapes first), generated tokens/s, ms per step, and the speed-up.
 
-Usage: python benchmarks/e2e.py [--small] [--out results.json]
+Usage: python benchmarks/e2e.py [--workload uniform|mixed|decode] [--small] [--out results.json]
+
+Every run also measures the copy ceiling and the dense matmul rate and prints the
+workload's roofline beside each measured row.
 """
 
 from __future__ import annotations
@@ -52,9 +55,16 @@ def _args(argv=None):
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--max-write", type=int, default=512, help="jaxkv step width W")
   p.add_argument("--implementation", default=None, help="jaxkv attention (default None)")
-  p.add_argument("--bucket", type=int, default=None,
+  p.add_argument("--bucket", type=int, default=0,
                  help="jaxkv: steps of at most this many tokens run the dense layers on that "
-                      "many rows (default: --requests; 0 = off)")
+                      "many rows inside a lax.cond (default 0 = off: the engine's narrow "
+                      "compiled widths do this without a cond)")
+  p.add_argument("--workload", choices=["uniform", "mixed", "decode"], default="uniform",
+                 help="uniform: prompts uniform in --prompt-min..--prompt-max, --new-tokens each, "
+                      "against the padded loop; mixed: 256 requests with lognormal prompt and "
+                      "output lengths, 64 slots, against static batching; decode: 64 requests of "
+                      "8..16-token prompts (decode-only steps) against the padded loop")
+  p.add_argument("--slots", type=int, default=64, help="mixed: engine columns / static batch")
   p.add_argument("--small", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--skip-baseline", action="store_true")
   p.add_argument("--skip-jaxkv", action="store_true")
@@ -98,11 +108,13 @@ def _attention_used(cfg: ModelConfig) -> str:
 
 
 def run_jaxkv(model, prompts, new_tokens):
-  engine = serve.Engine(model, max_len=max(len(p) for p in prompts) + new_tokens)
-  params = serve.SamplingParams(max_tokens=new_tokens)
-  # Warm-up on the same shapes: compiles the loop, admission and retirement.
-  engine.run([serve.Request(tuple(prompts[0][:8]), serve.SamplingParams(max_tokens=2))])
-  requests = [serve.Request(tuple(p), params) for p in prompts]
+  """`new_tokens`: one int for every request, or one per request."""
+  news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
+  engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)))
+  requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
+              for p, n in zip(prompts, news)]
+  # Warm-up on the same shapes (the same queue: compiles the loop; queues pad to powers of two).
+  engine.run(requests)
   start = time.perf_counter()
   results = engine.run(requests)
   seconds = time.perf_counter() - start
@@ -112,6 +124,7 @@ def run_jaxkv(model, prompts, new_tokens):
       "generated": stats.generated, "tokens_per_s": stats.generated / seconds,
       "step_tokens": stats.step_tokens, "loop_entries": stats.loop_entries,
       "mean_occupancy": stats.occupancy / stats.steps,
+      "width_steps": {str(k): v for k, v in stats.width_steps.items()},
   }, [r.tokens for r in results]
 
 
@@ -248,66 +261,156 @@ def run_baseline(cfg, model, prompts, new_tokens):
   }, [row.tolist() for row in out]
 
 
+def measure_ceilings(small: bool) -> dict:
+  """The copy ceiling (bytes read + written per second) and the dense bf16 matmul rate, measured now."""
+  n = (1 << 28) if not small else (1 << 16)   # 512 MiB of bf16 (tiny under --small)
+  x = jnp.ones((n,), jnp.bfloat16)
+  copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+  size = 8192 if not small else 256
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+  mm = jax.jit(lambda a, b: a @ b)
+
+  def timed(fn, *args, reps=20):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
+
+  t_copy = timed(copy, x)
+  t_mm = timed(mm, a, a)
+  return {"copy_bytes_per_s": 2 * x.nbytes / t_copy, "matmul_flops_per_s": 2 * size**3 / t_mm}
+
+
+def roofline(cfg: ModelConfig, prompts, news, ceilings, slots=None) -> dict:
+  """The physical floor of serving `prompts` with `news` new tokens each on this machine.
+
+  Prefill: `2 * params * prompt tokens` plus causal attention FLOPs at the matmul
+  rate. Decode: every step reads the weights once plus the live K/V of the
+  sequences in it, at the copy ceiling; with `slots`, at most `slots`
+  sequences decode at once (steps = the schedule of a perfect continuous batcher:
+  total decode tokens / slots, never fewer than the longest request).
+  """
+  params_bytes = 2 * cfg.num_params
+  kv_per_token = 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim   # K+V bf16
+  attn = lambda p: 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * p * (p + 1) / 2
+  prefill_flops = sum(2 * cfg.num_params * len(p) + attn(len(p)) for p in prompts)
+  # Live K/V summed over every decode token: token t of request i reads len(p_i) + t positions.
+  kv_reads = sum(kv_per_token * (n - 1) * (len(p) + (n - 1) / 2) for p, n in zip(prompts, news))
+  decode_tokens = sum(n - 1 for n in news)
+  steps = max(max(news) - 1, decode_tokens / (slots or len(prompts)))
+  prefill_s = prefill_flops / ceilings["matmul_flops_per_s"]
+  decode_s = (steps * params_bytes + kv_reads) / ceilings["copy_bytes_per_s"]
+  mean_kv = kv_reads / max(decode_tokens, 1) * (decode_tokens / max(steps, 1))
+  return {"seconds": prefill_s + decode_s, "prefill_seconds": prefill_s,
+          "decode_seconds": decode_s, "decode_steps": steps,
+          "decode_step_ms": 1e3 * (params_bytes + mean_kv) / ceilings["copy_bytes_per_s"],
+          "generated": sum(news)}
+
+
+def _lengths(rng, n, median, cap, sigma=0.8, floor=1):
+  return [int(min(cap, max(floor, round(x)))) for x in rng.lognormal(np.log(median), sigma, n)]
+
+
+def run_static(cfg, model, prompts, news, slots):
+  """Static batching: batches of `slots` in order, each padded to its longest prompt and decoding
+  until its longest request ends (compilation excluded: each batch shape is warmed up first)."""
+  total, outs = 0.0, []
+  for b in range(0, len(prompts), slots):
+    batch, new = prompts[b:b + slots], max(news[b:b + slots])
+    r, out = run_baseline(cfg, model, batch, new)
+    total += r["seconds"]
+    outs += [o[:n] for o, n in zip(out, news[b:b + slots])]
+  gen = sum(news)
+  return {"seconds": total, "generated": gen, "tokens_per_s": gen / total,
+          "attention": r["attention"]}, outs
+
+
 def main(argv=None) -> int:
   args = _args(argv)
   if args.small:
     args.requests, args.prompt_min, args.prompt_max = 6, 4, 40
     args.new_tokens, args.max_write = min(args.new_tokens, 8), min(args.max_write, 32)
+    args.slots = min(args.slots, 4)
   cfg = _model_config(args.small)
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist()
-             for n in rng.integers(args.prompt_min, args.prompt_max + 1, size=args.requests)]
-  longest = max(len(p) for p in prompts) + args.new_tokens
-  capacity = sum(len(p) + args.new_tokens for p in prompts)
-  # Flat rows: the longest sequence, rounded up to the kernels' row multiple (they
-  # refuse other row counts, and jaxkv would silently run the reference instead).
-  rows = -(-longest // serve.ROW_MULTIPLE) * serve.ROW_MULTIPLE
-  cache = cfg.cache_config(capacity=max(capacity, rows), max_seqs=args.requests,
-                           max_write=args.max_write, kv_dtype=jnp.bfloat16,
-                           initial_capacity=rows)
+  slots = args.requests
+  if args.workload == "uniform":
+    lens = rng.integers(args.prompt_min, args.prompt_max + 1, size=args.requests)
+    news = [args.new_tokens] * args.requests
+  elif args.workload == "decode":
+    lens = rng.integers(8, 17, size=args.requests)
+    news = [args.new_tokens] * args.requests
+  else:
+    count = 256 if not args.small else 12
+    cap_p, cap_o = (2048, 768) if not args.small else (40, 8)
+    lens = _lengths(rng, count, 300 if not args.small else 12, cap_p, floor=4)
+    news = _lengths(rng, count, 150 if not args.small else 4, cap_o)
+    slots = args.slots
+  prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist() for n in lens]
+  longest = max(len(p) + n for p, n in zip(prompts, news))
+  capacity = sum(len(p) + n for p, n in zip(prompts, news))
+  # Flat rows: the longest sequence, rounded up to the kernels' row multiple.
+  rows = -(-longest // 128) * 128
+  cache = cfg.cache_config(capacity=max(min(capacity, slots * rows), rows), max_seqs=slots,
+                           max_write=args.max_write, kv_dtype=jnp.bfloat16, initial_capacity=rows)
   from flax import nnx   # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
-  bucket = args.requests if args.bucket is None else (args.bucket or None)
+  bucket = args.bucket or None
   model = Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                   implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+  ceilings = measure_ceilings(args.small)
+  floor = roofline(cfg, prompts, news, ceilings, slots=slots)
   print(f"device {jax.devices()[0].device_kind}; model {cfg.num_params / 1e9:.2f}B params "
-        f"(built in {time.perf_counter() - t0:.1f} s); {args.requests} requests, prompts "
-        f"{min(map(len, prompts))}..{max(map(len, prompts))} "
-        f"(sum {sum(map(len, prompts))}), {args.new_tokens} new tokens each; W={args.max_write}, "
-        f"bucket={bucket}")
+        f"(built in {time.perf_counter() - t0:.1f} s); workload {args.workload}: {len(prompts)} "
+        f"requests, prompts {min(lens)}..{max(lens)} (sum {sum(lens)}), new tokens "
+        f"{min(news)}..{max(news)} (sum {sum(news)}); {slots} slots; W={args.max_write}")
+  print(f"ceilings (measured now): copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s; roofline {floor['seconds']:.3f} s "
+        f"(prefill {floor['prefill_seconds']:.3f} s, decode {floor['decode_seconds']:.3f} s, "
+        f"{floor['decode_step_ms']:.3f} ms per decode step), {floor['generated'] / floor['seconds']:.0f} "
+        "tokens/s")
   results = {"device": jax.devices()[0].device_kind, "params": cfg.num_params,
-             "requests": args.requests, "new_tokens": args.new_tokens,
-             "prompt_tokens": sum(map(len, prompts)), "max_write": args.max_write,
-             "bucket": bucket}
+             "workload": args.workload, "requests": len(prompts), "slots": slots,
+             "prompt_tokens": int(sum(lens)), "generated": int(sum(news)),
+             "max_write": args.max_write, "bucket": bucket, "ceilings": ceilings, "roofline": floor}
   outputs = {}
+  base_name = "static" if args.workload == "mixed" else "baseline"
   if not args.skip_baseline:
     t0 = time.perf_counter()
-    results["baseline"], outputs["baseline"] = run_baseline(cfg, model, prompts, args.new_tokens)
-    r = results["baseline"]
-    print(f"padded baseline ({r['attention']}): {r['seconds']:.2f} s (prefill "
-          f"{r['prefill_seconds']:.2f} s of {r['padded_prefill_tokens']} padded tokens, decode "
-          f"{r['ms_per_decode_step']:.2f} ms/step), {r['tokens_per_s']:.0f} tokens/s "
-          f"(with warm-up {time.perf_counter() - t0:.0f} s)")
+    if args.workload == "mixed":
+      results[base_name], outputs[base_name] = run_static(cfg, model, prompts, news, slots)
+    else:
+      results[base_name], outputs[base_name] = run_baseline(cfg, model, prompts, news[0])
+    r = results[base_name]
+    print(f"{base_name} ({r['attention']}): {r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tokens/s "
+          f"({floor['seconds'] / r['seconds']:.2f} of the roofline; with warm-up "
+          f"{time.perf_counter() - t0:.0f} s)")
     _save(args.out, results)
   if not args.skip_jaxkv:
     results["jaxkv_attention"] = (args.implementation if args.implementation
                                   else _attention_used(cfg))
     t0 = time.perf_counter()
-    results["jaxkv"], outputs["jaxkv"] = run_jaxkv(model, prompts, args.new_tokens)
+    results["jaxkv"], outputs["jaxkv"] = run_jaxkv(model, prompts, news)
     r = results["jaxkv"]
-    print(f"jaxkv ({results['jaxkv_attention']}): {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} "
-          f"tokens/s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step, mean occupancy "
-          f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries "
-          f"(with warm-up {time.perf_counter() - t0:.0f} s)")
+    print(f"jaxkv ({results['jaxkv_attention']}): {r['seconds']:.3f} s, {r['tokens_per_s']:.0f} "
+          f"tokens/s ({floor['seconds'] / r['seconds']:.2f} of the roofline), {r['steps']} steps, "
+          f"{r['ms_per_step']:.3f} ms/step, steps per width {r['width_steps']}, mean occupancy "
+          f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries (with warm-up "
+          f"{time.perf_counter() - t0:.0f} s)")
+    if args.workload == "decode":
+      print(f"decode step: {r['ms_per_step']:.3f} ms vs roofline {floor['decode_step_ms']:.3f} ms "
+            f"= {r['ms_per_step'] / floor['decode_step_ms']:.2f}x")
     _save(args.out, results)
-  if "jaxkv" in results and "baseline" in results:
-    results["speedup"] = results["baseline"]["seconds"] / results["jaxkv"]["seconds"]
-    pairs = list(zip(outputs["jaxkv"], outputs["baseline"]))
+  if "jaxkv" in results and base_name in results:
+    results["speedup"] = results[base_name]["seconds"] / results["jaxkv"]["seconds"]
+    pairs = list(zip(outputs["jaxkv"], outputs[base_name]))
     first_equal = sum(a[:1] == b[:1] for a, b in pairs)
     all_equal = sum(a == b for a, b in pairs)
     results["first_token_agreement"] = first_equal / len(prompts)
     results["full_agreement"] = all_equal / len(prompts)
-    print(f"speed-up jaxkv / padded: {results['speedup']:.2f}x; first tokens agree for "
+    print(f"speed-up jaxkv / {base_name}: {results['speedup']:.2f}x; first tokens agree for "
           f"{first_equal}/{len(prompts)} requests, all tokens for {all_equal} (bf16 near-ties "
           "may differ)")
   _save(args.out, results)

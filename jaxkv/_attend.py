@@ -21,7 +21,7 @@ from jaxkv._config import CacheConfig
 from jaxkv._sharding import per_shard, validate_mesh
 from jaxkv._state import CacheState, Phase, Status
 from jaxkv._validate import (static_validate_attend, static_validate_implementation,
-                             static_validate_state)
+                             static_validate_state, step_width_of)
 
 
 def default_implementation() -> str:
@@ -62,6 +62,8 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
     state: donated; must be PREPARED.
     layer: static layer id.
     q: `[W, H_q, D]`; k, v: `[W, n_kv_heads, D]`. Rows `n..W-1` are padding.
+      `W` is the width of `state.step`: the config's step width, or less when the
+      step is a narrowed view (`narrow_step`).
     scale: softmax scale (static); None means `1/sqrt(head_dim)`.
     implementation: see the module docstring.
     mesh, kv_axis: with a mesh (static), K/V are split over their heads along
@@ -77,7 +79,7 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   """
   static_validate_implementation(implementation)
   static_validate_state(config, state)
-  static_validate_attend(config, layer, q, k, v, width=config.step_width)
+  static_validate_attend(config, layer, q, k, v, width=step_width_of(config, state))
   validate_mesh(config, mesh, kv_axis)
   head_dim = config.layers[layer].head_dim
   scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)

@@ -101,3 +101,17 @@ def committed_ends(config: CacheConfig, step: Step):
   is_causal = is_real & (info[:, indexing.SEG_KIND] == indexing.KIND_CAUSAL)
   cols = jnp.where(is_causal, info[:, indexing.SEG_COL], config.max_seqs + 1)
   return cols, info[:, indexing.SEG_POS0] + info[:, indexing.SEG_Q_LEN]
+
+
+def narrow(step: Step, width: int) -> Step:
+  """The first `width` token slots of a step whose real tokens all lie there.
+
+  A step's arrays are `W` wide; a step that carries at most `width` tokens (a
+  decode step of a few sequences) can run its layers on `width` rows instead.
+  Real segments come first in `seq_info` and there are at most `n_tokens` of
+  them, so the first `width` rows hold all of them; padded rows stay padded.
+  The caller guarantees `n_tokens <= width` (`narrow_step` checks it).
+  """
+  return Step(n_tokens=step.n_tokens, n_segments=step.n_segments,
+              seq_cols=step.seq_cols[:width], positions=step.positions[:width],
+              write_rows=step.write_rows[:, :width], seq_info=step.seq_info[:width])

@@ -82,6 +82,15 @@ def static_validate_int_arg(name: str, x, shape: tuple[int, ...]) -> None:
     raise ValueError(f"{name} must have shape {shape}; got {tuple(jnp.shape(x))}")
 
 
+def step_width_of(config: CacheConfig, state) -> int:
+  """The static token width of `state.step`: `W`, or less for a narrowed view (`narrow_step`)."""
+  shape = getattr(getattr(getattr(state, "step", None), "seq_cols", None), "shape", None)
+  if shape is None or len(shape) != 1 or not 1 <= shape[0] <= config.step_width:
+    raise ValueError(f"state.step.seq_cols has shape {shape}; it must be [w] with "
+                     f"1 <= w <= W={config.step_width}")
+  return int(shape[0])
+
+
 def static_validate_state(config: CacheConfig, state) -> None:
   """The state's leaves have the shapes and dtypes `config` implies (SPEC §10.2)."""
   if not isinstance(state, CacheState):
@@ -102,12 +111,14 @@ def static_validate_state(config: CacheConfig, state) -> None:
   if not 0 < rows <= config.capacity and config.has_flat:
     raise ValueError(f"state's flat rows {rows} must be in [1, capacity={config.capacity}]")
   width, seqs = config.step_width, config.max_seqs
+  # The step may be a narrowed view (`narrow_step`): any width up to W, the same for every field.
+  step_width = step_width_of(config, state)
   for name, shape in (("live", (seqs,)), ("pos", (seqs,)), ("hw", (seqs,)), ("held", ()),
                       ("phase", ()), ("decl_ids", (width,)), ("decl_block", (width,)),
-                      ("decl_n", ()), ("step.seq_cols", (width,)),
-                      ("step.positions", (width,)),
-                      ("step.write_rows", (config.num_layers, width)),
-                      ("step.seq_info", (width, 5))):
+                      ("decl_n", ()), ("step.seq_cols", (step_width,)),
+                      ("step.positions", (step_width,)),
+                      ("step.write_rows", (config.num_layers, step_width)),
+                      ("step.seq_info", (step_width, 5))):
     leaf = state
     for part in name.split("."):
       leaf = getattr(leaf, part)

@@ -284,6 +284,38 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   return _select_control((status == Status.OK) & is_declared, new, state), status
 
 
+def run_narrow(config: CacheConfig, state: CacheState, width: int, fn):
+  """Runs a prepared step's layers on its first `width` token slots.
+
+  A step is `W` tokens wide; one that carries at most `width` real tokens (a
+  decode step of a few sequences) can run its projections, attention and MLPs
+  on `width` rows. `fn(view)` gets the state with a `width`-wide view of the
+  step (`_plan.narrow`), must return `(out, view')` with `view'` from `attend`
+  calls on `view`, and the full step and phase are put back afterwards, so
+  `commit_step` and everything after it see the step as declared.
+
+  Args:
+    width: static int, `1 <= width <= W`.
+    fn: `view -> (out, view')`, traced once.
+
+  Returns:
+    `(out, state, status)`: TOO_WIDE when the step carries more than `width`
+    tokens; `fn` then sees a view that is not PREPARED, so every `attend` in
+    it refuses and writes nothing (its outputs are zeros), and the returned
+    state equals the given one but for nothing (K/V unchanged).
+  """
+  _check(config, state)
+  if isinstance(width, bool) or not isinstance(width, int) or not 1 <= width <= config.step_width:
+    raise ValueError(f"width={width!r} must be a Python int in [1, W={config.step_width}]")
+  fits = state.step.n_tokens <= width
+  view = dataclasses.replace(state, step=_plan.narrow(state.step, width),
+                             phase=jnp.where(fits, state.phase, _i32(Phase.IDLE)))
+  out, view = fn(view)
+  static_validate_state(config, view)
+  status = jnp.where(fits, _i32(Status.OK), _i32(Status.TOO_WIDE))
+  return out, dataclasses.replace(view, step=state.step, phase=state.phase), status
+
+
 def commit_step(config: CacheConfig, state: CacheState):
   """Advances `pos` to the end of every causal segment; `(state, status)`.
 

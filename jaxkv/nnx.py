@@ -391,7 +391,8 @@ class CachedAttention(nnx.Module):
     Raises:
       ValueError: at trace time, when `x` is not `[W, features]`.
     """
-    width = self.cache_config.step_width
+    # The step's width: W, or less inside `pure.run_narrow`.
+    width = state.step.seq_cols.shape[0]
     if x.ndim != 2 or x.shape[0] != width:
       raise ValueError(f"x must be [W={width}, features]; got x.shape={x.shape}")
     if self.dtype is not None:

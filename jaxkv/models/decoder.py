@@ -264,9 +264,14 @@ class Decoder(nnx.Module):
         param_dtype=param_dtype, kernel_init=replicated(nnx.initializers.lecun_normal()),
         rngs=rngs)
 
+  @property
+  def vocab_size(self) -> int:
+    """The token vocabulary size (the `jaxkv.serve.StepModel` protocol)."""
+    return self.config.vocab_size
+
   def hidden(self, tokens, state):
     """Final-norm hidden states `[W, hidden]` of one step, and the new state."""
-    width = self.cache_config.step_width
+    width = state.step.seq_cols.shape[0]   # W, or less inside `jaxkv.pure.run_narrow`
     if tokens.shape != (width,):
       raise ValueError(f"tokens must be int32[W={width}]; got tokens.shape={tokens.shape}")
     x = self.embed(tokens.astype(jnp.int32))

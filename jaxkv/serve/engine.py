@@ -1,4 +1,4 @@
-"""`Engine`: continuous batching over a request queue, the decode loop in one `jax.jit`."""
+"""`Engine`: continuous batching over a request queue, the whole queue in one `jax.jit` call."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import CacheConfig, Status
-from jaxkv.serve.loop import (LoopState, _admit, _fork, _grow, _release, decode_loop,
-                              init_loop_state)
+from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows
+from jaxkv.serve.protocol import check_step_model
 from jaxkv.serve.requests import Completion, EngineStats, Request
+from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 
 
 def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
@@ -36,21 +37,37 @@ def _split_placed(model, mesh):
   return graphdef, (params if mesh is None else shard_state(params, mesh))
 
 
-_jit_admit = jax.jit(_admit, static_argnums=0, donate_argnums=1)
-_jit_fork = jax.jit(_fork, static_argnums=0, donate_argnums=1)
-_jit_release = jax.jit(_release, static_argnums=0, donate_argnums=1)
+def default_widths(config: CacheConfig) -> tuple[int, ...]:
+  """`(W, narrow)`: the full width, and one decode slot per column rounded up to 8."""
+  narrow = -(-config.max_seqs // 8) * 8
+  return (config.step_width,) if narrow >= config.step_width else (config.step_width, narrow)
+
+
+def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
+  return dataclasses.replace(ls, cache=pure.grow(config, ls.cache, rows))
+
+
+class EngineError(RuntimeError):
+  """`Engine.run` failed; `completions` holds every sample finished before the failure."""
+
+  def __init__(self, message: str, completions: list[Completion]):
+    super().__init__(message)
+    self.completions = completions
 
 
 class Engine:
-  """Continuous batching over a request queue, the decode loop in one `jax.jit`.
+  """Continuous batching over a request queue, the serving loop in one `jax.jit`.
 
   Args:
-    model: an NNX model following the step protocol (see the module docstring),
-      with a `cache_config` attribute.
+    model: a `jaxkv.serve.StepModel` (checked at construction).
     max_len: longest prompt + max_tokens of any request (the per-column token
       buffer); default `min(capacity, 4096)`.
-    max_steps: most steps per loop entry (bounds the time between host visits).
+    max_steps: most steps per loop entry (bounds the time between host visits:
+      `on_progress` is called after each entry).
     max_stop_tokens: most stop tokens per request.
+    widths: step widths compiled into the loop, descending, the first the
+      cache's `W` (default `default_widths`: `W` and one slot per column). A
+      step runs at the narrowest width that holds every wanted token.
     mesh: optional `jax.sharding.Mesh` for tensor parallelism; default the
       model's `mesh` attribute (`jaxkv.models.Decoder(..., mesh=)`). The
       cache's K/V are split over `kv_axis`, the parameters are placed by their
@@ -61,47 +78,65 @@ class Engine:
   """
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
-               max_stop_tokens: int = 8, mesh=None, kv_axis: str | None = None):
-    config = getattr(model, "cache_config", None)
-    if not isinstance(config, CacheConfig):
-      raise ValueError(f"model={type(model).__name__} must have a CacheConfig `cache_config`")
-    self.config = config
+               max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
+               kv_axis: str | None = None):
+    for name, value in (("max_len", max_len), ("max_steps", max_steps),
+                        ("max_stop_tokens", max_stop_tokens)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+        raise TypeError(f"{name}={value!r} must be an int")
+    self.config, self.vocab_size = check_step_model(model)
+    config = self.config
     self.mesh, self.kv_axis = _model_mesh(model, config, mesh, kv_axis)
     self.max_len = min(config.capacity, 4096) if max_len is None else int(max_len)
-    if self.max_len < 2:
-      raise ValueError(f"max_len={self.max_len} must be >= 2")
+    if not 2 <= self.max_len < 2**31:
+      raise ValueError(f"max_len={self.max_len} must be in [2, 2**31)")
     if max_steps < 1:
       raise ValueError(f"max_steps={max_steps} must be >= 1")
     if max_stop_tokens < 1:
       raise ValueError(f"max_stop_tokens={max_stop_tokens} must be >= 1")
+    self.widths = default_widths(config) if widths is None else tuple(widths)
+    if (not self.widths or any(isinstance(w, bool) or not isinstance(w, int) for w in self.widths)
+        or self.widths[0] != config.step_width or list(self.widths) != sorted(set(self.widths),
+                                                                             reverse=True)
+        or self.widths[-1] < 1):
+      raise ValueError(f"widths={widths!r} must be distinct descending ints >= 1 starting at "
+                       f"W={config.step_width}")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
     self.graphdef, self.params = _split_placed(model, self.mesh)
-    # Looked up here, not at import, so a test can wrap `decode_loop` (chex.assert_max_traces).
-    self._loop = jax.jit(decode_loop, static_argnums=(0, 1), donate_argnums=3)
-    self._admit, self._fork, self._release = _jit_admit, _jit_fork, _jit_release
+    # Looked up here, not at import, so a test can wrap `serve_loop` (chex.assert_max_traces).
+    self._loop = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
     self.state: LoopState | None = None
     self.stats = EngineStats()
 
   def _check(self, request: Request) -> None:
-    p = request.params
+    p, rid = request.params, request.request_id
     total = len(request.prompt) + p.max_tokens
     if total > self.max_len:
-      raise ValueError(f"request {request.request_id!r}: prompt ({len(request.prompt)}) + "
-                       f"max_tokens ({p.max_tokens}) must be <= max_len={self.max_len}")
+      raise ValueError(f"request {rid!r}: prompt ({len(request.prompt)}) + max_tokens "
+                       f"({p.max_tokens}) must be <= max_len={self.max_len}")
     if p.n > self.config.max_seqs:
-      raise ValueError(f"request {request.request_id!r}: n={p.n} must be <= "
-                       f"max_seqs={self.config.max_seqs}")
+      raise ValueError(f"request {rid!r}: n={p.n} must be <= max_seqs={self.config.max_seqs}")
     if p.n * (total - 1) > self.config.capacity:
-      raise ValueError(f"request {request.request_id!r} needs {p.n * (total - 1)} cache rows; "
+      raise ValueError(f"request {rid!r} needs {p.n * (total - 1)} cache positions; "
                        f"capacity={self.config.capacity}")
     if len(p.stop_tokens) > self.max_stop:
-      raise ValueError(f"request {request.request_id!r}: {len(p.stop_tokens)} stop_tokens; "
-                       f"at most max_stop_tokens={self.max_stop}")
+      raise ValueError(f"request {rid!r}: {len(p.stop_tokens)} stop_tokens; at most "
+                       f"max_stop_tokens={self.max_stop}")
+    for field, ids in (("prompt", request.prompt), ("stop_tokens", p.stop_tokens)):
+      bad = [t for t in ids if not 0 <= t < self.vocab_size]
+      if bad:
+        raise ValueError(f"request {rid!r}: {field} holds token id {bad[0]}, outside "
+                         f"[0, vocab_size={self.vocab_size})")
 
   def run(self, requests: Sequence[Request], *,
           on_progress: Callable[[EngineStats, list[Completion]], None] | None = None
           ) -> list[Completion]:
     """Serves every request; returns completions ordered by (request order, sample index).
+
+    Every request is checked before anything is served. The queue is packed on
+    the device and served by the jitted loop, which admits, forks and retires
+    on its own: the host is visited once per `max_steps` steps (and for flat
+    growth, done once up front for the whole queue).
 
     Args:
       requests: the queue, admitted first come first served.
@@ -109,9 +144,14 @@ class Engine:
         completions finished since the last call.
 
     Raises:
-      ValueError: a request that can never fit (see `Engine`'s arguments).
-      RuntimeError: the cache refused a step (a bug: admission reserves room).
+      ValueError, TypeError: a request that is malformed or can never fit
+        (nothing is served then).
+      EngineError: the cache refused a step, or the model or `on_progress`
+        raised; its `completions` (and `self.completions`) hold every sample
+        finished before, the cause is chained, and the engine stays usable.
     """
+    if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
+      raise TypeError("requests must be a sequence of jaxkv.serve.Request")
     requests = [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
                 for i, r in enumerate(requests)]
     for r in requests:
@@ -119,114 +159,83 @@ class Engine:
     order = {r.request_id: i for i, r in enumerate(requests)}
     if len(order) != len(requests):
       raise ValueError("request_id values must be unique")
-    config = self.config
+    self.completions: list[Completion] = []
     self.stats = stats = EngineStats()
-    started = time.perf_counter()
-    self.state = ls = init_loop_state(config, self.max_len, self.max_stop, mesh=self.mesh,
-                                      kv_axis=self.kv_axis)
-    queue = list(requests)
-    columns: dict[int, tuple[Request, int]] = {}   # column -> (request, sample index)
-    reserved: dict[int, int] = {}                   # column -> cache rows reserved
-    pending_forks: dict[int, Request] = {}          # column -> request still to fork
-    results: list[Completion] = []
-    while queue or columns:
-      ls = self._admit_waiting(ls, queue, columns, reserved, pending_forks)
-      ls = self._grow_if_needed(ls, reserved)
-      ls = self._loop(self.graphdef, config, self.params, ls, jnp.int32(self.max_steps))
-      stats.loop_entries += 1
-      host = jax.device_get({k: getattr(ls, k) for k in (
-          "done", "stopped", "length", "fed", "hold", "active", "prompt_len", "steps",
-          "step_tokens", "occupancy", "status")})
-      if int(host["status"]) != Status.OK:
-        raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
-      stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
-      stats.occupancy = int(host["occupancy"])
-      stats.peak_rows = max(stats.peak_rows, int(host["fed"][host["active"] == 1].sum()))
-      finished = [c for c in columns if host["done"][c]]
-      new_results = []
-      if finished:
-        tokens = np.asarray(jax.device_get(ls.tokens))
-        for c in finished:
-          request, index = columns.pop(c)
-          reserved.pop(c)
-          start, end = int(host["prompt_len"][c]), int(host["length"][c])
-          new_results.append(Completion(request.request_id, index, request.prompt,
-                                        tokens[c, start:end].tolist(),
-                                        "stop" if host["stopped"][c] else "length"))
-          stats.generated += end - start
-        collected = np.zeros((config.max_seqs,), bool)
-        collected[finished] = True   # a fixed-shape mask: no new compilation per count
-        ls = dataclasses.replace(ls, done=jnp.where(jnp.asarray(collected), 0, ls.done))
-      for c in [c for c in pending_forks
-                if host["fed"][c] >= host["hold"][c] and host["hold"][c] < self.max_len]:
-        ls = self._fork_column(ls, c, pending_forks.pop(c), columns, reserved)
-      results.extend(new_results)
-      stats.seconds = time.perf_counter() - started
-      if on_progress is not None:
-        on_progress(stats, new_results)
-      if not columns and queue and not self._can_admit(queue[0], columns, reserved):
-        raise RuntimeError("a queued request cannot be admitted into an empty engine")
-    self.state = ls
-    stats.seconds = time.perf_counter() - started
-    return sorted(results, key=lambda c: (order[c.request_id], c.index))
-
-  def _needs(self, request: Request) -> tuple[int, int]:
-    """(columns, rows) a request reserves: each sample holds prompt + max_tokens - 1."""
-    p = request.params
-    return p.n, p.n * (len(request.prompt) + p.max_tokens - 1)
-
-  def _can_admit(self, request, columns, reserved) -> bool:
-    cols, rows = self._needs(request)
-    return (len(columns) + cols <= self.config.max_seqs
-            and sum(reserved.values()) + rows <= self.config.capacity)
-
-  def _admit_waiting(self, ls, queue, columns, reserved, pending_forks):
-    while queue and self._can_admit(queue[0], columns, reserved):
-      request = queue.pop(0)
-      p = request.params
-      prompt_len = len(request.prompt)
-      fork = p.n > 1 and prompt_len > 1
-      copies = 1 if fork else p.n
-      for index in range(copies):
-        prompt = np.zeros((self.max_len,), np.int32)
-        prompt[:prompt_len] = request.prompt
-        stops = np.full((self.max_stop,), -1, np.int32)
-        stops[:len(p.stop_tokens)] = p.stop_tokens
-        ls, status, seq_id = self._admit(
-            self.config, ls, jnp.asarray(prompt), jnp.int32(prompt_len),
-            jnp.int32(prompt_len + p.max_tokens),
-            jnp.int32(prompt_len - 1 if fork else self.max_len), jnp.float32(p.temperature),
-            jnp.int32(p.top_k), jnp.float32(p.top_p), jnp.int32(p.seed), jnp.int32(index),
-            jnp.asarray(stops))
-        if int(status) != Status.OK:
-          raise RuntimeError(f"seq_new refused: {Status(int(status)).name}")
-        seq_id = int(seq_id)
-        columns[seq_id] = (request, index)
-        reserved[seq_id] = (prompt_len + p.max_tokens - 1) * (p.n if fork else 1)
-        if fork:
-          pending_forks[seq_id] = request
-    return ls
-
-  def _fork_column(self, ls, src, request, columns, reserved):
-    """Clones a prefilled prompt into its `n - 1` sibling samples."""
-    per_sample = reserved[src] // request.params.n
-    reserved[src] = per_sample
-    for index in range(1, request.params.n):
-      ls, status, seq_id = self._fork(self.config, ls, jnp.int32(src), jnp.int32(index))
-      if int(status) != Status.OK:
-        raise RuntimeError(f"seq_clone refused: {Status(int(status)).name}")
-      columns[int(seq_id)] = (request, index)
-      reserved[int(seq_id)] = per_sample
-    return self._release(self.config, ls, jnp.int32(src))
-
-  def _grow_if_needed(self, ls, reserved):
-    """Grows flat rows on the host so no admitted sequence can hit NEEDS_ROWS in the loop."""
+    if not requests:
+      return []
     config = self.config
-    if not config.has_flat or not reserved:
+    started = time.perf_counter()
+    host_queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],
+                            max_len=self.max_len, max_stop=self.max_stop)
+    # Queue and output rows are padded to powers of two (the output's token axis is
+    # `max_len`), so the loop compiles once per size class, not once per queue.
+    # One cache at a time: the previous run's state goes before the new one is allocated.
+    self.state = None
+    ls = init_loop_state(config, host_queue, num_widths=len(self.widths), mesh=self.mesh,
+                         kv_axis=self.kv_axis)
+    ls = self._grow_for(ls, requests)
+    self.state = ls
+    owner = {}
+    for r in requests:
+      base = len(owner)
+      for j in range(r.params.n):
+        owner[base + j] = (r, j)
+    collected = np.zeros((host_queue.rows,), bool)
+    collected[len(owner):] = True   # padding rows
+    try:
+      while True:
+        self.state = None   # donated below: never left pointing at a deleted buffer
+        ls = self._loop(self.graphdef, config, self.widths, self.params, ls,
+                        jnp.int32(self.max_steps))
+        self.state = ls
+        stats.loop_entries += 1
+        host = jax.device_get({k: getattr(ls, k) for k in (
+            "out_done", "out_len", "out_stop", "steps", "step_tokens", "occupancy", "status",
+            "peak_rows", "width_steps", "active", "used")} | {"next": ls.queue.next})
+        new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
+        new_results = []
+        if new_rows.size:
+          out = np.asarray(jax.device_get(ls.out_tokens))
+          for row in new_rows:
+            request, index = owner[int(row)]
+            n_tok = int(host["out_len"][row])
+            new_results.append(Completion(request.request_id, index, request.prompt,
+                                          out[row, :n_tok].tolist(),
+                                          "stop" if host["out_stop"][row] else "length"))
+          collected[new_rows] = True
+          self.completions.extend(new_results)
+        stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
+        stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
+        stats.width_steps = {w: int(c) for w, c in zip(self.widths, host["width_steps"])}
+        stats.generated = sum(len(c.tokens) for c in self.completions)
+        stats.seconds = time.perf_counter() - started
+        if int(host["status"]) != Status.OK:
+          raise EngineError(f"the cache refused a step: {Status(int(host['status'])).name}",
+                            self.completions)
+        if on_progress is not None:
+          on_progress(stats, new_results)
+        if collected.all():
+          break
+        if not host["active"].any() and not host["used"].any():
+          raise EngineError(f"request {requests[int(host['next'])].request_id!r} cannot be "
+                            "admitted into an empty engine", self.completions)
+    except EngineError:
+      raise
+    except Exception as e:   # pylint: disable=broad-except  (model, device or callback failure)
+      raise EngineError(f"Engine.run failed after {len(self.completions)} finished samples: "
+                        f"{type(e).__name__}: {e}", self.completions) from e
+    stats.seconds = time.perf_counter() - started
+    return sorted(self.completions, key=lambda c: (order[c.request_id], c.index))
+
+  def _grow_for(self, ls: LoopState, requests) -> LoopState:
+    """Grows flat rows once so that no request of the queue can hit NEEDS_ROWS in the loop."""
+    config = self.config
+    if not config.has_flat:
       return ls
     current = next(ls.cache.k[l].shape[0] for l, layer in enumerate(config.layers)
                    if not layer.policy.is_ring)
-    needed = max(reserved.values())
+    needed = max(len(r.prompt) + r.params.max_tokens - 1 for r in requests)
     if needed <= current:
       return ls
+    # `pure.grow` runs on the host (it builds each grown layer in place on its devices).
     return _grow(config, ls, _grown_rows(config, current, needed))

@@ -1,4 +1,26 @@
-"""The jitted serving loop: its carried state, the step schedule, one step, admission and forks."""
+"""The jitted serving loop: admission, forks, retirement and steps at a few compiled widths.
+
+One `jax.jit` of `serve_loop` serves a whole queue (`LoopState.queue`):
+
+- **outer loop** (`lax.while_loop`): retire the columns that finished
+  (`pure.seq_rm`), admit queued requests while a column and the reserved
+  room allow (`pure.seq_new`, prompt copied from the device queue), fork
+  parallel samples whose prompt is prefilled (`pure.seq_clone`), then run steps;
+- **steps, in phases by width**: for each compiled width `w` (widest first),
+  an inner `lax.while_loop` runs steps while the tokens wanted fit `w` and no
+  wider width is needed. A step packs every active column's pending tokens on a
+  `w`-wide axis (one decode token per column first, then prefill chunks),
+  declares and prepares it (`W`-wide plan), runs the model on `w` rows
+  (`pure.run_narrow`), commits, samples one token for each column whose last
+  pending token was in the step, and writes it to the column and its output
+  row. An inner loop ends when a column finishes or is ready to fork (the outer
+  loop acts on it), when the wanted width changes, after the step budget, or on
+  a non-OK status.
+
+No width is chosen by recompiling and no `lax.cond` wraps the model, so a
+decode-only step pays for `w` rows, not `W`. The loop returns to the host
+only when the queue is served, the step budget is spent, or a status is not OK.
+"""
 
 from __future__ import annotations
 
@@ -6,93 +28,45 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxkv import CacheConfig, CacheState, Status, init_state, pure
+from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve.sampling import sample
+from jaxkv.serve.state import LoopState
 
 
-def _register(cls):
-  names = [f.name for f in dataclasses.fields(cls)]
-  return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
 
 
-@_register
-@dataclasses.dataclass(frozen=True)
-class LoopState:
-  """Everything the jitted loop carries (`S = max_seqs` columns, `L = max_len`).
-
-  Attributes:
-    cache: the `CacheState`.
-    tokens: `int32[S, L]` each column's prompt then generated tokens.
-    prompt_len: `int32[S]`.
-    length: `int32[S]` known tokens (prompt + generated).
-    fed: `int32[S]` tokens written to the cache (= the sequence's pos).
-    hold: `int32[S]` most tokens to feed before a fork (`L` when none is pending).
-    limit: `int32[S]` length at which the column finishes (prompt + max_tokens).
-    active: `int32[S]` 1 while the column is generating.
-    done: `int32[S]` 1 once finished, until the host collects it.
-    stopped: `int32[S]` 1 when a stop token ended the column.
-    temperature, top_p: `float32[S]`; top_k, seed, sample_index: `int32[S]`.
-    stop_tokens: `int32[S, NS]` (-1 = unused).
-    steps, step_tokens, occupancy, status: `int32[]` counters and the first
-      non-OK cache status (the loop exits on it).
-  """
-
-  cache: CacheState
-  tokens: jax.Array
-  prompt_len: jax.Array
-  length: jax.Array
-  fed: jax.Array
-  hold: jax.Array
-  limit: jax.Array
-  active: jax.Array
-  done: jax.Array
-  stopped: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  seed: jax.Array
-  sample_index: jax.Array
-  stop_tokens: jax.Array
-  steps: jax.Array
-  step_tokens: jax.Array
-  occupancy: jax.Array
-  status: jax.Array
+def _first_bad(*statuses):
+  out = _i32(Status.OK)
+  for st in reversed(statuses):
+    out = jnp.where(st != Status.OK, st, out)
+  return out
 
 
-def init_loop_state(config: CacheConfig, max_len: int, max_stop: int, *, mesh=None,
-                    kv_axis: str = "tp") -> LoopState:
-  """A loop state with an empty cache and no column in use.
-
-  With `mesh`, the cache's K/V are split over their heads along `kv_axis` and
-  everything else is replicated on the mesh.
-  """
-  s = config.max_seqs
-  zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
-  scalar = lambda: jnp.zeros((), jnp.int32)
-  ls = LoopState(
-      cache=init_state(config), tokens=jnp.zeros((s, max_len), jnp.int32),
-      prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
-      limit=zeros(), active=zeros(), done=zeros(), stopped=zeros(),
-      temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((s,), jnp.float32),
-      seed=zeros(), sample_index=zeros(), stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
-      steps=scalar(), step_tokens=scalar(), occupancy=scalar(), status=scalar())
-  if mesh is None:
-    return ls
-  rest = jax.device_put(dataclasses.replace(ls, cache=None), NamedSharding(mesh, P()))
-  return dataclasses.replace(rest, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
+def _wanted(ls: LoopState):
+  """`int32[S]` tokens each column could feed now (prompt remainder or its next token)."""
+  return jnp.where(ls.active == 1, jnp.maximum(jnp.minimum(ls.length, ls.hold) - ls.fed, 0), 0)
 
 
-def _schedule(config: CacheConfig, ls: LoopState):
-  """Tokens per column this step: one per active column first, then prefill chunks.
+def width_index(widths: tuple[int, ...], ls: LoopState):
+  """Index of the narrowest width that holds every wanted token (widest when none does)."""
+  total = _wanted(ls).sum()
+  index = _i32(0)
+  for i, w in enumerate(widths[1:], start=1):   # widths are descending
+    index = jnp.where(total <= w, i, index)
+  return index
+
+
+def _schedule(width: int, ls: LoopState):
+  """Tokens per column this step: one per wanting column first, then prefill chunks.
 
   Returns:
     `(alloc int32[S], start int32[S])`: tokens each column carries and where
     its run starts on the step axis (columns in order, one run each).
   """
-  width = config.step_width
-  want = jnp.where(ls.active == 1, jnp.maximum(jnp.minimum(ls.length, ls.hold) - ls.fed, 0), 0)
+  want = _wanted(ls)
   one = jnp.minimum(want, 1)
   first = jnp.where(jnp.cumsum(one) <= width, one, 0)
   rest = want - first
@@ -103,9 +77,9 @@ def _schedule(config: CacheConfig, ls: LoopState):
   return alloc, start
 
 
-def _step_tokens(config: CacheConfig, ls: LoopState, alloc, start):
-  """`(seq_ids int32[W], tokens int32[W], n)` of the scheduled step."""
-  width, s = config.step_width, config.max_seqs
+def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start):
+  """`(seq_ids int32[W], tokens int32[width], n)` of the scheduled step."""
+  s = config.max_seqs
   n = alloc.sum(dtype=jnp.int32)
   idx = jnp.arange(width, dtype=jnp.int32)
   col = jnp.searchsorted(start + alloc, idx, side="right").astype(jnp.int32)
@@ -114,76 +88,177 @@ def _step_tokens(config: CacheConfig, ls: LoopState, alloc, start):
   safe = jnp.clip(col, 0, s - 1)
   offset = jnp.clip(ls.fed[safe] + idx - start[safe], 0, ls.tokens.shape[1] - 1)
   tokens = jnp.where(is_real, ls.tokens[safe, offset], 0)
-  return col, tokens, n
+  seq_ids = jnp.full((config.step_width,), s, jnp.int32).at[:width].set(col)
+  return seq_ids, tokens, n
 
 
-def _first_bad(*statuses):
-  out = jnp.int32(Status.OK)
-  for st in reversed(statuses):
-    out = jnp.where(st != Status.OK, st, out)
-  return out
-
-
-def _loop_body(config: CacheConfig, model, ls: LoopState) -> LoopState:
-  """One step: schedule, declare, prepare, model, commit, sample, retire."""
-  s, width = config.max_seqs, config.step_width
-  alloc, start = _schedule(config, ls)
-  seq_ids, tokens, n = _step_tokens(config, ls, alloc, start)
-  blocks = jnp.zeros((width, 2), jnp.int32)
+def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> LoopState:
+  """One step at width `widths[which]`: plan, model, commit, sample, record."""
+  width = widths[which]
+  s = config.max_seqs
+  alloc, start = _schedule(width, ls)
+  seq_ids, tokens, n = _step_tokens(config, width, ls, alloc, start)
+  blocks = jnp.zeros((config.step_width, 2), jnp.int32)
   cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
   cache, st_prepare = pure.prepare_step(config, cache)
   rows = jnp.clip(start + alloc - 1, 0, width - 1)
-  logits, cache = model(tokens, cache, rows=rows)
+  logits, cache, st_narrow = pure.run_narrow(config, cache, width,
+                                             lambda c: model(tokens, c, rows=rows))
   cache, st_commit = pure.commit_step(config, cache)
-  status = _first_bad(st_declare, st_prepare, st_commit)
+  status = _first_bad(st_declare, st_prepare, st_narrow, st_commit)
   ok = status == Status.OK
 
   emits = ok & (alloc > 0) & (ls.fed + alloc == ls.length)
   generated = ls.length - ls.prompt_len
-  cols = jnp.arange(s, dtype=jnp.int32)
   keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
       jax.random.fold_in(jax.random.key(seed), i), t))(ls.seed, ls.sample_index, generated)
   new = sample(logits, ls.temperature, ls.top_k, ls.top_p, keys)
+  cols = jnp.arange(s, dtype=jnp.int32)
   max_len = ls.tokens.shape[1]
-  write_at = jnp.where(emits, jnp.minimum(ls.length, max_len - 1), max_len)
-  tokens_buf = ls.tokens.at[cols, write_at].set(new, mode="drop")
+  tokens_buf = ls.tokens.at[cols, jnp.where(emits, ls.length, max_len)].set(new, mode="drop")
+  rows_out, max_new = ls.out_tokens.shape
+  out_at = jnp.where(emits, ls.out_row, rows_out)
+  out_tokens = ls.out_tokens.at[out_at, jnp.minimum(generated, max_new - 1)].set(new, mode="drop")
   length = ls.length + emits.astype(jnp.int32)
   is_stop = jnp.any(ls.stop_tokens == new[:, None], axis=1)
   finished = emits & (is_stop | (length >= ls.limit))
+  fin_at = jnp.where(finished, ls.out_row, rows_out)
   fed = jnp.where(ok, ls.fed + alloc, ls.fed)
-
-  def retire(i, c):
-    return pure.seq_rm(config, c, jnp.where(finished[i], i, -1))[0]
-
-  # Most steps finish nothing: skip the per-column removals then.
-  cache = jax.lax.cond(jnp.any(finished), lambda c: jax.lax.fori_loop(0, s, retire, c),
-                       lambda c: c, cache)
   as_int = lambda b: b.astype(jnp.int32)
+  held = jnp.where(ls.used == 1, fed, 0).sum(dtype=jnp.int32)
   return dataclasses.replace(
       ls, cache=cache, tokens=tokens_buf, length=length, fed=fed,
       active=jnp.where(finished, 0, ls.active), done=ls.done | as_int(finished),
-      stopped=ls.stopped | as_int(finished & is_stop),
+      out_tokens=out_tokens,
+      out_len=ls.out_len.at[fin_at].set(length - ls.prompt_len, mode="drop"),
+      out_stop=ls.out_stop.at[fin_at].set(as_int(is_stop), mode="drop"),
+      out_done=ls.out_done.at[fin_at].set(1, mode="drop"),
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
       occupancy=ls.occupancy + jnp.where(ok, (alloc > 0).sum(dtype=jnp.int32), 0),
+      peak_rows=jnp.maximum(ls.peak_rows, held),
+      width_steps=ls.width_steps.at[which].add(as_int(ok)),
       status=jnp.where(ls.status == Status.OK, status, ls.status))
 
 
+# ----------------------------------------------------------------------------- columns
+
+
 def _fork_ready(ls: LoopState):
-  return jnp.any((ls.active == 1) & (ls.hold < ls.tokens.shape[1]) & (ls.fed >= ls.hold))
+  """`bool[S]`: columns whose prompt (but its last token) is in the cache and that still fork."""
+  return (ls.active == 1) & (ls.forks > 0) & (ls.fed >= ls.hold)
 
 
-def decode_loop(graphdef, config: CacheConfig, params, ls: LoopState, max_steps):
-  """The multi-step loop: runs steps until a request finishes or a fork is ready.
+def _head_needs(config: CacheConfig, ls: LoopState):
+  """`(columns, rows)` the queue's next admission takes, and whether one is waiting."""
+  q = ls.queue
+  i = jnp.minimum(q.next, q.prompt_len.shape[0] - 1)
+  waiting = q.next < q.count
+  n, plen = q.n[i], q.prompt_len[i]
+  per_sample = plen + q.max_tokens[i] - 1
+  fork = (n > 1) & (plen > 1)
+  cols = jnp.where(fork, n, 1)   # a forking request holds its siblings' columns from the start
+  rows = jnp.where(fork, n * per_sample, per_sample)
+  return waiting, cols, rows
 
-  Jit it with `graphdef` and `config` static and `ls` donated
-  (`jax.jit(decode_loop, static_argnums=(0, 1), donate_argnums=3)`); `Engine`
-  does. It stops after a step in which a sequence finished, when a
-  parallel-sampling prompt waits for its forks, when no column is active, after
-  `max_steps` steps, or on a non-OK cache status (kept in `ls.status`).
+
+def _can_admit(config: CacheConfig, ls: LoopState):
+  waiting, cols, rows = _head_needs(config, ls)
+  cols_held = ls.used.sum() + ls.forks.sum()
+  return (waiting & (cols_held + cols <= config.max_seqs)
+          & (ls.reserve.sum() + rows <= config.capacity) & (ls.status == Status.OK))
+
+
+def _put(a, col, v):
+  return a.at[col].set(v, mode="drop")
+
+
+def _admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
+  """Admits the queue's next column: a new sequence with the request's prompt and parameters."""
+  q = ls.queue
+  i = q.next
+  _, cols, rows = _head_needs(config, ls)
+  n, plen = q.n[i], q.prompt_len[i]
+  fork = (n > 1) & (plen > 1)
+  cache, status, seq_id = pure.seq_new(config, ls.cache)
+  ok = status == Status.OK
+  col = jnp.where(ok, seq_id, config.max_seqs)   # out of range: every write below is dropped
+  max_len = ls.tokens.shape[1]
+  sample_index = jnp.where(fork, 0, q.copies)
+  put = lambda a, v: _put(a, col, v)
+  ls = dataclasses.replace(
+      ls, cache=cache, tokens=put(ls.tokens, q.prompt[i]), prompt_len=put(ls.prompt_len, plen),
+      length=put(ls.length, plen), fed=put(ls.fed, 0),
+      hold=put(ls.hold, jnp.where(fork, plen - 1, max_len)),
+      forks=put(ls.forks, jnp.where(fork, n - 1, 0)), limit=put(ls.limit, plen + q.max_tokens[i]),
+      used=put(ls.used, 1), active=put(ls.active, 1), done=put(ls.done, 0),
+      reserve=put(ls.reserve, rows), out_row=put(ls.out_row, q.out_base[i] + sample_index),
+      temperature=put(ls.temperature, q.temperature[i]), top_k=put(ls.top_k, q.top_k[i]),
+      top_p=put(ls.top_p, q.top_p[i]), seed=put(ls.seed, q.seed[i]),
+      sample_index=put(ls.sample_index, sample_index),
+      stop_tokens=put(ls.stop_tokens, q.stop_tokens[i]))
+  # A forking request is one admission; otherwise each of its n samples is one.
+  copies = jnp.where(ok, q.copies + 1, q.copies)
+  finished_request = ok & (fork | (copies >= n))
+  queue = dataclasses.replace(q, next=jnp.where(finished_request, q.next + 1, q.next),
+                              copies=jnp.where(finished_request, 0, copies))
+  del cols
+  return dataclasses.replace(ls, queue=queue,
+                             status=jnp.where(ok | (ls.status != Status.OK), ls.status, status))
+
+
+def _fork_one(config: CacheConfig, ls: LoopState) -> LoopState:
+  """Clones the first fork-ready column into its next sibling sample."""
+  ready = _fork_ready(ls)
+  src = jnp.argmax(ready).astype(jnp.int32)
+  cache, status, seq_id = pure.seq_clone(config, ls.cache, src, pure.WHOLE)
+  ok = status == Status.OK
+  col = jnp.where(ok, seq_id, config.max_seqs)
+  n_left = ls.forks[src]
+  index = ls.sample_index[src] + n_left   # siblings get n-1, n-2, ..., 1
+  per_sample = ls.limit[src] - 1
+  copy = lambda a: a.at[col].set(a[src], mode="drop")
+  fields = ("tokens", "prompt_len", "length", "fed", "limit", "used", "active", "done",
+            "temperature", "top_k", "top_p", "seed", "stop_tokens")
+  ls = dataclasses.replace(ls, cache=cache, **{f: copy(getattr(ls, f)) for f in fields})
+  forks_left = jnp.where(ok, n_left - 1, n_left)
+  max_len = ls.tokens.shape[1]
+  return dataclasses.replace(
+      ls, sample_index=_put(ls.sample_index, col, index),
+      out_row=_put(ls.out_row, col, ls.out_row[src] + n_left),
+      hold=_put(ls.hold, col, max_len).at[src].set(jnp.where(forks_left == 0, max_len,
+                                                             ls.hold[src])),
+      forks=_put(ls.forks, col, 0).at[src].set(forks_left),
+      reserve=_put(ls.reserve, col, per_sample).at[src].add(jnp.where(ok, -per_sample, 0)),
+      status=jnp.where(ok | (ls.status != Status.OK), ls.status, status))
+
+
+def _retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
+  """Removes the first finished column's sequence and frees its reservation."""
+  col = jnp.argmax(ls.done == 1).astype(jnp.int32)
+  cache, status = pure.seq_rm(config, ls.cache, col)
+  ok = status == Status.OK
+  return dataclasses.replace(
+      ls, cache=cache, done=ls.done.at[col].set(jnp.where(ok, 0, 1)),
+      used=ls.used.at[col].set(jnp.where(ok, 0, ls.used[col])),
+      reserve=ls.reserve.at[col].set(jnp.where(ok, 0, ls.reserve[col])),
+      status=jnp.where(ok | (ls.status != Status.OK), ls.status, status))
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, ls: LoopState,
+               max_steps):
+  """Serves the queue in `ls` until it is done, `max_steps` more steps ran, or a status fails.
+
+  Jit it with `graphdef`, `config` and `widths` static and `ls` donated
+  (`jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)`); `Engine`
+  does.
 
   Args:
     graphdef: the model's `nnx.GraphDef` (static).
     config: the model's `CacheConfig` (static).
+    widths: descending step widths, the first `config.step_width` (static).
     params: the model's `nnx.State`.
     ls: `LoopState`; donated.
     max_steps: `int32[]` step budget of this entry.
@@ -194,52 +269,27 @@ def decode_loop(graphdef, config: CacheConfig, params, ls: LoopState, max_steps)
   from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
   model = merge_model(graphdef, params)
   first_step = ls.steps
-  done_before = ls.done.sum()
+  ok = lambda ls: (ls.status == Status.OK) & (ls.steps - first_step < max_steps)
+
+  def phase(which):
+    def cond(ls):
+      return (ok(ls) & jnp.any(ls.active == 1) & ~jnp.any(ls.done == 1)
+              & ~jnp.any(_fork_ready(ls)) & (width_index(widths, ls) == which))
+    return lambda ls: jax.lax.while_loop(cond, lambda ls: _step(config, model, widths, which, ls),
+                                         ls)
+
+  def body(ls):
+    ls = jax.lax.while_loop(lambda ls: jnp.any(ls.done == 1) & (ls.status == Status.OK),
+                            lambda ls: _retire_one(config, ls), ls)
+    ls = jax.lax.while_loop(lambda ls: _can_admit(config, ls),
+                            lambda ls: _admit_one(config, ls), ls)
+    ls = jax.lax.while_loop(lambda ls: jnp.any(_fork_ready(ls)) & (ls.status == Status.OK),
+                            lambda ls: _fork_one(config, ls), ls)
+    for which in range(len(widths)):
+      ls = phase(which)(ls)
+    return ls
 
   def cond(ls):
-    return ((ls.status == Status.OK) & jnp.any(ls.active == 1) & (ls.steps - first_step < max_steps)
-            & (ls.done.sum() == done_before) & ~_fork_ready(ls))
+    return ok(ls) & (jnp.any(ls.active == 1) | jnp.any(ls.done == 1) | _can_admit(config, ls))
 
-  return jax.lax.while_loop(cond, lambda ls: _loop_body(config, model, ls), ls)
-
-
-def _admit(config: CacheConfig, ls: LoopState, prompt, prompt_len, limit, hold, temperature,
-           top_k, top_p, seed, sample_index, stop_tokens):
-  """Makes a new sequence and fills its column; `(ls, status, id)`."""
-  cache, status, seq_id = pure.seq_new(config, ls.cache)
-  ok = status == Status.OK
-  col = jnp.where(ok, seq_id, config.max_seqs)   # out of range: dropped
-  put = lambda a, v: a.at[col].set(v, mode="drop")
-  ls = dataclasses.replace(
-      ls, cache=cache, tokens=put(ls.tokens, prompt), prompt_len=put(ls.prompt_len, prompt_len),
-      length=put(ls.length, prompt_len), fed=put(ls.fed, 0), hold=put(ls.hold, hold),
-      limit=put(ls.limit, limit), active=put(ls.active, 1), done=put(ls.done, 0),
-      stopped=put(ls.stopped, 0), temperature=put(ls.temperature, temperature),
-      top_k=put(ls.top_k, top_k), top_p=put(ls.top_p, top_p), seed=put(ls.seed, seed),
-      sample_index=put(ls.sample_index, sample_index),
-      stop_tokens=put(ls.stop_tokens, stop_tokens))
-  return ls, status, seq_id
-
-
-def _fork(config: CacheConfig, ls: LoopState, src, sample_index):
-  """Clones column `src` (whole prefix) into a new column with its own sample index."""
-  cache, status, seq_id = pure.seq_clone(config, ls.cache, src, pure.WHOLE)
-  ok = status == Status.OK
-  col = jnp.where(ok, seq_id, config.max_seqs)
-  copy = lambda a: a.at[col].set(a[src], mode="drop")
-  fields = ("tokens", "prompt_len", "length", "fed", "limit", "active", "done", "stopped",
-            "temperature", "top_k", "top_p", "seed", "stop_tokens")
-  ls = dataclasses.replace(ls, cache=cache, **{f: copy(getattr(ls, f)) for f in fields})
-  ls = dataclasses.replace(
-      ls, sample_index=ls.sample_index.at[col].set(sample_index, mode="drop"),
-      hold=ls.hold.at[col].set(ls.tokens.shape[1], mode="drop"))
-  return ls, status, seq_id
-
-
-def _release(config: CacheConfig, ls: LoopState, src):
-  """Lets column `src` feed past its fork point."""
-  return dataclasses.replace(ls, hold=ls.hold.at[src].set(ls.tokens.shape[1]))
-
-
-def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
-  return dataclasses.replace(ls, cache=pure.grow(config, ls.cache, rows))
+  return jax.lax.while_loop(cond, body, ls)

@@ -95,7 +95,8 @@ class EngineStats:
     occupancy: sum over steps of sequences in the step (mean = occupancy/steps).
     loop_entries: entries into the jitted loop (host round trips).
     seconds: wall time.
-    peak_rows: most cache rows (positions) held at once.
+    peak_rows: most cache positions held at once (all sequences together).
+    width_steps: steps run at each compiled width (`{width: steps}`).
   """
 
   steps: int = 0
@@ -105,3 +106,4 @@ class EngineStats:
   loop_entries: int = 0
   seconds: float = 0.0
   peak_rows: int = 0
+  width_steps: dict = dataclasses.field(default_factory=dict)

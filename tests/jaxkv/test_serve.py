@@ -44,10 +44,11 @@ def _greedy(model, prompt, max_new):
 def test_greedy_batch_equals_one_by_one_and_traces_once(model, rng, monkeypatch):
   """Ten requests over four columns: admission, mixed prefill/decode, retirement, ring wraps.
 
-  The loop is compiled once for all entries (chex), and it runs many steps per entry.
+  The loop (two widths) is compiled once (chex), and the whole queue, longer than the
+  column count, is admitted inside it: one loop entry.
   """
-  monkeypatch.setattr(serve.engine, "decode_loop", chex.assert_max_traces(serve.decode_loop, n=1))
-  engine = serve.Engine(model, max_len=48)
+  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve.serve_loop, n=1))
+  engine = serve.Engine(model, max_len=48, widths=(WIDTH, 4))
   prompts = _prompts(rng, 10)
   limits = [int(rng.integers(1, 14)) for _ in prompts]
   requests = [serve.Request(p, serve.SamplingParams(max_tokens=m)) for p, m in zip(prompts, limits)]
@@ -59,11 +60,13 @@ def test_greedy_batch_equals_one_by_one_and_traces_once(model, rng, monkeypatch)
   stats = engine.stats
   assert stats.generated == sum(limits)
   assert stats.step_tokens == sum(len(p) + m - 1 for p, m in zip(prompts, limits))
-  assert stats.loop_entries < stats.steps   # several steps per host round trip
+  assert stats.loop_entries == 1            # admission and retirement happen in the loop
+  assert stats.width_steps[4] > 0 and stats.width_steps[WIDTH] > 0
   assert stats.occupancy > stats.steps      # steps mix several sequences
-  # A second run reuses the compiled loop (the chex wrapper would raise on a retrace).
-  again = engine.run(requests[:3])
-  assert [r.tokens for r in again] == [r.tokens for r in results[:3]]
+  # A second queue of the same size class (queues pad to powers of two) reuses the compiled
+  # loop: the chex wrapper would raise on a retrace.
+  again = engine.run(requests[:9])
+  assert [r.tokens for r in again] == [r.tokens for r in results[:9]]
 
 
 def test_bucketed_model_serves_the_same_tokens(model, rng):
@@ -76,8 +79,8 @@ def test_bucketed_model_serves_the_same_tokens(model, rng):
   assert [r.tokens for r in got] == [r.tokens for r in want]
 
 
-def test_growth_between_loop_entries(rng):
-  """Flat rows start at 8 and are grown on the host; results are unchanged."""
+def test_growth_before_the_loop(rng):
+  """Flat rows start at 8 and are grown once on the host for the whole queue; results are unchanged."""
   small, big = _model(initial_capacity=8), _model()
   prompts = _prompts(rng, 3, 10, 30)
   requests = [serve.Request(p, serve.SamplingParams(max_tokens=6)) for p in prompts]
@@ -172,7 +175,7 @@ def test_requests_that_cannot_fit_raise(model):
     engine.run([serve.Request((1, 2), serve.SamplingParams(max_tokens=2, n=5))])
   with pytest.raises(ValueError, match="max_stop_tokens"):
     engine.run([serve.Request((1,), serve.SamplingParams(max_tokens=2, stop_tokens=tuple(range(9))))])
-  with pytest.raises(ValueError, match="cache_config"):
+  with pytest.raises(TypeError, match="cache_config"):
     serve.Engine(object())
 
 
@@ -181,10 +184,13 @@ def test_decode_loop_updates_the_cache_in_place(model):
   import re   # pylint: disable=g-import-not-at-top
   config = model.cache_config
   graphdef, params = nnx.split(model)
-  ls = serve.init_loop_state(config, 48, 4)
+  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=48,
+                           max_stop=4)
+  widths = (WIDTH, 4)
+  ls = serve.init_loop_state(config, queue, num_widths=len(widths))
   kv_shapes = {tuple(a.shape) for a in ls.cache.k}
-  compiled = jax.jit(serve.decode_loop, static_argnums=(0, 1), donate_argnums=3).lower(
-      graphdef, config, params, ls, jnp.int32(8)).compile()
+  compiled = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+      graphdef, config, widths, params, ls, jnp.int32(8)).compile()
   instruction = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w\-]+)\(")
   copies = []
   for line in compiled.as_text().splitlines():
@@ -196,3 +202,51 @@ def test_decode_loop_updates_the_cache_in_place(model):
   assert not copies, copies[:3]
   kv_bytes = sum(a.nbytes for a in ls.cache.k + ls.cache.v)
   assert compiled.memory_analysis().alias_size_in_bytes >= kv_bytes
+
+
+@pytest.mark.parametrize("widths", [(WIDTH, 4, 2), (WIDTH, 3)])
+def test_width_choice_never_changes_outputs(model, rng, widths):
+  """The same queue through the wide-only loop and through narrower compiled widths gives
+  identical tokens, greedy and seeded sampling, forks included."""
+  prompts = _prompts(rng, 6)
+  requests = [serve.Request(p, serve.SamplingParams(max_tokens=int(rng.integers(2, 9)),
+                                                    temperature=float(i % 2), seed=i, n=1 + i % 3))
+              for i, p in enumerate(prompts)]
+  wide = serve.Engine(model, max_len=48, widths=(WIDTH,))
+  narrow = serve.Engine(model, max_len=48, widths=widths)
+  want, got = wide.run(requests), narrow.run(requests)
+  assert [(c.request_id, c.index, c.tokens) for c in got] == [
+      (c.request_id, c.index, c.tokens) for c in want]
+  assert sum(narrow.stats.width_steps[w] for w in widths[1:]) > 0
+  assert wide.stats.width_steps == {WIDTH: wide.stats.steps}
+
+
+def test_parallel_samples_do_not_starve_admission(model, rng):
+  """Three n=2 requests on four columns (the old host admission let a later request take the
+  columns a waiting fork needed: NO_FREE_ID): every sample is served, greedy samples agree."""
+  prompts = _prompts(rng, 3)
+  requests = [serve.Request(p, serve.SamplingParams(max_tokens=5, n=2)) for p in prompts]
+  results = serve.Engine(model, max_len=48).run(requests)
+  assert [(c.request_id, c.index) for c in results] == [(i, j) for i in range(3) for j in range(2)]
+  for c in results:
+    assert c.tokens == _greedy(model, c.prompt, 5)
+
+
+def test_model_protocol_is_checked_at_construction(model):
+  """A model that breaks the step protocol is refused by name before any loop is traced."""
+
+  class NoVocab(nnx.Module):
+    def __init__(self, inner):
+      self.inner, self.cache_config = inner, inner.cache_config
+
+    def __call__(self, tokens, state, *, rows=None):
+      return self.inner(tokens, state, rows=rows)
+
+  with pytest.raises(TypeError, match="vocab_size"):
+    serve.Engine(NoVocab(model))
+
+  class WrongVocab(NoVocab):
+    vocab_size = 7
+
+  with pytest.raises(TypeError, match="float32"):
+    serve.Engine(WrongVocab(model))

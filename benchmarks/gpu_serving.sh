@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU call for the serving issue: e2e workloads (decode-only, uniform, mixed) with the
+# roofline, and the decode workload again with XLA command buffers extended to WHILE and
+# CONDITIONAL (CUDA graphs across the loop). Usage: bash benchmarks/gpu_serving.sh [which...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu_logs}"; mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name (<= ${secs}s)"
+  timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "rc=$?" >> "$out/$name.log"
+  grep -v "^[WI][0-9]\{4\} " "$out/$name.log" | tail -n 8
+}
+for w in "${@:-decode uniform}"; do
+  case $w in
+    decode) run e2e_decode 200 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json";;
+    decode_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1" \
+        run e2e_decode_cb 200 python3 benchmarks/e2e.py --workload decode --skip-baseline --out "$out/e2e_decode_cb.json";;
+    uniform) run e2e_uniform 240 python3 benchmarks/e2e.py --workload uniform --out "$out/e2e_uniform.json";;
+    mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
+    kernels) run kernels 240 python3 -m pytest tests/pallas_kernels -q -x -p no:cacheprovider -k "compiled or mosaic_gpu";;
+  esac
+done

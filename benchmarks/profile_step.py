@@ -1,0 +1,200 @@
+"""Where a serving step's time goes: device traces of the engine and the padded loop.
+
+Runs the e2e model (Llama-3.2-1B shape, bf16, random weights) through
+`jaxkv.serve.Engine` and through the padded cuDNN loop of `benchmarks/e2e.py`
+on one GPU, under `jax.profiler.trace`, and summarises each trace from its
+XSpace (`jax.profiler.ProfileData`): steps, wall time per step, GPU kernel time
+per step (the sum of kernel durations), kernels launched per step, the idle
+fraction of the GPU (wall minus busy: launch and host gaps), and the kernels
+that take the most time, grouped by a coarse category of their name.
+
+Usage (GPU machine, repository root):
+  PYTHONPATH=. python3 benchmarks/profile_step.py [--out DIR] [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv import serve   # pylint: disable=wrong-import-position
+
+# Kernel name fragments -> category (first match wins; names are XLA fusion / custom-call names).
+_CATEGORIES = (
+    ("attention (Mosaic GPU)", ("mosaic", "_attention_kernel", "attention_kernel")),
+    ("kv_write (Mosaic GPU)", ("kv_write",)),
+    ("cuDNN attention", ("cudnn", "fmha", "flash")),
+    ("matmul (cuBLAS/triton gemm)", ("gemm", "cublas", "sm90_xmma", "nvjet", "cutlass", "triton_gemm",
+                                     "dot")),
+    ("sort / top-k", ("sort", "topk")),
+    ("reduce", ("reduce", "argmax")),
+    ("scatter / gather / dus", ("scatter", "gather", "dynamic_update_slice", "dynamic-update-slice",
+                                "dynamic_slice")),
+    ("copy / memset", ("copy", "memset", "memcpy")),
+    ("other fusions", ("fusion",)),
+)
+
+
+def _category(name: str) -> str:
+  low = name.lower()
+  for cat, keys in _CATEGORIES:
+    if any(k in low for k in keys):
+      return cat
+  return "other"
+
+
+def summarize(trace_dir: str, steps: int, label: str) -> dict:
+  """GPU kernel statistics of the newest trace under `trace_dir`."""
+  paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
+                 key=os.path.getmtime)
+  if not paths:
+    return {"label": label, "error": "no xplane.pb written"}
+  data = jax.profiler.ProfileData.from_file(paths[-1])
+  kernels = []   # (start_ns, end_ns, name)
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      lname = line.name.lower()
+      if "stream" not in lname or "memcpy" in lname and False:
+        continue
+      for ev in line.events:
+        kernels.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+  if not kernels:
+    return {"label": label, "error": "no GPU events"}
+  kernels.sort()
+  wall = (kernels[-1][1] - kernels[0][0]) / 1e6
+  # Busy time: the union of kernel intervals (streams may overlap).
+  busy, cur_s, cur_e = 0, kernels[0][0], kernels[0][1]
+  for s, e, _ in kernels[1:]:
+    if s > cur_e:
+      busy += cur_e - cur_s
+      cur_s, cur_e = s, e
+    else:
+      cur_e = max(cur_e, e)
+  busy += cur_e - cur_s
+  by_name = collections.Counter()
+  count = collections.Counter()
+  by_cat = collections.Counter()
+  for s, e, n in kernels:
+    by_name[n] += e - s
+    count[n] += 1
+    by_cat[_category(n)] += e - s
+  out = {
+      "label": label, "steps": steps, "kernels": len(kernels),
+      "kernels_per_step": len(kernels) / max(steps, 1),
+      "gpu_span_ms": wall, "gpu_busy_ms": busy / 1e6,
+      "busy_ms_per_step": busy / 1e6 / max(steps, 1),
+      "span_ms_per_step": wall / max(steps, 1),
+      "idle_fraction": 1 - busy / 1e6 / wall if wall else 0.0,
+      "categories_ms_per_step": {c: t / 1e6 / max(steps, 1) for c, t in by_cat.most_common()},
+      "top": [(n[:90], t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
+              for n, t in by_name.most_common(25)],
+  }
+  return out
+
+
+def _print(summary: dict) -> None:
+  print(f"\n=== {summary['label']}")
+  if "error" in summary:
+    print("  ", summary["error"])
+    return
+  print(f"  steps {summary['steps']}, kernels/step {summary['kernels_per_step']:.0f}, GPU span "
+        f"{summary['span_ms_per_step']:.3f} ms/step, busy {summary['busy_ms_per_step']:.3f} ms/step, "
+        f"idle {100 * summary['idle_fraction']:.0f}%")
+  for c, t in summary["categories_ms_per_step"].items():
+    print(f"    {c:32s} {t:8.3f} ms/step")
+  print("  top kernels (ms/step, launches/step):")
+  for n, t, k in summary["top"][:18]:
+    print(f"    {t:7.3f} {k:6.1f}  {n}")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--out", default="/tmp/jaxkv_profile")
+  p.add_argument("--small", action="store_true")
+  p.add_argument("--widths", default="512,64", help="engine step widths to time, comma-separated")
+  args = p.parse_args(argv)
+  cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  n_req, new = (64, 128) if not args.small else (6, 8)
+  short = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist()
+           for n in rng.integers(8, 17, size=n_req)]
+  long_ = [rng.integers(0, cfg.vocab_size, size=2000 if not args.small else 40)
+           .astype(np.int32).tolist() for _ in range(16 if not args.small else 2)]
+  results = {}
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  for width in [int(w) for w in args.widths.split(",")]:
+    rows = 2048 + 256
+    cache = cfg.cache_config(capacity=64 * (2048 + 256), max_seqs=n_req, max_write=width,
+                             kv_dtype=jnp.bfloat16, initial_capacity=rows)
+    model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                        bucket=n_req if width > n_req else None, rngs=nnx.Rngs(0))
+    engine = serve.Engine(model, max_len=2048 + 256)
+    reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
+    engine.run(reqs[:2])   # compile
+    engine.run(reqs)
+    t0 = time.perf_counter()
+    engine.run(reqs)
+    dt = time.perf_counter() - t0
+    st = engine.stats
+    print(f"engine W={width}: decode-heavy {dt:.3f} s, {st.steps} steps, "
+          f"{1e3 * dt / st.steps:.3f} ms/step, {st.loop_entries} loop entries")
+    results[f"engine_W{width}_decode"] = {"seconds": dt, "steps": st.steps,
+                                         "ms_per_step": 1e3 * dt / st.steps}
+    tdir = os.path.join(args.out, f"engine_W{width}_decode")
+    with jax.profiler.trace(tdir):
+      engine.run(reqs)
+    s = summarize(tdir, engine.stats.steps, f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
+    results[s["label"]] = s
+    _print(s)
+    if width >= 512:
+      lreqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
+      engine.run(lreqs)
+      t0 = time.perf_counter()
+      engine.run(lreqs)
+      dt = time.perf_counter() - t0
+      st = engine.stats
+      print(f"engine W={width}: prefill-heavy {dt:.3f} s, {st.steps} steps, "
+            f"{1e3 * dt / st.steps:.3f} ms/step, {st.step_tokens / dt:.0f} tokens/s")
+      tdir = os.path.join(args.out, f"engine_W{width}_prefill")
+      with jax.profiler.trace(tdir):
+        engine.run(lreqs)
+      s = summarize(tdir, engine.stats.steps, f"engine W={width}, prefill-heavy (16 x 2000 + 4)")
+      results[s["label"]] = s
+      _print(s)
+    del engine, model
+  # The padded loop on the decode-heavy workload.
+  cache = cfg.cache_config(capacity=64 * 512, max_seqs=n_req, max_write=64,
+                           kv_dtype=jnp.bfloat16, initial_capacity=512)
+  model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  r, _ = e2e.run_baseline(cfg, model, short, new)
+  print(f"padded decode-heavy: {r['ms_per_decode_step']:.3f} ms/decode step ({r['attention']})")
+  tdir = os.path.join(args.out, "padded_decode")
+  with jax.profiler.trace(tdir):
+    e2e.run_baseline(cfg, model, short, new)
+  s = summarize(tdir, 2 * new, "padded loop, decode-heavy (warm-up + timed run traced)")
+  results[s["label"]] = s
+  _print(s)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "profile.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

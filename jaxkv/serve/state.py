@@ -1,0 +1,193 @@
+"""What the jitted serving loop carries: the cache, the columns, the device queue, the outputs.
+
+`S = max_seqs` columns, `L = max_len` tokens per column, `Q` queued requests,
+`R` output rows (one per sample: request `i`'s sample `j` is row
+`out_base[i] + j`), `M` most new tokens of any request, `NS` stop-token slots.
+Everything is a fixed-shape array, so one compiled loop serves every queue of
+the same sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxkv import CacheConfig, CacheState, init_state
+
+
+def _register(cls):
+  names = [f.name for f in dataclasses.fields(cls)]
+  return jax.tree_util.register_dataclass(cls, data_fields=names, meta_fields=[])
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class Queue:
+  """Requests waiting for a column, packed on the device (admitted in order).
+
+  Attributes:
+    prompt: `int32[Q, L]` prompt tokens (zero padded).
+    prompt_len, max_tokens, top_k, seed, n, out_base: `int32[Q]`.
+    temperature, top_p: `float32[Q]`.
+    stop_tokens: `int32[Q, NS]` (-1 = unused).
+    next: `int32[]` the first request not yet (fully) admitted.
+    copies: `int32[]` columns already admitted for request `next` (a request
+      of a one-token prompt and `n > 1` takes its `n` columns one at a time).
+    count: `int32[]` requests in the queue.
+  """
+
+  prompt: jax.Array
+  prompt_len: jax.Array
+  max_tokens: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  n: jax.Array
+  stop_tokens: jax.Array
+  out_base: jax.Array
+  next: jax.Array
+  copies: jax.Array
+  count: jax.Array
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """Everything the jitted loop carries.
+
+  Attributes:
+    cache: the `CacheState`.
+    queue: the `Queue`.
+    tokens: `int32[S, L]` each column's prompt then generated tokens.
+    prompt_len, length, fed: `int32[S]` prompt tokens, known tokens, tokens
+      written to the cache (= the sequence's position).
+    hold: `int32[S]` most tokens to feed before the column forks (`L`: none).
+    forks: `int32[S]` sibling samples still to fork from the column.
+    limit: `int32[S]` length at which the column finishes.
+    used: `int32[S]` 1 while the column holds a sequence.
+    active: `int32[S]` 1 while the column is generating.
+    done: `int32[S]` 1 from its last step until the column is retired.
+    reserve: `int32[S]` cache positions reserved for the column (and its
+      pending forks), so no step inside the loop can run out of room.
+    out_row: `int32[S]` the column's output row.
+    temperature, top_p: `float32[S]`; top_k, seed, sample_index: `int32[S]`.
+    stop_tokens: `int32[S, NS]`.
+    out_tokens: `int32[R, M]`; out_len, out_stop, out_done: `int32[R]`.
+    steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
+      most positions held at once, and the first non-OK cache status.
+    width_steps: `int32[len(widths)]` steps run at each compiled width.
+  """
+
+  cache: CacheState
+  queue: Queue
+  tokens: jax.Array
+  prompt_len: jax.Array
+  length: jax.Array
+  fed: jax.Array
+  hold: jax.Array
+  forks: jax.Array
+  limit: jax.Array
+  used: jax.Array
+  active: jax.Array
+  done: jax.Array
+  reserve: jax.Array
+  out_row: jax.Array
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  sample_index: jax.Array
+  stop_tokens: jax.Array
+  out_tokens: jax.Array
+  out_len: jax.Array
+  out_stop: jax.Array
+  out_done: jax.Array
+  steps: jax.Array
+  step_tokens: jax.Array
+  occupancy: jax.Array
+  peak_rows: jax.Array
+  status: jax.Array
+  width_steps: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class HostQueue:
+  """A queue built on the host (NumPy), to be placed in a `LoopState`."""
+
+  arrays: dict
+  rows: int
+  max_new: int
+  count: int
+
+
+def _bucket(n: int) -> int:
+  """`n` rounded up to a power of two (at least 8): few distinct shapes, few compilations."""
+  return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+def pack_queue(prompts, params, *, max_len: int, max_stop: int) -> HostQueue:
+  """Packs validated requests (prompt tuples and their `SamplingParams`) into arrays.
+
+  The queue and the output rows are padded to powers of two and every output
+  row holds `max_len` tokens, so queues of similar size share one compiled loop.
+  """
+  q = _bucket(len(prompts))
+  a = {
+      "prompt": np.zeros((q, max_len), np.int32),
+      "prompt_len": np.zeros((q,), np.int32), "max_tokens": np.zeros((q,), np.int32),
+      "temperature": np.zeros((q,), np.float32), "top_k": np.zeros((q,), np.int32),
+      "top_p": np.ones((q,), np.float32), "seed": np.zeros((q,), np.int32),
+      "n": np.zeros((q,), np.int32), "stop_tokens": np.full((q, max_stop), -1, np.int32),
+      "out_base": np.zeros((q,), np.int32)}
+  row = 0
+  for i, (prompt, p) in enumerate(zip(prompts, params)):
+    a["prompt"][i, :len(prompt)] = prompt
+    a["prompt_len"][i], a["max_tokens"][i] = len(prompt), p.max_tokens
+    a["temperature"][i], a["top_k"][i], a["top_p"][i] = p.temperature, p.top_k, p.top_p
+    a["seed"][i], a["n"][i], a["out_base"][i] = p.seed, p.n, row
+    a["stop_tokens"][i, :len(p.stop_tokens)] = p.stop_tokens
+    row += p.n
+  return HostQueue(a, _bucket(row), max_len, len(prompts))
+
+
+def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: int,
+                    mesh=None, kv_axis: str = "tp") -> LoopState:
+  """A loop state with an empty cache, no column in use and `host_queue` waiting.
+
+  With `mesh`, the cache's K/V are split over their heads along `kv_axis` and
+  everything else is replicated on the mesh.
+  """
+  s = config.max_seqs
+  max_len, max_stop = host_queue.arrays["prompt"].shape[1], host_queue.arrays["stop_tokens"].shape[1]
+  zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
+  scalar = lambda v=0: jnp.asarray(v, jnp.int32)
+  queue = Queue(**{k: jnp.asarray(v) for k, v in host_queue.arrays.items()},
+                next=scalar(), copies=scalar(), count=scalar(host_queue.count))
+  rows, m = host_queue.rows, host_queue.max_new
+  ls = LoopState(
+      cache=None, queue=queue, tokens=jnp.zeros((s, max_len), jnp.int32),
+      prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
+      forks=zeros(), limit=zeros(), used=zeros(), active=zeros(), done=zeros(), reserve=zeros(),
+      out_row=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
+      top_p=jnp.ones((s,), jnp.float32), seed=zeros(), sample_index=zeros(),
+      stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
+      out_tokens=jnp.zeros((rows, m), jnp.int32), out_len=jnp.zeros((rows,), jnp.int32),
+      out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
+      steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
+      status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32))
+  if mesh is not None:
+    ls = jax.device_put(ls, NamedSharding(mesh, P()))
+  return dataclasses.replace(ls, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
+
+
+def loop_state_bytes(config: CacheConfig, *, queue: int, max_len: int, rows: int,
+                     max_new: int, max_stop: int) -> int:
+  """Bytes of the loop's own arrays (not the cache): the formula `init_loop_state` allocates."""
+  s = config.max_seqs
+  return 4 * (queue * (max_len + max_stop + 10) + s * (max_len + max_stop + 20)
+              + rows * (max_new + 3))
