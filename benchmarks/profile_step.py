@@ -127,7 +127,8 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", default="/tmp/jaxkv_profile")
   p.add_argument("--small", action="store_true")
-  p.add_argument("--widths", default="512,64", help="engine step widths to time, comma-separated")
+  p.add_argument("--widths", default="512", help="engine W values to time, comma-separated")
+  p.add_argument("--decode-only", action="store_true", help="skip the prefill and padded traces")
   args = p.parse_args(argv)
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     cache = cfg.cache_config(capacity=64 * (2048 + 256), max_seqs=n_req, max_write=width,
                              kv_dtype=jnp.bfloat16, initial_capacity=rows)
     model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                        bucket=n_req if width > n_req else None, rngs=nnx.Rngs(0))
+                        rngs=nnx.Rngs(0))
     engine = serve.Engine(model, max_len=2048 + 256)
     reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
     engine.run(reqs[:2])   # compile
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
     s = summarize(tdir, engine.stats.steps, f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
     results[s["label"]] = s
     _print(s)
-    if width >= 512:
+    if width >= 512 and not args.decode_only:
       lreqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
       engine.run(lreqs)
       t0 = time.perf_counter()
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
       results[s["label"]] = s
       _print(s)
     del engine, model
+  if args.decode_only:
+    return 0
   # The padded loop on the decode-heavy workload.
   cache = cfg.cache_config(capacity=64 * 512, max_seqs=n_req, max_write=64,
                            kv_dtype=jnp.bfloat16, initial_capacity=512)
