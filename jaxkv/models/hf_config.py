@@ -340,7 +340,8 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
     if extra:
       raise ValueError(f"{r.where('rope_parameters')}.{extra[0]} is not understood "
                        "(Gemma 3 has full_attention and sliding_attention)")
-    params = {k: params.get(k) or {} for k in ("full_attention", "sliding_attention")}
+    params = {k: {} if params.get(k) is None else params[k]
+              for k in ("full_attention", "sliding_attention")}
   theta, scaling = _rope(r, None if params is None else params["full_attention"],
                          "rope_parameters.full_attention", "rope_theta", 1_000_000.0,
                          "rope_scaling")
