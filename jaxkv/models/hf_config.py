@@ -16,7 +16,9 @@ import math
 import os
 
 from jaxkv.models.decoder import GEMMA3, LLAMA, ModelConfig
-from jaxkv.nnx import RopeScaling
+import numpy as np
+
+from jaxkv.nnx import RopeScaling, rope_inv_freq
 
 # model_type -> family. "gemma3" is the multimodal wrapper whose `text_config` is read.
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -122,11 +124,17 @@ def check_int(value, where: str, lo: int = 1, hi: int = _MAX_INT) -> int:
   return value
 
 
+# Positive floats (eps, RoPE bases and factors, scales, caps) stay well inside float32's range,
+# so nothing derived from them (inverse frequencies, 1/sqrt(scale)) overflows to inf.
+POSITIVE_RANGE = (1e-30, 1e30)
+
+
 def check_positive(value, where: str) -> float:
   if isinstance(value, bool) or not isinstance(value, (int, float)):
     raise TypeError(f"{where}={value!r} must be a number")
-  if not (math.isfinite(value) and value > 0):
-    raise ValueError(f"{where}={value} must be finite and > 0")
+  lo, hi = POSITIVE_RANGE
+  if not (isinstance(value, int) or math.isfinite(value)) or not lo <= value <= hi:
+    raise ValueError(f"{where}={value} must be a finite number in [{lo}, {hi}]")
   return float(value)
 
 
@@ -178,6 +186,16 @@ def _rope(r: _Reader, params, key: str, theta_key: str | None, default_theta: fl
   if "rope_theta" in legacy_scaling:
     raise ValueError(f"{r.where(scaling_key)} must not carry rope_theta")
   return theta, _rope_dict(r, legacy_scaling, scaling_key)[1]
+
+
+def _check_rope(r: _Reader, key: str, head_dim: int, theta: float, scaling: RopeScaling):
+  """Refuses a RoPE whose float32 inverse frequencies are not finite (they would give NaN)."""
+  try:
+    with np.errstate(all="raise"):
+      rope_inv_freq(head_dim, theta, scaling)
+  except FloatingPointError:
+    raise ValueError(f"{r.where(key)}: rope_theta={theta} with {scaling} gives non-finite "
+                     f"rotary frequencies for head_dim={head_dim}") from None
 
 
 def _rope_dict(r: _Reader, params, key: str):
@@ -324,6 +342,8 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
   if family != "gemma3":
     theta, scaling = _rope(r, cfg.get("rope_parameters"), "rope_parameters", "rope_theta",
                            10000.0, "rope_scaling")
+    _check_rope(r, "rope_parameters" if "rope_parameters" in cfg else "rope_theta", head_dim,
+                theta, scaling)
     window, types = _windows(r, family, num_layers)
     config = ModelConfig(
         arch=LLAMA, rope_theta=theta, rope_scaling=scaling, sliding_window=window,
@@ -348,6 +368,10 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
   local_theta, local_scaling = _rope(
       r, None if params is None else params["sliding_attention"],
       "rope_parameters.sliding_attention", "rope_local_base_freq", 10000.0, None)
+  _check_rope(r, "rope_parameters.full_attention" if params else "rope_theta", head_dim, theta,
+              scaling)
+  _check_rope(r, "rope_parameters.sliding_attention" if params else "rope_local_base_freq",
+              head_dim, local_theta, local_scaling)
   if local_scaling != RopeScaling():
     raise ValueError(f"{r.where('rope_parameters.sliding_attention')} must not scale "
                      "(Gemma 3's local layers are unscaled)")

@@ -296,3 +296,13 @@ def test_bad_dtype_argument_is_refused(tmp_path):
     hf.load_model(os.path.join(FIXTURES, "hf_llama"), dtype="int8", **LOAD)
   with pytest.raises(TypeError, match="param_dtype"):
     hf.load_model(os.path.join(FIXTURES, "hf_llama"), param_dtype="nonsense", **LOAD)
+
+
+def test_rope_that_overflows_float32_is_refused(tmp_path):
+  def edit(cfg):
+    cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 1e-30, "factor": 1e-30}
+  refused(copy(tmp_path, config=edit), "config.json", "rope_parameters", "non-finite")
+
+
+def test_huge_integer_float_field_is_refused(tmp_path):
+  refused(copy(tmp_path, config=set_key(rms_norm_eps=10**400)), "config.json", "rms_norm_eps")
