@@ -110,9 +110,12 @@ def check_tensors(ckpt: Checkpoint, config: ModelConfig, *, config_path: str,
     ValueError: a tensor missing, of the wrong shape, or left over (naming the
       tensor, its file and the config field that disagrees).
   """
-  expected = expected_tensors(config)
   layers_held = 1 + max((int(m.group(1)) for m in map(_LAYER.match, ckpt.shapes) if m),
                         default=-1)
+  if layers_held != config.num_layers:   # before listing a million expected names
+    raise ValueError(f"{config_path}: num_hidden_layers={config.num_layers}, but the checkpoint "
+                     f"holds {layers_held} layers (model.layers.0-{layers_held - 1})")
+  expected = expected_tensors(config)
   for name, shape in expected.items():
     if name not in ckpt.shapes:
       if name == "lm_head.weight":

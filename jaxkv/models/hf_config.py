@@ -73,6 +73,7 @@ NEUTRAL = {
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float64": "float32"}   # float64 checkpoints serve in float32 (no x64 on devices)
 _MAX_INT = 2**31 - 1
+MAX_LAYERS = 1 << 14   # far above any released model (~100 layers); keeps per-layer lists small
 _ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
               "linear": {"rope_type", "type", "rope_theta", "factor"},
               "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
@@ -333,7 +334,8 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
     head_dim = hidden // heads
   if head_dim % 2:
     raise ValueError(f"{r.where('head_dim')}={head_dim} must be even (rotary embeddings)")
-  num_layers = r.int("num_hidden_layers")
+  # Bounded before anything per layer is built (the checkpoint's tensors decide the exact count).
+  num_layers = r.int("num_hidden_layers", hi=MAX_LAYERS)
   bos, eos = _token_ids(r, vocab)
   common = dict(vocab_size=vocab, hidden_size=hidden,
                 intermediate_size=r.int("intermediate_size"), num_layers=num_layers,

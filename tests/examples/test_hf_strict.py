@@ -65,12 +65,20 @@ def test_untied_head_without_lm_head_is_refused(tmp_path):
 
 def test_fewer_layers_than_the_checkpoint_is_refused(tmp_path):
   ckpt = copy(tmp_path, config=set_key(num_hidden_layers=1))
-  refused(ckpt, "model.safetensors", "model.layers.1.", "num_hidden_layers=1")
+  refused(ckpt, "config.json", "num_hidden_layers=1", "holds 2 layers")
 
 
 def test_more_layers_than_the_checkpoint_is_refused(tmp_path):
   ckpt = copy(tmp_path, config=set_key(num_hidden_layers=3))
-  refused(ckpt, "config.json", "model.layers.2.", "num_hidden_layers=3")
+  refused(ckpt, "config.json", "num_hidden_layers=3", "holds 2 layers")
+
+
+def test_absurd_layer_count_is_refused_at_once(tmp_path):
+  import time   # pylint: disable=g-import-not-at-top
+  ckpt = copy(tmp_path, config=set_key(num_hidden_layers=1_000_000))
+  start = time.perf_counter()
+  refused(ckpt, "config.json", "num_hidden_layers=1000000")
+  assert time.perf_counter() - start < 20   # it used to build for more than 10 minutes
 
 
 def test_unknown_layer_type_is_refused(tmp_path):
@@ -168,6 +176,7 @@ def test_harmless_keys_are_accepted(tmp_path):
     ("llama", set_key(vocab_size="128"), "vocab_size", TypeError),
     ("llama", set_key(hidden_size=32.0), "hidden_size", TypeError),
     ("llama", set_key(num_hidden_layers=True), "num_hidden_layers", TypeError),
+    ("llama", set_key(num_hidden_layers=2**31 - 1), "num_hidden_layers", ValueError),
     ("llama", set_key(tie_word_embeddings="no"), "tie_word_embeddings", TypeError),
     ("llama", set_key(num_key_value_heads=3), "num_attention_heads", ValueError),
     ("llama", set_key(head_dim=7), "head_dim", ValueError),
