@@ -73,6 +73,7 @@ NEUTRAL = {
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float64": "float32"}   # float64 checkpoints serve in float32 (no x64 on devices)
 _MAX_INT = 2**31 - 1
+MAX_HEAD_DIM = 1 << 12   # released models use <= 256
 MAX_LAYERS = 1 << 14   # far above any released model (~100 layers); keeps per-layer lists small
 _ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
               "linear": {"rope_type", "type", "rope_theta", "factor"},
@@ -332,6 +333,8 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
       raise ValueError(f"{r.where('hidden_size')}={hidden} must be a multiple of "
                        f"num_attention_heads={heads} when head_dim is not given")
     head_dim = hidden // heads
+  if head_dim > MAX_HEAD_DIM:   # before the rotary check allocates head_dim/2 frequencies
+    raise ValueError(f"{r.where('head_dim')}={head_dim} must be <= {MAX_HEAD_DIM}")
   if head_dim % 2:
     raise ValueError(f"{r.where('head_dim')}={head_dim} must be even (rotary embeddings)")
   # Bounded before anything per layer is built (the checkpoint's tensors decide the exact count).

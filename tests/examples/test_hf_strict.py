@@ -180,6 +180,8 @@ def test_harmless_keys_are_accepted(tmp_path):
     ("llama", set_key(tie_word_embeddings="no"), "tie_word_embeddings", TypeError),
     ("llama", set_key(num_key_value_heads=3), "num_attention_heads", ValueError),
     ("llama", set_key(head_dim=7), "head_dim", ValueError),
+    ("llama", set_key(head_dim=2**31 - 2), "head_dim", ValueError),
+    ("qwen2", set_key(hidden_size=2**31 - 4), "head_dim", ValueError),
     ("llama", set_key(eos_token_id=128), "eos_token_id", ValueError),
     ("llama", set_key(eos_token_id=[2, -1]), "eos_token_id", ValueError),
     ("llama", set_key(bos_token_id=10**12), "bos_token_id", ValueError),
