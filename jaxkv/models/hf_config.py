@@ -74,7 +74,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float64": "float32"}   # float64 checkpoints serve in float32 (no x64 on devices)
 _MAX_INT = 2**31 - 1
 MAX_HEAD_DIM = 1 << 12   # released models use <= 256
-MAX_LAYERS = 1 << 14   # far above any released model (~100 layers); keeps per-layer lists small
+MAX_LAYERS = 1 << 14
+MAX_WINDOW = 1 << 30     # a ring of window + max_write rows must stay below 2**31   # far above any released model (~100 layers); keeps per-layer lists small
 _ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
               "linear": {"rope_type", "type", "rope_theta", "factor"},
               "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
@@ -254,11 +255,11 @@ def _windows(r: _Reader, family: str, num_layers: int):
   if family == "llama":
     return None, None
   if family == "mistral":   # one window for every layer, or none
-    window = r.int("sliding_window", None, allow_none=True)
+    window = r.int("sliding_window", None, hi=MAX_WINDOW, allow_none=True)
     return window, None if window is None else ("sliding",) * num_layers
   # Qwen: the window applies only with use_sliding_window, to layers >= max_window_layers.
   use = r.bool("use_sliding_window", False)
-  window = r.int("sliding_window", None, allow_none=True) if use else None
+  window = r.int("sliding_window", None, hi=MAX_WINDOW, allow_none=True) if use else None
   if use and window is None:
     raise ValueError(f"{r.where('sliding_window')} must be an integer >= 1 when "
                      "use_sliding_window is true")
@@ -386,7 +387,7 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
     key = "sliding_window_pattern" if "sliding_window_pattern" in cfg else "_sliding_window_pattern"
     pattern = r.int(key, 6)
     types = tuple("sliding" if (i + 1) % pattern else "full" for i in range(num_layers))
-  window = r.int("sliding_window", None, allow_none=True)
+  window = r.int("sliding_window", None, hi=MAX_WINDOW, allow_none=True)
   if "sliding" in types and window is None:
     raise ValueError(f"{r.where('sliding_window')} must be an integer >= 1 (sliding layers)")
   config = ModelConfig(

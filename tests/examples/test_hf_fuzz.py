@@ -28,8 +28,8 @@ from jaxkv.models import hf
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 CASES = int(os.environ.get("JAXKV_FUZZ_CASES", "40"))
 LOAD = dict(capacity=32, max_seqs=2, max_write=4)
-ODD_VALUES = [0, -1, 1, 2, 3, 7, 2**31, 2**63, 10**400, 1.5, -0.5, 1e-300, 1e308, float("inf"),
-              float("nan"), None, True, False, "", "12", "auto", [], [1], [None], {}, {"a": 1},
+ODD_VALUES = [0, -1, 1, 2, 3, 7, 2**30, 2**31 - 1, 2**31, 2**63, 10**400, 1.5, -0.5, 1e-300,
+              1e308, float("inf"), float("nan"), None, True, False, "", "12", "auto", [], [1], [None], {}, {"a": 1},
               {"rope_type": "linear"}, {"rope_type": "llama3", "factor": 2.0}]
 
 

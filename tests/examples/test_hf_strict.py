@@ -191,6 +191,7 @@ def test_harmless_keys_are_accepted(tmp_path):
      ValueError),
     ("llama", set_key(model_type="bert"), "model_type", ValueError),
     ("gemma3", set_key(sliding_window=None), "sliding_window", ValueError),
+    ("mistral", set_key(sliding_window=2**31 - 1), "sliding_window", ValueError),
     ("gemma3", set_key(query_pre_attn_scalar=0), "query_pre_attn_scalar", ValueError),
     ("gemma3", set_key(final_logit_softcapping=-1.0), "final_logit_softcapping", ValueError),
     ("qwen2", set_key(use_sliding_window=False), "layer_types", ValueError),
