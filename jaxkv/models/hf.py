@@ -1,4 +1,4 @@
-"""Loading Hugging Face checkpoints (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text) into `jaxkv.models`.
+"""Loading Hugging Face checkpoints into `jaxkv.models` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3).
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors`
 files (with `model.safetensors.index.json` when sharded), read with the

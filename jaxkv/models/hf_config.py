@@ -1,4 +1,4 @@
-"""Reading a Hugging Face `config.json` strictly (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3 text).
+"""Reading a Hugging Face `config.json` strictly (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3).
 
 Every key is either understood (parsed, type- and range-checked), known to be
 harmless (metadata, training or generation settings that never change a forward
@@ -74,8 +74,8 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "float64": "float32"}   # float64 checkpoints serve in float32 (no x64 on devices)
 _MAX_INT = 2**31 - 1
 MAX_HEAD_DIM = 1 << 12   # released models use <= 256
-MAX_LAYERS = 1 << 14
-MAX_WINDOW = 1 << 30     # a ring of window + max_write rows must stay below 2**31   # far above any released model (~100 layers); keeps per-layer lists small
+MAX_LAYERS = 1 << 14     # far above any released model (~100 layers); keeps per-layer lists small
+MAX_WINDOW = 1 << 30     # a ring of window + max_write rows must stay below 2**31
 _ROPE_KEYS = {"default": {"rope_type", "type", "rope_theta"},
               "linear": {"rope_type", "type", "rope_theta", "factor"},
               "llama3": {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",

@@ -29,7 +29,8 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 CASES = int(os.environ.get("JAXKV_FUZZ_CASES", "40"))
 LOAD = dict(capacity=32, max_seqs=2, max_write=4)
 ODD_VALUES = [0, -1, 1, 2, 3, 7, 2**30, 2**31 - 1, 2**31, 2**63, 10**400, 1.5, -0.5, 1e-300,
-              1e308, float("inf"), float("nan"), None, True, False, "", "12", "auto", [], [1], [None], {}, {"a": 1},
+              1e308, float("inf"), float("nan"), None, True, False, "", "12", "auto", [], [1],
+              [None], {}, {"a": 1},
               {"rope_type": "linear"}, {"rope_type": "llama3", "factor": 2.0}]
 
 
@@ -111,7 +112,8 @@ def _check(ckpt):
     hf.load_model(ckpt, **LOAD)
   except (ValueError, TypeError) as e:
     message = str(e)
-    files = re.escape(ckpt) + r"/(config\.json|[\w.-]+\.safetensors|model\.safetensors\.index\.json)"
+    files = (re.escape(ckpt) +
+             r"/(config\.json|[\w.-]+\.safetensors|model\.safetensors\.index\.json)")
     assert re.search(files, message) or f"checkpoint={ckpt!r}" in message, message
     return type(e).__name__
   return "loaded"

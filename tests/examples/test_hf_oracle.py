@@ -8,7 +8,8 @@ each. Here the same weights run through `jaxkv.models` on jaxkv, with the
 sequences fed in interleaved chunks (prefill mixed with decode in one step), a
 fork (sequence 4 shares sequence 0's first 9 tokens and is cloned from it), a
 rewind after wrong tokens, and the window-4 ring layers (Gemma 3, Qwen2,
-Mistral) wrapping (R = 11, sequences up to 24 tokens). Every sequence's logits must match the reference.
+Mistral) wrapping (R = 11, sequences up to 24 tokens). Every sequence's logits
+must match the reference.
 
 Tolerance: both sides compute in float32 and differ only in reduction order
 (one full-sequence forward versus per-step attention over cached K/V); observed

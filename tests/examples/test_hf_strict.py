@@ -1,4 +1,4 @@
-"""Loader strictness (issue 9 item 4): every checkpoint that would load wrong is refused, naming file and field.
+"""Loader strictness (issue 9 item 4): a checkpoint that would load wrong is refused, naming the file.
 
 Each test copies a committed fixture to `tmp_path`, breaks one thing, and
 expects a `ValueError`/`TypeError` whose message names the file and the key or
@@ -25,7 +25,7 @@ LOAD = dict(capacity=64, max_seqs=2, max_write=4)
 
 
 def copy(tmp_path, kind="llama", config=None, tensors=None):
-  """The fixture `kind` in tmp_path, its config dict passed through `config`, tensors through `tensors`."""
+  """The fixture `kind` in tmp_path, its config dict and tensors passed through the editors."""
   out = tmp_path / kind
   shutil.copytree(os.path.join(FIXTURES, f"hf_{kind}"), out)
   os.remove(out / "logits.npz")
