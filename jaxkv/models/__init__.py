@@ -1,8 +1,11 @@
 """Decoder models that serve on jaxkv, and their Hugging Face loader.
 
-- `jaxkv.models.decoder`: Llama-style and Gemma-3-style decoders in Flax NNX
-  (`ModelConfig`, `build`, `Decoder`, tensor-parallel helpers).
-- `jaxkv.models.hf`: loading Hugging Face checkpoints (config.json + safetensors).
+- `jaxkv.models.decoder`: Llama-style (also Mistral, Qwen2/2.5, Qwen3) and
+  Gemma-3-style decoders in Flax NNX (`ModelConfig`, `build`, `Decoder`,
+  tensor-parallel helpers).
+- `jaxkv.models.hf`: loading Hugging Face checkpoints (config.json + safetensors),
+  strictly and shard by shard; `hf_config` validates config.json, `safetensors_io`
+  reads tensors lazily.
 """
 
 from jaxkv.models.decoder import (GEMMA3, LLAMA, Decoder, DecoderLayer, Gemma3, Llama, MLP,

@@ -1,5 +1,9 @@
 """Llama-style and Gemma-3-style decoders on jaxkv, in Flax NNX.
 
+The Llama style also covers Mistral (every layer a sliding window), Qwen2/2.5
+(q/k/v biases, optional sliding layers) and Qwen3 (per-head q/k RMSNorm):
+`ModelConfig.attention_bias`, `qk_norm` and `layer_types` say which.
+
 Both run one cache step at a time: `model(tokens, state)` takes the step's
 `int32[W]` tokens and a `CacheState` whose step is prepared, runs every layer
 (each a `jaxkv.nnx.CachedAttention` on its own cache layer) and returns
@@ -50,7 +54,9 @@ class ModelConfig:
       `num_kv_heads < num_heads`).
     rope_theta: RoPE base of the global (flat) layers.
     rope_scaling: `RopeScaling` of the global layers.
-    rope_local_theta: RoPE base of sliding layers (Gemma 3).
+    rope_local_theta: RoPE base of sliding layers (Gemma 3 only; the sliding
+      layers of Llama-style models (Mistral, Qwen) use `rope_theta` and
+      `rope_scaling` like their full layers).
     rms_eps: RMSNorm epsilon.
     tie_embeddings: the LM head reuses the embedding matrix.
     sliding_window: window of sliding layers (None: no sliding layer).
@@ -58,6 +64,9 @@ class ModelConfig:
     query_pre_attn_scalar: Gemma 3's softmax scale is its inverse square root;
       None means `1/sqrt(head_dim)`.
     final_logit_softcap: None, or `cap * tanh(logits / cap)`.
+    attention_bias: biases on the q/k/v projections (Qwen2; o_proj has none).
+    qk_norm: None, `"llama"` (Qwen3: `weight * x̂` per head) or `"gemma"`
+      (`(1 + weight) * x̂`); Gemma 3 always has `"gemma"` (set when None).
     bos_token_id, eos_token_ids: special tokens (eos ids end a request).
   """
 
@@ -80,10 +89,19 @@ class ModelConfig:
   final_logit_softcap: float | None = None
   bos_token_id: int | None = None
   eos_token_ids: tuple[int, ...] = ()
+  attention_bias: bool = False
+  qk_norm: str | None = None
 
   def __post_init__(self):
     if self.arch not in (LLAMA, GEMMA3):
       raise ValueError(f"arch={self.arch!r} must be 'llama' or 'gemma3'")
+    if self.arch == GEMMA3 and self.qk_norm is None:
+      object.__setattr__(self, "qk_norm", "gemma")
+    allowed = ("gemma",) if self.arch == GEMMA3 else (None, "llama")
+    if self.qk_norm not in allowed:
+      raise ValueError(f"qk_norm={self.qk_norm!r} must be one of {allowed} for arch={self.arch!r}")
+    if not isinstance(self.attention_bias, bool):
+      raise TypeError(f"attention_bias={self.attention_bias!r} must be a bool")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim"):
       if getattr(self, name) < 1:
@@ -121,6 +139,10 @@ class ModelConfig:
   def num_params(self) -> int:
     """Parameter count (embedding counted once when tied)."""
     attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    if self.attention_bias:
+      attn += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    if self.qk_norm is not None:
+      attn += 2 * self.head_dim
     mlp = 3 * self.hidden_size * self.intermediate_size
     norms = (4 if self.arch == GEMMA3 else 2) * self.hidden_size
     embed = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
@@ -180,11 +202,15 @@ class DecoderLayer(nnx.Module):
                            param_dtype=param_dtype, mesh=mesh)
     scale = (None if config.query_pre_attn_scalar is None
              else 1.0 / math.sqrt(config.query_pre_attn_scalar))
+    # Gemma 3's local layers have their own RoPE base and no scaling; Mistral's and Qwen's
+    # sliding layers rotate exactly like their full ones.
+    local_rope = is_gemma and is_sliding
     self.attn = CachedAttention(
         cache_config, layer, features=config.hidden_size, num_heads=config.num_heads,
-        rope_theta=config.rope_local_theta if is_sliding else config.rope_theta,
-        rope_scaling=None if is_sliding else config.rope_scaling,
-        qk_norm="gemma" if is_gemma else None, norm_eps=config.rms_eps, scale=scale,
+        rope_theta=config.rope_local_theta if local_rope else config.rope_theta,
+        rope_scaling=None if local_rope else config.rope_scaling,
+        qk_norm=config.qk_norm, norm_eps=config.rms_eps, scale=scale,
+        use_bias=config.attention_bias,
         dtype=dtype, param_dtype=param_dtype, implementation=implementation, bucket=bucket,
         mesh=mesh, kv_axis=kv_axis, rngs=rngs)
     self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh, kv_axis=kv_axis,

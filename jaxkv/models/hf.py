@@ -1,185 +1,268 @@
-"""Loading Hugging Face checkpoints (Llama and Gemma 3 text) into `jaxkv.models`.
+"""Loading Hugging Face checkpoints into `jaxkv.models` (Llama, Mistral, Qwen2/2.5, Qwen3, Gemma 3).
 
 A checkpoint directory holds `config.json` and one or more `*.safetensors`
-files, read with the `safetensors` package (NumPy, no torch). A tokenizer comes
-from `tokenizer.json` through the optional `tokenizers` package.
+files (with `model.safetensors.index.json` when sharded), read with the
+`safetensors` package (NumPy, no torch). A tokenizer comes from
+`tokenizer.json` through the optional `tokenizers` package.
+
+Strict: `config.json` is validated key by key (`jaxkv.models.hf_config`: keys
+that may change the math and are not understood are refused), and the
+checkpoint must hold exactly the tensors the config implies, each with the
+implied shape, float and finite. Errors are `ValueError`/`TypeError` naming the
+file and the key or tensor.
+
+Scalable: `load_model` builds the model abstractly (`nnx.eval_shape`, no
+weights allocated), then reads each parameter lazily from its memory-mapped
+file (`safetensors.safe_open`), one device shard at a time, casts it on the host
+to the parameter dtype and puts it straight onto its device. No device ever
+holds more of a split weight than its shard, and the host holds about one
+shard at a time.
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
+import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.models.decoder import GEMMA3, LLAMA, Decoder, ModelConfig, shard_model
-from jaxkv.nnx import RopeScaling
+from jaxkv.models import hf_config
+from jaxkv.models.decoder import GEMMA3, Decoder, ModelConfig, param_spec
+from jaxkv.models.safetensors_io import FLOAT_DTYPES, Checkpoint
 
-_LLAMA_TYPES = ("llama", "mistral")
-_GEMMA3_TYPES = ("gemma3_text", "gemma3")
-
-
-def _rope(params: dict | None, fallback_theta: float, scaling: dict | None):
-  """`(theta, RopeScaling)` from transformers-5 `rope_parameters` or older keys."""
-  if params:
-    return float(params.get("rope_theta", fallback_theta)), RopeScaling.from_hf(params)
-  return fallback_theta, RopeScaling.from_hf(scaling)
+# Derived buffers some exporters save; the config determines them.
+_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# A multimodal Gemma 3 checkpoint's vision tower is not part of the text model.
+_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                    "model.multi_modal_projector.")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def read_config(checkpoint: str) -> ModelConfig:
-  """The `ModelConfig` of a checkpoint directory's `config.json`.
+  """The `ModelConfig` of a checkpoint directory's `config.json` (validated strictly).
 
   Raises:
-    ValueError: the directory has no config.json, or an unsupported `model_type`.
+    ValueError, TypeError: no config.json, an unsupported `model_type`, a
+      missing, mistyped or out-of-range field, or a key that may change the
+      math and is not understood (each naming the file and key).
   """
-  path = os.path.join(checkpoint, "config.json")
-  if not os.path.isfile(path):
-    raise ValueError(f"checkpoint={checkpoint!r} has no config.json")
-  with open(path) as f:
-    cfg = json.load(f)
-  if cfg.get("model_type") == "gemma3" and "text_config" in cfg:
-    cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
-  model_type = cfg.get("model_type")
-  if model_type not in _LLAMA_TYPES + _GEMMA3_TYPES:
-    raise ValueError(f"model_type={model_type!r} in {path} is not supported "
-                     "(Llama or Gemma 3 text)")
-
-  def need(key):
-    if key not in cfg:
-      raise ValueError(f"{path} has no {key!r}")
-    return cfg[key]
-
-  eos = cfg.get("eos_token_id")
-  eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-  heads = need("num_attention_heads")
-  common = dict(
-      vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
-      intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
-      num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-      head_dim=cfg.get("head_dim") or need("hidden_size") // heads,
-      rms_eps=cfg.get("rms_norm_eps", 1e-6), bos_token_id=cfg.get("bos_token_id"),
-      eos_token_ids=eos)
-  if model_type in _LLAMA_TYPES:
-    theta, scaling = _rope(cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0),
-                           cfg.get("rope_scaling"))
-    return ModelConfig(arch=LLAMA, rope_theta=theta, rope_scaling=scaling,
-                       tie_embeddings=cfg.get("tie_word_embeddings", False), **common)
-  params = cfg.get("rope_parameters") or {}
-  theta, scaling = _rope(params.get("full_attention"), cfg.get("rope_theta", 1_000_000.0),
-                         cfg.get("rope_scaling"))
-  local_theta, _ = _rope(params.get("sliding_attention"),
-                         cfg.get("rope_local_base_freq", 10000.0), None)
-  types = cfg.get("layer_types")
-  if types is None:
-    pattern = cfg.get("sliding_window_pattern", 6)
-    types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-             for i in range(cfg["num_hidden_layers"])]
-  return ModelConfig(
-      arch=GEMMA3, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
-      tie_embeddings=cfg.get("tie_word_embeddings", True),
-      sliding_window=cfg.get("sliding_window"),
-      layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
-      query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
-      final_logit_softcap=cfg.get("final_logit_softcapping"), **common)
+  return hf_config.read(checkpoint)[0]
 
 
-def read_tensors(checkpoint: str) -> dict[str, np.ndarray]:
-  """Every tensor of the checkpoint's `*.safetensors` files, as float32 NumPy arrays.
-
-  Raises:
-    ValueError: no safetensors file in the directory.
-  """
-  from safetensors.numpy import load_file   # pylint: disable=g-import-not-at-top
-  files = sorted(glob.glob(os.path.join(checkpoint, "*.safetensors")))
-  if not files:
-    raise ValueError(f"checkpoint={checkpoint!r} holds no *.safetensors file")
-  tensors = {}
-  for file in files:
-    try:
-      loaded = load_file(file)
-    except TypeError:   # bfloat16 has no NumPy dtype in safetensors.numpy
-      loaded = _load_via_flax(file)
-    for name, array in loaded.items():
-      for prefix in ("language_model.", "model.language_model.", "model.text_model."):
-        if name.startswith(prefix):
-          name = "model." + name[len(prefix):].removeprefix("model.")
-      tensors[name] = np.asarray(array, np.float32)
-  return tensors
-
-
-def _load_via_flax(file: str) -> dict:
-  from safetensors.flax import load_file   # pylint: disable=g-import-not-at-top
-  return {k: np.asarray(v.astype(jnp.float32)) for k, v in load_file(file).items()}
-
-
-def _assign(param, array: np.ndarray, name: str) -> None:
-  expected = param[...].shape
-  if array.shape != expected:
-    raise ValueError(f"checkpoint tensor {name} has shape {array.shape}; the model expects "
-                     f"{expected}")
-  param[...] = jnp.asarray(array, param[...].dtype)
-
-
-def load_weights(model: Decoder, tensors: dict[str, np.ndarray]) -> None:
-  """Copies Hugging Face tensors into `model` in place (linear weights transposed).
-
-  Raises:
-    ValueError: a tensor is missing or has the wrong shape.
-  """
-  def take(name):
-    if name not in tensors:
-      raise ValueError(f"checkpoint has no tensor {name!r}")
-    return tensors[name]
-
-  _assign(model.embed.embedding, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
-  _assign(model.norm.weight, take("model.norm.weight"), "model.norm.weight")
-  if model.lm_head is not None:
-    head = tensors.get("lm_head.weight", tensors.get("model.embed_tokens.weight"))
-    _assign(model.lm_head.kernel, head.T, "lm_head.weight")
-  for l, layer in enumerate(model.layers):
+def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Every Hugging Face tensor name the config implies, with its shape (`[out, in]` linears)."""
+  h, v, i = config.hidden_size, config.vocab_size, config.intermediate_size
+  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+  if not config.tie_embeddings:
+    out["lm_head.weight"] = (v, h)
+  norms = ["input_layernorm", "post_attention_layernorm"]
+  if config.arch == GEMMA3:
+    norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+  for l in range(config.num_layers):
     p = f"model.layers.{l}."
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-      name = f"{p}self_attn.{proj}.weight"
-      _assign(getattr(layer.attn, proj).kernel, take(name).T, name)
-    if layer.attn.q_norm is not None:
-      for norm in ("q_norm", "k_norm"):
-        name = f"{p}self_attn.{norm}.weight"
-        _assign(getattr(layer.attn, norm).weight, take(name), name)
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-      name = f"{p}mlp.{proj}.weight"
-      _assign(getattr(layer.mlp, proj).kernel, take(name).T, name)
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if layer.is_gemma:
-      norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    for norm in norms:
-      _assign(getattr(layer, norm).weight, take(p + norm + ".weight"), p + norm + ".weight")
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
+    for proj, shape in shapes.items():
+      out[f"{p}self_attn.{proj}.weight"] = shape
+      if config.attention_bias and proj != "o_proj":
+        out[f"{p}self_attn.{proj}.bias"] = (shape[0],)
+    if config.qk_norm is not None:
+      out[f"{p}self_attn.q_norm.weight"] = out[f"{p}self_attn.k_norm.weight"] = (
+          config.head_dim,)
+    out.update({f"{p}mlp.gate_proj.weight": (i, h), f"{p}mlp.up_proj.weight": (i, h),
+                f"{p}mlp.down_proj.weight": (h, i)})
+    out.update({f"{p}{n}.weight": (h,) for n in norms})
+  return out
+
+
+def _names(path) -> list[str]:
+  names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+  return [n for n in names if n != "value"]
+
+
+def hf_name(path) -> tuple[str, bool]:
+  """`(Hugging Face tensor name, transposed)` of a `Decoder` parameter path."""
+  n = _names(path)
+  if n == ["embed", "embedding"]:
+    return "model.embed_tokens.weight", False
+  if n == ["norm", "weight"]:
+    return "model.norm.weight", False
+  if n == ["lm_head", "kernel"]:
+    return "lm_head.weight", True
+  if len(n) >= 4 and n[0] == "layers":
+    prefix = f"model.layers.{n[1]}."
+    if n[2] in ("attn", "mlp") and len(n) == 5:
+      module = "self_attn" if n[2] == "attn" else "mlp"
+      kind = {"kernel": "weight", "bias": "bias", "weight": "weight"}[n[4]]
+      return f"{prefix}{module}.{n[3]}.{kind}", n[4] == "kernel"
+    if len(n) == 4 and n[3] == "weight":
+      return f"{prefix}{n[2]}.weight", False
+  raise RuntimeError(f"no Hugging Face name for the Decoder parameter {'.'.join(n)}")
+
+
+def check_tensors(ckpt: Checkpoint, config: ModelConfig, *, config_path: str,
+                  multimodal: bool = False) -> None:
+  """Refuses a checkpoint whose tensors are not exactly those `config` implies.
+
+  Raises:
+    ValueError: a tensor missing, of the wrong shape, or left over (naming the
+      tensor, its file and the config field that disagrees).
+  """
+  layers_held = 1 + max((int(m.group(1)) for m in map(_LAYER.match, ckpt.shapes) if m),
+                        default=-1)
+  if layers_held != config.num_layers:   # before listing a million expected names
+    raise ValueError(f"{config_path}: num_hidden_layers={config.num_layers}, but the checkpoint "
+                     f"holds {layers_held} layers (model.layers.0-{layers_held - 1})")
+  expected = expected_tensors(config)
+  for name, shape in expected.items():
+    if name not in ckpt.shapes:
+      if name == "lm_head.weight":
+        raise ValueError(f"{config_path}: tie_word_embeddings is false but the checkpoint has "
+                         "no lm_head.weight (transformers would not use the embedding)")
+      hint = ""
+      if _LAYER.match(name) and layers_held < config.num_layers:
+        hint = (f" ({config_path}: num_hidden_layers={config.num_layers}, the checkpoint holds "
+                f"{layers_held} layers)")
+      raise ValueError(f"checkpoint has no tensor {name!r}, which {config_path} implies{hint}")
+    if ckpt.shapes[name] != shape:
+      raise ValueError(f"{ckpt.where(name)} has shape {list(ckpt.shapes[name])}; "
+                       f"{config_path} implies {list(shape)}")
+  for name in ckpt.shapes:
+    if name in expected or _DERIVED.fullmatch(name):
+      continue
+    if multimodal and name.startswith(_VISION_PREFIXES):
+      continue
+    if name == "lm_head.weight":
+      raise ValueError(f"{ckpt.where(name)} is present but {config_path} ties the embeddings "
+                       "(tie_word_embeddings); transformers would ignore it")
+    hint = ""
+    if _LAYER.match(name):
+      hint = (f" ({config_path}: num_hidden_layers={config.num_layers}, the checkpoint holds "
+              f"{layers_held} layers)")
+    raise ValueError(f"{ckpt.where(name)} is not part of the model {config_path} describes"
+                     f"{hint}; the checkpoint is refused rather than loaded partially")
+
+
+def _dtype(name: str, value, auto):
+  if isinstance(value, str) and value == "auto":
+    return np.dtype(auto)
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    raise TypeError(f"{name}={value!r} must be a dtype or 'auto'") from None
+  if dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+    raise ValueError(f"{name}={value!r} must be float32, bfloat16, float16 or 'auto'")
+  return dtype
+
+
+def _place(ckpt: Checkpoint, name: str, transpose: bool, shape, dtype, sharding):
+  """One parameter as a `jax.Array` on `sharding`, read shard by shard from the checkpoint."""
+  groups = {}   # devices holding the same slice (replicas) share one host read
+  for device, index in sharding.devices_indices_map(tuple(shape)).items():
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    groups.setdefault(key, (index, []))[1].append(device)
+  arrays = []
+  for index, devices in groups.values():
+    host = ckpt.read(name, tuple(reversed(index)) if transpose else tuple(index), dtype)
+    if transpose:
+      host = np.ascontiguousarray(host.T)
+    arrays += [jax.device_put(host, device) for device in devices]
+    del host
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
 def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
-               kv_dtype=jnp.float32, dtype=jnp.float32, param_dtype=jnp.float32,
+               kv_dtype=jnp.float32, dtype=jnp.float32, param_dtype=None,
                implementation: str | None = None, initial_capacity: int | None = None,
                mesh=None, kv_axis: str = "tp"):
   """Builds the checkpoint's model on a fresh cache config and loads its weights.
 
-  With `mesh`, the loaded model is then split over `kv_axis`
-  (`jaxkv.models.shard_model`: heads and MLP features split, the rest
-  replicated).
+  The model is built abstractly and each weight read lazily, cast on the host
+  and placed straight onto its devices (module docstring). With `mesh`, heads
+  and MLP features are split over `kv_axis` (`jaxkv.models.param_spec`) and
+  every device receives only its shard; the rest is replicated.
+
+  Args:
+    checkpoint: the checkpoint directory.
+    capacity, max_seqs, max_write, initial_capacity: the cache config.
+    kv_dtype: K/V storage dtype, or `"auto"` (the compute dtype).
+    dtype: computation dtype, or `"auto"`: the checkpoint's (`config.json`'s
+      `torch_dtype`/`dtype`, else the embedding tensor's; float64 serves as float32).
+    param_dtype: parameter dtype; None or `"auto"` follows `dtype`.
+    implementation: attention implementation of every layer.
+    mesh, kv_axis: optional tensor parallelism.
 
   Returns:
     `(model, model_config, cache_config)`.
+
+  Raises:
+    ValueError, TypeError: a bad argument, config or checkpoint (named).
   """
   from flax import nnx   # pylint: disable=g-import-not-at-top
-  config = read_config(checkpoint)
-  cache_config = config.cache_config(capacity=capacity, max_seqs=max_seqs, max_write=max_write,
-                                     kv_dtype=kv_dtype, initial_capacity=initial_capacity)
-  model = Decoder(config, cache_config, dtype=dtype, param_dtype=param_dtype,
-                  implementation=implementation, rngs=nnx.Rngs(0))
-  load_weights(model, read_tensors(checkpoint))
-  if mesh is not None:
-    model = shard_model(model, mesh, kv_axis)
+  config, meta = hf_config.read(checkpoint)
+  config_path = os.path.join(os.fspath(checkpoint), "config.json")
+  with Checkpoint(checkpoint) as ckpt:
+    check_tensors(ckpt, config, config_path=config_path, multimodal=meta["multimodal"])
+    auto = meta["dtype"] or FLOAT_DTYPES[ckpt.dtypes["model.embed_tokens.weight"]]
+    dtype = _dtype("dtype", dtype, auto)
+    param_dtype = dtype if param_dtype is None else _dtype("param_dtype", param_dtype, dtype)
+    kv_dtype = _dtype("kv_dtype", kv_dtype, dtype)
+    cache_config = config.cache_config(capacity=capacity, max_seqs=max_seqs,
+                                       max_write=max_write, kv_dtype=kv_dtype,
+                                       initial_capacity=initial_capacity)
+    abstract = nnx.eval_shape(lambda: Decoder(
+        config, cache_config, dtype=dtype, param_dtype=param_dtype,
+        implementation=implementation, mesh=mesh, kv_axis=kv_axis, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    expected = expected_tensors(config)
+    values = []
+    for path, leaf in leaves:
+      name, transpose = hf_name(path)
+      hf_shape = tuple(reversed(leaf.shape)) if transpose else tuple(leaf.shape)
+      if expected.get(name) != hf_shape:   # the model and the name table disagree: a bug
+        raise RuntimeError(f"Decoder parameter {name} has shape {hf_shape}; the loader "
+                           f"expects {expected.get(name)}")
+      sharding = (jax.sharding.NamedSharding(mesh, param_spec(path, kv_axis)) if mesh is not None
+                  else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+      values.append(_place(ckpt, name, transpose, leaf.shape, leaf.dtype, sharding))
+  model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
   return model, config, cache_config
+
+
+def load_weights(model: Decoder, tensors: dict[str, np.ndarray]) -> None:
+  """Copies Hugging Face tensors (a name -> array dict) into `model` in place.
+
+  Raises:
+    ValueError: a tensor is missing or has the wrong shape.
+  """
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  state = nnx.state(model)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+  new = []
+  for path, leaf in leaves:
+    name, transpose = hf_name(path)
+    if name not in tensors:
+      raise ValueError(f"checkpoint has no tensor {name!r}")
+    array = np.asarray(tensors[name])
+    array = array.T if transpose else array
+    if array.shape != leaf.shape:
+      raise ValueError(f"checkpoint tensor {name} has shape {array.shape}; the model expects "
+                       f"{leaf.shape}")
+    new.append(jax.device_put(jnp.asarray(array, leaf.dtype), leaf.sharding))
+  nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
+
+
+def read_tensors(checkpoint: str) -> dict[str, np.ndarray]:
+  """Every tensor of the checkpoint, as float32 NumPy arrays (whole; for small checkpoints).
+
+  Raises:
+    ValueError: no safetensors file, or an unreadable file or tensor (named).
+  """
+  with Checkpoint(checkpoint) as ckpt:
+    return {name: ckpt.read(name) for name in ckpt.shapes}
 
 
 def load_tokenizer(checkpoint: str):
@@ -194,4 +277,5 @@ def load_tokenizer(checkpoint: str):
   return tokenizers.Tokenizer.from_file(path)
 
 
-__all__ = ["load_model", "load_tokenizer", "load_weights", "read_config", "read_tensors"]
+__all__ = ["check_tensors", "expected_tensors", "hf_name", "load_model", "load_tokenizer",
+           "load_weights", "read_config", "read_tensors"]

@@ -1,12 +1,15 @@
 """Hugging Face `transformers` as the external oracle (fixtures from scripts/make_hf_fixtures.py).
 
-The fixtures are tiny random float32 Llama and Gemma 3 checkpoints plus the
+The fixtures are tiny random float32 Llama, Gemma 3, Qwen2 (q/k/v biases, one
+full and one window-4 layer), Qwen3 (q/k norms) and Mistral (window 4 on every
+layer) checkpoints plus the
 logits `transformers` computed for five token sequences in one full forward
 each. Here the same weights run through `jaxkv.models` on jaxkv, with the
 sequences fed in interleaved chunks (prefill mixed with decode in one step), a
 fork (sequence 4 shares sequence 0's first 9 tokens and is cloned from it), a
-rewind after wrong tokens, and Gemma's window-4 ring layers wrapping (R = 11,
-sequences up to 24 tokens). Every sequence's logits must match the reference.
+rewind after wrong tokens, and the window-4 ring layers (Gemma 3, Qwen2,
+Mistral) wrapping (R = 11, sequences up to 24 tokens). Every sequence's logits
+must match the reference.
 
 Tolerance: both sides compute in float32 and differ only in reduction order
 (one full-sequence forward versus per-step attention over cached K/V); observed
@@ -31,7 +34,7 @@ from jaxkv.serve import ModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
-KINDS = ["llama", "gemma3"]
+KINDS = ["llama", "gemma3", "qwen2", "qwen3", "mistral"]
 ATOL = 5e-5
 FORK_PREFIX = 9
 
@@ -98,9 +101,14 @@ def _replay(runner, tokens, seed=0):
 def test_batched_replay_matches_transformers(kind):
   tokens, reference = _reference(kind)
   runner, config = _runner(kind)
-  if kind == "gemma3":
-    assert config.sliding_window == 4 and "sliding" in config.layer_types
-    assert max(len(t) for t in tokens) > runner.config.ring_rows(0)   # rings wrap
+  sliding = {"gemma3": 3, "qwen2": 1, "mistral": 2}.get(kind, 0)
+  assert config.layer_types.count("sliding") == sliding
+  if sliding:
+    assert config.sliding_window == 4
+    ring = config.layer_types.index("sliding")
+    assert max(len(t) for t in tokens) > runner.config.ring_rows(ring)   # rings wrap
+  assert config.attention_bias == (kind == "qwen2")
+  assert config.qk_norm == {"gemma3": "gemma", "qwen3": "llama"}.get(kind)
   # Full float32 matmuls on GPUs too (their default may use TF32, ~1e-3 off).
   with jax.default_matmul_precision("highest"):
     got = _replay(runner, tokens)
@@ -112,9 +120,12 @@ def test_batched_replay_matches_transformers(kind):
 @pytest.mark.parametrize("kind, overrides", [
     ("gemma3", dict(sliding_window=5)),
     ("llama", dict(rope_theta=20000.0)),
-], ids=["gemma3-window", "llama-rope"])
+    ("qwen2", dict(sliding_window=5)),
+    ("qwen3", dict(rms_eps=1e-1)),
+    ("mistral", dict(sliding_window=5)),
+], ids=["gemma3-window", "llama-rope", "qwen2-window", "qwen3-eps", "mistral-window"])
 def test_negative_control(kind, overrides):
-  """A wrong window or RoPE base with the same weights misses the reference by far."""
+  """A wrong window, RoPE base or eps with the same weights misses the reference by far."""
   tokens, reference = _reference(kind)
   runner, _ = _runner(kind, **overrides)
   got = _replay(runner, tokens)
