@@ -297,7 +297,9 @@ class Decoder(nnx.Module):
 
   def hidden(self, tokens, state):
     """Final-norm hidden states `[W, hidden]` of one step, and the new state."""
-    width = state.step.seq_cols.shape[0]   # W, or less inside `jaxkv.pure.run_narrow`
+    # W, or less inside `jaxkv.pure.run_narrow` (the state's step says which).
+    cols = getattr(getattr(state, "step", None), "seq_cols", None)
+    width = self.cache_config.step_width if cols is None else cols.shape[0]
     if tokens.shape != (width,):
       raise ValueError(f"tokens must be int32[W={width}]; got tokens.shape={tokens.shape}")
     x = self.embed(tokens.astype(jnp.int32))
