@@ -130,7 +130,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
       ls, cache=cache, tokens=tokens_buf, length=length, fed=fed,
       active=jnp.where(finished, 0, ls.active), done=ls.done | as_int(finished),
       out_tokens=out_tokens,
-      out_len=ls.out_len.at[fin_at].set(length - ls.prompt_len, mode="drop"),
+      out_len=ls.out_len.at[out_at].set(length - ls.prompt_len, mode="drop"),   # so far
       out_stop=ls.out_stop.at[fin_at].set(as_int(is_stop), mode="drop"),
       out_done=ls.out_done.at[fin_at].set(1, mode="drop"),
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),

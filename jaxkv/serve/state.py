@@ -77,7 +77,8 @@ class LoopState:
     out_row: `int32[S]` the column's output row.
     temperature, top_p: `float32[S]`; top_k, seed, sample_index: `int32[S]`.
     stop_tokens: `int32[S, NS]`.
-    out_tokens: `int32[R, M]`; out_len, out_stop, out_done: `int32[R]`.
+    out_tokens: `int32[R, M]` each sample's generated tokens; out_len: `int32[R]`
+      tokens generated so far; out_stop, out_done: `int32[R]` set when it finishes.
     steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
       most positions held at once, and the first non-OK cache status.
     width_steps: `int32[len(widths)]` steps run at each compiled width.
