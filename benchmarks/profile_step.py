@@ -103,6 +103,8 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
       "categories_ms_per_step": {c: t / 1e6 / max(steps, 1) for c, t in by_cat.most_common()},
       "top": [(n[:90], t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
               for n, t in by_name.most_common(25)],
+      "all": [(n, t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
+              for n, t in by_name.most_common()],
   }
   return out
 
@@ -129,6 +131,8 @@ def main(argv=None) -> int:
   p.add_argument("--small", action="store_true")
   p.add_argument("--widths", default="512", help="engine W values to time, comma-separated")
   p.add_argument("--decode-only", action="store_true", help="skip the prefill and padded traces")
+  p.add_argument("--dump-hlo", action="store_true", help="write the loop's optimized HLO and "
+                 "every kernel's launches and time per step under --out")
   args = p.parse_args(argv)
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
@@ -161,6 +165,18 @@ def main(argv=None) -> int:
     with jax.profiler.trace(tdir):
       engine.run(reqs)
     s = summarize(tdir, engine.stats.steps, f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
+    if args.dump_hlo:
+      queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in reqs],
+                               max_len=engine.max_len, max_stop=engine.max_stop)
+      ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
+      text = engine._loop.lower(engine.graphdef, cache, engine.widths, engine.params, ls,   # pylint: disable=protected-access
+                                jnp.int32(1)).compile().as_text()
+      os.makedirs(args.out, exist_ok=True)
+      with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:
+        f.write(text)
+      with open(os.path.join(args.out, f"kernels_W{width}.txt"), "w") as f:
+        for name, t, k in s.get("all", []):
+          f.write(f"{k:8.2f} {t:8.4f} {name}\n")
     results[s["label"]] = s
     _print(s)
     if width >= 512 and not args.decode_only:
