@@ -22,8 +22,8 @@ import numpy as np
 
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
+from pallas_kernels.common import SUPPORTED_KV_DTYPES
 
-_SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 _TMA_MAX_BOX = 256
 
 
@@ -51,7 +51,7 @@ def static_check(k_cache, *, block_heads):
   """Raises NotImplementedError for valid requests this kernel cannot serve."""
   _, _, num_kv_heads, head_dim = k_cache.shape
   dtype = np.dtype(k_cache.dtype)
-  if dtype not in _SUPPORTED_DTYPES:
+  if dtype not in SUPPORTED_KV_DTYPES:
     raise NotImplementedError(f"kv dtype {dtype} is not supported")
   if (head_dim * dtype.itemsize) % 16 or head_dim > _TMA_MAX_BOX:
     raise NotImplementedError(f"{head_dim=} rows of {dtype} must be a multiple of 16 "

@@ -42,7 +42,10 @@ import numpy as np
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
-from pallas_kernels.varlen_attention import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import SUPPORTED_KV_DTYPES
+from pallas_kernels.common import searchsorted_right
+from pallas_kernels.common import token_segment_index
 
 LOG2E = math.log2(math.e)
 ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
@@ -52,9 +55,6 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
  IT_FIRST_ROW, IT_FIRST_LEN, IT_SECOND_LEN, IT_TILE0_ROW, IT_NUM_FIRST, IT_T_BEGIN,
  IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS) = range(19)
 NUM_ITEM_FIELDS = 19
-
-_SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-
 
 def _cdiv(a, b):
   return (a + b - 1) // b
@@ -69,7 +69,7 @@ def static_check(q, k_cache, *, config):
   num_kv_heads = k_cache.shape[2]
   group = num_q_heads // num_kv_heads
   dtype = np.dtype(k_cache.dtype)
-  if dtype not in _SUPPORTED_DTYPES:
+  if dtype not in SUPPORTED_KV_DTYPES:
     raise NotImplementedError(f"kv dtype {dtype} is not supported")
   if config.block_q % group:
     raise NotImplementedError(f"GQA group {group} must divide {config.block_q=}")
@@ -168,7 +168,7 @@ def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
   """Flat int32 `[1 + max_items * NUM_ITEM_FIELDS]`: the active count, then one row per item."""
   item = jnp.arange(max_items, dtype=jnp.int32)
   cu = seg["cu_items"]
-  s = jnp.minimum(_searchsorted(cu, item).astype(jnp.int32), cu.shape[0] - 1)
+  s = jnp.minimum(searchsorted_right(cu, item).astype(jnp.int32), cu.shape[0] - 1)
   active = item < cu[-1]
   f = {name: value[s] for name, value in seg.items() if name != "cu_items"}
   local = item - (cu[s] - f["num_items"])
@@ -386,13 +386,6 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   return lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
 
 
-def _searchsorted(sorted_values, queries):
-  """`searchsorted(..., side="right")`: one fused compare for small tables (decode)."""
-  small = sorted_values.size * queries.size <= 1 << 22
-  return jnp.searchsorted(sorted_values, queries, side="right",
-                          method="compare_all" if small else "scan")
-
-
 def _div(x, divisor: int):
   """`x // divisor` for non-negative int32 `x`; a shift for powers of two."""
   if divisor & (divisor - 1) == 0:
@@ -417,9 +410,9 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
   """
   num_items, num_kv_heads, _, head_dim = o_part.shape
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-  # Segment rows are in step order; padded rows have q_len 0 and sort last.
-  starts = jnp.where(seg["q_len"] > 0, seg["q_start"], jnp.iinfo(jnp.int32).max)
-  s = jnp.clip(_searchsorted(starts, tokens).astype(jnp.int32) - 1, 0, starts.shape[0] - 1)
+  # Padded rows have q_len 0 here (`_segment_plan`), so they are not real.
+  s = jnp.clip(token_segment_index(seg["q_start"], seg["q_len"] > 0, num_tokens), 0,
+               seg["q_start"].shape[0] - 1)
   is_token = (tokens >= seg["q_start"][s]) & (tokens < seg["q_start"][s] + seg["q_len"][s])
   local_row = (tokens - seg["q_start"][s]) * group        # first of the token's G rows
   splits = seg["splits"][s]
