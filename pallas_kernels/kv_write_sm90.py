@@ -61,6 +61,17 @@ def static_check(k_cache, *, block_heads):
                               f"most {_TMA_MAX_BOX}")
 
 
+def check_request(k_cache, *, config=None) -> int:
+  """Raises NotImplementedError if this write cannot be served; returns `block_heads`.
+
+  Needs only the cache's shape and dtype; `kv_write_sm90` runs the same check.
+  """
+  config = config_lib.KvWriteConfig() if config is None else config
+  block_heads = config.block_heads or k_cache.shape[2]
+  static_check(k_cache, block_heads=block_heads)
+  return block_heads
+
+
 @functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
 def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block_heads,
               interpret):
@@ -106,9 +117,7 @@ def kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
   Raises:
     NotImplementedError: for a dtype or head geometry TMA cannot move.
   """
-  config = config_lib.KvWriteConfig() if config is None else config
-  block_heads = config.block_heads or k_cache.shape[2]
-  static_check(k_cache, block_heads=block_heads)
+  block_heads = check_request(k_cache, config=config)
   return _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows,
                    jnp.asarray(n_tokens, jnp.int32), block_heads=block_heads,
                    interpret=_compat.resolve_interpret(interpret))

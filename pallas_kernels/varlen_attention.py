@@ -130,3 +130,14 @@ def varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale
   return varlen_attention_sm90.varlen_attention_sm90(
       q, k_cache, v_cache, seq_info, n_segments, window=window, scale=scale,
       config=config, interpret=interpret)
+
+
+def check_varlen_attention(q, k_cache, *, config=None, interpret=False) -> None:
+  """Raises NotImplementedError iff `varlen_attention` would refuse these shapes.
+
+  `q` and `k_cache` may be `jax.ShapeDtypeStruct`s: the kernel's own static
+  checks run on shapes, dtypes and the (default) config only, so dispatchers
+  and planners share them instead of re-deriving the rules.
+  """
+  from pallas_kernels import varlen_attention_sm90   # pylint: disable=g-import-not-at-top
+  varlen_attention_sm90.check_request(q, k_cache, config=config, interpret=interpret)
