@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import has_hopper_gpu
 import jaxkv
 from jaxkv import _implementation
 from scenario_utils import Harness
@@ -36,12 +37,21 @@ def _config(kv_dtype, head_dims=(64, 80, 8), capacity=40):
                            kv_dtype=kv_dtype, initial_capacity=8)
 
 
-def test_plan_on_this_cpu_is_the_reference_for_every_layer():
-  assert jax.devices()[0].platform == "cpu"
+no_hopper = pytest.mark.skipif(has_hopper_gpu(), reason="the default device is a Hopper GPU")
+
+
+@no_hopper
+def test_plan_without_hopper_is_the_reference_for_every_layer():
   plan = jaxkv.implementation_plan(_config(jnp.float16), 6)
   assert [p.layer for p in plan] == [0, 1, 2]
   assert all(p.implementation == "reference" and "compute capability >= 9.0" in p.reason
              for p in plan)
+
+
+@pytest.mark.skipif(not has_hopper_gpu(), reason="needs an NVIDIA Hopper GPU")
+def test_plan_on_a_real_hopper_gpu():
+  plan = jaxkv.implementation_plan(_config(jnp.bfloat16), 6)
+  assert [p.implementation for p in plan] == ["mosaic_gpu", "mosaic_gpu", "reference"]
 
 
 def test_plan_on_hopper_uses_the_kernels_own_checks(hopper_default):
@@ -96,6 +106,7 @@ def test_warn_fallback_deduplicates(fresh_warnings):
     _implementation.warn_fallback(q, k, "reason B")
 
 
+@no_hopper
 def test_cpu_default_does_not_warn(fresh_warnings):
   del fresh_warnings
   config = _config(jnp.float32, head_dims=(16, 8), capacity=28)
