@@ -8,18 +8,23 @@ pure jittable function in `jaxkv.pure` and, for host code, as a method of
 from jaxkv import pure
 from jaxkv._config import CacheConfig, LayerConfig, LayerPolicy
 from jaxkv._host import BatchedSequenceCache
+from jaxkv._implementation import (KernelFallbackWarning, LayerImplementation,
+                                   implementation_plan)
 from jaxkv._state import CacheState, Phase, Status, Step, StepError, init_state
 
 __all__ = [
     "BatchedSequenceCache",
     "CacheConfig",
     "CacheState",
+    "KernelFallbackWarning",
     "LayerConfig",
+    "LayerImplementation",
     "LayerPolicy",
     "Phase",
     "Status",
     "Step",
     "StepError",
+    "implementation_plan",
     "init_state",
     "pure",
 ]

@@ -3,8 +3,10 @@
 Dispatch: `"reference"` runs the pure-jnp references; `"mosaic_gpu"` the Pallas
 Mosaic GPU kernels; `"interpret"` the same kernels under the Mosaic GPU
 interpreter; `None` picks `"mosaic_gpu"` on an NVIDIA GPU of compute capability
->= 9.0 and falls back to the reference on `NotImplementedError` (an explicit
-choice re-raises).
+>= 9.0 unless the kernels' static checks refuse the layer, and then runs the
+reference with a `KernelFallbackWarning` (once per layer shape and reason; see
+`jaxkv._implementation`, which `implementation_plan` shares). An explicit
+choice re-raises the kernel's `NotImplementedError`.
 """
 
 from __future__ import annotations
@@ -13,25 +15,16 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jaxkv import _implementation
 from jaxkv._config import CacheConfig
+from jaxkv._implementation import default_implementation  # pylint: disable=unused-import
 from jaxkv._sharding import per_shard, validate_mesh
 from jaxkv._state import CacheState, Phase, Status
 from jaxkv._validate import (static_validate_attend, static_validate_implementation,
                              static_validate_state, step_width_of)
-
-
-def default_implementation() -> str:
-  """`"mosaic_gpu"` on a Hopper-or-newer NVIDIA GPU, else `"reference"`."""
-  device = jax.devices()[0]
-  if device.platform == "gpu":
-    capability = getattr(device, "compute_capability", None)
-    if capability is not None and float(capability) >= 9.0:
-      return "mosaic_gpu"
-  return "reference"
 
 
 def _write_and_attend(implementation, *, window, scale):
@@ -93,9 +86,14 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   static = dict(window=config.window(layer), scale=scale)
   run = lambda impl: per_shard(_write_and_attend(impl, **static), mesh, kv_axis)(*operands)
   if implementation is None:
+    chosen, reason = _implementation.choose_implementation(q, state.k[layer])
+    if chosen != _implementation.default_implementation():
+      _implementation.warn_fallback(q, state.k[layer], reason)
     try:
-      k_cache, v_cache, out = run(default_implementation())
-    except NotImplementedError:
+      k_cache, v_cache, out = run(chosen)
+    except NotImplementedError as e:
+      # A refusal the static checks did not foresee: still served, still reported.
+      _implementation.warn_fallback(q, state.k[layer], f"the kernels raised: {e}")
       k_cache, v_cache, out = run("reference")
   else:
     k_cache, v_cache, out = run(implementation)

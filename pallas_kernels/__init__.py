@@ -4,14 +4,22 @@ This package sees raw arrays only and never imports jaxkv.
 """
 
 from pallas_kernels import indexing
-from pallas_kernels.kv_write import kv_write, kv_write_reference, static_validate_kv_write
+from pallas_kernels.kv_write import (
+    check_kv_write,
+    kv_write,
+    kv_write_reference,
+    static_validate_kv_write,
+)
 from pallas_kernels.varlen_attention import (
+    check_varlen_attention,
     static_validate_varlen_attention,
     varlen_attention,
     varlen_attention_reference,
 )
 
 __all__ = [
+    "check_kv_write",
+    "check_varlen_attention",
     "indexing",
     "kv_write",
     "kv_write_reference",

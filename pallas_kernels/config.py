@@ -8,7 +8,6 @@ be static `jit` arguments, and `__post_init__` validates every field.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 
 def _require(condition: bool, message: str) -> None:
@@ -23,7 +22,8 @@ class VarlenAttentionConfig:
   Attributes:
     block_q: query rows per program, a row being one (token, query head of the
       GQA group) pair; the wgmma M dimension, so a multiple of 64 when
-      `use_wgmma`.
+      `use_wgmma`. A q tile holds `floor(block_q / G)` whole tokens, so any
+      GQA group G up to `block_q` is served.
     block_k: keys per streamed K/V tile (a multiple of 64 when `use_wgmma`).
     num_stages: K/V tiles in flight (TMA double/triple buffering), >= 1.
     split_len: fewest keys one split of a single-q-tile segment reads
@@ -91,12 +91,14 @@ def default_varlen_attention_config(*, group: int, head_dim: int,
   calls get small tiles and a small split budget (still exercising splits);
   compiled calls get 64-row q tiles, K/V tiles of 64 (128 for head dim 64),
   two stages and about four programs per SM of split budget on an H100/H200
-  (132 SMs). `group` is the GQA group size
-  (query heads per KV head), which must divide `block_q`.
+  (132 SMs). `group` is the GQA group size (query heads per KV head); the
+  interpreter's q tiles hold at least two whole tokens (`8 * ceil(G / 4)` rows),
+  so CPU tests exercise tiles of several tokens and, for G not dividing the
+  tile (3, 5, 6, 7, ...), the idle rows the compiled kernel's 64-row tiles have.
   """
   if interpret:
-    return VarlenAttentionConfig(block_q=math.lcm(8, group), block_k=8, num_stages=2, split_len=16,
-                                 split_budget=4, max_splits=4, max_programs=4,
+    return VarlenAttentionConfig(block_q=8 * -(-group // 4), block_k=8, num_stages=2,
+                                 split_len=16, split_budget=4, max_splits=4, max_programs=4,
                                  use_wgmma=False)
   # block_k != head_dim: square K/V tiles miscompute (see varlen_attention_sm90).
   # Stages and split lengths: the best of a small sweep on H200 (docs/PERFORMANCE.md).

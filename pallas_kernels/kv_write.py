@@ -66,3 +66,9 @@ def kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, config
   from pallas_kernels import kv_write_sm90   # pylint: disable=g-import-not-at-top
   return kv_write_sm90.kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows,
                                      n_tokens, config=config, interpret=interpret)
+
+
+def check_kv_write(k_cache, *, config=None) -> None:
+  """Raises NotImplementedError iff `kv_write` would refuse this cache (shape/dtype only)."""
+  from pallas_kernels import kv_write_sm90   # pylint: disable=g-import-not-at-top
+  kv_write_sm90.check_request(k_cache, config=config)

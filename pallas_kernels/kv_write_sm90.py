@@ -22,8 +22,8 @@ import numpy as np
 
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
+from pallas_kernels.common import SUPPORTED_KV_DTYPES
 
-_SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 _TMA_MAX_BOX = 256
 
 
@@ -51,7 +51,7 @@ def static_check(k_cache, *, block_heads):
   """Raises NotImplementedError for valid requests this kernel cannot serve."""
   _, _, num_kv_heads, head_dim = k_cache.shape
   dtype = np.dtype(k_cache.dtype)
-  if dtype not in _SUPPORTED_DTYPES:
+  if dtype not in SUPPORTED_KV_DTYPES:
     raise NotImplementedError(f"kv dtype {dtype} is not supported")
   if (head_dim * dtype.itemsize) % 16 or head_dim > _TMA_MAX_BOX:
     raise NotImplementedError(f"{head_dim=} rows of {dtype} must be a multiple of 16 "
@@ -59,6 +59,17 @@ def static_check(k_cache, *, block_heads):
   if num_kv_heads % block_heads or block_heads > _TMA_MAX_BOX:
     raise NotImplementedError(f"{block_heads=} must divide {num_kv_heads=} and be at "
                               f"most {_TMA_MAX_BOX}")
+
+
+def check_request(k_cache, *, config=None) -> int:
+  """Raises NotImplementedError if this write cannot be served; returns `block_heads`.
+
+  Needs only the cache's shape and dtype; `kv_write_sm90` runs the same check.
+  """
+  config = config_lib.KvWriteConfig() if config is None else config
+  block_heads = config.block_heads or k_cache.shape[2]
+  static_check(k_cache, block_heads=block_heads)
+  return block_heads
 
 
 @functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
@@ -106,9 +117,7 @@ def kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
   Raises:
     NotImplementedError: for a dtype or head geometry TMA cannot move.
   """
-  config = config_lib.KvWriteConfig() if config is None else config
-  block_heads = config.block_heads or k_cache.shape[2]
-  static_check(k_cache, block_heads=block_heads)
+  block_heads = check_request(k_cache, config=config)
   return _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows,
                    jnp.asarray(n_tokens, jnp.int32), block_heads=block_heads,
                    interpret=_compat.resolve_interpret(interpret))

@@ -12,10 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import indexing
-
-# A finite mask value, not -inf: a fully masked row (a padded token) would give
-# exp(-inf - -inf) = NaN; with a finite value it gives finite garbage instead.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import token_segments
 
 
 def static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *,
@@ -51,27 +49,6 @@ def static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments, 
 # Rows per block of the reference's key loop: bounds its gathered K/V to about
 # this many float32 elements per operand, whatever the cache size.
 _REFERENCE_BLOCK_ELEMENTS = 1 << 24
-
-
-def token_segments(seq_info, n_segments, num_tokens: int):
-  """Per-token segment fields: `(has_segment, q_start, q_len, col, pos0, kind)`.
-
-  Each is `[num_tokens]` int32 (bool for `has_segment`); tokens covered by no real
-  segment (padding) get `has_segment = False`. Real rows are in step order, so a
-  token's segment is the last real row starting at or before it.
-  """
-  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-  q_start = seq_info[:, indexing.SEG_Q_START]
-  is_real = jnp.arange(seq_info.shape[0], dtype=jnp.int32) < n_segments
-  starts = jnp.where(is_real, q_start, jnp.iinfo(jnp.int32).max)
-  index = jnp.searchsorted(starts, tokens, side="right").astype(jnp.int32) - 1
-  fields = seq_info[jnp.clip(index, 0, seq_info.shape[0] - 1)]             # [T, 5]
-  has_segment = (index >= 0) & (tokens < fields[:, indexing.SEG_Q_START]
-                                + fields[:, indexing.SEG_Q_LEN])
-  fields = jnp.where(has_segment[:, None], fields, 0)
-  return (has_segment, fields[:, indexing.SEG_Q_START], fields[:, indexing.SEG_Q_LEN],
-          fields[:, indexing.SEG_COL], fields[:, indexing.SEG_POS0],
-          fields[:, indexing.SEG_KIND])
 
 
 def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, window,
@@ -153,3 +130,14 @@ def varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale
   return varlen_attention_sm90.varlen_attention_sm90(
       q, k_cache, v_cache, seq_info, n_segments, window=window, scale=scale,
       config=config, interpret=interpret)
+
+
+def check_varlen_attention(q, k_cache, *, config=None, interpret=False) -> None:
+  """Raises NotImplementedError iff `varlen_attention` would refuse these shapes.
+
+  `q` and `k_cache` may be `jax.ShapeDtypeStruct`s: the kernel's own static
+  checks run on shapes, dtypes and the (default) config only, so dispatchers
+  and planners share them instead of re-deriving the rules.
+  """
+  from pallas_kernels import varlen_attention_sm90   # pylint: disable=g-import-not-at-top
+  varlen_attention_sm90.check_request(q, k_cache, config=config, interpret=interpret)

@@ -3,8 +3,9 @@
 Work is cut into *items*, each served for one KV head at a time:
 
 - a segment's query rows are its (token, query head of the GQA group) pairs,
-  `q_len * G` of them, cut into q tiles of `block_q` rows (one tile for decode),
-  so the G query heads of a group share every K/V tile they stream;
+  `q_len * G` of them, cut into q tiles of `floor(block_q / G)` whole tokens
+  (`q_tile_rows`; one tile for decode), so the G query heads of a group share
+  every K/V tile they stream, for any G up to `block_q`;
 - a segment with a single q tile (decode, short prefill) may be further split
   over its keys (flash decoding); the number of splits is chosen on device from
   the segment lengths, within a static budget.
@@ -42,7 +43,10 @@ import numpy as np
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
-from pallas_kernels.varlen_attention import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import SUPPORTED_KV_DTYPES
+from pallas_kernels.common import searchsorted_right
+from pallas_kernels.common import token_segment_index
 
 LOG2E = math.log2(math.e)
 ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
@@ -53,11 +57,41 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
  IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS) = range(19)
 NUM_ITEM_FIELDS = 19
 
-_SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-
-
 def _cdiv(a, b):
   return (a + b - 1) // b
+
+
+# wgmma head dims: a multiple of 16 elements (32 bytes, the smallest swizzle
+# wgmma takes, see `_swizzle_bytes`) and at most 256 (wgmma's N and TMA's box).
+WGMMA_HEAD_DIM_MULTIPLE = 16
+WGMMA_MAX_HEAD_DIM = 256
+
+
+SMEM_BYTES = 227 * 1024    # dynamic shared memory one sm90 program may use
+
+
+def _smem_bytes(config, head_dim: int, itemsize: int) -> int:
+  """Shared memory of one program: the q tile, then K/V stages or output staging.
+
+  The stages and the float32 output staging live in consecutive scopes (see
+  `_attention_kernel`), so only the larger of the two counts.
+  """
+  stages = config.num_stages * 2 * config.block_k * head_dim * itemsize
+  staging = config.block_q * (head_dim + 1) * 4
+  return config.block_q * head_dim * itemsize + max(stages, staging)
+
+
+def q_tile_rows(block_q: int, group: int) -> int:
+  """Rows of a q tile that hold queries: `floor(block_q / G)` whole tokens' G rows.
+
+  A token's G rows never straddle two tiles, so every tile row maps to one
+  (token, head) pair by `row // G` and the combine reads a token's G rows from
+  one partial. A G that does not divide `block_q` (3, 5, 6, 7, 9..15 with 64-row
+  wgmma tiles) leaves `block_q mod G` idle rows per tile (at most 1/4 of a 64-row
+  tile for G <= 16) instead of padding every token to a divisor of `block_q`
+  (G 5 -> 8 would idle 3/8 of every prefill tile and its q copy).
+  """
+  return (block_q // group) * group
 
 
 def static_check(q, k_cache, *, config):
@@ -69,24 +103,52 @@ def static_check(q, k_cache, *, config):
   num_kv_heads = k_cache.shape[2]
   group = num_q_heads // num_kv_heads
   dtype = np.dtype(k_cache.dtype)
-  if dtype not in _SUPPORTED_DTYPES:
+  if dtype not in SUPPORTED_KV_DTYPES:
     raise NotImplementedError(f"kv dtype {dtype} is not supported")
-  if config.block_q % group:
-    raise NotImplementedError(f"GQA group {group} must divide {config.block_q=}")
+  if group > config.block_q:
+    raise NotImplementedError(f"GQA group {group} must be at most {config.block_q=} "
+                              "(a token's query heads share one q tile)")
   if not config.use_wgmma:
     return
   if dtype == np.dtype(jnp.float32):
     # wgmma on float32 operands rounds them to tf32 (~1e-3), outside SPEC's 1e-5.
-    raise NotImplementedError("float32 storage needs the dot_general variant "
-                              "(use_wgmma=False), which only the interpreter runs")
-  if head_dim % 64:
-    raise NotImplementedError(f"{head_dim=} must be a multiple of 64 for wgmma")
+    raise NotImplementedError(
+        "float32 K/V storage is not served by the compiled Mosaic GPU attention "
+        "kernel (wgmma rounds float32 to tf32, ~1e-3 error); store K/V as bfloat16 or "
+        "float16 to use it, or run float32 with implementation='reference'")
+  if head_dim % WGMMA_HEAD_DIM_MULTIPLE or head_dim > WGMMA_MAX_HEAD_DIM:
+    raise NotImplementedError(f"{head_dim=} must be a multiple of "
+                              f"{WGMMA_HEAD_DIM_MULTIPLE} and at most {WGMMA_MAX_HEAD_DIM} "
+                              "for wgmma")
+  smem = _smem_bytes(config, head_dim, dtype.itemsize)
+  if smem > SMEM_BYTES:
+    raise NotImplementedError(f"{config} needs {smem} bytes of shared memory for "
+                              f"{head_dim=}, more than the {SMEM_BYTES} an sm90 program has; "
+                              "use fewer stages or a smaller block_k")
   if config.block_k == head_dim:
     # Observed on H200 with jax 0.11.2: square K/V tiles (64x64, 128x128) give
     # wrong results; docs/PERFORMANCE.md has the measurements.
     raise NotImplementedError(f"{config.block_k=} == {head_dim=} (square K/V tiles) "
                               "miscomputes on Mosaic GPU; use another block_k")
   # Every row count >= 1 is served: `tile_geometry` pads the rest.
+
+
+def check_request(q, k_cache, *, config=None, interpret=False):
+  """Resolves the config and raises NotImplementedError if this call cannot be served.
+
+  Needs only shapes and dtypes (arrays or `jax.ShapeDtypeStruct`s), so a
+  dispatcher can ask before tracing anything; `varlen_attention_sm90` runs the
+  same check. Returns the config the call will use.
+  """
+  interpreted = _compat.resolve_interpret(interpret) is not None
+  if config is None:
+    config = config_lib.default_varlen_attention_config(
+        group=q.shape[1] // k_cache.shape[2], head_dim=q.shape[-1], interpret=interpreted)
+  if interpreted and config.use_wgmma:
+    raise NotImplementedError("the Mosaic GPU interpreter cannot run wgmma here; use "
+                              "VarlenAttentionConfig(use_wgmma=False)")
+  static_check(q, k_cache, config=config)
+  return config
 
 
 def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
@@ -115,7 +177,7 @@ def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
   return block_k, max(padded_rows, block_k)
 
 
-def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, block_k,
+def _segment_plan(seq_info, n_segments, *, num_rows, window, group, tile_rows, block_k,
                   align, config):
   """Per-segment fields and item counts, all `[W]` int32 (jnp, on device)."""
   width = seq_info.shape[0]
@@ -136,7 +198,7 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, blo
   tile0_row, num_first, num_second = indexing.run_tiling(
       first_row, first_len, second_len, block=block_k, align=align)
   num_tiles = num_first + num_second
-  q_tiles = _cdiv(q_len * group, block_q)
+  q_tiles = _cdiv(q_len * group, tile_rows)
   # Only segments of one q tile long enough to split may split, and only as many
   # (longest first) as keep their tokens within `max_split_tokens`: the combine
   # merges splits for that many tokens and copies every other token's one row.
@@ -164,18 +226,18 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, block_q, blo
               num_items=num_items, cu_items=jnp.cumsum(num_items))
 
 
-def _item_table(seg, *, max_items, group, block_q, block_k, window, sort_items):
+def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items):
   """Flat int32 `[1 + max_items * NUM_ITEM_FIELDS]`: the active count, then one row per item."""
   item = jnp.arange(max_items, dtype=jnp.int32)
   cu = seg["cu_items"]
-  s = jnp.minimum(_searchsorted(cu, item).astype(jnp.int32), cu.shape[0] - 1)
+  s = jnp.minimum(searchsorted_right(cu, item).astype(jnp.int32), cu.shape[0] - 1)
   active = item < cu[-1]
   f = {name: value[s] for name, value in seg.items() if name != "cu_items"}
   local = item - (cu[s] - f["num_items"])
   q_tile = local // f["splits"]
   split = local % f["splits"]
-  q_tok0 = q_tile * block_q                      # first row of the tile in the segment
-  rows = jnp.minimum(f["q_len"] * group - q_tok0, block_q)
+  q_tok0 = q_tile * tile_rows                    # first row of the tile in the segment
+  rows = jnp.minimum(f["q_len"] * group - q_tok0, tile_rows)
   first_q = f["pos0"] + q_tok0 // group
   last_q = f["pos0"] + (q_tok0 + jnp.maximum(rows, 1) - 1) // group
   key_start, key_stop = indexing.visible_key_range(first_q, last_q, f["lo"], f["end"],
@@ -386,13 +448,6 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   return lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
 
 
-def _searchsorted(sorted_values, queries):
-  """`searchsorted(..., side="right")`: one fused compare for small tables (decode)."""
-  small = sorted_values.size * queries.size <= 1 << 22
-  return jnp.searchsorted(sorted_values, queries, side="right",
-                          method="compare_all" if small else "scan")
-
-
 def _div(x, divisor: int):
   """`x // divisor` for non-negative int32 `x`; a shift for powers of two."""
   if divisor & (divisor - 1) == 0:
@@ -400,11 +455,27 @@ def _div(x, divisor: int):
   return lax.div(x, jnp.int32(divisor))
 
 
-def _smem_transforms(use_wgmma, dtype):
+def _swizzle_bytes(head_dim: int, dtype) -> int:
+  """The widest wgmma swizzle (128, 64 or 32 bytes) that divides a K/V row.
+
+  wgmma reads (8, swizzle / itemsize)-tiled shared memory, so a row must be a
+  whole number of swizzle atoms. 128 bytes serves head dims that are multiples
+  of 64 (16-bit); 96 (192 bytes) gets 64-byte and 80 (160 bytes) 32-byte atoms.
+  A narrower swizzle keeps the rows at their true width: no zero columns in
+  shared memory or in the matmuls, and the TMA boxes read only the row's bytes
+  (no cache copy, no padded head dim). The index math is the same for every
+  head dim, which is what the interpreter variant (no swizzle) checks on CPU.
+  """
+  row_bytes = head_dim * np.dtype(dtype).itemsize
+  return next(s for s in (128, 64, 32) if row_bytes % s == 0)
+
+
+def _smem_transforms(use_wgmma, dtype, head_dim):
   if not use_wgmma:
     return ()
-  swizzle_elems = 128 // np.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+  swizzle = _swizzle_bytes(head_dim, dtype)
+  swizzle_elems = swizzle // np.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
 def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
@@ -417,17 +488,22 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
   """
   num_items, num_kv_heads, _, head_dim = o_part.shape
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-  # Segment rows are in step order; padded rows have q_len 0 and sort last.
-  starts = jnp.where(seg["q_len"] > 0, seg["q_start"], jnp.iinfo(jnp.int32).max)
-  s = jnp.clip(_searchsorted(starts, tokens).astype(jnp.int32) - 1, 0, starts.shape[0] - 1)
+  # Padded rows have q_len 0 here (`_segment_plan`), so they are not real.
+  s = jnp.clip(token_segment_index(seg["q_start"], seg["q_len"] > 0, num_tokens), 0,
+               seg["q_start"].shape[0] - 1)
   is_token = (tokens >= seg["q_start"][s]) & (tokens < seg["q_start"][s] + seg["q_len"][s])
-  local_row = (tokens - seg["q_start"][s]) * group        # first of the token's G rows
+  tile_tokens = block_q // group                          # see `q_tile_rows`
+  local_token = tokens - seg["q_start"][s]
   splits = seg["splits"][s]
-  item_base = seg["cu_items"][s] - seg["num_items"][s] + (local_row // block_q) * splits
+  item_base = seg["cu_items"][s] - seg["num_items"][s] + (local_token // tile_tokens) * splits
   item_base = jnp.clip(item_base, 0, num_items - 1)
-  row_block = (local_row % block_q) // group
-  o_part = o_part.reshape(num_items, num_kv_heads, block_q // group, group, head_dim)
-  lse_part = lse_part.reshape(num_items, num_kv_heads, block_q // group, group)
+  row_block = local_token % tile_tokens
+  # The idle rows past the tile's whole tokens (when G does not divide block_q)
+  # are dropped; the gathers below read every row through this view.
+  tile_rows = tile_tokens * group
+  o_part = o_part[:, :, :tile_rows].reshape(num_items, num_kv_heads, tile_tokens, group,
+                                            head_dim)
+  lse_part = lse_part[:, :, :tile_rows].reshape(num_items, num_kv_heads, tile_tokens, group)
   heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
   out = o_part[item_base[:, None], heads, row_block[:, None]]            # [T, K, G, D]
   # Padding tokens gathered unwritten partials; give them zeros, deterministically.
@@ -483,13 +559,14 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   group = num_q_heads // num_kv_heads
   dtype = k_cache.dtype
   block_q = config.block_q
+  tile_rows = q_tile_rows(block_q, group)
   block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
   k_cache, v_cache, seq_info = _padded_caches(k_cache, v_cache, seq_info,
                                               padded_rows=padded_rows)
   seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
-                      block_q=block_q, block_k=block_k, align=ROW_ALIGN, config=config)
-  max_items = _cdiv(num_tokens * group, block_q) + num_tokens + config.split_budget
-  items = _item_table(seg, max_items=max_items, group=group, block_q=block_q,
+                      tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
+  max_items = _cdiv(num_tokens * group, tile_rows) + num_tokens + config.split_budget
+  items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)
   # q rows as (token, group head) pairs per KV head, pre-scaled for exp2, padded
   # so that every q tile's TMA stays inside the array.
@@ -497,7 +574,7 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
   qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
   qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0)))
-  transforms = _smem_transforms(config.use_wgmma, dtype)
+  transforms = _smem_transforms(config.use_wgmma, dtype, head_dim)
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(
       _attention_kernel, group=group, block_q=block_q, block_k=block_k,
@@ -540,17 +617,10 @@ def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, 
 
   Raises:
     NotImplementedError: for a valid request this kernel cannot serve (dtype,
-      head dim, GQA group, square K/V tiles; wgmma under the interpreter).
+      head dim, GQA group larger than `block_q`, square K/V tiles; wgmma under
+      the interpreter).
   """
-  interpret_params = _compat.resolve_interpret(interpret)
-  if config is None:
-    config = config_lib.default_varlen_attention_config(
-        group=q.shape[1] // k_cache.shape[2], head_dim=q.shape[-1],
-        interpret=interpret_params is not None)
-  if interpret_params is not None and config.use_wgmma:
-    raise NotImplementedError("the Mosaic GPU interpreter cannot run wgmma here; use "
-                              "VarlenAttentionConfig(use_wgmma=False)")
-  static_check(q, k_cache, config=config)
+  config = check_request(q, k_cache, config=config, interpret=interpret)
   return _varlen_attention(q, k_cache, v_cache, seq_info, jnp.asarray(n_segments, jnp.int32),
                            window=window, scale=float(scale), config=config,
-                           interpret=interpret_params)
+                           interpret=_compat.resolve_interpret(interpret))

@@ -1,8 +1,9 @@
 """The facade at kernel-sized heads (issue 3): every verb with the Mosaic GPU kernels.
 
 SPEC §11's defaults use head_dim 8, which the compiled kernel refuses (wgmma
-needs multiples of 64), so on a GPU host those scenarios skip their
-`mosaic_gpu` variant. This scenario uses head_dim 64, GQA 4, float16 storage,
+needs multiples of 16), so on a GPU host those scenarios skip their
+`mosaic_gpu` variant. This scenario uses head_dim 64 with GQA 4 (and 80/96 with
+GQA 3/6, issue 12), float16 storage,
 an unaligned ring of 12 rows that wraps, growth of the flat layer, a fork, a
 rewind, an owner block and a padded `T = W` step, and checks every real row
 against the float64 oracle — with the reference, the interpreter and, on a
@@ -12,17 +13,23 @@ Hopper GPU, the compiled kernels.
 from __future__ import annotations
 
 import jax.numpy as jnp
+import pytest
 
 import jaxkv
 from scenario_utils import Harness
 
+# (query heads, (KV heads, head dim) of the flat and the ring layer): GQA 4 at
+# head dim 64, and the issue-12 layouts GQA 3 at head dim 80 and GQA 6 at 96.
+LAYOUTS = [(8, (2, 64), (2, 64)), (6, (2, 80), (1, 96))]
 
-def test_kernel_sized_session_matches_the_oracle(implementation):
-  layers = [jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 2, 64),
-            jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(5), 2, 64)]
+
+@pytest.mark.parametrize("n_q_heads, flat, ring", LAYOUTS, ids=["g4-d64", "g3-d80-g6-d96"])
+def test_kernel_sized_session_matches_the_oracle(implementation, n_q_heads, flat, ring):
+  layers = [jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), *flat),
+            jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(5), *ring)]
   config = jaxkv.CacheConfig(layers, capacity=128, max_seqs=4, max_write=8,
                              kv_dtype=jnp.float16, initial_capacity=8)
-  h = Harness(config, implementation=implementation, n_q_heads=8)
+  h = Harness(config, implementation=implementation, n_q_heads=n_q_heads)
   a, b = h.new(), h.new()
   h.step([a] * 5 + [b] * 3)                         # mixed prefill
   h.step([a, b, a, b], T=config.step_width)         # a twice, NaN padding

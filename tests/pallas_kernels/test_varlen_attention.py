@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import has_hopper_gpu
-from conftest import tol
+from attention_checks import check_family
+from attention_checks import requires_hopper
 from kernel_cases import Family
 from kernel_cases import queries
 from kernel_cases import random_step
@@ -116,49 +116,14 @@ INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     max_split_tokens=3,
     sort_items=False, use_wgmma=False)
 
-requires_hopper = pytest.mark.skipif(
-    not has_hopper_gpu(), reason="needs an NVIDIA Hopper GPU (compute capability >= 9.0) "
-    "to compile and run the Mosaic GPU kernel")
-
-
-@functools.partial(jax.jit, static_argnames=("window", "scale"))
-def _reference(q, k, v, seq_info, n_segments, *, window, scale):
-  return pallas_kernels.varlen_attention_reference(q, k, v, seq_info, n_segments,
-                                                   window=window, scale=scale)
-
-
-def _check_family(family, rng, *, config, interpret):
-  scale = 1.0 / np.sqrt(family.head_dim)
-  for index in range(family.num_steps):
-    step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
-    k, v = resident_storage(rng, family, step)
-    q = queries(rng, family, step)
-    args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
-    kwargs = dict(window=family.window, scale=scale)
-    out = pallas_kernels.varlen_attention(*args, **kwargs, config=config, interpret=interpret)
-    again = pallas_kernels.varlen_attention(*args, **kwargs, config=config,
-                                            interpret=interpret)
-    expected = _reference(*args, **kwargs)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    # Each kernel runs twice and must match bitwise (padding rows included).
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32),
-                                  err_msg=step.description)
-    real = slice(0, step.n_tokens)
-    got = np.asarray(out[real], np.float32)
-    want = np.asarray(expected[real], np.float32)
-    assert np.isfinite(got).all(), step.description
-    np.testing.assert_allclose(got, want, atol=tol(family.dtype), rtol=0,
-                               err_msg=step.description)
-
-
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES, ids=str)
 def test_interpreted_kernel_matches_reference(family, rng):
-  _check_family(family, rng, config=None, interpret=True)
+  check_family(family, rng, config=None, interpret=True)
 
 
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES[:2], ids=str)
 def test_interpreted_kernel_with_splits_matches_reference(family, rng):
-  _check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
+  check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
 
 
 @requires_hopper
@@ -166,17 +131,17 @@ def test_interpreted_kernel_with_splits_matches_reference(family, rng):
 @pytest.mark.parametrize("family", GPU_FAMILIES, ids=str)
 def test_compiled_kernel_matches_reference(family, splits, rng):
   config = SPLIT_CONFIGS[family.head_dim] if splits else None
-  _check_family(family, rng, config=config, interpret=False)
+  check_family(family, rng, config=config, interpret=False)
 
 
 @pytest.mark.parametrize("family", UNALIGNED_INTERPRET_FAMILIES, ids=str)
 def test_interpreted_kernel_serves_unaligned_and_tiny_row_counts(family, rng):
-  _check_family(family, rng, config=None, interpret=True)
+  check_family(family, rng, config=None, interpret=True)
 
 
 @pytest.mark.parametrize("family", LARGE_UNALIGNED_INTERPRET_FAMILIES, ids=str)
 def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
-  _check_family(family, rng, config=INTERPRET_BLOCK64_CONFIG, interpret=True)
+  check_family(family, rng, config=INTERPRET_BLOCK64_CONFIG, interpret=True)
 
 
 @requires_hopper
@@ -184,7 +149,7 @@ def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
 @pytest.mark.parametrize("family", UNALIGNED_GPU_FAMILIES, ids=str)
 def test_compiled_kernel_serves_unaligned_and_tiny_row_counts(family, splits, rng):
   config = SPLIT_CONFIGS[family.head_dim] if splits else None
-  _check_family(family, rng, config=config, interpret=False)
+  check_family(family, rng, config=config, interpret=False)
 
 
 @requires_hopper
@@ -194,7 +159,7 @@ def test_compiled_kernel_shrinks_block_k_for_a_small_aligned_cache(rng):
                   max_seqs=3, capacity=200, num_steps=6)
   config = config_lib.VarlenAttentionConfig(block_k=256)
   assert varlen_attention_sm90.tile_geometry(200, 128, config=config) == (64, 200)
-  _check_family(family, rng, config=config, interpret=False)
+  check_family(family, rng, config=config, interpret=False)
 
 
 @requires_hopper
@@ -271,12 +236,17 @@ def test_tile_geometry(rows, head_dim, block_k, use_wgmma, want):
 
 
 @pytest.mark.parametrize("shapes, config, match", [
-    ((8, 8, 64, 2, 128, jnp.float32), None, "float32 storage"),
-    ((8, 8, 64, 2, 32, jnp.bfloat16), None, "multiple of 64 for wgmma"),
-    ((8, 6, 64, 2, 64, jnp.bfloat16), None, "GQA group 3"),
+    ((8, 8, 64, 2, 128, jnp.float32), None, "float32 K/V storage is not served.*bfloat16 "
+     "or float16.*implementation='reference'"),
+    ((8, 8, 64, 2, 8, jnp.bfloat16), None, "multiple of 16 and at most 256 for wgmma"),
+    ((8, 8, 64, 2, 40, jnp.float16), None, "multiple of 16 and at most 256 for wgmma"),
+    ((8, 8, 64, 2, 320, jnp.bfloat16), None, "multiple of 16 and at most 256 for wgmma"),
+    ((8, 130, 64, 2, 64, jnp.bfloat16), None, "GQA group 65 must be at most"),
     ((8, 8, 64, 2, 64, jnp.int8), None, "kv dtype int8"),
     ((8, 8, 64, 2, 64, jnp.bfloat16), None, "square K/V tiles"),
-], ids=["f32", "d32", "group3", "int8", "square"])
+    ((8, 8, 64, 2, 256, jnp.bfloat16), config_lib.VarlenAttentionConfig(block_k=128),
+     "shared memory"),
+], ids=["f32", "d8", "d40", "d320", "group65", "int8", "square", "smem"])
 def test_production_kernel_refuses_what_it_cannot_serve(shapes, config, match):
   q, k, _, _, _ = _shapes(*shapes)
   with pytest.raises(NotImplementedError, match=match):

@@ -1,0 +1,66 @@
+"""What the attention reference and the Mosaic GPU kernels share besides ring math.
+
+`indexing.py` owns positions, rows and visibility; this module owns the rest that
+the pure-jnp reference, the kernels and their dispatchers must agree on: the
+mask value, the storage dtypes, and the token -> segment lookup. It imports
+nothing from the other kernel modules, so each of them can import it without a
+cycle (`varlen_attention.py` and `varlen_attention_sm90.py` used to import each
+other for these).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import indexing
+
+# A finite mask value, not -inf: a fully masked row (a padded token) would give
+# exp(-inf - -inf) = NaN; with a finite value it gives finite garbage instead.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# K/V storage dtypes of SPEC §2 (`kv_dtype`); every kernel either serves one or
+# refuses it with NotImplementedError.
+SUPPORTED_KV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+
+
+def searchsorted_right(sorted_values, queries):
+  """`searchsorted(..., side="right")`: one fused compare for small tables (decode).
+
+  The default scan is a loop of gathers; for the few-thousand-entry tables of a
+  decode step one `[N, M]` compare is a single fused kernel.
+  """
+  small = sorted_values.size * queries.size <= 1 << 22
+  return jnp.searchsorted(sorted_values, queries, side="right",
+                          method="compare_all" if small else "scan")
+
+
+def token_segment_index(q_start, is_real, num_tokens: int):
+  """`[num_tokens]` int32 index of the last real segment row starting at or before each token.
+
+  Real rows are in step order (SPEC §7.1), so that row is the token's segment
+  when the token lies inside it; -1 for a token before every real row. Callers
+  still check `token < q_start + q_len` (a padding token follows the last
+  segment). Non-real rows sort last.
+  """
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  starts = jnp.where(is_real, q_start, jnp.iinfo(jnp.int32).max)
+  return searchsorted_right(starts, tokens).astype(jnp.int32) - 1
+
+
+def token_segments(seq_info, n_segments, num_tokens: int):
+  """Per-token segment fields: `(has_segment, q_start, q_len, col, pos0, kind)`.
+
+  Each is `[num_tokens]` int32 (bool for `has_segment`); tokens covered by no real
+  segment (padding) get `has_segment = False` and zero fields.
+  """
+  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+  is_real = jnp.arange(seq_info.shape[0], dtype=jnp.int32) < n_segments
+  index = token_segment_index(seq_info[:, indexing.SEG_Q_START], is_real, num_tokens)
+  fields = seq_info[jnp.clip(index, 0, seq_info.shape[0] - 1)]             # [T, 5]
+  has_segment = (index >= 0) & (tokens < fields[:, indexing.SEG_Q_START]
+                                + fields[:, indexing.SEG_Q_LEN])
+  fields = jnp.where(has_segment[:, None], fields, 0)
+  return (has_segment, fields[:, indexing.SEG_Q_START], fields[:, indexing.SEG_Q_LEN],
+          fields[:, indexing.SEG_COL], fields[:, indexing.SEG_POS0],
+          fields[:, indexing.SEG_KIND])

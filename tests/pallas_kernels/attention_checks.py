@@ -1,0 +1,56 @@
+"""The kernel-against-reference check shared by the attention kernel tests."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import has_hopper_gpu
+from conftest import tol
+from kernel_cases import queries
+from kernel_cases import random_step
+from kernel_cases import resident_storage
+import pallas_kernels
+
+requires_hopper = pytest.mark.skipif(
+    not has_hopper_gpu(), reason="needs an NVIDIA Hopper GPU (compute capability >= 9.0) "
+    "to compile and run the Mosaic GPU kernel")
+
+
+@functools.partial(jax.jit, static_argnames=("window", "scale"))
+def _reference(q, k, v, seq_info, n_segments, *, window, scale):
+  return pallas_kernels.varlen_attention_reference(q, k, v, seq_info, n_segments,
+                                                   window=window, scale=scale)
+
+
+def check_family(family, rng, *, config, interpret):
+  """`family.num_steps` random Steps: kernel (run twice, bitwise equal) against the reference.
+
+  Steps alternate padded/unpadded and with/without owner blocks; real rows must
+  be finite and within the storage dtype's tolerance.
+  """
+  scale = 1.0 / np.sqrt(family.head_dim)
+  for index in range(family.num_steps):
+    step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
+    k, v = resident_storage(rng, family, step)
+    q = queries(rng, family, step)
+    args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
+    kwargs = dict(window=family.window, scale=scale)
+    out = pallas_kernels.varlen_attention(*args, **kwargs, config=config, interpret=interpret)
+    again = pallas_kernels.varlen_attention(*args, **kwargs, config=config,
+                                            interpret=interpret)
+    expected = _reference(*args, **kwargs)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    # Each kernel runs twice and must match bitwise (padding rows included).
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32),
+                                  err_msg=step.description)
+    real = slice(0, step.n_tokens)
+    got = np.asarray(out[real], np.float32)
+    want = np.asarray(expected[real], np.float32)
+    assert np.isfinite(got).all(), step.description
+    np.testing.assert_allclose(got, want, atol=tol(family.dtype), rtol=0,
+                               err_msg=step.description)

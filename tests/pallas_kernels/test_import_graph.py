@@ -1,0 +1,104 @@
+"""The import graph of jaxkv and pallas_kernels is acyclic, and the kernels never import jaxkv.
+
+Built from the source with `ast`, so function-level (lazy) imports count too: a
+lazy import only hides a cycle until someone hoists it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PACKAGES = ("jaxkv", "pallas_kernels")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  modules = {}
+  for package in PACKAGES:
+    for path in sorted((ROOT / package).glob("*.py")):
+      name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+      modules[name] = path
+  return modules
+
+
+def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+  """The project modules `name` imports anywhere in its source."""
+  package = name if path.stem == "__init__" else name.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    if isinstance(node, ast.Import):
+      targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+        base = f"{parent}.{base}" if base else parent
+      # `from p import m` imports module `p.m` when there is one, else `p`.
+      targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                 for alias in node.names]
+    else:
+      continue
+    found.update(t for t in targets if t in known and t != name)
+  return found
+
+
+def _graph() -> dict[str, set[str]]:
+  modules = _modules()
+  return {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  state: dict[str, int] = {}   # 1: on the stack, 2: done
+  stack: list[str] = []
+
+  def visit(node):
+    state[node] = 1
+    stack.append(node)
+    for succ in sorted(graph[node]):
+      if state.get(succ) == 1:
+        return stack[stack.index(succ):] + [succ]
+      if succ not in state and (cycle := visit(succ)):
+        return cycle
+    stack.pop()
+    state[node] = 2
+    return None
+
+  for node in sorted(graph):
+    if node not in state and (cycle := visit(node)):
+      return cycle
+  return None
+
+
+def test_graph_sees_the_known_edges():
+  # Guards the parser itself: a graph without edges would be trivially acyclic.
+  graph = _graph()
+  assert "pallas_kernels.common" in graph["pallas_kernels.varlen_attention_sm90"]
+  assert "pallas_kernels.indexing" in graph["pallas_kernels.common"]
+  assert "pallas_kernels" in graph["jaxkv._attend"]
+  # The dispatcher's lazy import of the kernel module counts.
+  assert "pallas_kernels.varlen_attention_sm90" in graph["pallas_kernels.varlen_attention"]
+
+
+def test_cycle_finder_finds_a_cycle():
+  assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_import_graph_is_acyclic():
+  assert _find_cycle(_graph()) is None
+
+
+def test_kernels_never_import_jaxkv():
+  graph = _graph()
+  offenders = {name: sorted(t for t in targets if t.split(".")[0] == "jaxkv")
+               for name, targets in graph.items() if name.startswith("pallas_kernels")}
+  assert not {name: t for name, t in offenders.items() if t}
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_every_module_imports(name):
+  importlib.import_module(name)
