@@ -30,6 +30,7 @@ zeroed in shared memory before the P @ V matmul (0 * NaN would be NaN).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -65,6 +66,7 @@ def _cdiv(a, b):
 # wgmma takes, see `_swizzle_bytes`) and at most 256 (wgmma's N and TMA's box).
 WGMMA_HEAD_DIM_MULTIPLE = 16
 WGMMA_MAX_HEAD_DIM = 256
+COMPILED_MAX_HEAD_DIM = 128   # see static_check: head_dim 256 does not lower in time
 
 
 SMEM_BYTES = 227 * 1024    # dynamic shared memory one sm90 program may use
@@ -116,11 +118,20 @@ def static_check(q, k_cache, *, config):
         "float32 K/V storage is not served by the compiled Mosaic GPU attention "
         "kernel (wgmma rounds float32 to tf32, ~1e-3 error); store K/V as bfloat16 or "
         "float16 to use it, or run float32 with implementation='reference'")
+  if head_dim > COMPILED_MAX_HEAD_DIM:
+    # Measured on H200, jax 0.11.2 (2026-11-30): lowering the head_dim 256 kernel did not
+    # finish in 150 s (Mosaic GPU's layout inference on (64, 256) tiles), so the compiled
+    # path refuses it rather than stall a first call; the interpreter still serves it.
+    raise NotImplementedError(f"{head_dim=} > {COMPILED_MAX_HEAD_DIM}: the compiled Mosaic GPU "
+                              "kernel does not lower it in reasonable time on this jax; use "
+                              "implementation='reference'")
   if head_dim % WGMMA_HEAD_DIM_MULTIPLE or head_dim > WGMMA_MAX_HEAD_DIM:
     raise NotImplementedError(f"{head_dim=} must be a multiple of "
                               f"{WGMMA_HEAD_DIM_MULTIPLE} and at most {WGMMA_MAX_HEAD_DIM} "
                               "for wgmma")
-  smem = _smem_bytes(config, head_dim, dtype.itemsize)
+  # The K/V tile this cache will really use (`tile_geometry` shrinks it for small caches).
+  block_k, _ = tile_geometry(k_cache.shape[0], head_dim, config=config)
+  smem = _smem_bytes(dataclasses.replace(config, block_k=block_k), head_dim, dtype.itemsize)
   if smem > SMEM_BYTES:
     raise NotImplementedError(f"{config} needs {smem} bytes of shared memory for "
                               f"{head_dim=}, more than the {SMEM_BYTES} an sm90 program has; "

@@ -167,7 +167,7 @@ def test_compiled_kernel_refuses_float32_storage(rng):
   family = INTERPRET_FAMILIES[2]
   step = random_step(rng, family, pad=True, allow_blocks=True)
   k, v = resident_storage(rng, family, step)
-  with pytest.raises(NotImplementedError, match="float32 storage"):
+  with pytest.raises(NotImplementedError, match="float32 K/V storage"):
     pallas_kernels.varlen_attention(queries(rng, family, step), k, v,
                                     jnp.asarray(step.seq_info), jnp.int32(step.n_segments),
                                     window=family.window, scale=0.125)
