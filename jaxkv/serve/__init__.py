@@ -37,11 +37,11 @@ loop), `engine` (`Engine`), `runner` (`ModelRunner`), `memory` (sizing), `decodi
 
 from jaxkv.serve.engine import Engine
 from jaxkv.serve.loop import LoopState, decode_loop, init_loop_state
-from jaxkv.serve.memory import bytes_in_use, storage_bytes
-from jaxkv.serve.requests import Completion, EngineStats, Request, SamplingParams
+from jaxkv.serve.memory import bytes_in_use, check_engine_fits, loop_buffer_bytes, storage_bytes
+from jaxkv.serve.requests import Completion, EngineStats, Request, SamplingParams, check_request
 from jaxkv.serve.runner import ModelRunner
 from jaxkv.serve.sampling import sample
 
 __all__ = ["Completion", "Engine", "EngineStats", "LoopState", "ModelRunner", "Request",
-           "SamplingParams", "bytes_in_use", "decode_loop", "init_loop_state", "sample",
-           "storage_bytes"]
+           "SamplingParams", "bytes_in_use", "check_engine_fits", "check_request", "decode_loop",
+           "init_loop_state", "loop_buffer_bytes", "sample", "storage_bytes"]
