@@ -98,21 +98,46 @@ def _parse_args(argv=None):
   if args.max_write > args.capacity:
     p.error(f"--max-write={args.max_write} must be <= --capacity={args.capacity} (a step "
             f"holds at most capacity tokens)")
-  if not args.prompt:
-    _check_host_fits(p, args)
+  _check_host_fits(p, args)
   return p, args
 
 
 def _check_host_fits(p, args) -> None:
-  """Random prompts are Python tuples on the host: refuse counts it cannot hold."""
-  # A token in a tuple costs at least its 8-byte pointer.
-  tokens = args.requests * (args.prompt_max + args.max_tokens * args.n)
+  """Refuses, before building anything, random models and prompts the machine cannot hold.
+
+  Building a model of 2**31 - 1 layers would spend its time creating layer
+  configs before any allocation failed, so the weight bytes are bounded first,
+  from `ModelConfig.num_params` of one and two layers (it is affine in layers).
+  """
   try:
+    if not args.checkpoint:
+      one, two = (_model_config(args, layers).num_params for layers in (1, 2))
+      params = one + (args.layers - 1) * (two - one)
+      item = np.dtype(_DTYPES[args.dtype]).itemsize
+      check_fits(params * item, what=f"--layers={args.layers} --hidden={args.hidden} "
+                                     f"--vocab={args.vocab} weights",
+                 formula=f"{params:,} parameters x {item} bytes")
+    # A random prompt token in a tuple costs at least its 8-byte pointer.
+    tokens = (len(args.prompt) if args.prompt else args.requests) * (
+        args.prompt_max + args.max_tokens * args.n)
     check_fits(8 * tokens, what=f"--requests={args.requests} prompts on the host",
                formula=f"8 bytes x {args.requests} requests x (--prompt-max={args.prompt_max} "
                        f"+ --max-tokens={args.max_tokens} x --n={args.n})")
   except ValueError as e:
     p.error(str(e))
+
+
+def _model_config(args, layers: int):
+  """The random model's `ModelConfig` with `layers` layers."""
+  heads = max(1, args.hidden // 16)
+  common = dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                intermediate_size=2 * args.hidden, num_layers=layers, num_heads=heads,
+                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=16)
+  if args.model == "gemma3":
+    types = tuple("full" if (i + 1) % 3 == 0 else "sliding" for i in range(layers))
+    return models.ModelConfig.gemma3(sliding_window=args.window, layer_types=types,
+                                     query_pre_attn_scalar=16.0, **common)
+  return models.ModelConfig.llama(**common)
 
 
 def _build(args):
@@ -124,16 +149,7 @@ def _build(args):
     model, config, _ = hf.load_model(args.checkpoint, dtype=dtype, param_dtype=dtype,
                                      implementation=args.implementation, **cache)
     return model, config, hf.load_tokenizer(args.checkpoint)
-  heads = max(1, args.hidden // 16)
-  common = dict(vocab_size=args.vocab, hidden_size=args.hidden,
-                intermediate_size=2 * args.hidden, num_layers=args.layers, num_heads=heads,
-                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=16)
-  if args.model == "gemma3":
-    types = tuple("full" if (i + 1) % 3 == 0 else "sliding" for i in range(args.layers))
-    config = models.ModelConfig.gemma3(sliding_window=args.window, layer_types=types,
-                                       query_pre_attn_scalar=16.0, **common)
-  else:
-    config = models.ModelConfig.llama(**common)
+  config = _model_config(args, args.layers)
   model = models.build(config, config.cache_config(**cache), seed=args.seed, dtype=dtype,
                        param_dtype=dtype, implementation=args.implementation)
   return model, config, None
