@@ -129,8 +129,19 @@ class BatchedSequenceCache:
     self._implementation = implementation
     self._mesh, self._kv_axis = mesh, kv_axis
     self._state = init_state(config, mesh=mesh, kv_axis=kv_axis)
+    self._last_status: Status | None = None
 
   # Queries -----------------------------------------------------------------
+
+  @property
+  def last_status(self) -> Status | None:
+    """The `Status` of the last `seq_new`/`seq_clone`/`seq_rm`/`rewind`/`declare_step`
+    (None before any), so a caller can say why a `None`/`False` was refused."""
+    return self._last_status
+
+  def _record(self, status) -> Status:
+    self._last_status = _status(status)
+    return self._last_status
 
   @property
   def state(self) -> CacheState:
@@ -171,7 +182,7 @@ class BatchedSequenceCache:
   def seq_new(self) -> int | None:
     """Makes the lowest free id live at position 0; None when every id is live."""
     self._state, status, seq_id = _seq_new(self._config, self._state)
-    return int(seq_id) if _status(status) == Status.OK else None
+    return int(seq_id) if self._record(status) == Status.OK else None
 
   def seq_clone(self, src, upto=None) -> int | None:
     """Forks `src`'s first `min(upto, pos(src))` positions; None on refusal."""
@@ -179,13 +190,13 @@ class BatchedSequenceCache:
     upto = _verbs.WHOLE if upto is None else _clamp32(_as_int("upto", upto))
     self._state, status, seq_id = _seq_clone(
         self._config, self._state, jnp.int32(src), jnp.int32(upto))
-    return int(seq_id) if _status(status) == Status.OK else None
+    return int(seq_id) if self._record(status) == Status.OK else None
 
   def seq_rm(self, seq_id) -> bool:
     """Removes a live sequence and releases its budget; False if not live."""
     seq_id = _clamp32(_as_int("seq_id", seq_id))
     self._state, status = _seq_rm(self._config, self._state, jnp.int32(seq_id))
-    return _status(status) == Status.OK
+    return self._record(status) == Status.OK
 
   def rewind(self, seq_id, position) -> bool:
     """Keeps positions `[0, position)`; False when not live, out of range or below the floor."""
@@ -193,7 +204,7 @@ class BatchedSequenceCache:
     position = _clamp32(_as_int("position", position))
     self._state, status = _rewind(self._config, self._state, jnp.int32(seq_id),
                                   jnp.int32(position))
-    return _status(status) == Status.OK
+    return self._record(status) == Status.OK
 
   def clear(self) -> None:
     """Drops every sequence and the step; storage keeps its shape and bytes."""
@@ -214,7 +225,7 @@ class BatchedSequenceCache:
     self._state, status = _declare_step(
         self._config, self._state, jnp.asarray(padded), jnp.int32(min(len(ids), _INT32_MAX)),
         jnp.asarray(blocks))
-    return _status(status) == Status.OK
+    return self._record(status) == Status.OK
 
   def _block_rows(self, owner_blocks):
     """`int32[W, 2]` block rows, or None when the blocks cannot be valid at all."""

@@ -118,8 +118,8 @@ class ModelRunner:
     padded = np.zeros((width,), np.int32)
     padded[:n] = [_token(i, t, self.vocab_size) for i, t in enumerate(tokens)]
     if not self.facade.declare_step(seq_ids, owner_blocks):
-      raise ValueError(f"seq_ids={seq_ids} (owner_blocks={owner_blocks}) refused: a sequence "
-                       f"not live, no room in capacity={self.config.capacity}, or bad blocks")
+      raise ValueError(f"seq_ids={seq_ids} (owner_blocks={owner_blocks}) refused: "
+                       f"{self.facade.last_status.name}")
     self.facade.prepare_step()
     logits = self.facade.forward(lambda state: _jit_forward(
         self.graphdef, self.config, self.params, state, padded))

@@ -130,7 +130,7 @@ def test_runner_refuses_bad_ids_and_tokens_changing_nothing(model):
       (lambda: runner.step([a], [64]), ValueError, r"tokens\[0\]=64"),
       (lambda: runner.step([a], [-1]), ValueError, r"tokens\[0\]=-1"),
       (lambda: runner.step([a], [1.5]), TypeError, r"tokens\[0\]"),
-      (lambda: runner.step([a, 2], [1, 1]), ValueError, "refused"),
+      (lambda: runner.step([a, 2], [1, 1]), ValueError, "refused: NOT_LIVE"),
   ]:
     with pytest.raises(error, match=match):
       call()
