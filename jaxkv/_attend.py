@@ -64,8 +64,11 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
 
   Returns:
     `(state, out, status)`: `out` is `[W, H_q, D]` in `q.dtype`, rows `n..W-1`
-    unspecified. Outside PREPARED the status is NOT_PREPARED, nothing is written
-    and `out` is zeros.
+    unspecified, and the layer is marked served (`state.attended`), which
+    `commit_step` requires of every layer. Outside PREPARED the status is
+    NOT_PREPARED, nothing is written, `out` is zeros and no layer is marked,
+    so the step's `commit_step` refuses too (a caller that checks only the
+    commit status still sees the failure).
 
   Raises:
     ValueError: at trace time for a bad layer id, shape, head count or argument.
@@ -101,4 +104,6 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   status = jnp.where(is_prepared, jnp.int32(Status.OK), jnp.int32(Status.NOT_PREPARED))
   new_k = state.k[:layer] + (k_cache,) + state.k[layer + 1:]
   new_v = state.v[:layer] + (v_cache,) + state.v[layer + 1:]
-  return dataclasses.replace(state, k=new_k, v=new_v), out, status
+  attended = state.attended.at[layer].set(
+      jnp.where(is_prepared, jnp.int32(1), state.attended[layer]))
+  return dataclasses.replace(state, k=new_k, v=new_v, attended=attended), out, status

@@ -3,7 +3,7 @@
 It holds the current `CacheState`, turns Python arguments into fixed-shape int32
 arrays, runs the jitted pure verbs with the state donated, and maps statuses to
 results: a refusal is `None`/`False` with the state unchanged; NO_DECLARATION,
-BAD_POSITIONS and NOT_PREPARED raise `StepError`. Flat growth happens here, on
+BAD_POSITIONS, NOT_PREPARED and NOT_ATTENDED raise `StepError`. Flat growth happens here, on
 the host, before the jitted prepare.
 """
 
@@ -22,7 +22,8 @@ from jaxkv._state import CacheState, Phase, Status, Step, StepError, flat_rows, 
 from jaxkv._validate import static_validate_attend, static_validate_implementation
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_STEP_ERRORS = (Status.NO_DECLARATION, Status.BAD_POSITIONS, Status.NOT_PREPARED)
+_STEP_ERRORS = (Status.NO_DECLARATION, Status.BAD_POSITIONS, Status.NOT_PREPARED,
+                Status.NOT_ATTENDED)
 
 
 def _jit_verb(fn, **kwargs):
@@ -112,19 +113,35 @@ class BatchedSequenceCache:
       along `kv_axis` (which must divide every layer's `n_kv_heads`), control
       values are replicated, and the kernels run per shard.
     kv_axis: the mesh axis that splits KV heads.
+    row_multiple: flat growth rounds the new row count up to a multiple of this
+      (capped at capacity); the Mosaic GPU kernels want multiples of 128.
   """
 
   def __init__(self, config: CacheConfig, *, implementation: str | None = None,
-               mesh=None, kv_axis: str = "tp"):
+               mesh=None, kv_axis: str = "tp", row_multiple: int = 1):
     if not isinstance(config, CacheConfig):
       raise TypeError(f"config={config!r} must be a CacheConfig")
     static_validate_implementation(implementation)
+    self._row_multiple = _as_int("row_multiple", row_multiple)
+    if self._row_multiple < 1:
+      raise ValueError(f"row_multiple={row_multiple} must be >= 1")
     self._config = config
     self._implementation = implementation
     self._mesh, self._kv_axis = mesh, kv_axis
     self._state = init_state(config, mesh=mesh, kv_axis=kv_axis)
+    self._last_status: Status | None = None
 
   # Queries -----------------------------------------------------------------
+
+  @property
+  def last_status(self) -> Status | None:
+    """The `Status` of the last `seq_new`/`seq_clone`/`seq_rm`/`rewind`/`declare_step`
+    (None before any), so a caller can say why a `None`/`False` was refused."""
+    return self._last_status
+
+  def _record(self, status) -> Status:
+    self._last_status = _status(status)
+    return self._last_status
 
   @property
   def state(self) -> CacheState:
@@ -165,7 +182,7 @@ class BatchedSequenceCache:
   def seq_new(self) -> int | None:
     """Makes the lowest free id live at position 0; None when every id is live."""
     self._state, status, seq_id = _seq_new(self._config, self._state)
-    return int(seq_id) if _status(status) == Status.OK else None
+    return int(seq_id) if self._record(status) == Status.OK else None
 
   def seq_clone(self, src, upto=None) -> int | None:
     """Forks `src`'s first `min(upto, pos(src))` positions; None on refusal."""
@@ -173,13 +190,13 @@ class BatchedSequenceCache:
     upto = _verbs.WHOLE if upto is None else _clamp32(_as_int("upto", upto))
     self._state, status, seq_id = _seq_clone(
         self._config, self._state, jnp.int32(src), jnp.int32(upto))
-    return int(seq_id) if _status(status) == Status.OK else None
+    return int(seq_id) if self._record(status) == Status.OK else None
 
   def seq_rm(self, seq_id) -> bool:
     """Removes a live sequence and releases its budget; False if not live."""
     seq_id = _clamp32(_as_int("seq_id", seq_id))
     self._state, status = _seq_rm(self._config, self._state, jnp.int32(seq_id))
-    return _status(status) == Status.OK
+    return self._record(status) == Status.OK
 
   def rewind(self, seq_id, position) -> bool:
     """Keeps positions `[0, position)`; False when not live, out of range or below the floor."""
@@ -187,7 +204,7 @@ class BatchedSequenceCache:
     position = _clamp32(_as_int("position", position))
     self._state, status = _rewind(self._config, self._state, jnp.int32(seq_id),
                                   jnp.int32(position))
-    return _status(status) == Status.OK
+    return self._record(status) == Status.OK
 
   def clear(self) -> None:
     """Drops every sequence and the step; storage keeps its shape and bytes."""
@@ -208,7 +225,7 @@ class BatchedSequenceCache:
     self._state, status = _declare_step(
         self._config, self._state, jnp.asarray(padded), jnp.int32(min(len(ids), _INT32_MAX)),
         jnp.asarray(blocks))
-    return _status(status) == Status.OK
+    return self._record(status) == Status.OK
 
   def _block_rows(self, owner_blocks):
     """`int32[W, 2]` block rows, or None when the blocks cannot be valid at all."""
@@ -260,10 +277,12 @@ class BatchedSequenceCache:
     return jnp.asarray(padded)
 
   def _grow_for_declaration(self) -> None:
-    """Grows every flat layer to `min(capacity, max(required, 2F))`, transactionally."""
+    """Grows every flat layer to `min(capacity, max(required, 2F))` rounded up to
+    `row_multiple`, transactionally."""
     required = int(_rows_needed(self._config, self._state))
     current = flat_rows(self._config, self._state)
-    rows = min(self._config.capacity, max(required, 2 * current))
+    multiple = self._row_multiple
+    rows = min(self._config.capacity, -(-max(required, 2 * current) // multiple) * multiple)
     # Looked up at call time, so a test that replaces `_allocate_rows` is honoured.
     self._state = _verbs.grow(self._config, self._state, rows,
                               allocate=lambda a, r: _allocate_rows(a, r))
@@ -318,10 +337,38 @@ class BatchedSequenceCache:
     """Advances every causal segment's sequence (SPEC §6.5); a second commit is a no-op.
 
     Raises:
-      StepError: no prepared step (IDLE or DECLARED).
+      StepError: no prepared step (IDLE or DECLARED: NOT_PREPARED), or a layer
+        was not attended since `prepare_step` (NOT_ATTENDED); nothing changes.
     """
     self._state, status = _commit_step(self._config, self._state)
     self._raise_step_error(status, "commit_step")
+
+  def forward(self, fn):
+    """Serves the prepared step's layers with `fn`, then commits (SPEC §6.4, §6.5).
+
+    For a model that attends through the pure API (`jaxkv.nnx.CachedAttention`)
+    in one jitted forward: `fn(state) -> (state, out)` takes the PREPARED state
+    (donate it) and returns the new state after attending every layer.
+
+    Returns:
+      `out`.
+
+    Raises:
+      StepError: no prepared step (nothing runs), or the commit is refused
+        (NOT_ATTENDED: `fn` skipped a layer; the step stays prepared).
+      TypeError: `fn` did not return `(CacheState, out)`.
+    """
+    phase = Phase(int(self._state.phase))
+    if phase != Phase.PREPARED:
+      raise StepError(f"forward needs a prepared step; phase is {phase.name}",
+                      Status.NOT_PREPARED)
+    result = fn(self._state)
+    if not (isinstance(result, tuple) and len(result) == 2
+            and isinstance(result[0], CacheState)):
+      raise TypeError(f"fn must return (CacheState, out); got {type(result).__name__}")
+    self._state, out = result
+    self.commit_step()
+    return out
 
   @staticmethod
   def _raise_step_error(status, verb: str) -> None:

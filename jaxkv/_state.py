@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._config import CacheConfig
+from jaxkv._memory import check_state_fits
 from jaxkv._sharding import kv_sharding, replicated, validate_mesh
 from pallas_kernels import indexing
 
@@ -29,6 +30,7 @@ class Status(enum.IntEnum):
   BAD_POSITIONS = 10
   NEEDS_ROWS = 11
   NOT_PREPARED = 12
+  NOT_ATTENDED = 13
 
 
 class Phase(enum.IntEnum):
@@ -108,6 +110,8 @@ class CacheState:
     decl_ids: `int32[W]` standing declaration (`max_seqs` where unused).
     decl_block: `int32[W]` 1 where the declared token belongs to an owner block.
     decl_n: `int32[]` declared token count.
+    attended: `int32[L]` 1 for each layer served (`attend`) since the step was
+      prepared; `commit_step` refuses (NOT_ATTENDED) unless every entry is 1.
     step: the `Step`, meaningful in PREPARED and COMMITTED.
   """
 
@@ -121,6 +125,7 @@ class CacheState:
   decl_ids: jax.Array
   decl_block: jax.Array
   decl_n: jax.Array
+  attended: jax.Array
   step: Step
 
 
@@ -156,11 +161,15 @@ def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheS
 
   Raises:
     ValueError: `kv_axis` is not a mesh axis, or it does not divide some layer's
-      `n_kv_heads`.
+      `n_kv_heads`; or the state would not fit in the device's free memory
+      (checked before allocating; the message gives the byte formula).
   """
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config={config!r} must be a CacheConfig")
   validate_mesh(config, mesh, kv_axis)
+  check_state_fits(config, config.initial_flat_rows,
+                   shards=1 if mesh is None else int(mesh.shape[kv_axis]),
+                   device=None if mesh is None else mesh.devices.flat[0])
   kv = None if mesh is None else kv_sharding(mesh, kv_axis)
   shapes = [config.layer_shape(l, config.initial_flat_rows) for l in range(config.num_layers)]
   # Distinct buffers per leaf: the state is donated leaf by leaf.
@@ -176,6 +185,7 @@ def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheS
       decl_ids=jnp.full((config.step_width,), config.max_seqs, jnp.int32),
       decl_block=jnp.zeros((config.step_width,), jnp.int32),
       decl_n=jnp.zeros((), jnp.int32),
+      attended=jnp.zeros((config.num_layers,), jnp.int32),
       step=empty_step(config),
   )
   if mesh is None:

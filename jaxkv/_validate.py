@@ -67,6 +67,9 @@ def static_validate_int_arg(name: str, x, shape: tuple[int, ...]) -> None:
   """An integer argument of a pure verb: integer dtype and exactly `shape`.
 
   Python ints are accepted for scalars; floats are refused rather than truncated.
+  Concrete values (Python and NumPy ints and arrays) must fit in int32: a NumPy
+  int64 `2**32` would otherwise wrap onto id 0. Traced wider ints (x64 on) are
+  saturated by the verbs, so they are refused with a status instead.
   """
   if isinstance(x, (bool, np.bool_)):
     raise ValueError(f"{name}={x!r} must be an integer, not a bool")
@@ -80,6 +83,10 @@ def static_validate_int_arg(name: str, x, shape: tuple[int, ...]) -> None:
                      f"dtype {dtype} ({type(x).__name__})")
   if tuple(jnp.shape(x)) != shape:
     raise ValueError(f"{name} must have shape {shape}; got {tuple(jnp.shape(x))}")
+  if isinstance(x, (np.ndarray, np.generic)) and x.size:
+    lo, hi = int(np.min(x)), int(np.max(x))
+    if lo < -2**31 or hi >= 2**31:
+      raise ValueError(f"{name} holds {lo if lo < -2**31 else hi}, which does not fit in int32")
 
 
 def step_width_of(config: CacheConfig, state) -> int:
@@ -115,7 +122,8 @@ def static_validate_state(config: CacheConfig, state) -> None:
   step_width = step_width_of(config, state)
   for name, shape in (("live", (seqs,)), ("pos", (seqs,)), ("hw", (seqs,)), ("held", ()),
                       ("phase", ()), ("decl_ids", (width,)), ("decl_block", (width,)),
-                      ("decl_n", ()), ("step.seq_cols", (step_width,)),
+                      ("decl_n", ()), ("attended", (config.num_layers,)),
+                      ("step.seq_cols", (step_width,)),
                       ("step.positions", (step_width,)),
                       ("step.write_rows", (config.num_layers, step_width)),
                       ("step.seq_info", (step_width, 5))):

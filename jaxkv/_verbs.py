@@ -14,9 +14,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import _plan
 from jaxkv._config import CacheConfig
+from jaxkv._memory import check_state_fits
 from jaxkv._state import CacheState, Phase, Status, empty_step, flat_rows
 from jaxkv._validate import static_validate_int_arg, static_validate_state
 from pallas_kernels import indexing
@@ -25,7 +27,8 @@ WHOLE = 2**31 - 1
 """`upto` for `seq_clone` meaning the source's whole committed length."""
 
 _CONTROL_FIELDS = ("live", "pos", "hw", "held", "phase", "decl_ids", "decl_block",
-                   "decl_n", "step")
+                   "decl_n", "attended", "step")
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
 def _check(config: CacheConfig, state: CacheState, **int_args) -> None:
@@ -41,7 +44,21 @@ def _check(config: CacheConfig, state: CacheState, **int_args) -> None:
 
 
 def _i32(x):
-  return jnp.asarray(x, jnp.int32)
+  """`x` as int32, saturating: a wider or unsigned id or position never wraps.
+
+  Under `jax_enable_x64` an int64 argument arrives traced; casting it would wrap
+  `2**32` onto id 0. Clamped to the int32 range instead, it stays out of range
+  for every id and position, so the verb refuses it with a status. (With x64
+  off, JAX itself casts int64 NumPy arguments of a jitted function to int32 at
+  the jit boundary, before any verb sees them; concrete NumPy values reaching a
+  verb are refused at trace time by `static_validate_int_arg`.)
+  """
+  x = jnp.asarray(x)
+  if x.dtype == jnp.int32 or not jnp.issubdtype(x.dtype, jnp.integer):
+    return x.astype(jnp.int32)
+  info = jnp.iinfo(x.dtype)
+  lo, hi = max(int(info.min), _INT32_MIN), min(int(info.max), _INT32_MAX)
+  return jnp.clip(x, np.asarray(lo, x.dtype), np.asarray(hi, x.dtype)).astype(jnp.int32)
 
 
 def _first_failure(checks):
@@ -72,12 +89,17 @@ def _is_live(config: CacheConfig, state: CacheState, seq_id):
   return in_range & (state.live[col] == 1), col
 
 
+def _no_layer_attended(config: CacheConfig):
+  return jnp.zeros((config.num_layers,), jnp.int32)
+
+
 def _invalidated(config: CacheConfig, state: CacheState, **changes) -> CacheState:
   """The state with `changes` and no step: phase IDLE, no declaration."""
   return dataclasses.replace(
       state, phase=_i32(Phase.IDLE),
       decl_ids=jnp.full((config.step_width,), config.max_seqs, jnp.int32),
-      decl_block=jnp.zeros((config.step_width,), jnp.int32), decl_n=_i32(0), **changes)
+      decl_block=jnp.zeros((config.step_width,), jnp.int32), decl_n=_i32(0),
+      attended=_no_layer_attended(config), **changes)
 
 
 def _held(live, pos):
@@ -279,7 +301,7 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   step = _plan.build_step(config, state.decl_ids, state.decl_block, state.decl_n, derived)
   ends = jnp.where(is_real, derived + 1, 0)
   new = dataclasses.replace(
-      state, step=step, phase=_i32(Phase.PREPARED),
+      state, step=step, phase=_i32(Phase.PREPARED), attended=_no_layer_attended(config),
       hw=state.hw.at[step.seq_cols].max(ends, mode="drop"))
   return _select_control((status == Status.OK) & is_declared, new, state), status
 
@@ -319,16 +341,23 @@ def run_narrow(config: CacheConfig, state: CacheState, width: int, fn):
 def commit_step(config: CacheConfig, state: CacheState):
   """Advances `pos` to the end of every causal segment; `(state, status)`.
 
-  Owner-block segments advance nothing. Committing twice is a no-op (the max);
-  any phase but PREPARED or COMMITTED gives NOT_PREPARED.
+  Owner-block segments advance nothing. Committing twice is a no-op (the max).
+  Refusals, in this order, leave the state unchanged: NOT_PREPARED (IDLE or
+  DECLARED), NOT_ATTENDED (PREPARED, but some layer was not served since
+  `prepare_step`: committing would advance `pos` over positions whose K/V that
+  layer never stored, so later steps would read stale or zero keys there).
   """
   _check(config, state)
-  ok = (state.phase == Phase.PREPARED) | (state.phase == Phase.COMMITTED)
+  is_prepared = state.phase == Phase.PREPARED
+  status = _first_failure([
+      (~(is_prepared | (state.phase == Phase.COMMITTED)), Status.NOT_PREPARED),
+      (is_prepared & jnp.any(state.attended == 0), Status.NOT_ATTENDED),
+  ])
+  ok = status == Status.OK
   cols, ends = _plan.committed_ends(config, state.step)
   pos = state.pos.at[cols].max(ends, mode="drop")
   new = dataclasses.replace(state, pos=pos, held=_held(state.live, pos),
                             phase=_i32(Phase.COMMITTED))
-  status = jnp.where(ok, _i32(Status.OK), _i32(Status.NOT_PREPARED))
   return _select_control(ok, new, state), status
 
 
@@ -358,7 +387,9 @@ def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_ar
   `[0, F)` keep their bytes exactly; new rows are zero. Not donated.
 
   Raises:
-    ValueError: no flat layer, or not `F < rows <= capacity`.
+    ValueError: no flat layer, not `F < rows <= capacity`, or the new flat
+      arrays would not fit in the device's free memory (checked before
+      allocating; the message gives the byte formula).
   """
   _check(config, state)
   current = flat_rows(config, state)
@@ -370,6 +401,12 @@ def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_ar
     raise ValueError(f"rows={rows} must satisfy F={current} < rows <= "
                      f"capacity={config.capacity}")
   flat = [l for l, layer in enumerate(config.layers) if not layer.policy.is_ring]
+  first = state.k[flat[0]]
+  # A head-split layer holds 1/shards of its heads on each device.
+  shards = first.shape[2] // first.sharding.shard_shape(first.shape)[2]
+  devices = sorted(first.sharding.device_set, key=lambda d: d.id)
+  # The old arrays stay alive while the new ones are built, so only the new count.
+  check_state_fits(config, rows, layers=flat, shards=shards, device=devices[0], control=False)
   new_k, new_v = list(state.k), list(state.v)
   for l in flat:
     new_k[l] = allocate(state.k[l], rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 
@@ -25,9 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import models, serve
+from jaxkv._memory import check_fits
 from jaxkv.models import hf
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_INT32_LIMIT = 2**31
+_MAX_STOP = 8
 
 
 def _parse_args(argv=None):
@@ -77,13 +81,63 @@ def _parse_args(argv=None):
                  help="re-decode the first 3 requests one by one (greedy) and compare")
   o.add_argument("--quiet", action="store_true", help="no per-request lines, no progress bar")
   args = p.parse_args(argv)
-  for name in ("layers", "hidden", "vocab", "window", "max_seqs", "max_write", "capacity",
-               "requests", "prompt_min", "max_tokens", "n"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+  # Sizes travel as int32 through the cache and the loop: beyond 2**31 - 1 they cannot.
+  for name, lo in (("layers", 1), ("hidden", 1), ("vocab", 1), ("window", 1), ("max_seqs", 1),
+                   ("max_write", 1), ("capacity", 1), ("initial_capacity", 1), ("requests", 1),
+                   ("prompt_min", 1), ("prompt_max", 1), ("max_tokens", 1), ("n", 1),
+                   ("top_k", 0), ("seed", 0)):
+    value = getattr(args, name)
+    if value is not None and not lo <= value < _INT32_LIMIT:
+      p.error(f"--{name.replace('_', '-')}={value} must be in [{lo}, 2**31)")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    p.error(f"--temperature={args.temperature} must be finite and >= 0")
+  if not 0 < args.top_p <= 1:
+    p.error(f"--top-p={args.top_p} must be in (0, 1]")
   if args.prompt_max < args.prompt_min:
     p.error(f"--prompt-max={args.prompt_max} must be >= --prompt-min={args.prompt_min}")
-  return args
+  if args.max_write > args.capacity:
+    p.error(f"--max-write={args.max_write} must be <= --capacity={args.capacity} (a step "
+            f"holds at most capacity tokens)")
+  _check_host_fits(p, args)
+  return p, args
+
+
+def _check_host_fits(p, args) -> None:
+  """Refuses, before building anything, random models and prompts the machine cannot hold.
+
+  Building a model of 2**31 - 1 layers would spend its time creating layer
+  configs before any allocation failed, so the weight bytes are bounded first,
+  from `ModelConfig.num_params` of one and two layers (it is affine in layers).
+  """
+  try:
+    if not args.checkpoint:
+      one, two = (_model_config(args, layers).num_params for layers in (1, 2))
+      params = one + (args.layers - 1) * (two - one)
+      item = np.dtype(_DTYPES[args.dtype]).itemsize
+      check_fits(params * item, what=f"--layers={args.layers} --hidden={args.hidden} "
+                                     f"--vocab={args.vocab} weights",
+                 formula=f"{params:,} parameters x {item} bytes")
+    # A random prompt token in a tuple costs at least its 8-byte pointer.
+    tokens = (len(args.prompt) if args.prompt else args.requests) * (
+        args.prompt_max + args.max_tokens * args.n)
+    check_fits(8 * tokens, what=f"--requests={args.requests} prompts on the host",
+               formula=f"8 bytes x {args.requests} requests x (--prompt-max={args.prompt_max} "
+                       f"+ --max-tokens={args.max_tokens} x --n={args.n})")
+  except ValueError as e:
+    p.error(str(e))
+
+
+def _model_config(args, layers: int):
+  """The random model's `ModelConfig` with `layers` layers."""
+  heads = max(1, args.hidden // 16)
+  common = dict(vocab_size=args.vocab, hidden_size=args.hidden,
+                intermediate_size=2 * args.hidden, num_layers=layers, num_heads=heads,
+                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=16)
+  if args.model == "gemma3":
+    types = tuple("full" if (i + 1) % 3 == 0 else "sliding" for i in range(layers))
+    return models.ModelConfig.gemma3(sliding_window=args.window, layer_types=types,
+                                     query_pre_attn_scalar=16.0, **common)
+  return models.ModelConfig.llama(**common)
 
 
 def _build(args):
@@ -95,16 +149,7 @@ def _build(args):
     model, config, _ = hf.load_model(args.checkpoint, dtype=dtype, param_dtype=dtype,
                                      implementation=args.implementation, **cache)
     return model, config, hf.load_tokenizer(args.checkpoint)
-  heads = max(1, args.hidden // 16)
-  common = dict(vocab_size=args.vocab, hidden_size=args.hidden,
-                intermediate_size=2 * args.hidden, num_layers=args.layers, num_heads=heads,
-                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=16)
-  if args.model == "gemma3":
-    types = tuple("full" if (i + 1) % 3 == 0 else "sliding" for i in range(args.layers))
-    config = models.ModelConfig.gemma3(sliding_window=args.window, layer_types=types,
-                                       query_pre_attn_scalar=16.0, **common)
-  else:
-    config = models.ModelConfig.llama(**common)
+  config = _model_config(args, args.layers)
   model = models.build(config, config.cache_config(**cache), seed=args.seed, dtype=dtype,
                        param_dtype=dtype, implementation=args.implementation)
   return model, config, None
@@ -113,7 +158,7 @@ def _build(args):
 def _requests(args, config, tokenizer):
   params = serve.SamplingParams(
       max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=config.eos_token_ids[:8])
+      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=config.eos_token_ids[:_MAX_STOP])
   if args.prompt:
     if tokenizer is None:
       raise SystemExit("--prompt needs a --checkpoint with tokenizer.json (and `tokenizers`)")
@@ -122,8 +167,9 @@ def _requests(args, config, tokenizer):
     rng = np.random.default_rng(args.seed)
     prompts = [tuple(int(t) for t in rng.integers(0, config.vocab_size, size=int(
         rng.integers(args.prompt_min, args.prompt_max + 1)))) for _ in range(args.requests)]
-  # Each request gets its own seed (seed + index).
-  return [serve.Request(prompt, dataclasses.replace(params, seed=params.seed + i))
+  # Each request gets its own seed, (--seed + index) mod 2**31: seeds are int32, so
+  # --seed 2**31 - 1 wraps for the second request instead of failing.
+  return [serve.Request(prompt, dataclasses.replace(params, seed=(params.seed + i) % _INT32_LIMIT))
           for i, prompt in enumerate(prompts)]
 
 
@@ -146,14 +192,34 @@ def _check(model, results) -> bool:
   return ok
 
 
+def _prepare(p, args):
+  """`(model, config, tokenizer, requests, max_len)`, or an argparse error.
+
+  Flags are checked against the model before anything large is allocated: a
+  ValueError here (a config field out of range, a size the device cannot hold
+  with its formula, a request that can never fit) is about the flags.
+  """
+  try:
+    model, config, tokenizer = _build(args)
+    cache = model.cache_config
+    requests = _requests(args, config, tokenizer)
+    max_len = max(len(r.prompt) for r in requests) + args.max_tokens
+    for r in requests:
+      serve.check_request(r, vocab_size=config.vocab_size, max_len=max_len,
+                          max_seqs=cache.max_seqs, capacity=cache.capacity,
+                          max_stop_tokens=_MAX_STOP)
+    serve.check_engine_fits(cache, max_len, _MAX_STOP)
+  except ValueError as e:
+    p.error(str(e))
+  return model, config, tokenizer, requests, max_len
+
+
 def main(argv=None) -> int:
-  args = _parse_args(argv)
+  p, args = _parse_args(argv)
   started = time.perf_counter()
-  model, config, tokenizer = _build(args)
+  model, config, tokenizer, requests, longest = _prepare(p, args)
   cache = model.cache_config
-  requests = _requests(args, config, tokenizer)
-  longest = max(len(r.prompt) for r in requests) + args.max_tokens
-  engine = serve.Engine(model, max_len=longest)
+  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_MAX_STOP)
   rings = sum(layer.policy.is_ring for layer in cache.layers)
   print(f"jaxkv demo on {jax.devices()[0].platform}: {config.arch} "
         f"({'checkpoint' if args.checkpoint else 'random weights'}, {config.num_layers} layers: "

@@ -7,7 +7,12 @@ through `jax.lax.while_loop`:
   state, status = jaxkv.pure.declare_step(config, state, seq_ids, n, blocks)
   state, status = jaxkv.pure.prepare_step(config, state)
   out, state = attention(x, state)     # every layer, in order
-  state, status = jaxkv.pure.commit_step(config, state)
+  state, status = jaxkv.pure.commit_step(config, state)   # check it: see below
+
+A step whose state is not prepared, or that skipped a layer, is refused by
+`commit_step` (NOT_PREPARED, NOT_ATTENDED) with the state unchanged; inside a
+jitted loop that status is the one signal, so callers must check it (the
+serving loop stops on it). Outside `jit`, `CachedAttention` raises at once.
 
 Each token's RoPE position comes from the prepared Step (`state.step.positions`);
 segments, owner blocks (§9) and ring windows come with it, so the module needs
@@ -31,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxkv import CacheConfig, CacheState, pure
+from jaxkv import CacheConfig, CacheState, Phase, Status, StepError, pure
 
 __all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "bucketed",
            "merge_model", "rope_inv_freq", "row_parallel_sharding", "shard_state",
@@ -388,13 +393,22 @@ class CachedAttention(nnx.Module):
     Returns:
       `(out [W, features], new_state)`.
 
+    The layer is marked served in `state.attended`. On a state that is not
+    prepared nothing is written and `out` is garbage; traced (inside `jit`),
+    that cannot raise, so the step's `commit_step` refuses with NOT_PREPARED
+    (or NOT_ATTENDED for a layer skipped) and the caller must check its status.
+
     Raises:
       ValueError: at trace time, when `x` is not `[W, features]`.
+      StepError: called outside `jit` on a state that is not PREPARED.
     """
     # The step's width: W, or less inside `pure.run_narrow`.
     width = state.step.seq_cols.shape[0]
     if x.ndim != 2 or x.shape[0] != width:
       raise ValueError(f"x must be [W={width}, features]; got x.shape={x.shape}")
+    if not isinstance(state.phase, jax.core.Tracer) and int(state.phase) != Phase.PREPARED:
+      raise StepError(f"CachedAttention layer {self.layer} needs a prepared step; phase is "
+                      f"{Phase(int(state.phase)).name}", Status.NOT_PREPARED)
     if self.dtype is not None:
       x = x.astype(self.dtype)
     n_tokens = state.step.n_tokens

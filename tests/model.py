@@ -7,12 +7,11 @@ floor are re-derived from the SPEC's formulas (§2, §4.2) with plain integers.
 
 Every verb returns a status code with the SPEC §10.4 values (the `Status` names
 below), checked in the SPEC's order; a refused verb changes nothing. The facade
-maps NO_DECLARATION, BAD_POSITIONS and NOT_PREPARED to StepError and every other
-non-OK status to None/False (`FACADE_STEP_ERRORS`).
+maps NO_DECLARATION, BAD_POSITIONS, NOT_PREPARED and NOT_ATTENDED to StepError
+and every other non-OK status to None/False (`FACADE_STEP_ERRORS`).
 
-Positions a layer was never served at before being committed hold `UNKNOWN`
-(SPEC §6.4: jaxkv does not check that every layer was served); an output row
-whose visible keys include one is reported as unchecked.
+A commit is refused (NOT_ATTENDED) unless every layer was served since the step
+was prepared, so every committed position of every layer holds known K/V.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ class Status(enum.IntEnum):
   BAD_POSITIONS = 10
   NEEDS_ROWS = 11
   NOT_PREPARED = 12
+  NOT_ATTENDED = 13
 
 
 class Phase(enum.IntEnum):
@@ -48,8 +48,8 @@ class Phase(enum.IntEnum):
   COMMITTED = 3
 
 
-FACADE_STEP_ERRORS = (Status.NO_DECLARATION, Status.BAD_POSITIONS, Status.NOT_PREPARED)
-UNKNOWN = "unknown"   # history entry of a position committed without its layer served
+FACADE_STEP_ERRORS = (Status.NO_DECLARATION, Status.BAD_POSITIONS, Status.NOT_PREPARED,
+                      Status.NOT_ATTENDED)
 
 
 class CacheModel:
@@ -301,7 +301,11 @@ class CacheModel:
     return range(0 if w is None else max(0, p - w + 1), p + 1)
 
   def attend(self, layer: int, q, k, v):
-    """Writes then attends; -> (status, out [n, H_q, D] float64, checked bool[n])."""
+    """Writes then attends; -> (status, out [n, H_q, D] float64, checked bool[n]).
+
+    `checked` marks the rows a caller may compare; every row is, since a commit
+    needs every layer served, but callers keep the mask for partial comparisons.
+    """
     if self.phase != Phase.PREPARED:
       return Status.NOT_PREPARED, None, None
     q = np.asarray(q, np.float64)
@@ -316,9 +320,6 @@ class CacheModel:
     for t in range(n):
       h = self.hist[ids[t]][layer]
       entries = [h[kp] for kp in self.visible(layer, t)]
-      if any(e is UNKNOWN for e in entries):
-        checked[t] = False
-        continue
       out[t] = attention(q[t], np.stack([e[0] for e in entries]),
                          np.stack([e[1] for e in entries]), self.scales[layer])
     self.served.add(layer)
@@ -329,18 +330,14 @@ class CacheModel:
       return Status.OK
     if self.phase != Phase.PREPARED:
       return Status.NOT_PREPARED
+    if len(self.served) != len(self.windows):
+      return Status.NOT_ATTENDED
     ends: dict[int, int] = {}
     for _, q_len, s, pos0, kind in self.step["segments"]:
       if not kind:
         ends[s] = max(ends.get(s, 0), pos0 + q_len)
     for s, end in ends.items():
-      old = self._pos[s]
-      new = max(old, end)
-      for layer, h in enumerate(self.hist[s]):
-        for p in range(old, new):
-          if layer not in self.served:
-            h[p] = UNKNOWN
-      self._pos[s] = new
+      self._pos[s] = max(self._pos[s], end)
     for s in set(self.step["ids"]):   # drop uncommitted writes (block drafts)
       for h in self.hist[s]:
         for p in [p for p in h if p >= self._pos[s]]:

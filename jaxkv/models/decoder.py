@@ -233,6 +233,24 @@ class DecoderLayer(nnx.Module):
     return x + mlp(self.post_attention_layernorm(x)), state
 
 
+def _check_params_fit(config: ModelConfig, param_dtype, mesh, kv_axis: str) -> None:
+  """Refuses, before building, a model whose weights cannot fit the device.
+
+  An absurd config (a million layers) would otherwise spend many minutes
+  initialising before the allocator fails. With a mesh the bound is the
+  even split over `kv_axis`, a lower bound of what one device holds.
+  """
+  from jaxkv._memory import check_fits   # pylint: disable=g-import-not-at-top
+  item = np.dtype(param_dtype).itemsize
+  shards = 1 if mesh is None else int(mesh.shape[kv_axis])
+  formula = f"{config.num_params:,} parameters (ModelConfig.num_params) x {item} bytes"
+  if shards > 1:
+    formula += f" / {shards} shards"
+  check_fits(-(-config.num_params * item // shards), formula=formula,
+             what=f"a {config.arch} model of {config.num_layers} layers, hidden "
+                  f"{config.hidden_size}", device=None if mesh is None else mesh.devices.flat[0])
+
+
 class Decoder(nnx.Module):
   """A Llama- or Gemma-3-style causal LM over a jaxkv cache.
 
@@ -254,8 +272,8 @@ class Decoder(nnx.Module):
 
   Raises:
     ValueError: `num_heads`, `num_kv_heads` or `intermediate_size` is not
-      divisible by the `kv_axis` axis size (named), or the cache config does
-      not match.
+      divisible by the `kv_axis` axis size (named), the cache config does
+      not match, or the weights cannot fit the device (checked before building).
   """
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, *,
@@ -268,6 +286,7 @@ class Decoder(nnx.Module):
                        f"config.cache_layers()={tuple(config.cache_layers())}")
     validate_tp(mesh, kv_axis, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                 intermediate_size=config.intermediate_size)
+    _check_params_fit(config, param_dtype, mesh, kv_axis)
     self.config, self.cache_config = config, cache_config
     self.mesh, self.kv_axis = mesh, kv_axis
     self.dtype = np.dtype(dtype)

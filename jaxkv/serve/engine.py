@@ -12,9 +12,9 @@ import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve.loop import serve_loop
-from jaxkv.serve.memory import _grown_rows
+from jaxkv.serve.memory import _grown_rows, check_engine_fits
 from jaxkv.serve.protocol import check_step_model
-from jaxkv.serve.requests import Completion, EngineStats, Request
+from jaxkv.serve.requests import Completion, EngineStats, Request, check_request
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 
 
@@ -102,31 +102,18 @@ class Engine:
       raise ValueError(f"widths={widths!r} must be distinct descending ints >= 1 starting at "
                        f"W={config.step_width}")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
+    check_engine_fits(config, self.max_len, self.max_stop, mesh=self.mesh, kv_axis=self.kv_axis)
     self.graphdef, self.params = _split_placed(model, self.mesh)
     # Looked up here, not at import, so a test can wrap `serve_loop` (chex.assert_max_traces).
     self._loop = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
     self.state: LoopState | None = None
     self.stats = EngineStats()
 
-  def _check(self, request: Request) -> None:
-    p, rid = request.params, request.request_id
-    total = len(request.prompt) + p.max_tokens
-    if total > self.max_len:
-      raise ValueError(f"request {rid!r}: prompt ({len(request.prompt)}) + max_tokens "
-                       f"({p.max_tokens}) must be <= max_len={self.max_len}")
-    if p.n > self.config.max_seqs:
-      raise ValueError(f"request {rid!r}: n={p.n} must be <= max_seqs={self.config.max_seqs}")
-    if p.n * (total - 1) > self.config.capacity:
-      raise ValueError(f"request {rid!r} needs {p.n * (total - 1)} cache positions; "
-                       f"capacity={self.config.capacity}")
-    if len(p.stop_tokens) > self.max_stop:
-      raise ValueError(f"request {rid!r}: {len(p.stop_tokens)} stop_tokens; at most "
-                       f"max_stop_tokens={self.max_stop}")
-    for field, ids in (("prompt", request.prompt), ("stop_tokens", p.stop_tokens)):
-      bad = [t for t in ids if not 0 <= t < self.vocab_size]
-      if bad:
-        raise ValueError(f"request {rid!r}: {field} holds token id {bad[0]}, outside "
-                         f"[0, vocab_size={self.vocab_size})")
+  def check(self, request: Request) -> None:
+    """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
+    check_request(request, vocab_size=self.vocab_size, max_len=self.max_len,
+                  max_seqs=self.config.max_seqs, capacity=self.config.capacity,
+                  max_stop_tokens=self.max_stop)
 
   def run(self, requests: Sequence[Request], *,
           on_progress: Callable[[EngineStats, list[Completion]], None] | None = None
@@ -155,7 +142,7 @@ class Engine:
     requests = [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
                 for i, r in enumerate(requests)]
     for r in requests:
-      self._check(r)
+      self.check(r)
     order = {r.request_id: i for i, r in enumerate(requests)}
     if len(order) != len(requests):
       raise ValueError("request_id values must be unique")

@@ -1,11 +1,11 @@
-"""Cache sizing for serving: flat-row growth steps and K/V byte counts."""
+"""Cache sizing for serving: flat-row growth steps, K/V byte counts and size bounds."""
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-from jaxkv import CacheConfig, CacheState
+from jaxkv import CacheConfig, CacheState, _memory
 
 # Flat growth rounds rows up to this multiple (capped at capacity): the Mosaic GPU
 # kernels need a row count that is a multiple of 8 and at least their key block
@@ -31,3 +31,40 @@ def bytes_in_use(config: CacheConfig, positions: Sequence[int]) -> int:
 def storage_bytes(cache: CacheState) -> int:
   """Bytes allocated for K/V storage (all layers, all columns)."""
   return sum(int(math.prod(a.shape)) * a.dtype.itemsize for a in cache.k + cache.v)
+
+
+# The loop's per-column vectors (prompt_len, length, fed, hold, limit, active, done,
+# stopped, temperature, top_k, top_p, seed, sample_index): 13 x 4 bytes per column.
+_PER_COLUMN_BYTES = 13 * 4
+
+
+def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int) -> tuple[int, str]:
+  """`(bytes, formula)` of the serving loop's own buffers beside the cache.
+
+  The token buffer `int32[max_seqs, max_len]` dominates; stop tokens are
+  `int32[max_seqs, max_stop]`, plus a few int32/float32 vectors per column.
+  """
+  total = max_seqs * (4 * max_len + 4 * max_stop + _PER_COLUMN_BYTES)
+  formula = (f"{max_seqs} columns (max_seqs) x (4 x {max_len} tokens (max_len) + "
+             f"4 x {max_stop} stop tokens + {_PER_COLUMN_BYTES} bytes of per-column values)")
+  return total, formula
+
+
+def check_engine_fits(config: CacheConfig, max_len: int, max_stop: int, *, mesh=None,
+                      kv_axis: str = "tp") -> None:
+  """Raises ValueError, with the byte formula, unless an engine's buffers fit the device.
+
+  Counts the cache (K/V at `initial_flat_rows`, split over `kv_axis` with a
+  mesh, plus its control values) and the loop's buffers (`loop_buffer_bytes`).
+  Call it before allocating either, e.g. in `Engine.__init__`.
+  """
+  shards = 1 if mesh is None else int(mesh.shape[kv_axis])
+  device = None if mesh is None else mesh.devices.flat[0]
+  kv, kv_text = _memory.kv_formula(config, config.initial_flat_rows)
+  loop, loop_text = loop_buffer_bytes(config.max_seqs, max_len, max_stop)
+  control = _memory.control_bytes(config)
+  total = -(-kv // shards) + control + loop
+  kv_text = kv_text if shards == 1 else f"({kv_text}) / {shards} shards"
+  _memory.check_fits(total, what=f"an engine with max_len={max_len} on this cache",
+                     formula=f"K/V {kv_text} + {control} control bytes + loop {loop_text}",
+                     device=device)

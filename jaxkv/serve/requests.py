@@ -1,8 +1,64 @@
-"""What users hand the engine and get back: requests, sampling parameters, completions, stats."""
+"""What users hand the engine and get back: requests, sampling parameters, completions, stats.
+
+Validation happens at the boundary, in two places: `Request`/`SamplingParams`
+check types and the ranges that need no model at construction, and
+`check_request` checks what needs the model and the engine (vocabulary, lengths,
+columns, capacity) at submission, before anything is served. Both raise
+`TypeError` (wrong kind of value) or `ValueError` (out of range) naming the
+field, and the request id when it is known.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+_INT32_LIMIT = 2**31
+
+
+def _label(request_id) -> str:
+  return "" if request_id is None else f"request {request_id!r}: "
+
+
+def _as_int(name: str, value, request_id=None) -> int:
+  """A Python int from an int or NumPy integer; bools, floats and strings are refused.
+
+  Nothing is truncated: `2.5` is a TypeError, not 2.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{_label(request_id)}{name}={value!r} must be an int "
+                    f"(got {type(value).__name__})")
+  return int(value)
+
+
+def _as_real(name: str, value, request_id=None) -> float:
+  """A finite Python float from a real number (bools and strings refused)."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{_label(request_id)}{name}={value!r} must be a real number "
+                    f"(got {type(value).__name__})")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ValueError(f"{_label(request_id)}{name}={value} must be finite")
+  return value
+
+
+def _token_ids(name: str, values, request_id=None) -> tuple[int, ...]:
+  """A tuple of non-negative int token ids from a sequence of ints."""
+  # A str or bytes iterates as characters or small ints: "12" must not become (1, 2).
+  if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__iter__"):
+    raise TypeError(f"{_label(request_id)}{name}={values!r} must be a sequence of int "
+                    f"token ids (got {type(values).__name__})")
+  if isinstance(values, np.ndarray) and values.ndim != 1:
+    raise TypeError(f"{_label(request_id)}{name} must be one-dimensional; got shape "
+                    f"{values.shape}")
+  ids = tuple(_as_int(f"{name}[{i}]", t, request_id) for i, t in enumerate(values))
+  for i, t in enumerate(ids):
+    if t < 0:
+      raise ValueError(f"{_label(request_id)}{name}[{i}]={t} must be >= 0")
+  return ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,19 +85,21 @@ class SamplingParams:
   n: int = 1
 
   def __post_init__(self):
-    if self.max_tokens < 1:
-      raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-    if not self.temperature >= 0:
+    fields = {}
+    for name, lo in (("max_tokens", 1), ("top_k", 0), ("n", 1), ("seed", 0)):
+      value = _as_int(name, getattr(self, name))
+      if not lo <= value < _INT32_LIMIT:
+        raise ValueError(f"{name}={value} must be in [{lo}, 2**31)")
+      fields[name] = value
+    fields["temperature"] = _as_real("temperature", self.temperature)
+    fields["top_p"] = _as_real("top_p", self.top_p)
+    if not fields["temperature"] >= 0:
       raise ValueError(f"temperature={self.temperature} must be >= 0")
-    if self.top_k < 0:
-      raise ValueError(f"top_k={self.top_k} must be >= 0")
-    if not 0 < self.top_p <= 1:
+    if not 0 < fields["top_p"] <= 1:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-    if self.n < 1:
-      raise ValueError(f"n={self.n} must be >= 1")
-    if not 0 <= self.seed < 2**31:
-      raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
-    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+    fields["stop_tokens"] = _token_ids("stop_tokens", self.stop_tokens)
+    for name, value in fields.items():   # plain Python values: equal params hash equal
+      object.__setattr__(self, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,10 +117,56 @@ class Request:
   request_id: object = None
 
   def __post_init__(self):
-    prompt = tuple(int(t) for t in self.prompt)
+    rid = self.request_id
+    try:
+      hash(rid)
+    except TypeError as e:
+      raise TypeError(f"request_id={rid!r} must be hashable") from e
+    prompt = _token_ids("prompt", self.prompt, rid)
     if not prompt:
-      raise ValueError("prompt must hold at least one token")
+      raise ValueError(f"{_label(rid)}prompt must hold at least one token")
+    if not isinstance(self.params, SamplingParams):
+      raise TypeError(f"{_label(rid)}params={self.params!r} must be a SamplingParams")
     object.__setattr__(self, "prompt", prompt)
+
+
+def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: int,
+                  capacity: int, max_stop_tokens: int) -> None:
+  """Checks a request against the model and the engine, before anything is served.
+
+  Args:
+    request: the `Request` (already type- and sign-checked by its constructor).
+    vocab_size: the model's vocabulary; every prompt and stop token must be below it
+      (an id past it reads past the embedding and its NaN K/V would stay in the
+      sequence's history).
+    max_len: the engine's per-column token buffer (prompt + max_tokens).
+    max_seqs: the cache's columns (`n` samples each take one).
+    capacity: the cache's token budget (each sample holds prompt + max_tokens - 1).
+    max_stop_tokens: the engine's stop-token slots per request.
+
+  Raises:
+    TypeError: `request` is not a `Request`.
+    ValueError: naming the request id and the field that cannot be served.
+  """
+  if not isinstance(request, Request):
+    raise TypeError(f"request={request!r} must be a Request")
+  label, p = f"request {request.request_id!r}", request.params
+  for name, ids in (("prompt", request.prompt), ("stop_tokens", p.stop_tokens)):
+    for i, t in enumerate(ids):
+      if t >= vocab_size:
+        raise ValueError(f"{label}: {name}[{i}]={t} must be < vocab_size={vocab_size}")
+  total = len(request.prompt) + p.max_tokens
+  if total > max_len:
+    raise ValueError(f"{label}: prompt ({len(request.prompt)}) + max_tokens ({p.max_tokens}) "
+                     f"must be <= max_len={max_len}")
+  if p.n > max_seqs:
+    raise ValueError(f"{label}: n={p.n} must be <= max_seqs={max_seqs}")
+  if p.n * (total - 1) > capacity:
+    raise ValueError(f"{label}: n ({p.n}) x (prompt + max_tokens - 1 = {total - 1}) = "
+                     f"{p.n * (total - 1)} cache rows must be <= capacity={capacity}")
+  if len(p.stop_tokens) > max_stop_tokens:
+    raise ValueError(f"{label}: {len(p.stop_tokens)} stop_tokens; at most "
+                     f"max_stop_tokens={max_stop_tokens}")
 
 
 @dataclasses.dataclass

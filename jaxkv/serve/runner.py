@@ -1,43 +1,57 @@
-"""`ModelRunner`: host-level, step-by-step driving of a model on its own cache."""
+"""`ModelRunner`: host-level, step-by-step driving of a model on its own cache.
+
+The runner is a `jaxkv.BatchedSequenceCache` plus the model step: the facade
+keeps the state, the sequence verbs, their refusals and the flat growth (rounded
+to `ROW_MULTIPLE` rows for the Mosaic GPU kernels); the runner adds one jitted
+model forward per step.
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import CacheConfig, Status, init_state, pure
+from jaxkv import BatchedSequenceCache, CacheConfig, CacheState
 from jaxkv.serve.engine import _model_mesh, _split_placed
-from jaxkv.serve.loop import _first_bad
-from jaxkv.serve.memory import _grown_rows
+from jaxkv.serve.memory import ROW_MULTIPLE
 
 
-def _run_step(graphdef, config, params, cache, tokens):
+def _forward(graphdef, config, params, state, tokens):
+  """Every layer of the model on the prepared `state`; `(state, logits)`."""
   from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
+  del config   # static: part of the jit key, so a model of another cache retraces
   model = merge_model(graphdef, params)
-  cache, st_prepare = pure.prepare_step(config, cache)
-  logits, cache = model(tokens, cache)
-  cache, st_commit = pure.commit_step(config, cache)
-  return cache, logits, _first_bad(st_prepare, st_commit)
+  logits, state = model(tokens, state)
+  return state, logits
 
 
-_RUNNER_VERBS = {name: jax.jit(getattr(pure, name), static_argnums=0, donate_argnums=1)
-                 for name in ("seq_new", "seq_clone", "seq_rm", "rewind", "declare_step")}
-_jit_rows_needed = jax.jit(pure.rows_needed, static_argnums=0)
-_jit_run_step = jax.jit(_run_step, static_argnums=(0, 1), donate_argnums=3)
+_jit_forward = jax.jit(_forward, static_argnums=(0, 1), donate_argnums=3)
+
+
+def _token(i: int, value, vocab_size: int | None) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"tokens[{i}]={value!r} must be an int")
+  value = int(value)
+  high = vocab_size if vocab_size is not None else 2**31
+  if not 0 <= value < high:
+    raise ValueError(f"tokens[{i}]={value} must be in [0, "
+                     f"{'vocab_size=' if vocab_size is not None else ''}{high})")
+  return value
 
 
 class ModelRunner:
   """Host-level, step-by-step driving of a model on its own cache.
 
-  Each `step` is one declare (jitted), an optional host-side flat growth, and one
-  jitted prepare → model → commit with the cache donated. Refused sequence verbs
-  return None/False as on `jaxkv.BatchedSequenceCache`.
+  Each `step` declares the tokens, prepares (growing flat rows on the host if
+  needed), runs the model's forward in one jitted call with the state donated,
+  and commits. Sequence verbs are the facade's: a refusal returns None/False
+  and changes nothing; ids must be Python or NumPy ints (TypeError otherwise).
 
   Args:
-    model: an NNX model following the step protocol, with `cache_config`.
+    model: an NNX model following the step protocol, with `cache_config` (and,
+      to check token ids, `config.vocab_size`).
     mesh, kv_axis: as for `Engine` (default: the model's).
   """
 
@@ -48,73 +62,65 @@ class ModelRunner:
     self.config = config
     self.mesh, self.kv_axis = _model_mesh(model, config, mesh, kv_axis)
     self.graphdef, self.params = _split_placed(model, self.mesh)
-    self.cache = init_state(config, mesh=self.mesh, kv_axis=self.kv_axis)
-    self._seq_new, self._seq_clone = _RUNNER_VERBS["seq_new"], _RUNNER_VERBS["seq_clone"]
-    self._seq_rm, self._rewind = _RUNNER_VERBS["seq_rm"], _RUNNER_VERBS["rewind"]
-    self._declare = _RUNNER_VERBS["declare_step"]
-    self._rows_needed = _jit_rows_needed
-    self._step = _jit_run_step
+    self.vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    self.facade = BatchedSequenceCache(config, mesh=self.mesh, kv_axis=self.kv_axis,
+                                       row_multiple=ROW_MULTIPLE)
+
+  @property
+  def cache(self) -> CacheState:
+    """The current state; invalid after the next call (it is donated)."""
+    return self.facade.state
 
   def seq_new(self) -> int | None:
-    self.cache, status, seq_id = self._seq_new(self.config, self.cache)
-    return int(seq_id) if int(status) == Status.OK else None
+    return self.facade.seq_new()
 
-  def seq_clone(self, src: int, upto: int | None = None) -> int | None:
-    upto = pure.WHOLE if upto is None else upto
-    self.cache, status, seq_id = self._seq_clone(self.config, self.cache, jnp.int32(src),
-                                                 jnp.int32(upto))
-    return int(seq_id) if int(status) == Status.OK else None
+  def seq_clone(self, src, upto=None) -> int | None:
+    return self.facade.seq_clone(src, upto)
 
-  def seq_rm(self, seq_id: int) -> bool:
-    self.cache, status = self._seq_rm(self.config, self.cache, jnp.int32(seq_id))
-    return int(status) == Status.OK
+  def seq_rm(self, seq_id) -> bool:
+    return self.facade.seq_rm(seq_id)
 
-  def rewind(self, seq_id: int, position: int) -> bool:
-    self.cache, status = self._rewind(self.config, self.cache, jnp.int32(seq_id),
-                                      jnp.int32(position))
-    return int(status) == Status.OK
+  def rewind(self, seq_id, position) -> bool:
+    return self.facade.rewind(seq_id, position)
 
-  def pos(self, seq_id: int) -> int:
-    return int(self.cache.pos[seq_id]) if int(self.cache.live[seq_id]) else 0
+  def pos(self, seq_id) -> int:
+    """Committed length of `seq_id` (0 when not live).
+
+    Raises:
+      TypeError: not a Python or NumPy int.
+      ValueError: not a column id, `0 <= seq_id < max_seqs`.
+    """
+    live = self.facade.is_live(seq_id)   # type check first
+    if not 0 <= int(seq_id) < self.config.max_seqs:
+      raise ValueError(f"seq_id={seq_id} must be in [0, max_seqs={self.config.max_seqs})")
+    return self.facade.pos(seq_id) if live else 0
 
   def step(self, seq_ids: Sequence[int], tokens: Sequence[int], owner_blocks=None) -> np.ndarray:
     """Runs one step; returns the logits of the real tokens, `float32[n, vocab]`.
 
     Args:
       seq_ids: sequence of each step token (at most `W`).
-      tokens: token id of each step token.
+      tokens: token id of each step token, in `[0, vocab_size)`.
       owner_blocks: optional `[(start, length), ...]` owner blocks (SPEC §9).
 
     Raises:
-      ValueError: `seq_ids` and `tokens` differ in length, or the declaration
-        is refused (the status is named).
+      TypeError: an id or token that is not an int.
+      ValueError: `seq_ids` and `tokens` differ in length, a token is out of
+        range, or the declaration is refused; nothing changes.
     """
-    config, width = self.config, self.config.step_width
+    width = self.config.step_width
+    seq_ids, tokens = list(seq_ids), list(tokens)
     n = len(seq_ids)
     if len(tokens) != n:
       raise ValueError(f"tokens has {len(tokens)} entries; seq_ids has {n}")
     if not 1 <= n <= width:
       raise ValueError(f"seq_ids must hold 1..W={width} entries; got {n}")
-    ids = np.full((width,), config.max_seqs, np.int32)
-    ids[:n] = seq_ids
-    toks = np.zeros((width,), np.int32)
-    toks[:n] = tokens
-    blocks = np.zeros((width, 2), np.int32)
-    for i, (start, length) in enumerate(owner_blocks or ()):
-      blocks[i] = (start, length)
-    self.cache, status = self._declare(config, self.cache, jnp.asarray(ids), jnp.int32(n),
-                                       jnp.asarray(blocks))
-    if int(status) != Status.OK:
-      raise ValueError(f"seq_ids={list(seq_ids)} (owner_blocks={owner_blocks}) refused: "
-                       f"{Status(int(status)).name}")
-    needed = int(self._rows_needed(config, self.cache))
-    if config.has_flat:
-      current = next(self.cache.k[l].shape[0] for l, layer in enumerate(config.layers)
-                     if not layer.policy.is_ring)
-      if needed > current:
-        self.cache = pure.grow(config, self.cache, _grown_rows(config, current, needed))
-    self.cache, logits, status = self._step(self.graphdef, config, self.params, self.cache,
-                                            jnp.asarray(toks))
-    if int(status) != Status.OK:
-      raise RuntimeError(f"step failed: {Status(int(status)).name}")
+    padded = np.zeros((width,), np.int32)
+    padded[:n] = [_token(i, t, self.vocab_size) for i, t in enumerate(tokens)]
+    if not self.facade.declare_step(seq_ids, owner_blocks):
+      raise ValueError(f"seq_ids={seq_ids} (owner_blocks={owner_blocks}) refused: "
+                       f"{self.facade.last_status.name}")
+    self.facade.prepare_step()
+    logits = self.facade.forward(lambda state: _jit_forward(
+        self.graphdef, self.config, self.params, state, padded))
     return np.asarray(logits[:n])

@@ -184,11 +184,3 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
   if mesh is not None:
     ls = jax.device_put(ls, NamedSharding(mesh, P()))
   return dataclasses.replace(ls, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
-
-
-def loop_state_bytes(config: CacheConfig, *, queue: int, max_len: int, rows: int,
-                     max_new: int, max_stop: int) -> int:
-  """Bytes of the loop's own arrays (not the cache): the formula `init_loop_state` allocates."""
-  s = config.max_seqs
-  return 4 * (queue * (max_len + max_stop + 10) + s * (max_len + max_stop + 20)
-              + rows * (max_new + 3))

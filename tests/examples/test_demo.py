@@ -43,7 +43,7 @@ def test_help_documents_every_flag(capsys):
 def test_bad_flags_are_refused(capsys):
   with pytest.raises(SystemExit, match="2"):
     demo.main(["--requests", "0"])
-  assert "--requests=0 must be >= 1" in capsys.readouterr().err
+  assert "--requests=0 must be in [1, 2**31)" in capsys.readouterr().err
 
 
 def test_demo_loads_a_checkpoint(capsys):

@@ -206,6 +206,9 @@ def test_commit_step_in_place(cache):
   _facade_step(cache, [0, 1], 5)
   assert cache.declare_step([0, 2])
   cache.prepare_step()
+  q, k, v = _content(6, 2)
+  for layer in range(len(CONFIG.layers)):   # a commit needs every layer attended
+    cache.attend(layer, q, k, v)
 
   def commit(config, state):
     return pure.commit_step(config, state)

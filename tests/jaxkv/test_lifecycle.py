@@ -448,12 +448,21 @@ def test_pure_statuses_follow_the_spec_check_order():
   expect(declare(config, state, ids(0, 1), jnp.int32(2), no_blocks), S.NOT_LIVE)
   bad_block = jnp.asarray(np.array([[0, 3]] + [[0, 0]] * 3, np.int32))
   expect(declare(config, state, ids(0, 0), jnp.int32(2), bad_block), S.BAD_BLOCKS)
+  q = jnp.ones((W, N_Q_HEADS, HEAD_DIM), jnp.float32)
+  kv = jnp.ones((W, N_KV_HEADS, HEAD_DIM), jnp.float32)
+  attend = jax.jit(lambda c, st, layer: jaxkv.pure.attend(c, st, layer, q, kv, kv,
+                                                          implementation="reference"),
+                   static_argnums=(0, 2), donate_argnums=1)
   # Three 2-token steps for x: hw 6 wraps ring(2) (R = min(6, 2 + 4 - 1) = 5), floor 6 - 5 + 1 = 2.
-  for _ in range(3):
+  for i in range(3):
     state, status = declare(config, state, ids(0, 0), jnp.int32(2), no_blocks)
     assert int(status) == S.OK
     state, status = prepare(config, state)
     assert int(status) == S.OK
+    state, _, status = attend(config, state, 0)
+    if i == 0:   # a layer not attended: the commit is refused (NOT_ATTENDED), nothing changes
+      expect(commit(config, state), S.NOT_ATTENDED)
+    state, _, status = attend(config, state, 1)
     state, status = commit(config, state)
     assert int(status) == S.OK
   assert np.asarray(state.pos).tolist() == [6, 0] and int(state.held) == 6

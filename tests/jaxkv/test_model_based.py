@@ -13,8 +13,8 @@ SPEC written here (it shares no code with jaxkv). After every call:
 * every real output row has exact probe values: K = 0, V[..., 0] = p + 1,
   V[..., 1] = (p + 1)**2, so output channels 0 and 1 are the means of kp + 1
   and (kp + 1)**2 over the visible keys. The model tracks which position each
-  storage row holds, so the prediction stays exact when a step commits with a
-  layer left unserved (SPEC §6.4 allows it).
+  storage row holds, so the prediction stays exact across uncommitted steps;
+  a commit with a layer left unserved is refused (NOT_ATTENDED).
 
 The budget is `JAXKV_HYPOTHESIS_EXAMPLES` examples per config (default below);
 runs are derandomized unless `JAXKV_HYPOTHESIS_RANDOM=1`; `JAXKV_REPORT_CALLS=1`
@@ -285,6 +285,7 @@ class Model:
     for s, end in ends.items():
       self.hw[s] = max(self.hw[s], end)
     self.phase, self.step = PREPARED, step
+    self.served = set()
     return step
 
   def attend(self, layer, shapes_ok: bool):
@@ -292,6 +293,7 @@ class Model:
     if self.phase != PREPARED or not 0 <= layer < len(self.windows) or not shapes_ok:
       raise ModelStepError("NOT_PREPARED or bad arguments")
     step = self.step
+    self.served.add(layer)
     for s, p in zip(step.ids, step.positions):
       self.stored[layer][s][self.row(layer, p)] = p
     expected = []
@@ -319,6 +321,8 @@ class Model:
       raise ModelStepError("NOT_PREPARED")
     if self.phase == COMMITTED:
       return False
+    if len(self.served) != len(self.windows):   # a layer left unserved
+      raise ModelStepError("NOT_ATTENDED")
     for q_start, q_len, col, pos0, kind in self.step.segments:
       del q_start
       if kind == 0:
@@ -742,7 +746,12 @@ class CacheMachine(RuleBasedStateMachine):
     elif verb == "attend":
       self.any_attend(data, layer=self.next_layer if self.next_layer < self.n_layers else None)
     else:
-      self.commit()
+      early = phase == PREPARED and self.next_layer < self.n_layers
+      self.commit()   # refused (NOT_ATTENDED) when early
+      if early:   # then serve the rest and commit, so an early commit still makes progress
+        for layer in range(self.next_layer, self.n_layers):
+          self.attend(layer, len(self.model.step.positions))
+        self.commit()
 
   def make_room(self, data, tokens):
     """When the budget cannot take `tokens` more, usually rewind or remove a sequence."""

@@ -212,6 +212,9 @@ def _pure_state():
   ids = jnp.asarray([0, 0, 3, 3], jnp.int32)
   state, status = pure.declare_step(CONFIG, state, ids, jnp.int32(2), jnp.zeros((W, 2), jnp.int32))
   state, status = pure.prepare_step(CONFIG, state)
+  for layer in range(CONFIG.num_layers):   # a commit needs every layer attended
+    state, _, _ = pure.attend(CONFIG, state, layer, jnp.ones((W, 4, 4)), jnp.ones((W, 2, 4)),
+                              jnp.ones((W, 2, 4)), implementation="reference")
   state, status = pure.commit_step(CONFIG, state)
   assert int(status) == 0 and np.asarray(state.pos).tolist() == [2, 0, 0]
   return state

@@ -283,7 +283,7 @@ def _forged(starts: dict[int, int]):
       live=jnp.asarray(live), pos=jnp.asarray(pos), hw=jnp.asarray(pos),
       held=jnp.asarray(pos.astype(np.int64).sum(), jnp.int32), phase=state.phase,
       decl_ids=state.decl_ids, decl_block=state.decl_block, decl_n=state.decl_n,
-      step=state.step)
+      attended=state.attended, step=state.step)
   return state, model
 
 

@@ -1,0 +1,114 @@
+"""Size bounds: what a cache costs in bytes, and whether the device can hold it.
+
+Allocating an absurd cache (a typo in `max_seqs`, `2**31` rows) should fail at
+once with the arithmetic in the message, not after minutes of paging or with an
+allocator error naming no argument. `check_fits` compares a byte count with
+what the device can still hold: `bytes_limit - bytes_in_use` from
+`device.memory_stats()` where the backend reports it (GPUs), else the host's
+available memory (CPU arrays live there).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._config import CacheConfig
+
+
+def available_bytes(device=None) -> tuple[int, str]:
+  """`(bytes, source)`: memory `device` can still hold, and where the figure comes from."""
+  device = jax.devices()[0] if device is None else device
+  try:
+    stats = device.memory_stats()
+  except (AttributeError, NotImplementedError, RuntimeError):   # backends without stats
+    stats = None
+  if stats and "bytes_limit" in stats:
+    free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return free, f"{device.device_kind} bytes_limit - bytes_in_use"
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024, "host MemAvailable"
+  except OSError:
+    pass
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host physical memory"
+
+
+def check_fits(nbytes: int, *, what: str, formula: str, device=None) -> None:
+  """Raises ValueError when `nbytes` exceed what `device` can still hold.
+
+  Args:
+    nbytes: bytes about to be allocated.
+    what: the thing allocated, for the message (e.g. "the cache of CacheConfig(...)").
+    formula: how `nbytes` was computed, with the numbers filled in.
+  """
+  free, source = available_bytes(device)
+  if nbytes > free:
+    raise ValueError(f"{what} needs {nbytes:,} bytes ({nbytes / 2**30:.2f} GiB) = {formula}; "
+                     f"the device can hold {free:,} bytes ({source})")
+
+
+def is_tracing() -> bool:
+  """Whether array creation here is traced (under `jax.eval_shape` or `jit`): nothing
+  is allocated then, so no bound applies."""
+  return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
+def kv_formula(config: CacheConfig, flat_rows: int, layers=None) -> tuple[int, str]:
+  """`(bytes, formula)` of the K/V storage of `layers` (default all) with `flat_rows`.
+
+  Each layer holds K and V of `[rows, max_seqs + 1, n_kv_heads, head_dim]`;
+  layers of one geometry are grouped in the formula.
+  """
+  layers = range(config.num_layers) if layers is None else layers
+  groups: dict[tuple[int, ...], int] = {}
+  for l in layers:
+    key = config.layer_shape(l, flat_rows)
+    groups[key] = groups.get(key, 0) + 1
+  item = config.kv_dtype.itemsize
+  total, terms = 0, []
+  for (rows, cols, heads, dim), count in groups.items():
+    total += count * 2 * rows * cols * heads * dim * item
+    terms.append(f"{count} layers x 2 (K, V) x {rows} rows x {cols} columns (max_seqs + 1) x "
+                 f"{heads} kv heads x {dim} head_dim x {item} bytes")
+  return total, " + ".join(terms)
+
+
+def control_bytes(config: CacheConfig) -> int:
+  """Bytes of the int32 control leaves: `live/pos/hw [S]`, declaration and Step `[W]`, ..."""
+  s, w, n = config.max_seqs, config.step_width, config.num_layers
+  return 4 * (3 * s + 5 + n + w * (2 + 2 + n + 5))
+
+
+def state_bytes(config: CacheConfig, flat_rows: int | None = None) -> int:
+  """Bytes of a whole `CacheState` with `flat_rows` (default the initial ones)."""
+  rows = config.initial_flat_rows if flat_rows is None else flat_rows
+  return kv_formula(config, rows)[0] + control_bytes(config)
+
+
+def check_state_fits(config: CacheConfig, flat_rows: int, *, shards: int = 1,
+                     layers=None, device=None, control: bool = True) -> None:
+  """Raises ValueError (with the formula) unless a state of `flat_rows` fits on `device`.
+
+  Args:
+    shards: devices the K/V heads are split over (each holds `1/shards` of K/V).
+    layers: the layers allocated (default all); growth allocates only flat layers.
+    control: count the control leaves too.
+  """
+  if is_tracing():
+    return
+  kv, formula = kv_formula(config, flat_rows, layers)
+  total = -(-kv // shards)
+  if shards > 1:
+    formula = f"({formula}) / {shards} shards"
+  if control:
+    total += control_bytes(config)
+    formula += (f" + {control_bytes(config)} control bytes (int32 live/pos/hw per sequence, "
+                f"declaration and Step per step token)")
+  check_fits(total, what=(f"a cache of {flat_rows} flat rows (max_seqs={config.max_seqs}, "
+                          f"max_write={config.max_write}, {config.num_layers} layers)"),
+             formula=formula, device=device)
