@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from scenario_utils import probe
 from scenario_utils import probe_expected
 from scenario_utils import run_step

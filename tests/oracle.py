@@ -15,7 +15,22 @@ from __future__ import annotations
 import copy
 import math
 
+import ml_dtypes
 import numpy as np
+
+# Absolute tolerances against float32/float64 oracles, keyed by storage dtype.
+# 16-bit storage rounds every K/V to 3 or fewer significant digits (SPEC §11: 1e-2);
+# float32 differs from a float64 oracle only by accumulation order.
+TOLS = {
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 1e-2,
+    np.dtype(ml_dtypes.bfloat16): 1e-2,
+}
+
+
+def tol(dtype) -> float:
+  """Tolerance for results computed over K/V stored as `dtype`."""
+  return TOLS[np.dtype(dtype)]
 
 
 def _as_float64(x) -> np.ndarray:

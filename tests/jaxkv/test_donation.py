@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import has_hopper_gpu
+from drivers import has_hopper_gpu
 
 pure = jaxkv.pure
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from fork_utils import advance
 from fork_utils import assert_causal_probe
 from fork_utils import expected_probe
@@ -25,7 +25,7 @@ from fork_utils import floor_of
 from fork_utils import host_positions
 from fork_utils import hw_of
 from scenario_utils import Harness
-from scenario_utils import PureCache
+from drivers import PureCache
 from scenario_utils import assert_same_state
 from scenario_utils import default_config
 from scenario_utils import snapshot

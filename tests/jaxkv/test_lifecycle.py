@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from scenario_utils import (
     HEAD_DIM,
     N_KV_HEADS,

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from scenario_utils import assert_same_state, snapshot
 
 N_Q_HEADS = 4

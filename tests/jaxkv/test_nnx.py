@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from jaxkv import pure
 from jaxkv.nnx import CachedAttention, RMSNorm, RopeScaling, rope_inv_freq
 

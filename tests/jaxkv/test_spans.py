@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import KERNEL_IMPLEMENTATIONS, tol
+from drivers import KERNEL_IMPLEMENTATIONS
+from oracle import tol
 from oracle import SequenceOracle
 from scenario_utils import (
     HEAD_DIM,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from fork_utils import assert_causal_probe
 from fork_utils import assert_probe
 from fork_utils import bits
@@ -26,11 +26,11 @@ from fork_utils import prepared
 from fork_utils import probe_step
 from fork_utils import state_copy
 from scenario_utils import Harness
-from scenario_utils import PureCache
+from drivers import PureCache
 from scenario_utils import assert_same_state
 from scenario_utils import default_config
 from scenario_utils import layer_windows
-from scenario_utils import poison_free_storage
+from drivers import poison_free_storage
 from scenario_utils import snapshot
 
 FLAT = jaxkv.LayerPolicy.flat()
