@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxkv
-from oracle import tol
 from drivers import PureCache
+import jaxkv
 from oracle import SequenceOracle
+from oracle import tol
 
 # SPEC §11 defaults.
 N_Q_HEADS = 4
@@ -55,12 +55,6 @@ def probe(p: int, *, n_q_heads: int = N_Q_HEADS, n_kv_heads: int = N_KV_HEADS,
   v[:, 0] = p + 1
   v[:, 1] = (p + 1) ** 2
   return q, k, v
-
-
-def probe_expected(visible: Sequence[int]) -> tuple[float, float]:
-  """Expected probe output channels 0 and 1 for a query that sees positions `visible`."""
-  vis = np.asarray(list(visible), np.float64)
-  return float(np.mean(vis + 1)), float(np.mean((vis + 1) ** 2))
 
 
 # --------------------------------------------------------------------------- state snapshots

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
 from drivers import has_hopper_gpu
+import jaxkv
 
 pure = jaxkv.pure
 

@@ -15,10 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
 from drivers import KERNEL_IMPLEMENTATIONS
-from oracle import tol
-from oracle import SequenceOracle
+import jaxkv
+from oracle import SequenceOracle, probe_expected, tol
 from scenario_utils import (
     HEAD_DIM,
     N_KV_HEADS,
@@ -27,7 +26,6 @@ from scenario_utils import (
     assert_same_state,
     default_config,
     probe,
-    probe_expected,
     snapshot,
     tok,
 )

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from drivers import has_hopper_gpu
-from oracle import tol
 from kernel_cases import Family
 from kernel_cases import queries
 from kernel_cases import random_step
 from kernel_cases import resident_storage
+from oracle import tol
 import pallas_kernels
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib

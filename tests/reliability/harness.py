@@ -83,15 +83,8 @@ def flat_rows(config, state) -> int:
   return 0
 
 
-def windows(config) -> list[int | None]:
-  return [None if lc.policy.kind == "flat" else int(lc.policy.window) for lc in config.layers]
-
-
 def new_model(config) -> CacheModel:
-  return CacheModel(windows(config), capacity=config.capacity, max_seqs=config.max_seqs,
-                    max_write=config.max_write, initial_capacity=config.initial_capacity,
-                    kv_dtype=config.kv_dtype,
-                    scales=[1.0 / math.sqrt(lc.head_dim) for lc in config.layers])
+  return CacheModel.for_config(config)
 
 
 def stateful_runs(default: int, *, tests: int = 2, steps_per_run: float = 40.0) -> int:

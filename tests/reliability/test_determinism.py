@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
 import drivers as D
+import jaxkv
 from reliability import harness as H
 
 

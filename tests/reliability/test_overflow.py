@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
 import drivers as D
-import pallas_kernels
+import jaxkv
 from model import Status
+import pallas_kernels
 from pallas_kernels import indexing
 from reliability import harness as H
 

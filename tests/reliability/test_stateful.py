@@ -40,9 +40,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
-import jaxkv
 import drivers as D
 from drivers import poison_free_storage
+import jaxkv
 from model import FACADE_STEP_ERRORS, Phase, Status
 from reliability import harness as H
 from scenario_utils import assert_same_state, snapshot
