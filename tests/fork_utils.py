@@ -17,6 +17,7 @@ import numpy as np
 import jaxkv
 from oracle import expected_probe
 from oracle import tol
+from scenario_utils import derived_positions
 from scenario_utils import probe
 from scenario_utils import run_step
 
@@ -24,12 +25,7 @@ from scenario_utils import run_step
 def host_positions(cache, seq_ids, owner_blocks=None) -> list[int]:
   """Positions §6.3 and §9 derive: `pos(s)`, then one more per later token of `s`."""
   del owner_blocks  # a block continues its owner's count like any other run
-  seen: dict[int, int] = {}
-  positions = []
-  for s in seq_ids:
-    positions.append(cache.pos(s) + seen.get(s, 0))
-    seen[s] = seen.get(s, 0) + 1
-  return positions
+  return derived_positions(cache.pos, seq_ids)
 
 
 def probe_rows(positions):

@@ -136,6 +136,16 @@ def segments_of(ids: Sequence[int], owner_blocks=None) -> list[tuple[int, int, i
   return segs
 
 
+def derived_positions(pos_of, seq_ids) -> list[int]:
+  """Positions §6.3 and §9 derive: `pos_of(s)`, then one more per later token of `s`."""
+  seen: dict[int, int] = {}
+  positions = []
+  for s in seq_ids:
+    positions.append(pos_of(s) + seen.get(s, 0))
+    seen[s] = seen.get(s, 0) + 1
+  return positions
+
+
 def run_step(cache, ids, contents, *, owner_blocks=None, T=None, scale=None,
              positions=None) -> list[np.ndarray]:
   """One whole step on the facade: declare (must be accepted), prepare, attend every layer, commit.
@@ -300,12 +310,8 @@ class Harness:
     return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
 
   def expected_positions(self, ids, owner_blocks=None) -> list[int]:
-    counts: dict[int, int] = {}
-    out = []
-    for s in ids:
-      out.append(self.pos(s) + counts.get(s, 0))
-      counts[s] = counts.get(s, 0) + 1
-    return out
+    del owner_blocks  # a block continues its owner's count like any other run
+    return derived_positions(self.pos, ids)
 
   # ---- the step
 
