@@ -1,4 +1,7 @@
-"""Strict harness shared by every test: dtype/rank promotion, tolerances, seeds."""
+"""Fixtures only: the strict harness (dtype/rank promotion), the implementation and rng fixtures,
+the skip of compiled-kernel variants the kernels refuse. Helpers live in oracle.py (float64
+oracle, tolerances), model.py (bookkeeping model), drivers.py (jitted drivers) and the
+*_utils modules."""
 
 from __future__ import annotations
 
@@ -11,41 +14,13 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                              " --xla_force_host_platform_device_count=4").strip()
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from drivers import KERNEL_IMPLEMENTATIONS  # pylint: disable=wrong-import-position
+
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
-
-# Absolute tolerances against float32/float64 oracles, keyed by storage dtype.
-# 16-bit storage rounds every K/V to 3 or fewer significant digits (SPEC §11: 1e-2);
-# float32 differs from a float64 oracle only by accumulation order.
-TOLS = {
-    np.dtype(jnp.float32): 1e-5,
-    np.dtype(jnp.float16): 1e-2,
-    np.dtype(jnp.bfloat16): 1e-2,
-}
-
-
-def tol(dtype) -> float:
-  """Tolerance for results computed over K/V stored as `dtype`."""
-  return TOLS[np.dtype(dtype)]
-
-
-def has_hopper_gpu() -> bool:
-  """True on an NVIDIA GPU of compute capability >= 9.0."""
-  try:
-    devices = jax.devices("gpu")
-  except RuntimeError:
-    return False
-  return any(float(getattr(d, "compute_capability", "0")) >= 9.0 for d in devices)
-
-
-# Implementations every kernel-backed scenario runs with: the reference always,
-# the Mosaic GPU interpreter on CPU, the compiled kernels on a Hopper GPU.
-KERNEL_IMPLEMENTATIONS = ["reference", "interpret"] + (
-    ["mosaic_gpu"] if has_hopper_gpu() else [])
 
 
 @pytest.fixture(params=KERNEL_IMPLEMENTATIONS)

@@ -15,43 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from conftest import tol
+from oracle import expected_probe
+from oracle import tol
+from scenario_utils import derived_positions
 from scenario_utils import probe
-from scenario_utils import probe_expected
 from scenario_utils import run_step
-
-
-def visible_positions(p: int, window: int | None, *, block=None) -> range:
-  """Positions a query at `p` sees (SPEC §8 table).
-
-  Args:
-    p: the query's position.
-    window: `None` for a flat layer, the ring window otherwise.
-    block: `(b0, B)` when the query belongs to an owner block `[b0, b0 + B)`.
-
-  Returns:
-    causal: `[0, p]` flat, `[max(0, p − w + 1), p]` ring; block: `[0, b0 + B)`
-    flat, `[max(0, b0 − w + 1), b0 + B)` ring.
-  """
-  start, end = (p, p + 1) if block is None else (block[0], block[0] + block[1])
-  lo = 0 if window is None else max(0, start - window + 1)
-  return range(lo, end)
-
-
-def expected_probe(p: int, window: int | None, *, block=None) -> tuple[float, float]:
-  """Probe channels 0 and 1 for a query at `p` (see `visible_positions`)."""
-  return probe_expected(visible_positions(p, window, block=block))
 
 
 def host_positions(cache, seq_ids, owner_blocks=None) -> list[int]:
   """Positions §6.3 and §9 derive: `pos(s)`, then one more per later token of `s`."""
   del owner_blocks  # a block continues its owner's count like any other run
-  seen: dict[int, int] = {}
-  positions = []
-  for s in seq_ids:
-    positions.append(cache.pos(s) + seen.get(s, 0))
-    seen[s] = seen.get(s, 0) + 1
-  return positions
+  return derived_positions(cache.pos, seq_ids)
 
 
 def probe_rows(positions):

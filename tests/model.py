@@ -1,4 +1,4 @@
-"""A pure-Python model of the jaxkv cache: bookkeeping (SPEC §4-§6, §9) and float64 attention (§8).
+"""The pure-Python model of the jaxkv cache: bookkeeping (SPEC §4-§6, §9), attention through the oracle.
 
 It shares no code with `jaxkv` or `pallas_kernels` (it imports neither) and has
 no storage: each sequence's history is a dict `position -> (k, v)` per layer, so
@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 
 import numpy as np
+
+from oracle import attend_naive, visible_positions
 
 
 class Status(enum.IntEnum):
@@ -80,6 +83,15 @@ class CacheModel:
     self.decl = None          # (ids, block flags)
     self.step = None          # dict: ids, positions, flags, segments
     self.served: set[int] = set()
+
+  @classmethod
+  def for_config(cls, config) -> "CacheModel":
+    """The model of a `jaxkv.CacheConfig`, read by attribute (nothing of jaxkv is imported)."""
+    windows = [None if lc.policy.kind == "flat" else int(lc.policy.window) for lc in config.layers]
+    return cls(windows, capacity=config.capacity, max_seqs=config.max_seqs,
+               max_write=config.max_write, initial_capacity=config.initial_capacity,
+               kv_dtype=config.kv_dtype,
+               scales=[1.0 / math.sqrt(lc.head_dim) for lc in config.layers])
 
   # ------------------------------------------------------------------ queries
 
@@ -288,17 +300,15 @@ class CacheModel:
     return [p % rows for p in self.step["positions"]]
 
   def visible(self, layer: int, t: int) -> range:
-    """Positions step token `t` sees on `layer` (SPEC §8)."""
-    w = self.windows[layer]
+    """Positions step token `t` sees on `layer` (SPEC §8, through the oracle's table)."""
     p = self.step["positions"][t]
+    block = None
     if self.step["flags"][t]:
       s = self.step["ids"][t]
-      block = [i for i in range(len(self.step["ids"]))
-               if self.step["ids"][i] == s and self.step["flags"][i]]
-      b0 = self.step["positions"][block[0]]
-      end = b0 + len(block)
-      return range(0 if w is None else max(0, b0 - w + 1), end)
-    return range(0 if w is None else max(0, p - w + 1), p + 1)
+      members = [i for i in range(len(self.step["ids"]))
+                 if self.step["ids"][i] == s and self.step["flags"][i]]
+      block = (self.step["positions"][members[0]], len(members))
+    return visible_positions(p, self.windows[layer], block=block)
 
   def attend(self, layer: int, q, k, v):
     """Writes then attends; -> (status, out [n, H_q, D] float64, checked bool[n]).
@@ -320,8 +330,12 @@ class CacheModel:
     for t in range(n):
       h = self.hist[ids[t]][layer]
       entries = [h[kp] for kp in self.visible(layer, t)]
-      out[t] = attention(q[t], np.stack([e[0] for e in entries]),
-                         np.stack([e[1] for e in entries]), self.scales[layer])
+      if any(e is UNKNOWN for e in entries):
+        checked[t] = False
+        continue
+      out[t] = attend_naive(q[t][None], np.stack([e[0] for e in entries]),
+                            np.stack([e[1] for e in entries]), np.ones((1, len(entries)), bool),
+                            self.scales[layer])[0]
     self.served.add(layer)
     return Status.OK, out, checked
 
@@ -348,16 +362,3 @@ class CacheModel:
 
   def fork_copy(self) -> "CacheModel":
     return copy.deepcopy(self)
-
-
-def attention(q, keys, values, scale: float) -> np.ndarray:
-  """float64 softmax attention of one token. q [H_q, D]; keys, values [S, H_kv, D]."""
-  n_q_heads = q.shape[0]
-  group = n_q_heads // keys.shape[1]
-  out = np.zeros(q.shape, np.float64)
-  for h in range(n_q_heads):
-    kk, vv = keys[:, h // group, :], values[:, h // group, :]
-    scores = scale * (kk @ q[h])
-    weights = np.exp(scores - scores.max())
-    out[h] = (weights / weights.sum()) @ vv
-  return out

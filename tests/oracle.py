@@ -14,8 +14,24 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
+
+# Absolute tolerances against float32/float64 oracles, keyed by storage dtype.
+# 16-bit storage rounds every K/V to 3 or fewer significant digits (SPEC §11: 1e-2);
+# float32 differs from a float64 oracle only by accumulation order.
+TOLS = {
+    np.dtype(np.float32): 1e-5,
+    np.dtype(np.float16): 1e-2,
+    np.dtype(ml_dtypes.bfloat16): 1e-2,
+}
+
+
+def tol(dtype) -> float:
+  """Tolerance for results computed over K/V stored as `dtype`."""
+  return TOLS[np.dtype(dtype)]
 
 
 def _as_float64(x) -> np.ndarray:
@@ -155,3 +171,31 @@ class SequenceOracle:
 def default_scale(head_dim: int) -> float:
   """The SPEC §8 default scale, 1/sqrt(head_dim)."""
   return 1.0 / math.sqrt(head_dim)
+
+
+def visible_positions(p: int, window: int | None, *, block=None) -> range:
+  """Positions a query at `p` sees (SPEC §8 table).
+
+  Args:
+    p: the query's position.
+    window: `None` for a flat layer, the ring window otherwise.
+    block: `(b0, B)` when the query belongs to an owner block `[b0, b0 + B)`.
+
+  Returns:
+    causal: `[0, p]` flat, `[max(0, p − w + 1), p]` ring; block: `[0, b0 + B)`
+    flat, `[max(0, b0 − w + 1), b0 + B)` ring.
+  """
+  start, end = (p, p + 1) if block is None else (block[0], block[0] + block[1])
+  lo = 0 if window is None else max(0, start - window + 1)
+  return range(lo, end)
+
+
+def expected_probe(p: int, window: int | None, *, block=None) -> tuple[float, float]:
+  """Probe channels 0 and 1 for a query at `p` (see `visible_positions`)."""
+  return probe_expected(visible_positions(p, window, block=block))
+
+
+def probe_expected(visible: Sequence[int]) -> tuple[float, float]:
+  """Expected probe output channels 0 and 1 for a query that sees positions `visible`."""
+  vis = np.asarray(list(visible), np.float64)
+  return float(np.mean(vis + 1)), float(np.mean((vis + 1) ** 2))

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-import jaxkv
 from fork_utils import assert_causal_probe
 from fork_utils import assert_probe
 from fork_utils import bits
-from fork_utils import expected_probe
 from fork_utils import floor_of
 from fork_utils import hw_of
 from fork_utils import prepared
 from fork_utils import probe_rows
 from fork_utils import probe_step
 from fork_utils import step_fields
+import jaxkv
+from oracle import expected_probe
 from scenario_utils import Harness
 from scenario_utils import assert_same_state
 from scenario_utils import default_config

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from drivers import has_hopper_gpu
 import jaxkv
-from conftest import has_hopper_gpu
 
 pure = jaxkv.pure
 

@@ -16,16 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
-from conftest import tol
+from drivers import PureCache
 from fork_utils import advance
 from fork_utils import assert_causal_probe
-from fork_utils import expected_probe
 from fork_utils import floor_of
 from fork_utils import host_positions
 from fork_utils import hw_of
+import jaxkv
+from oracle import expected_probe
+from oracle import tol
 from scenario_utils import Harness
-from scenario_utils import PureCache
 from scenario_utils import assert_same_state
 from scenario_utils import default_config
 from scenario_utils import snapshot

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import has_hopper_gpu
+from drivers import has_hopper_gpu
 import jaxkv
 from jaxkv import _implementation
 from scenario_utils import Harness

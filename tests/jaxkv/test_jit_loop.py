@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 
 pure = jaxkv.pure
 

@@ -2,8 +2,9 @@
 
 A hypothesis `RuleBasedStateMachine` drives `jaxkv.BatchedSequenceCache` with
 every verb, valid and invalid arguments, owner blocks and right, wrong or no
-positions, and replays each call on `Model`, a small pure-Python model of the
-SPEC written here (it shares no code with jaxkv). After every call:
+positions, and replays each call on `Model`: the bookkeeping of the one
+pure-Python model of the SPEC (`tests/model.py`, which shares no code with
+jaxkv) plus the rows storage holds. After every call:
 
 * return values and `StepError`s agree with the model;
 * the control arrays (`live`, `pos`, `hw`, `held`, `phase`), the flat row count
@@ -41,7 +42,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
 
 import jaxkv
-from conftest import tol
+from model import CacheModel, Status
+from oracle import tol, visible_positions
 from scenario_utils import assert_same_state, snapshot
 
 N_Q_HEADS = 4
@@ -92,66 +94,64 @@ class ModelStep:
 
 
 class Model:
-  """SPEC §3-§6 and §8 in plain Python, for one config.
+  """Scenario 50's model: the bookkeeping of `tests/model.CacheModel` plus the rows storage holds.
+
+  Every verb runs on the one pure-Python model of SPEC §4-§6 (`self.book`); this
+  class adds what that model leaves out on purpose, the storage: which position
+  each row of each column holds, so probe values stay exact when a step commits
+  with a layer left unserved (SPEC §6.4 allows it) and stale rows are read.
 
   Attributes:
-    windows: per layer, None (flat) or the ring window w.
-    ring_rows: per layer, None (flat) or R = min(capacity, w + W - 1).
-    flat_rows: F.
-    live, pos, hw: per column.
-    phase: one of IDLE, DECLARED, PREPARED, COMMITTED.
-    decl: the standing declaration `(ids, blocks)` or None.
-    step: the prepared `ModelStep` (PREPARED and COMMITTED) or None.
+    book: the `CacheModel` (live, pos, hw, held, floor, phase, declaration, step).
     stored: stored[l][col][row] = the position whose probe values the row holds,
       ZERO or UNKNOWN.
   """
 
   def __init__(self, config):
-    self.capacity = config.capacity
-    self.max_seqs = config.max_seqs
-    self.width = config.max_write
-    self.windows = [None if lc.policy.kind == "flat" else lc.policy.window
-                    for lc in config.layers]
-    self.ring_rows = [None if w is None else min(self.capacity, w + self.width - 1)
-                      for w in self.windows]
-    self.flat_rows = min(config.initial_capacity, config.capacity)
-    self.live = [False] * self.max_seqs
-    self.pos = [0] * self.max_seqs
-    self.hw = [0] * self.max_seqs
-    self.phase = IDLE
-    self.decl = None
-    self.step = None
-    self.stored = [[[ZERO] * self.rows(l) for _ in range(self.max_seqs)]
+    self.book = CacheModel.for_config(config)
+    self.windows = self.book.windows
+    self.stored = [[[ZERO] * self.rows(l) for _ in range(self.book.max_seqs)]
                    for l in range(len(self.windows))]
 
-  # Derived values.
+  # Bookkeeping, read from the book.
 
-  def rows(self, layer: int) -> int:
-    return self.flat_rows if self.windows[layer] is None else self.ring_rows[layer]
-
-  def row(self, layer: int, p: int) -> int:
-    return p if self.windows[layer] is None else p % self.ring_rows[layer]
-
-  @property
-  def held(self) -> int:
-    return sum(p for p, is_live in zip(self.pos, self.live) if is_live)
+  live = property(lambda self: self.book.live)
+  pos = property(lambda self: self.book._pos)   # pylint: disable=protected-access
+  hw = property(lambda self: self.book._hw)     # pylint: disable=protected-access
+  held = property(lambda self: self.book.held)
+  phase = property(lambda self: self.book.phase)
+  decl = property(lambda self: self.book.decl)
+  served = property(lambda self: self.book.served)   # layers attended this step (NOT_ATTENDED)
+  flat_rows = property(lambda self: self.book.flat_rows)
 
   def is_live(self, s) -> bool:
-    return isinstance(s, int) and 0 <= s < self.max_seqs and self.live[s]
+    return self.book.is_live(s)
 
   def floor(self, s: int) -> int:
-    """SPEC §4.2."""
-    result = 0
-    for w, rows in zip(self.windows, self.ring_rows):
-      if w is not None and self.hw[s] > rows:
-        result = max(result, self.hw[s] - rows + w - 1)
-    return result
+    return self.book.floor(s)
 
   def free_id(self):
-    return next((s for s in range(self.max_seqs) if not self.live[s]), None)
+    return self.book._lowest_free()   # pylint: disable=protected-access
 
-  def _invalidate(self):
-    self.phase, self.decl, self.step = IDLE, None, None
+  def derived_positions(self) -> list[int]:
+    return self.book.derived_positions()
+
+  @property
+  def step(self) -> ModelStep | None:
+    """The prepared step (PREPARED and COMMITTED), else None."""
+    if self.phase not in (PREPARED, COMMITTED):
+      return None
+    st = self.book.step
+    return ModelStep(list(st["ids"]), list(st["flags"]), list(st["positions"]),
+                     list(st["segments"]))
+
+  # Storage.
+
+  def rows(self, layer: int) -> int:
+    return self.flat_rows if self.windows[layer] is None else self.book.ring_rows(layer)
+
+  def row(self, layer: int, p: int) -> int:
+    return p if self.windows[layer] is None else p % self.book.ring_rows(layer)
 
   def _forget_column(self, s: int, first_position: int | None = None):
     """Marks column s's rows UNKNOWN: all, or those holding positions >= first_position.
@@ -165,128 +165,53 @@ class Model:
         if first_position is None or held_pos >= first_position:
           column[r] = UNKNOWN
 
-  # Sequence verbs (SPEC §5).
+  # Verbs, with the facade's results (SPEC §5, §6, §9, §10.5).
 
   def seq_new(self):
-    s = self.free_id()
-    if s is None:
-      return None
-    self.live[s], self.pos[s], self.hw[s] = True, 0, 0
-    return s
+    return self.book.seq_new()[1]
 
   def seq_clone(self, src, upto):
-    if not self.is_live(src):
+    status, f = self.book.seq_clone(src, upto)
+    if status != Status.OK:
       return None
-    keep = self.pos[src] if upto is None else min(upto, self.pos[src])
-    if keep <= 0 or keep < self.floor(src) or self.held + keep > self.capacity:
-      return None
-    f = self.free_id()
-    if f is None:
-      return None
-    self.live[f], self.pos[f], self.hw[f] = True, keep, self.hw[src]
+    keep = self.pos[f]
     for layer, per_col in enumerate(self.stored):
       column = list(per_col[src])
       if self.windows[layer] is None:
         # Flat rows from keep up are unspecified (the whole column may be copied).
         column[keep:] = [UNKNOWN] * (len(column) - keep)
       per_col[f] = column
-    self._invalidate()
     return f
 
   def seq_rm(self, s) -> bool:
-    if not self.is_live(s):
+    if self.book.seq_rm(s) != Status.OK:
       return False
-    self.live[s], self.pos[s], self.hw[s] = False, 0, 0
     self._forget_column(s)
-    self._invalidate()
     return True
 
   def rewind(self, s, position) -> bool:
-    if not self.is_live(s):
+    if self.book.rewind(s, position) != Status.OK:
       return False
-    if position < 0 or position > self.pos[s] or position < self.floor(s):
-      return False
-    self.pos[s] = position
     self._forget_column(s, position)
-    self._invalidate()
     return True
 
   def clear(self):
-    self.live = [False] * self.max_seqs
-    self.pos = [0] * self.max_seqs
-    self.hw = [0] * self.max_seqs
-    self._invalidate()
-
-  # The step protocol (SPEC §6, §9).
-
-  def blocks_ok(self, ids, blocks) -> bool:
-    n, owners = len(ids), set()
-    for start, length in blocks:
-      if start < 0 or length < 1 or start + length > n:
-        return False
-      owner = ids[start]
-      if any(ids[t] != owner for t in range(start, start + length)):
-        return False  # split block
-      if owner in owners:
-        return False  # two blocks for one owner
-      owners.add(owner)
-      if any(ids[t] == owner for t in range(start + length, n)):
-        return False  # the owner continues after its block
-    return True
+    self.book.clear()
 
   def declare_step(self, ids, blocks) -> bool:
-    blocks = list(blocks or [])
-    if not ids or len(ids) > self.width or not all(self.is_live(s) for s in ids):
-      return False
-    if not self.blocks_ok(ids, blocks) or self.held + len(ids) > self.capacity:
-      return False
-    self.phase, self.decl, self.step = DECLARED, (list(ids), blocks), None
-    return True
-
-  def derived_step(self) -> ModelStep:
-    """Positions and segments of the standing declaration (SPEC §6.3, §7)."""
-    ids, blocks = self.decl
-    flags = [False] * len(ids)
-    for start, length in blocks:
-      flags[start:start + length] = [True] * length
-    seen, positions = {}, []
-    for s in ids:
-      positions.append(self.pos[s] + seen.get(s, 0))
-      seen[s] = seen.get(s, 0) + 1
-    segments = []
-    for t, (s, flag) in enumerate(zip(ids, flags)):
-      if segments and segments[-1][2] == s and segments[-1][4] == int(flag):
-        q_start, q_len, col, pos0, kind = segments[-1]
-        segments[-1] = (q_start, q_len + 1, col, pos0, kind)
-      else:
-        segments.append((t, 1, s, positions[t], int(flag)))
-    return ModelStep(list(ids), flags, positions, segments)
+    return self.book.declare_step(ids, blocks) == Status.OK
 
   def prepare_step(self, positions):
     """Returns the ModelStep, or raises ModelStepError."""
-    if self.phase in (IDLE, COMMITTED):
-      raise ModelStepError("NO_DECLARATION")
-    step = self.step if self.phase == PREPARED else self.derived_step()
-    if positions is not None and list(positions) != step.positions:
-      raise ModelStepError("BAD_POSITIONS")
-    if self.phase == PREPARED:
-      return step
-    ends = {}
-    for s, p in zip(step.ids, step.positions):
-      ends[s] = p + 1
-    required = max(ends.values())
-    if any(w is None for w in self.windows) and required > self.flat_rows:
-      new_rows = min(self.capacity, max(required, 2 * self.flat_rows))
-      for layer, per_col in enumerate(self.stored):
-        if self.windows[layer] is None:
-          for column in per_col:
-            column.extend([ZERO] * (new_rows - self.flat_rows))
-      self.flat_rows = new_rows
-    for s, end in ends.items():
-      self.hw[s] = max(self.hw[s], end)
-    self.phase, self.step = PREPARED, step
-    self.served = set()
-    return step
+    old_rows = self.flat_rows
+    status = self.book.prepare_step(positions)
+    if status != Status.OK:
+      raise ModelStepError(status.name)
+    for layer, per_col in enumerate(self.stored):
+      if self.windows[layer] is None:
+        for column in per_col:
+          column.extend([ZERO] * (self.flat_rows - old_rows))   # new rows are zero (SPEC §3)
+    return self.step
 
   def attend(self, layer, shapes_ok: bool):
     """Writes the layer and returns per real token the expected (ch0, ch1) or None."""
@@ -298,16 +223,11 @@ class Model:
       self.stored[layer][s][self.row(layer, p)] = p
     expected = []
     w = self.windows[layer]
-    for q_start, q_len, col, pos0, kind in step.segments:
+    for _, q_len, col, pos0, kind in step.segments:
       for i in range(q_len):
-        p = pos0 + i
-        if kind == 1:
-          hi = pos0 + q_len
-          lo = 0 if w is None else max(0, pos0 - w + 1)
-        else:
-          hi = p + 1
-          lo = 0 if w is None else max(0, p - w + 1)
-        values = [self.stored[layer][col][self.row(layer, kp)] for kp in range(lo, hi)]
+        block = (pos0, q_len) if kind == 1 else None
+        visible = visible_positions(pos0 + i, w, block=block)
+        values = [self.stored[layer][col][self.row(layer, kp)] for kp in visible]
         if UNKNOWN in values:
           expected.append(None)
           continue
@@ -317,18 +237,11 @@ class Model:
 
   def commit_step(self) -> bool:
     """True if positions advanced; raises ModelStepError when nothing is prepared."""
-    if self.phase in (IDLE, DECLARED):
-      raise ModelStepError("NOT_PREPARED")
-    if self.phase == COMMITTED:
-      return False
-    if len(self.served) != len(self.windows):   # a layer left unserved
-      raise ModelStepError("NOT_ATTENDED")
-    for q_start, q_len, col, pos0, kind in self.step.segments:
-      del q_start
-      if kind == 0:
-        self.pos[col] = max(self.pos[col], pos0 + q_len)
-    self.phase = COMMITTED
-    return True
+    was_committed = self.phase == COMMITTED
+    status = self.book.commit_step()
+    if status != Status.OK:
+      raise ModelStepError(status.name)
+    return not was_committed
 
 
 class ModelStepError(Exception):
@@ -654,7 +567,7 @@ class CacheMachine(RuleBasedStateMachine):
     if model.phase == PREPARED:
       right = list(model.step.positions)
     elif model.phase == DECLARED:
-      right = model.derived_step().positions
+      right = model.derived_positions()
     else:
       right = data.draw(st.lists(st.integers(0, 8), min_size=1, max_size=self.width),
                         label="positions_without_declaration")

@@ -10,9 +10,9 @@ import pytest
 from flax import nnx
 
 import jaxkv
-from conftest import tol
 from jaxkv import pure
 from jaxkv.nnx import CachedAttention, RMSNorm, RopeScaling, rope_inv_freq
+from oracle import attend_naive, default_scale, tol, visible_positions
 
 FEATURES, HEADS, KV_HEADS, HEAD_DIM, WIDTH = 16, 4, 2, 8, 4
 
@@ -53,14 +53,10 @@ def _dense(module, xs, window, *, theta=10000.0, qk_norm=None):
     k = _rms(k, np.asarray(module.k_norm.weight[...], np.float64), 1.0)
   pos = np.arange(t, dtype=np.float64)
   q, k = _rope(q, pos, theta), _rope(k, pos, theta)
-  out = np.zeros((t, HEADS, HEAD_DIM))
-  group = HEADS // KV_HEADS
+  visible = np.zeros((t, t), bool)
   for i in range(t):
-    lo = 0 if window is None else max(0, i - window + 1)
-    for h in range(HEADS):
-      s = k[lo:i + 1, h // group] @ q[i, h] / np.sqrt(HEAD_DIM)
-      p = np.exp(s - s.max())
-      out[i, h] = (p / p.sum()) @ v[lo:i + 1, h // group]
+    visible[i, visible_positions(i, window)] = True
+  out = attend_naive(q, k, v, visible, default_scale(HEAD_DIM))
   return out.reshape(t, HEADS * HEAD_DIM) @ w["o_proj"]
 
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from jaxkv.models import hf
 from jaxkv.models import ModelConfig, build, param_spec, shard_model
 from jaxkv import serve

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxkv
-from conftest import tol
+from oracle import tol
 from scenario_utils import assert_same_state, snapshot
 
 N_DEVICES = 4

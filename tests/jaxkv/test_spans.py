@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from drivers import KERNEL_IMPLEMENTATIONS
 import jaxkv
-from conftest import KERNEL_IMPLEMENTATIONS, tol
-from oracle import SequenceOracle
+from oracle import SequenceOracle, probe_expected, tol
 from scenario_utils import (
     HEAD_DIM,
     N_KV_HEADS,
@@ -26,7 +26,6 @@ from scenario_utils import (
     assert_same_state,
     default_config,
     probe,
-    probe_expected,
     snapshot,
     tok,
 )

@@ -12,12 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
-from conftest import tol
+from drivers import PureCache
+from drivers import poison_free_storage
 from fork_utils import assert_causal_probe
 from fork_utils import assert_probe
 from fork_utils import bits
-from fork_utils import expected_probe
 from fork_utils import floor_of
 from fork_utils import hw_of
 from fork_utils import kv_bits
@@ -25,12 +24,13 @@ from fork_utils import nan_scratch
 from fork_utils import prepared
 from fork_utils import probe_step
 from fork_utils import state_copy
+import jaxkv
+from oracle import expected_probe
+from oracle import tol
 from scenario_utils import Harness
-from scenario_utils import PureCache
 from scenario_utils import assert_same_state
 from scenario_utils import default_config
 from scenario_utils import layer_windows
-from scenario_utils import poison_free_storage
 from scenario_utils import snapshot
 
 FLAT = jaxkv.LayerPolicy.flat()

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import has_hopper_gpu
-from conftest import tol
+from drivers import has_hopper_gpu
+from oracle import tol
 from kernel_cases import queries
 from kernel_cases import random_step
 from kernel_cases import resident_storage

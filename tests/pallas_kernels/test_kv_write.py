@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import has_hopper_gpu
+from drivers import has_hopper_gpu
 from kernel_cases import Family
 from kernel_cases import random_step
 import pallas_kernels

@@ -12,10 +12,12 @@ import pytest
 
 from attention_checks import check_family
 from attention_checks import requires_hopper
+from drivers import has_hopper_gpu
 from kernel_cases import Family
 from kernel_cases import queries
 from kernel_cases import random_step
 from kernel_cases import resident_storage
+from oracle import tol
 import pallas_kernels
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib

@@ -1,4 +1,4 @@
-"""Shared pieces of the reliability tests: a fixed config pool, content, compiled pure verbs.
+"""Shared pieces of the reliability tests: a fixed config pool, content, the model (compiled pure verbs live in drivers.py).
 
 Configs come from a small fixed pool so every jitted verb compiles once per
 (config, flat row count) and process; hypothesis draws pool entries instead of
@@ -11,7 +11,6 @@ import dataclasses
 import math
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -84,15 +83,8 @@ def flat_rows(config, state) -> int:
   return 0
 
 
-def windows(config) -> list[int | None]:
-  return [None if lc.policy.kind == "flat" else int(lc.policy.window) for lc in config.layers]
-
-
 def new_model(config) -> CacheModel:
-  return CacheModel(windows(config), capacity=config.capacity, max_seqs=config.max_seqs,
-                    max_write=config.max_write, initial_capacity=config.initial_capacity,
-                    kv_dtype=config.kv_dtype,
-                    scales=[1.0 / math.sqrt(lc.head_dim) for lc in config.layers])
+  return CacheModel.for_config(config)
 
 
 def stateful_runs(default: int, *, tests: int = 2, steps_per_run: float = 40.0) -> int:
@@ -146,40 +138,3 @@ def assert_rows_match(got, want, checked, what: str) -> None:
     assert np.all(np.isfinite(got[t])), f"{what}: row {t} not finite: {got[t]}"
     np.testing.assert_allclose(got[t], want[t], rtol=1e-5, atol=1e-5,
                                err_msg=f"{what}: row {t}")
-
-
-# --------------------------------------------------------------------------- compiled pure verbs
-
-
-def _jit(fn, **kw):
-  return jax.jit(fn, static_argnums=0, donate_argnums=1, **kw)
-
-
-pure = jaxkv.pure
-p_seq_new = _jit(pure.seq_new)
-p_seq_clone = _jit(pure.seq_clone)
-p_seq_rm = _jit(pure.seq_rm)
-p_rewind = _jit(pure.rewind)
-p_clear = _jit(pure.clear)
-p_declare = _jit(pure.declare_step)
-p_prepare = _jit(pure.prepare_step)
-p_commit = _jit(pure.commit_step)
-p_attend = jax.jit(lambda cfg, state, layer, q, k, v: pure.attend(
-    cfg, state, layer, q, k, v, implementation="reference"),
-                   static_argnums=(0, 2), donate_argnums=1)
-
-
-@jax.jit
-def copy_state(state):
-  """A fresh copy of every leaf (a donated verb then leaves this one intact)."""
-  return jax.tree.map(jnp.copy, state)
-
-
-_floors_jit = jax.jit(
-    lambda config, state: jax.vmap(lambda s: pure.floor(config, state, s))(
-        jnp.arange(config.max_seqs, dtype=jnp.int32)), static_argnums=0)
-
-
-def floors(config, state) -> list[int]:
-  """pure.floor of every column, in one jitted call."""
-  return [int(x) for x in np.asarray(_floors_jit(config, state))]

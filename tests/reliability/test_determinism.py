@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import drivers as D
 import jaxkv
 from reliability import harness as H
 
@@ -28,49 +29,49 @@ class _PureDriver:
     self.config, self.state = config, jaxkv.init_state(config)
 
   def seq_new(self):
-    self.state, status, s = H.p_seq_new(self.config, self.state)
+    self.state, status, s = D.p_seq_new(self.config, self.state)
     return int(s) if int(status) == 0 else None
 
   def seq_clone(self, src, upto):
-    self.state, status, s = H.p_seq_clone(self.config, self.state, jnp.int32(src),
+    self.state, status, s = D.p_seq_clone(self.config, self.state, jnp.int32(src),
                                           jnp.int32(upto))
     return int(s) if int(status) == 0 else None
 
   def seq_rm(self, s):
-    self.state, status = H.p_seq_rm(self.config, self.state, jnp.int32(s))
+    self.state, status = D.p_seq_rm(self.config, self.state, jnp.int32(s))
     return int(status) == 0
 
   def rewind(self, s, p):
-    self.state, status = H.p_rewind(self.config, self.state, jnp.int32(s), jnp.int32(p))
+    self.state, status = D.p_rewind(self.config, self.state, jnp.int32(s), jnp.int32(p))
     return int(status) == 0
 
   def declare_step(self, ids):
     width = self.config.max_write
     padded = np.full(width, self.config.max_seqs, np.int32)
     padded[:len(ids)] = ids
-    self.state, status = H.p_declare(self.config, self.state, jnp.asarray(padded),
+    self.state, status = D.p_declare(self.config, self.state, jnp.asarray(padded),
                                      jnp.int32(len(ids)), jnp.zeros((width, 2), jnp.int32))
     return int(status) == 0
 
   def prepare_step(self):
-    self.state, status = H.p_prepare(self.config, self.state, None)
+    self.state, status = D.p_prepare(self.config, self.state, None)
     if jaxkv.Status(int(status)) == jaxkv.Status.NEEDS_ROWS:
       needed = int(jaxkv.pure.rows_needed(self.config, self.state))
       rows = min(self.config.capacity, max(needed, 2 * H.flat_rows(self.config, self.state)))
       self.state = jaxkv.pure.grow(self.config, self.state, rows)
-      self.state, status = H.p_prepare(self.config, self.state, None)
+      self.state, status = D.p_prepare(self.config, self.state, None)
     assert int(status) == 0
 
   def attend(self, layer, q, k, v):
     n, width = q.shape[0], self.config.max_write
     pad = lambda x: jnp.asarray(np.concatenate(
         [x, np.zeros((width - n,) + x.shape[1:], x.dtype)]))
-    self.state, out, status = H.p_attend(self.config, self.state, layer, pad(q), pad(k), pad(v))
+    self.state, out, status = D.p_attend(self.config, self.state, layer, pad(q), pad(k), pad(v))
     assert int(status) == 0
     return out[:n]
 
   def commit_step(self):
-    self.state, status = H.p_commit(self.config, self.state)
+    self.state, status = D.p_commit(self.config, self.state)
     assert int(status) == 0
 
 

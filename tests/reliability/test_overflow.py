@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import drivers as D
 import jaxkv
-import pallas_kernels
 from model import Status
+import pallas_kernels
 from pallas_kernels import indexing
 from reliability import harness as H
 
@@ -305,17 +306,17 @@ def test_steps_near_int32_max_match_the_model():
       s = int(rng.choice([s for s in range(3) if model.live[s]]))
       target = int(rng.choice([model.floor(s) - 1, model.floor(s), model.pos(s) - 1]))
       want = model.rewind(s, target)
-      state, got = H.p_rewind(NEAR, state, jnp.int32(s), jnp.int32(target))
+      state, got = D.p_rewind(NEAR, state, jnp.int32(s), jnp.int32(target))
       assert Status(int(got)) == want
     elif action == "clone":
       s = int(rng.choice([s for s in range(3) if model.live[s]]))
       if model.live[2]:
         want = model.seq_rm(2)
-        state, got = H.p_seq_rm(NEAR, state, jnp.int32(2))
+        state, got = D.p_seq_rm(NEAR, state, jnp.int32(2))
         assert Status(int(got)) == want
       upto = int(rng.choice([model.floor(s) - 1, model.floor(s), INT32_MAX]))
       want, _ = model.seq_clone(s, None if upto == INT32_MAX else upto)
-      state, got, _ = H.p_seq_clone(NEAR, state, jnp.int32(s), jnp.int32(upto))
+      state, got, _ = D.p_seq_clone(NEAR, state, jnp.int32(s), jnp.int32(upto))
       assert Status(int(got)) == want, (s, upto)
     else:
       ids = ids_of()
@@ -333,13 +334,13 @@ def _near_step(state, model, ids, blocks):
   rows = np.zeros((width, 2), np.int32)
   for i, block in enumerate(blocks):
     rows[i] = block
-  state, got = H.p_declare(NEAR, state, jnp.asarray(padded), jnp.int32(len(ids)),
+  state, got = D.p_declare(NEAR, state, jnp.asarray(padded), jnp.int32(len(ids)),
                            jnp.asarray(rows))
   assert Status(int(got)) == want, (ids, blocks)
   if want != Status.OK:
     return state
   assert model.prepare_step(grow=False) == Status.OK
-  state, got = H.p_prepare(NEAR, state, None)
+  state, got = D.p_prepare(NEAR, state, None)
   assert Status(int(got)) == Status.OK
   positions = model.step["positions"]
   assert max(positions) < INT32_MAX
@@ -349,13 +350,13 @@ def _near_step(state, model, ids, blocks):
     _, expected, checked = model.attend(layer, q, k, v)
     pad = lambda x: np.concatenate([x, np.full((width - len(ids),) + x.shape[1:], np.nan,
                                                np.float32)])
-    state, out, got = H.p_attend(NEAR, state, layer, *(jnp.asarray(pad(x)) for x in (q, k, v)))
+    state, out, got = D.p_attend(NEAR, state, layer, *(jnp.asarray(pad(x)) for x in (q, k, v)))
     assert Status(int(got)) == Status.OK
     assert np.asarray(state.step.write_rows[layer])[:len(ids)].tolist() == model.write_rows(layer)
     H.assert_rows_match(np.asarray(out)[:len(ids)], expected, checked,
                         f"near 2**31 layer {layer} positions {positions}")
   assert model.commit_step() == Status.OK
-  state, got = H.p_commit(NEAR, state)
+  state, got = D.p_commit(NEAR, state)
   assert Status(int(got)) == Status.OK
   return state
 
@@ -364,4 +365,4 @@ def _check_control(state, model):
   got = dict(live=np.asarray(state.live).tolist(), pos=np.asarray(state.pos).tolist(),
              hw=np.asarray(state.hw).tolist(), held=int(state.held), phase=int(state.phase))
   assert got == model.control()
-  assert H.floors(NEAR, state) == [model.floor(s) for s in range(NEAR.max_seqs)]
+  assert D.floors(NEAR, state) == [model.floor(s) for s in range(NEAR.max_seqs)]

@@ -40,10 +40,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
                                  run_state_machine_as_test)
 
+import drivers as D
+from drivers import poison_free_storage
 import jaxkv
 from model import FACADE_STEP_ERRORS, Phase, Status
 from reliability import harness as H
-from scenario_utils import assert_same_state, poison_free_storage, snapshot
+from scenario_utils import assert_same_state, snapshot
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 HUGE_FACADE = [INT32_MAX, INT32_MIN, 2**31, 2**32, 2**40, -(2**63), 2**64 + 1]
@@ -194,7 +196,7 @@ class CacheMachine(RuleBasedStateMachine):
                phase=int(state.phase))
     assert got == want, f"{self.name}: state {got} != model {want}"
     assert H.flat_rows(self.config, state) == model.flat_rows
-    floors = H.floors(self.config, state)
+    floors = D.floors(self.config, state)
     assert floors == [model.floor(s) for s in range(self.config.max_seqs)], floors
     self._check_declaration_and_step(state)
     if not self.PURE:
@@ -238,7 +240,7 @@ class CacheMachine(RuleBasedStateMachine):
     before = self._snap()
     status, want = self.model.seq_new()
     if self.PURE:
-      self.state, got_status, got = H.p_seq_new(self.config, self.state)
+      self.state, got_status, got = D.p_seq_new(self.config, self.state)
       self.check_pure_status(before, got_status, status)
       assert int(got) == (want if want is not None else -1)
     else:
@@ -254,7 +256,7 @@ class CacheMachine(RuleBasedStateMachine):
     status, want = self.model.seq_clone(_py(src), None if upto is None else _py(upto))
     if self.PURE:
       arg = jaxkv.pure.WHOLE if upto is None else upto
-      self.state, got_status, got = H.p_seq_clone(self.config, self.state, jnp.int32(src),
+      self.state, got_status, got = D.p_seq_clone(self.config, self.state, jnp.int32(src),
                                                  jnp.int32(arg))
       self.check_pure_status(before, got_status, status)
       assert int(got) == (want if want is not None else -1)
@@ -269,7 +271,7 @@ class CacheMachine(RuleBasedStateMachine):
     before = self._snap()
     status = self.model.seq_rm(_py(s))
     if self.PURE:
-      self.state, got = H.p_seq_rm(self.config, self.state, jnp.int32(s))
+      self.state, got = D.p_seq_rm(self.config, self.state, jnp.int32(s))
       self.check_pure_status(before, got, status)
     else:
       got = self.expect_refusal_or_error(before, status, lambda: self.cache.seq_rm(s))
@@ -281,7 +283,7 @@ class CacheMachine(RuleBasedStateMachine):
     before = self._snap()
     status = self.model.rewind(_py(s), _py(position))
     if self.PURE:
-      self.state, got = H.p_rewind(self.config, self.state, jnp.int32(s), jnp.int32(position))
+      self.state, got = D.p_rewind(self.config, self.state, jnp.int32(s), jnp.int32(position))
       self.check_pure_status(before, got, status)
     else:
       got = self.expect_refusal_or_error(before, status, lambda: self.cache.rewind(s, position))
@@ -290,7 +292,7 @@ class CacheMachine(RuleBasedStateMachine):
   def do_clear(self, data):
     self.model.clear()
     if self.PURE:
-      self.state, status = H.p_clear(self.config, self.state)
+      self.state, status = D.p_clear(self.config, self.state)
       assert Status(int(status)) == Status.OK
     else:
       assert self.cache.clear() is None
@@ -313,7 +315,7 @@ class CacheMachine(RuleBasedStateMachine):
       places = list(self.rng.permutation(width))
       for b, r in zip(blocks, places):
         rows[r] = b
-      self.state, got = H.p_declare(self.config, self.state, jnp.asarray(padded, jnp.int32),
+      self.state, got = D.p_declare(self.config, self.state, jnp.asarray(padded, jnp.int32),
                                     jnp.int32(n), jnp.asarray(rows))
       self.check_pure_status(before, got, status)
     else:
@@ -346,7 +348,7 @@ class CacheMachine(RuleBasedStateMachine):
         arr = [self.int(INT32_MIN, INT32_MAX) for _ in range(self.width)]
         arr[:len(positions)] = positions
         arr = jnp.asarray(arr, jnp.int32)
-      self.state, got = H.p_prepare(self.config, self.state, arr)
+      self.state, got = D.p_prepare(self.config, self.state, arr)
       self.check_pure_status(before, got, status)
       return status
     status = self.model.prepare_step(positions, grow=True)
@@ -420,7 +422,7 @@ class CacheMachine(RuleBasedStateMachine):
     if bad_layer:
       if self.PURE:
         with pytest.raises(ValueError, match="layer"):
-          H.p_attend(self.config, self.state, layer, *(jnp.asarray(x) for x in (q, k, v)))
+          D.p_attend(self.config, self.state, layer, *(jnp.asarray(x) for x in (q, k, v)))
         assert_same_state(before, self._snap())
       else:
         with pytest.raises(jaxkv.StepError, match="layer" if phase_ok else "NOT_PREPARED"):
@@ -429,7 +431,7 @@ class CacheMachine(RuleBasedStateMachine):
       return
     status, want, checked = model.attend(layer, q[:n], k[:n], v[:n])
     if self.PURE:
-      self.state, out, got = H.p_attend(self.config, self.state, layer,
+      self.state, out, got = D.p_attend(self.config, self.state, layer,
                                         *(jnp.asarray(x) for x in (q, k, v)))
       self.check_pure_status(before, got, status)
       if status != Status.OK:
@@ -455,7 +457,7 @@ class CacheMachine(RuleBasedStateMachine):
     was_committed = self.model.phase == Phase.COMMITTED
     status = self.model.commit_step()
     if self.PURE:
-      self.state, got = H.p_commit(self.config, self.state)
+      self.state, got = D.p_commit(self.config, self.state)
       self.check_pure_status(before, got, status)
     else:
       self.expect_refusal_or_error(before, status, self.cache.commit_step)
