@@ -4,7 +4,7 @@ A block drafter proposes `B - 1` tokens per sequence in a single forward. Each
 sequence's drafter tokens in a step are its newly confirmed context (causal,
 committed) followed by an owner block `[last, MASK, ..., MASK]` of `B` tokens,
 declared with `owner_blocks=[(start, B)]`: block queries see the whole block
-(SPEC §9) and the block advances nothing at commit, so the drafter never needs a
+(CONTRACT §9) and the block advances nothing at commit, so the drafter never needs a
 rewind. The target then verifies `[last, d1..d_{B-1}]` causally, keeps the
 matching prefix plus its own next token, and rolls back the rejected tail with
 `rewind`. The output equals plain greedy decoding of the target.

@@ -1,7 +1,7 @@
 """Parallel sampling (n > 1) on jaxkv: the prompt is prefilled once, then forked.
 
 `jaxkv.serve.Engine` prefills a request's prompt but its last token in one
-sequence, then `seq_clone`s it `n - 1` times (a fork copies the prefix; SPEC
+sequence, then `seq_clone`s it `n - 1` times (a fork copies the prefix; CONTRACT
 §5). Every sample feeds the last prompt token itself and samples with its own
 key, `fold_in(fold_in(key(seed), sample_index), token_index)`, so sample 0 of
 an `n`-sample request equals the same request with `n = 1`.

@@ -3,7 +3,7 @@
 Each round: the draft model proposes `k` tokens per sequence autoregressively;
 the target verifies `[last, d1..dk]` of every sequence in one step; the longest
 prefix matching the target's greedy choices is kept plus the target's next
-token, and both caches drop the rejected tail with `rewind` (SPEC §4.2: rolling
+token, and both caches drop the rejected tail with `rewind` (CONTRACT §4.2: rolling
 back part of the most recent steps is never refused when `W >= k`). The output
 equals plain greedy decoding of the target, token for token.
 

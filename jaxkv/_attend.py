@@ -1,4 +1,4 @@
-"""Write + varlen attention for one layer, behind `implementation=` (SPEC §6.4, §10.7).
+"""Write + varlen attention for one layer, behind `implementation=` (CONTRACT §6.4, §10.7).
 
 Dispatch: `"reference"` runs the pure-jnp references; `"mosaic_gpu"` the Pallas
 Mosaic GPU kernels; `"interpret"` the same kernels under the Mosaic GPU
@@ -48,7 +48,7 @@ def _write_and_attend(implementation, *, window, scale):
 
 def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale=None,
            implementation=None, mesh=None, kv_axis: str = "tp"):
-  """Writes layer `layer`'s K/V for the step's real tokens, then attends (SPEC §6.4, §8).
+  """Writes layer `layer`'s K/V for the step's real tokens, then attends (CONTRACT §6.4, §8).
 
   Args:
     config: static.

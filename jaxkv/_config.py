@@ -1,4 +1,4 @@
-"""Static configuration: `LayerPolicy`, `LayerConfig`, `CacheConfig` (SPEC §2).
+"""Static configuration: `LayerPolicy`, `LayerConfig`, `CacheConfig` (CONTRACT §2).
 
 All three are frozen, hashable, value-compared dataclasses, so they can be static
 `jit` arguments. `__post_init__` validates every field and raises `ValueError`

@@ -1,4 +1,4 @@
-"""`BatchedSequenceCache`: the host facade over the pure verbs (SPEC §10.5).
+"""`BatchedSequenceCache`: the host facade over the pure verbs (CONTRACT §10.5).
 
 It holds the current `CacheState`, turns Python arguments into fixed-shape int32
 arrays, runs the jitted pure verbs with the state donated, and maps statuses to
@@ -172,7 +172,7 @@ class BatchedSequenceCache:
     return int(self._state.hw[seq_id]) if self.is_live(seq_id) else 0
 
   def floor(self, seq_id) -> int:
-    """Lowest length `rewind`/`seq_clone` accept for `seq_id` (SPEC §4.2)."""
+    """Lowest length `rewind`/`seq_clone` accept for `seq_id` (CONTRACT §4.2)."""
     if not self.is_live(seq_id):
       return 0
     return int(_verbs.floor(self._config, self._state, seq_id))
@@ -213,7 +213,7 @@ class BatchedSequenceCache:
   # The step protocol -------------------------------------------------------
 
   def declare_step(self, seq_ids, owner_blocks=None) -> bool:
-    """Declares the next step's tokens (SPEC §6.2, §9); False on refusal."""
+    """Declares the next step's tokens (CONTRACT §6.2, §9); False on refusal."""
     width = self._config.step_width
     ids = [_clamp32(_as_int(f"seq_ids[{i}]", s))
            for i, s in enumerate(_as_list("seq_ids", seq_ids))]
@@ -247,7 +247,7 @@ class BatchedSequenceCache:
     return rows
 
   def prepare_step(self, positions=None) -> Step:
-    """Fixes positions and the Step, growing flat rows first if needed (SPEC §6.3).
+    """Fixes positions and the Step, growing flat rows first if needed (CONTRACT §6.3).
 
     Raises:
       StepError: no declaration stands (IDLE/COMMITTED), or `positions` does not
@@ -288,7 +288,7 @@ class BatchedSequenceCache:
                               allocate=lambda a, r: _allocate_rows(a, r))
 
   def attend(self, layer, q, k, v, scale=None):
-    """Writes this layer's K/V for the step's real tokens, then attends (SPEC §6.4).
+    """Writes this layer's K/V for the step's real tokens, then attends (CONTRACT §6.4).
 
     Args:
       layer: layer id.
@@ -334,7 +334,7 @@ class BatchedSequenceCache:
       raise StepError(str(e), Status.NOT_PREPARED) from e
 
   def commit_step(self) -> None:
-    """Advances every causal segment's sequence (SPEC §6.5); a second commit is a no-op.
+    """Advances every causal segment's sequence (CONTRACT §6.5); a second commit is a no-op.
 
     Raises:
       StepError: no prepared step (IDLE or DECLARED: NOT_PREPARED), or a layer
@@ -344,7 +344,7 @@ class BatchedSequenceCache:
     self._raise_step_error(status, "commit_step")
 
   def forward(self, fn):
-    """Serves the prepared step's layers with `fn`, then commits (SPEC §6.4, §6.5).
+    """Serves the prepared step's layers with `fn`, then commits (CONTRACT §6.4, §6.5).
 
     For a model that attends through the pure API (`jaxkv.nnx.CachedAttention`)
     in one jitted forward: `fn(state) -> (state, out)` takes the PREPARED state

@@ -1,4 +1,4 @@
-"""Which implementation serves each layer with `implementation=None`, and why (SPEC §10.7).
+"""Which implementation serves each layer with `implementation=None`, and why (CONTRACT §10.7).
 
 `choose_implementation` is the one decision: the default device picks
 `"mosaic_gpu"` or `"reference"`, then the kernels' own static checks

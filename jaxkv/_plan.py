@@ -1,4 +1,4 @@
-"""Step planning: positions, write rows, `seq_cols` and the segment table (SPEC §6.3, §7).
+"""Step planning: positions, write rows, `seq_cols` and the segment table (CONTRACT §6.3, §7).
 
 Everything here is jittable and static-shaped: a declaration is `int32[W]` ids
 (`max_seqs` where unused), `int32[W]` block flags and an `int32[]` count.
@@ -57,7 +57,7 @@ def write_rows(config: CacheConfig, positions, is_real):
 
 
 def build_step(config: CacheConfig, decl_ids, decl_block, decl_n, positions) -> Step:
-  """Encodes one declared step (SPEC §7.1).
+  """Encodes one declared step (CONTRACT §7.1).
 
   A segment is a maximal run of consecutive real tokens with one id and one
   block flag, so a sequence spanned twice gives two segments and an owner's

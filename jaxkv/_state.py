@@ -1,4 +1,4 @@
-"""The cache state pytree, the step encoding and the status codes (SPEC §7, §10.2–§10.4)."""
+"""The cache state pytree, the step encoding and the status codes (CONTRACT §7, §10.2–§10.4)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Status(enum.IntEnum):
 
 
 class Phase(enum.IntEnum):
-  """Step phase (SPEC §6.1)."""
+  """Step phase (CONTRACT §6.1)."""
 
   IDLE = 0
   DECLARED = 1
@@ -94,7 +94,7 @@ class Step:
 @_array_fields
 @dataclasses.dataclass(frozen=True, slots=True)
 class CacheState:
-  """The whole cache as an immutable pytree of arrays (SPEC §10.2).
+  """The whole cache as an immutable pytree of arrays (CONTRACT §10.2).
 
   Every jitted verb donates it and returns every leaf; after a call the old state
   must not be used.

@@ -49,7 +49,7 @@ def static_validate_attend(config: CacheConfig, layer, q, k, v, *, width: int) -
 
 
 def dynamic_validate_state(config: CacheConfig, state: CacheState) -> None:
-  """Checks the invariants of SPEC §4.1 on concrete values; raises AssertionError."""
+  """Checks the invariants of CONTRACT §4.1 on concrete values; raises AssertionError."""
   live, pos, hw = (np.asarray(x) for x in (state.live, state.pos, state.hw))
   held = int(state.held)
   assert set(np.unique(live)) <= {0, 1}, f"live must be 0/1: {live}"
@@ -99,7 +99,7 @@ def step_width_of(config: CacheConfig, state) -> int:
 
 
 def static_validate_state(config: CacheConfig, state) -> None:
-  """The state's leaves have the shapes and dtypes `config` implies (SPEC §10.2)."""
+  """The state's leaves have the shapes and dtypes `config` implies (CONTRACT §10.2)."""
   if not isinstance(state, CacheState):
     raise TypeError(f"state={type(state).__name__} must be a CacheState")
   if len(state.k) != config.num_layers or len(state.v) != config.num_layers:

@@ -1,4 +1,4 @@
-"""The pure verbs (SPEC §5, §6, §10.3): `(config, state, ...) -> (state, status, ...)`.
+"""The pure verbs (CONTRACT §5, §6, §10.3): `(config, state, ...) -> (state, status, ...)`.
 
 Every verb is jittable with `config` static, works under `scan`/`while_loop`, and
 returns every state leaf. A refused verb returns a state equal in value to its
@@ -112,7 +112,7 @@ def _lowest_free(state: CacheState):
 
 
 def floor(config: CacheConfig, state: CacheState, seq_id):
-  """Lowest length `rewind`/`seq_clone` may target for `seq_id` (SPEC §4.2); int32."""
+  """Lowest length `rewind`/`seq_clone` may target for `seq_id` (CONTRACT §4.2); int32."""
   _check(config, state, seq_id=(seq_id, ()))
   _, col = _column(config, seq_id)
   return indexing.floor(state.hw[col], config.rings())
@@ -206,7 +206,7 @@ def clear(config: CacheConfig, state: CacheState):
 
 
 def _bad_blocks(config: CacheConfig, ids, n, blocks):
-  """Whether the owner blocks break a rule of SPEC §9; also each token's block flag."""
+  """Whether the owner blocks break a rule of CONTRACT §9; also each token's block flag."""
   width = config.step_width
   tokens = jnp.arange(width, dtype=jnp.int32)
   starts, lengths = blocks[:, 0], blocks[:, 1]

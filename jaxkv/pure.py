@@ -1,4 +1,4 @@
-"""The pure API (SPEC §10.3): every verb as a jittable function of `(config, state, ...)`.
+"""The pure API (CONTRACT §10.3): every verb as a jittable function of `(config, state, ...)`.
 
 Each returns a new state plus an int32 `Status` (and an id for `seq_new` and
 `seq_clone`). Jit them with `config` static and the state donated

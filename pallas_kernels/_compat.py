@@ -1,7 +1,7 @@
 """The one module that imports the Mosaic GPU interpreter, whose home moves.
 
 jax 0.12 exports `plgpu.InterpretGPUParams`; jax 0.11.2 keeps it in
-`jax._src.pallas.mosaic_gpu.interpret.params` (SPEC §10.7). Everything else in
+`jax._src.pallas.mosaic_gpu.interpret.params` (CONTRACT §10.7). Everything else in
 jaxkv asks this module for interpreter parameters, and tests call
 `reset_interpreter` after an expected exception, as the interpreter requires
 before it can run again in the same process.

@@ -19,7 +19,7 @@ from pallas_kernels import indexing
 # exp(-inf - -inf) = NaN; with a finite value it gives finite garbage instead.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-# K/V storage dtypes of SPEC §2 (`kv_dtype`); every kernel either serves one or
+# K/V storage dtypes of CONTRACT §2 (`kv_dtype`); every kernel either serves one or
 # refuses it with NotImplementedError.
 SUPPORTED_KV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 
@@ -38,7 +38,7 @@ def searchsorted_right(sorted_values, queries):
 def token_segment_index(q_start, is_real, num_tokens: int):
   """`[num_tokens]` int32 index of the last real segment row starting at or before each token.
 
-  Real rows are in step order (SPEC §7.1), so that row is the token's segment
+  Real rows are in step order (CONTRACT §7.1), so that row is the token's segment
   when the token lies inside it; -1 for a token before every real row. Callers
   still check `token < q_start + q_len` (a padding token follows the last
   segment). Non-real rows sort last.

@@ -49,7 +49,7 @@ def row_of(positions, *, num_rows: int, window: int | None):
 
 
 def ring_floor(hw, *, num_rows: int, window: int):
-  """Lowest length a rewind or clone may target for one ring layer (SPEC §4.2).
+  """Lowest length a rewind or clone may target for one ring layer (CONTRACT §4.2).
 
   A ring written up to `hw - 1` still holds positions `[hw - num_rows, hw)`;
   resuming at `p` needs `[p - window + 1, p)`, so `p >= hw - num_rows + window - 1`
@@ -98,7 +98,7 @@ def ring_runs(lo, end, *, num_rows: int):
   """The one or two ring row runs covering logical `[lo, end)`, oldest first.
 
   Returns `(a, first_len, second_len)`: rows `[a, a + first_len)` then
-  `[0, second_len)`. Requires `end - lo <= num_rows` (SPEC §7.2).
+  `[0, second_len)`. Requires `end - lo <= num_rows` (CONTRACT §7.2).
   """
   a = lo % num_rows
   length = end - lo
@@ -112,7 +112,7 @@ def in_read_range(key_pos, lo, end):
 
 
 def is_visible(key_pos, query_pos, lo, end, kind, *, window: int | None):
-  """Whether a query at `query_pos` may see the key at `key_pos` (SPEC §7.2).
+  """Whether a query at `query_pos` may see the key at `key_pos` (CONTRACT §7.2).
 
   A causal query sees read-range keys at or before itself and, on a ring, inside
   its window. An owner-block query (`kind == KIND_BLOCK`) sees the whole read

@@ -1,4 +1,4 @@
-"""In-place K/V write of a step's real tokens (SPEC §10.7).
+"""In-place K/V write of a step's real tokens (CONTRACT §10.7).
 
 `kv_write_reference` is the XLA scatter; `kv_write` runs the Pallas Mosaic GPU
 kernel of `kv_write_sm90.py`, which writes through a mutable array reference so

@@ -1,4 +1,4 @@
-"""Varlen attention over a step's segment table (SPEC §7.2, §8, §10.7).
+"""Varlen attention over a step's segment table (CONTRACT §7.2, §8, §10.7).
 
 `varlen_attention_reference` is the pure-jnp definition of the semantics and the
 XLA path; `varlen_attention` runs the Pallas Mosaic GPU kernel of

@@ -113,7 +113,7 @@ def static_check(q, k_cache, *, config):
   if not config.use_wgmma:
     return
   if dtype == np.dtype(jnp.float32):
-    # wgmma on float32 operands rounds them to tf32 (~1e-3), outside SPEC's 1e-5.
+    # wgmma on float32 operands rounds them to tf32 (~1e-3), outside CONTRACT's 1e-5.
     raise NotImplementedError(
         "float32 K/V storage is not served by the compiled Mosaic GPU attention "
         "kernel (wgmma rounds float32 to tf32, ~1e-3 error); store K/V as bfloat16 or "
@@ -608,7 +608,7 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,
                           config=None, interpret=False):
-  """Attention of every step token over its own column's visible keys (SPEC §8).
+  """Attention of every step token over its own column's visible keys (CONTRACT §8).
 
   Args:
     q: `[T, H_q, D]` queries in step-token order (any float dtype).

@@ -39,8 +39,8 @@ def rng():
 def pytest_runtest_call(item):
   """A compiled-kernel variant the kernels cannot serve is skipped, with the kernel's reason.
 
-  SPEC §10.7: an explicit `implementation="mosaic_gpu"` re-raises the kernel's
-  NotImplementedError (e.g. SPEC §11's head_dim 8, float32 storage). The same
+  CONTRACT §10.7: an explicit `implementation="mosaic_gpu"` re-raises the kernel's
+  NotImplementedError (e.g. CONTRACT §11's head_dim 8, float32 storage). The same
   scenario still runs with "reference" and "interpret"; any other error fails.
   """
   outcome = yield

@@ -3,7 +3,7 @@ a facade-alike over them, state copies and the NaN poison of free storage.
 
 Two tables of compiled pure verbs, one jit wrapper per verb and process, so
 compilations are reused across tests: `p_*` donate the state (as the facade
-does, SPEC §10.6; the caller must drop the old state), and `PureCache` drives
+does, CONTRACT §10.6; the caller must drop the old state), and `PureCache` drives
 the undonated table (`pure_verbs()`), so a state read from it stays valid
 across later calls.
 """
@@ -100,7 +100,7 @@ def poison_free_storage(state, config):
   NaN goes to non-live columns, the scratch column, flat rows at or above
   pos(s) of each live column, and ring rows that do not hold a position in
   [max(0, hw(s) - R), pos(s)). Control values are unchanged. Any read of a row
-  that the SPEC says is never read then turns an output NaN.
+  that the CONTRACT says is never read then turns an output NaN.
   """
   live = np.asarray(state.live)
   pos = np.asarray(state.pos)
@@ -145,7 +145,7 @@ class PureCache:
   """A facade-alike over `jaxkv.pure` whose `state` may be replaced between calls.
 
   It exists so that scenarios can NaN-poison free storage (`poison()`) before a
-  step, which the facade does not allow. It follows SPEC §10.3/§10.5: Python
+  step, which the facade does not allow. It follows CONTRACT §10.3/§10.5: Python
   lists in, fixed-shape int32 arrays to the jitted pure verbs, flat growth on
   the host when prepare reports NEEDS_ROWS. A StepError status raises
   AssertionError naming the status (error behaviour is tested on the facade).

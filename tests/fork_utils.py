@@ -1,7 +1,7 @@
-"""Helpers for the fork, storage and owner-block scenarios (SPEC §11, 14–21 and 37–46).
+"""Helpers for the fork, storage and owner-block scenarios (CONTRACT §11, 14–21 and 37–46).
 
 They add to `scenario_utils` what those scenarios need: probe expectations
-re-derived here from the SPEC §8 visibility table (never from `jaxkv` or
+re-derived here from the CONTRACT §8 visibility table (never from `jaxkv` or
 `pallas_kernels.indexing`), host-derived positions (§6.3), bit-level K/V views
 and small drivers that feed probe content at the positions a step gets.
 """

@@ -1,12 +1,12 @@
-"""The pure-Python model of the jaxkv cache: bookkeeping (SPEC §4-§6, §9), attention through the oracle.
+"""The pure-Python model of the jaxkv cache: bookkeeping (CONTRACT §4-§6, §9), attention through the oracle.
 
 It shares no code with `jaxkv` or `pallas_kernels` (it imports neither) and has
 no storage: each sequence's history is a dict `position -> (k, v)` per layer, so
 rows, rings, columns and the scratch column do not exist here. Ring size and the
-floor are re-derived from the SPEC's formulas (§2, §4.2) with plain integers.
+floor are re-derived from the CONTRACT's formulas (§2, §4.2) with plain integers.
 
-Every verb returns a status code with the SPEC §10.4 values (the `Status` names
-below), checked in the SPEC's order; a refused verb changes nothing. The facade
+Every verb returns a status code with the CONTRACT §10.4 values (the `Status` names
+below), checked in the CONTRACT's order; a refused verb changes nothing. The facade
 maps NO_DECLARATION, BAD_POSITIONS, NOT_PREPARED and NOT_ATTENDED to StepError
 and every other non-OK status to None/False (`FACADE_STEP_ERRORS`).
 
@@ -26,7 +26,7 @@ from oracle import attend_naive, visible_positions
 
 
 class Status(enum.IntEnum):
-  """SPEC §10.4 codes, restated (not imported) so the model stays independent."""
+  """CONTRACT §10.4 codes, restated (not imported) so the model stays independent."""
 
   OK = 0
   NOT_LIVE = 1
@@ -96,7 +96,7 @@ class CacheModel:
   # ------------------------------------------------------------------ queries
 
   def ring_rows(self, layer: int) -> int:
-    """R = min(capacity, w + W - 1) of a ring layer (SPEC §2)."""
+    """R = min(capacity, w + W - 1) of a ring layer (CONTRACT §2)."""
     return min(self.capacity, self.windows[layer] + self.width - 1)
 
   def is_live(self, s) -> bool:
@@ -113,7 +113,7 @@ class CacheModel:
     return sum(p for p, l in zip(self._pos, self.live) if l)
 
   def floor(self, s) -> int:
-    """SPEC §4.2: max over rings of (0 if hw <= R else hw - R + w - 1)."""
+    """CONTRACT §4.2: max over rings of (0 if hw <= R else hw - R + w - 1)."""
     hw = self.hw(s)
     result = 0
     for layer, w in enumerate(self.windows):
@@ -205,7 +205,7 @@ class CacheModel:
   # ------------------------------------------------------------------ the step
 
   def blocks_valid(self, ids, blocks) -> bool:
-    """SPEC §9 rules 1-4 for `blocks` ((start, length) pairs) on `ids`."""
+    """CONTRACT §9 rules 1-4 for `blocks` ((start, length) pairs) on `ids`."""
     n = len(ids)
     owners = []
     for start, length in blocks:
@@ -242,7 +242,7 @@ class CacheModel:
     return Status.OK
 
   def derived_positions(self) -> list[int]:
-    """Positions of the standing declaration (SPEC §6.3)."""
+    """Positions of the standing declaration (CONTRACT §6.3)."""
     ids, _ = self.decl
     seen: dict[int, int] = {}
     out = []
@@ -261,7 +261,7 @@ class CacheModel:
     self.flat_rows = rows
 
   def growth_target(self) -> int:
-    """Rows the facade grows to: min(capacity, max(required, 2F)) (SPEC §3)."""
+    """Rows the facade grows to: min(capacity, max(required, 2F)) (CONTRACT §3)."""
     return min(self.capacity, max(self.rows_needed(), 2 * self.flat_rows))
 
   def prepare_step(self, positions=None, *, grow: bool = True):
@@ -300,7 +300,7 @@ class CacheModel:
     return [p % rows for p in self.step["positions"]]
 
   def visible(self, layer: int, t: int) -> range:
-    """Positions step token `t` sees on `layer` (SPEC §8, through the oracle's table)."""
+    """Positions step token `t` sees on `layer` (CONTRACT §8, through the oracle's table)."""
     p = self.step["positions"][t]
     block = None
     if self.step["flags"][t]:

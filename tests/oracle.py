@@ -1,8 +1,8 @@
-"""Naive float64 per-sequence attention oracle (SPEC §8, §9, §11 "oracle(s)").
+"""Naive float64 per-sequence attention oracle (CONTRACT §8, §9, §11 "oracle(s)").
 
 This module deliberately shares no code with `jaxkv` or `pallas_kernels`: it
 imports neither, keeps every position of every layer in a plain Python list, and
-re-derives visibility from the SPEC's table in §8 with direct comparisons. There
+re-derives visibility from the CONTRACT's table in §8 with direct comparisons. There
 are no rows, no rings and no modular arithmetic here, so a bug in the cache's
 ring addressing cannot be mirrored by the oracle.
 
@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 # Absolute tolerances against float32/float64 oracles, keyed by storage dtype.
-# 16-bit storage rounds every K/V to 3 or fewer significant digits (SPEC §11: 1e-2);
+# 16-bit storage rounds every K/V to 3 or fewer significant digits (CONTRACT §11: 1e-2);
 # float32 differs from a float64 oracle only by accumulation order.
 TOLS = {
     np.dtype(np.float32): 1e-5,
@@ -169,12 +169,12 @@ class SequenceOracle:
 
 
 def default_scale(head_dim: int) -> float:
-  """The SPEC §8 default scale, 1/sqrt(head_dim)."""
+  """The CONTRACT §8 default scale, 1/sqrt(head_dim)."""
   return 1.0 / math.sqrt(head_dim)
 
 
 def visible_positions(p: int, window: int | None, *, block=None) -> range:
-  """Positions a query at `p` sees (SPEC §8 table).
+  """Positions a query at `p` sees (CONTRACT §8 table).
 
   Args:
     p: the query's position.

@@ -1,4 +1,4 @@
-"""Shared helpers for the SPEC §11 scenarios: content, state snapshots, a step driver.
+"""Shared helpers for the CONTRACT §11 scenarios: content, state snapshots, a step driver.
 
 Everything here talks to jaxkv through its public names only (`import jaxkv`),
 and compares against `tests/oracle.py`, which shares no code with jaxkv.
@@ -18,12 +18,12 @@ import jaxkv
 from oracle import SequenceOracle
 from oracle import tol
 
-# SPEC §11 defaults.
+# CONTRACT §11 defaults.
 N_Q_HEADS = 4
 N_KV_HEADS = 2
 HEAD_DIM = 8
 
-# Relative tolerance of probe content: SPEC §11 probes use float32 storage, relative 1e-5,
+# Relative tolerance of probe content: CONTRACT §11 probes use float32 storage, relative 1e-5,
 # which is conftest's float32 tolerance.
 PROBE_RTOL = tol(np.float32)
 
@@ -76,7 +76,7 @@ def snapshot(state) -> dict[str, np.ndarray]:
   """NumPy copies of every CacheState leaf, keyed by path, scratch column removed.
 
   The scratch column (index max_seqs on axis 1 of every K/V array) is owned by
-  no sequence and its contents are unspecified (SPEC §3), so it is left out.
+  no sequence and its contents are unspecified (CONTRACT §3), so it is left out.
   Call this before the next facade call: the facade donates its state.
   """
   leaves, _ = jax.tree_util.tree_flatten_with_path(state)
@@ -222,12 +222,12 @@ class Harness:
     n_q_heads: H_q for every layer.
     content: "tok" or "probe".
     dependent: if True, layer l+1's q/k/v are fixed seeded linear maps of layer
-      l's output row plus the token's own content (SPEC §11 dependent model);
+      l's output row plus the token's own content (CONTRACT §11 dependent model);
       the cache uses its own outputs and each oracle its own.
     cache: an existing cache object to drive instead of a new one.
     driver: "facade" (jaxkv.BatchedSequenceCache) or "pure-poisoned" (a
       PureCache whose free storage is NaN-poisoned before every step).
-    scale: passed to every attend (None: the SPEC default 1/sqrt(head_dim)).
+    scale: passed to every attend (None: the CONTRACT default 1/sqrt(head_dim)).
   """
 
   def __init__(self, config, *, implementation: str | None = "reference", n_q_heads: int = N_Q_HEADS,
@@ -321,7 +321,7 @@ class Harness:
 
     Args:
       ids: sequence id per step token.
-      owner_blocks: (start, length) ranges (SPEC §9).
+      owner_blocks: (start, length) ranges (CONTRACT §9).
       tags: content tag per token (default: each sequence's own tag).
       T: attend with T rows (n or W); W pads with NaN.
       check: compare every real row of every layer with the oracles.
@@ -385,7 +385,7 @@ class Harness:
 
 
 def default_config(**overrides):
-  """The SPEC §11 default config (one flat layer, 2 KV heads, head_dim 8, float16, ...)."""
+  """The CONTRACT §11 default config (one flat layer, 2 KV heads, head_dim 8, float16, ...)."""
   layers = overrides.pop("layers", None)
   if layers is None:
     layers = [jaxkv.LayerPolicy.flat()]

@@ -101,7 +101,7 @@ class ModelRunner:
     Args:
       seq_ids: sequence of each step token (at most `W`).
       tokens: token id of each step token, in `[0, vocab_size)`.
-      owner_blocks: optional `[(start, length), ...]` owner blocks (SPEC §9).
+      owner_blocks: optional `[(start, length), ...]` owner blocks (CONTRACT §9).
 
     Raises:
       TypeError: an id or token that is not an int.

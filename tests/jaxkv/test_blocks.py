@@ -1,4 +1,4 @@
-"""DFlash owner blocks: declarations, attention and bookkeeping (SPEC §9; §11 scenarios 45–46).
+"""DFlash owner blocks: declarations, attention and bookkeeping (CONTRACT §9; §11 scenarios 45–46).
 
 Probe values are derived here from the §8 table (a block query sees the
 owner's history plus the whole block); toy content is checked against the

@@ -1,4 +1,4 @@
-"""Configuration: validation (SPEC §2, scenario 39), value semantics and derived properties."""
+"""Configuration: validation (CONTRACT §2, scenario 39), value semantics and derived properties."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def config(**overrides):
 
 
 def names(field: str, value: str) -> str:
-  """A regex requiring the message to name `field` and then its `value` (SPEC §2)."""
+  """A regex requiring the message to name `field` and then its `value` (CONTRACT §2)."""
   return rf"(?s)\b{re.escape(field)}\b.*{re.escape(value)}"
 
 
@@ -63,7 +63,7 @@ def test_scenario_39_validation_names_field_and_value(build, field, value):
 
 
 def test_scenario_39_window_plus_width_must_fit_int32():
-  """SPEC §2: `w + max_write - 1 < 2**31`; the largest legal sum is accepted."""
+  """CONTRACT §2: `w + max_write - 1 < 2**31`; the largest legal sum is accepted."""
   with pytest.raises(ValueError, match=r"max_write"):
     config(layers=[layer(ring(2**30))], max_write=2**30 + 1)
   ok = config(layers=[layer(ring(2**30))], max_write=2**30)
@@ -95,7 +95,7 @@ def test_boundary_values_accepted():
 
 
 def test_policy_constructors():
-  """SPEC §2: flat() is LayerPolicy("flat", 0); ring(w) is LayerPolicy("ring", w)."""
+  """CONTRACT §2: flat() is LayerPolicy("flat", 0); ring(w) is LayerPolicy("ring", w)."""
   assert flat() == jaxkv.LayerPolicy(kind="flat", window=0)
   assert ring(4) == jaxkv.LayerPolicy(kind="ring", window=4)
   assert ring(4).kind == "ring" and ring(4).window == 4
@@ -104,7 +104,7 @@ def test_policy_constructors():
 
 
 def test_configs_are_frozen_hashable_and_value_compared():
-  """SPEC §2: frozen, hashable, value-compared; layers stored as a tuple."""
+  """CONTRACT §2: frozen, hashable, value-compared; layers stored as a tuple."""
   a = config(layers=[layer(), layer(ring(4))])
   b = config(layers=(layer(), layer(ring(4))))
   assert a == b and hash(a) == hash(b)
@@ -124,7 +124,7 @@ def test_configs_are_frozen_hashable_and_value_compared():
 @pytest.mark.parametrize("spelling", [jnp.bfloat16, np.dtype(jnp.bfloat16), "bfloat16"],
                          ids=["jnp", "np.dtype", "str"])
 def test_kv_dtype_canonicalised(spelling):
-  """SPEC §2: kv_dtype is canonicalised to a NumPy dtype; spellings compare and hash equal."""
+  """CONTRACT §2: kv_dtype is canonicalised to a NumPy dtype; spellings compare and hash equal."""
   cfg = config(kv_dtype=spelling)
   assert isinstance(cfg.kv_dtype, np.dtype)
   assert cfg.kv_dtype == np.dtype(jnp.bfloat16)
@@ -133,7 +133,7 @@ def test_kv_dtype_canonicalised(spelling):
 
 
 def test_defaults():
-  """SPEC §2: kv_dtype defaults to bfloat16 and initial_capacity to 512."""
+  """CONTRACT §2: kv_dtype defaults to bfloat16 and initial_capacity to 512."""
   cfg = jaxkv.CacheConfig([layer()], 1024, 2, 4)
   assert cfg.kv_dtype == np.dtype(jnp.bfloat16)
   assert cfg.initial_capacity == 512
@@ -143,7 +143,7 @@ def test_defaults():
 
 
 def test_derived_properties_worked_example():
-  """SPEC §2 example: [flat, ring(4)], capacity 64, max_seqs 4, max_write 8, initial 16."""
+  """CONTRACT §2 example: [flat, ring(4)], capacity 64, max_seqs 4, max_write 8, initial 16."""
   cfg = config(layers=[layer(), layer(ring(4))], capacity=64, max_write=8, initial_capacity=16)
   assert cfg.step_width == 8
   assert cfg.initial_flat_rows == 16
@@ -159,7 +159,7 @@ def test_derived_properties_worked_example():
      (1, 1, 1, 1), (100, 8, 64, 64)],
 )
 def test_ring_rows(window, max_write, capacity, rows):
-  """SPEC §3: R = min(capacity, w + W - 1), clamped rings included."""
+  """CONTRACT §3: R = min(capacity, w + W - 1), clamped rings included."""
   cfg = config(layers=[layer(), layer(ring(window))], max_write=max_write, capacity=capacity,
                initial_capacity=capacity)
   assert cfg.ring_rows(1) == rows
@@ -167,7 +167,7 @@ def test_ring_rows(window, max_write, capacity, rows):
 
 
 def test_per_layer_geometry_and_dtype():
-  """SPEC §3: each layer has its own [rows, max_seqs + 1, H_l, D_l] in kv_dtype."""
+  """CONTRACT §3: each layer has its own [rows, max_seqs + 1, H_l, D_l] in kv_dtype."""
   cfg = config(layers=[layer(n_kv_heads=1, head_dim=16), layer(ring(3), n_kv_heads=4, head_dim=4)],
                kv_dtype=jnp.bfloat16, initial_capacity=8, max_write=2)
   state = jaxkv.init_state(cfg)
@@ -178,7 +178,7 @@ def test_per_layer_geometry_and_dtype():
 
 
 def test_config_is_a_static_jit_argument():
-  """SPEC §2: configs work as static jit arguments; an equal config reuses the trace."""
+  """CONTRACT §2: configs work as static jit arguments; an equal config reuses the trace."""
   traces = []
 
   def f(cfg, x):

@@ -1,4 +1,4 @@
-"""Scenario 48 (SPEC §10.6): donated verbs update K/V in place.
+"""Scenario 48 (CONTRACT §10.6): donated verbs update K/V in place.
 
 Every jitted verb and the jitted decode loop of scenario 47 are compiled with
 the state donated (`static_argnums=0, donate_argnums=1`) at the scenario-48

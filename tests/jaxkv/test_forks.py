@@ -1,4 +1,4 @@
-"""Forks, snapshots and the ring floor (SPEC §4.2, §5; §11 scenarios 14–21).
+"""Forks, snapshots and the ring floor (CONTRACT §4.2, §5; §11 scenarios 14–21).
 
 Fork results are checked three ways: every step against the float64 oracle
 (`tests/oracle.py`, through `scenario_utils.Harness`); clones of snapshots in

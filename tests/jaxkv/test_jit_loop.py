@@ -1,9 +1,9 @@
-"""Scenario 47 and issue 2: whole decode loops inside one `jax.jit` (SPEC §10.3).
+"""Scenario 47 and issue 2: whole decode loops inside one `jax.jit` (CONTRACT §10.3).
 
 Each loop runs over the pure API (`jaxkv.pure`) as a `lax.scan` or
 `lax.while_loop` inside `jax.jit(loop, static_argnums=0, donate_argnums=1)`, and
 is compared with a second cache driven step by step through the facade with the
-same calls. Content follows the SPEC §11 *dependent model*: layer 0's q/k/v are
+same calls. Content follows the CONTRACT §11 *dependent model*: layer 0's q/k/v are
 seeded per (tag, position); layer l+1's are fixed seeded linear maps of layer
 l's output rows plus the token's own seeded content, written in jnp so the same
 function runs inside and outside jit.

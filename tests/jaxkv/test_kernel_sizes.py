@@ -1,6 +1,6 @@
 """The facade at kernel-sized heads (issue 3): every verb with the Mosaic GPU kernels.
 
-SPEC §11's defaults use head_dim 8, which the compiled kernel refuses (wgmma
+CONTRACT §11's defaults use head_dim 8, which the compiled kernel refuses (wgmma
 needs multiples of 16), so on a GPU host those scenarios skip their
 `mosaic_gpu` variant. This scenario uses head_dim 64 with GQA 4 (and 80/96 with
 GQA 3/6, issue 12), float16 storage,

@@ -1,4 +1,4 @@
-"""Declarations, positions and lifecycle: SPEC §11 scenarios 22–36 (two flat layers).
+"""Declarations, positions and lifecycle: CONTRACT §11 scenarios 22–36 (two flat layers).
 
 Every refusal is checked by value and by a bitwise state snapshot (scratch
 column excluded) taken before the call. Numerics are compared with
@@ -180,7 +180,7 @@ def test_scenario_29_bad_declarations():
     assert_refused(cache, lambda bad=bad: cache.declare_step(bad))
   assert_refused(cache, lambda: cache.declare_step([2**40]))
   assert int(cache.state.phase) == jaxkv.Phase.IDLE
-  # SPEC §5 queries: any id that is not live reads pos 0 and not live.
+  # CONTRACT §5 queries: any id that is not live reads pos 0 and not live.
   for bad_id in (-1, 2, 4, 5, 2**31 - 1, 2**40):
     assert cache.pos(bad_id) == 0 and cache.is_live(bad_id) is False
     assert_refused(cache, lambda bad_id=bad_id: cache.seq_rm(bad_id))
@@ -227,7 +227,7 @@ def test_scenario_31_token_counts_must_agree():
                                                              rows(v3, 2)))
   assert_step_error(cache, shape_error, lambda: cache.attend(0, q3, rows(k3, 4), v3))
   assert_step_error(cache, shape_error, lambda: cache.attend(0, q3, k3, rows(v3, 8)))
-  # Another shape or head count wrong (SPEC §6.4).
+  # Another shape or head count wrong (CONTRACT §6.4).
   head_error = r"(?i)head|shape"
   assert_step_error(cache, head_error, lambda: cache.attend(0, q3[:, :3], k3, v3))
   assert_step_error(cache, head_error, lambda: cache.attend(0, q3, k3[:, :1], v3[:, :1]))
@@ -267,7 +267,7 @@ def test_scenario_33_removal_invalidates_the_step():
 
 
 def test_scenario_33_other_invalidations():
-  """SPEC §6.1: seq_clone, rewind (even to pos) and a refused verb; refusals keep the step."""
+  """CONTRACT §6.1: seq_clone, rewind (even to pos) and a refused verb; refusals keep the step."""
   h = harness()
   cache = h.cache
   x = h.new()
@@ -364,7 +364,7 @@ def test_scenario_36_rewind_bounds():
 
 
 def test_scenario_25_dependent_model(driver):
-  """Scenario 25 with the SPEC §11 dependent model: layer 1's q/k/v are maps of layer 0's output."""
+  """Scenario 25 with the CONTRACT §11 dependent model: layer 1's q/k/v are maps of layer 0's output."""
   h = Harness(default_config(layers=TWO_FLAT), driver=driver, dependent=True)
   x, y = h.new(), h.new()
   h.step([x] * 4 + [y] * 3)
@@ -382,7 +382,7 @@ def _jit(fn):
 
 
 def test_scenario_28_pure_twins_report_status_and_keep_state():
-  """Scenario 28, pure API (SPEC §10.3): statuses, an unchanged state, and zeros from attend."""
+  """Scenario 28, pure API (CONTRACT §10.3): statuses, an unchanged state, and zeros from attend."""
   config = default_config(layers=TWO_FLAT)
   state = jaxkv.init_state(config)
   state, status, s = _jit(jaxkv.pure.seq_new)(config, state)
@@ -406,7 +406,7 @@ def test_scenario_28_pure_twins_report_status_and_keep_state():
 
 
 def test_pure_statuses_follow_the_spec_check_order():
-  """SPEC §5, §6.2: the first failing check sets the status, and every refusal changes nothing."""
+  """CONTRACT §5, §6.2: the first failing check sets the status, and every refusal changes nothing."""
   config = default_config(layers=[flat(), ring(2)], capacity=6, max_seqs=2, max_write=4,
                           initial_capacity=6)
   W = 4
@@ -488,7 +488,7 @@ def test_pure_statuses_follow_the_spec_check_order():
 
 
 def test_clear_drops_sequences_and_keeps_storage(driver):
-  """SPEC §5 clear(): every sequence and the step go, held = 0; storage keeps shape and bytes."""
+  """CONTRACT §5 clear(): every sequence and the step go, held = 0; storage keeps shape and bytes."""
   h = harness(driver, initial_capacity=4)
   cache = h.cache
   x, y = h.new(), h.new()

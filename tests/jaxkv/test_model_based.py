@@ -1,9 +1,9 @@
-"""Scenario 50: a model-based random test of the facade (SPEC §4-§6, §8).
+"""Scenario 50: a model-based random test of the facade (CONTRACT §4-§6, §8).
 
 A hypothesis `RuleBasedStateMachine` drives `jaxkv.BatchedSequenceCache` with
 every verb, valid and invalid arguments, owner blocks and right, wrong or no
 positions, and replays each call on `Model`: the bookkeeping of the one
-pure-Python model of the SPEC (`tests/model.py`, which shares no code with
+pure-Python model of the CONTRACT (`tests/model.py`, which shares no code with
 jaxkv) plus the rows storage holds. After every call:
 
 * return values and `StepError`s agree with the model;
@@ -53,7 +53,7 @@ CAPACITY = 24
 MAX_SEQS = 3
 INITIAL_CAPACITY = 2
 
-# SPEC §6.1 / §10.2 phase values.
+# CONTRACT §6.1 / §10.2 phase values.
 IDLE, DECLARED, PREPARED, COMMITTED = 0, 1, 2, 3
 
 EXAMPLES = int(os.environ.get("JAXKV_HYPOTHESIS_EXAMPLES", "16"))
@@ -77,7 +77,7 @@ CONFIGS = {
 
 # Stored-row markers of the model besides a position p >= 0.
 ZERO = -1      # zero bytes (never written, or new rows of a growth)
-UNKNOWN = -2   # unspecified by the SPEC (a fork's flat rows past its prefix, ...)
+UNKNOWN = -2   # unspecified by the CONTRACT (a fork's flat rows past its prefix, ...)
 
 
 # ---------------------------------------------------------------------------
@@ -86,7 +86,7 @@ UNKNOWN = -2   # unspecified by the SPEC (a fork's flat rows past its prefix, ..
 
 @dataclasses.dataclass
 class ModelStep:
-  """The model's encoding of a prepared step (SPEC §7.1, unpadded)."""
+  """The model's encoding of a prepared step (CONTRACT §7.1, unpadded)."""
   ids: list[int]
   block_flags: list[bool]
   positions: list[int]
@@ -96,10 +96,10 @@ class ModelStep:
 class Model:
   """Scenario 50's model: the bookkeeping of `tests/model.CacheModel` plus the rows storage holds.
 
-  Every verb runs on the one pure-Python model of SPEC §4-§6 (`self.book`); this
+  Every verb runs on the one pure-Python model of CONTRACT §4-§6 (`self.book`); this
   class adds what that model leaves out on purpose, the storage: which position
   each row of each column holds, so probe values stay exact when a step commits
-  with a layer left unserved (SPEC §6.4 allows it) and stale rows are read.
+  with a layer left unserved (CONTRACT §6.4 allows it) and stale rows are read.
 
   Attributes:
     book: the `CacheModel` (live, pos, hw, held, floor, phase, declaration, step).
@@ -156,7 +156,7 @@ class Model:
   def _forget_column(self, s: int, first_position: int | None = None):
     """Marks column s's rows UNKNOWN: all, or those holding positions >= first_position.
 
-    The SPEC calls these bytes stale and never has them read before a rewrite,
+    The CONTRACT calls these bytes stale and never has them read before a rewrite,
     so the model does not assume the implementation keeps them.
     """
     for per_col in self.stored:
@@ -165,7 +165,7 @@ class Model:
         if first_position is None or held_pos >= first_position:
           column[r] = UNKNOWN
 
-  # Verbs, with the facade's results (SPEC §5, §6, §9, §10.5).
+  # Verbs, with the facade's results (CONTRACT §5, §6, §9, §10.5).
 
   def seq_new(self):
     return self.book.seq_new()[1]
@@ -210,7 +210,7 @@ class Model:
     for layer, per_col in enumerate(self.stored):
       if self.windows[layer] is None:
         for column in per_col:
-          column.extend([ZERO] * (self.flat_rows - old_rows))   # new rows are zero (SPEC §3)
+          column.extend([ZERO] * (self.flat_rows - old_rows))   # new rows are zero (CONTRACT §3)
     return self.step
 
   def attend(self, layer, shapes_ok: bool):

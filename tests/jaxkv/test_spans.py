@@ -1,4 +1,4 @@
-"""Spans and isolation: SPEC §11 scenarios 1–13.
+"""Spans and isolation: CONTRACT §11 scenarios 1–13.
 
 Scenarios 1–10 run with every implementation (`implementation` fixture) and
 with two drivers: the facade, and the pure API with every K/V row that no live
@@ -102,7 +102,7 @@ def test_scenario_03_sequence_spanned_twice_keeps_order(make):
   assert int(step.n_segments) == 3
   assert np.asarray(step.seq_info)[:4].tolist() == [
       [0, 1, 0, 0, 0], [1, 1, 1, 0, 0], [2, 1, 0, 1, 0], [3, 0, 4, 0, 0]]
-  # Re-declaring drops the prepared step (SPEC §6.1); the harness step then runs it for real.
+  # Re-declaring drops the prepared step (CONTRACT §6.1); the harness step then runs it for real.
   outs = h.step([a, b, a])
   # Row 0 is a's first token alone: attention over one key returns that key's value exactly
   # (as stored), whatever its own query; seeing position 1 would mix in another value.
@@ -213,7 +213,7 @@ def test_scenario_08_fork_copies_prefix_then_diverges(make):
   assert h.cache.pos(b) == 2 and int(np.asarray(h.cache.state.hw)[b]) == 2
   c = h.clone(a, 100)
   assert c == 2 and h.cache.pos(c) == 2
-  # SPEC §5 seq_clone EMPTY: keep = min(upto, pos(src)) <= 0 is refused, state unchanged.
+  # CONTRACT §5 seq_clone EMPTY: keep = min(upto, pos(src)) <= 0 is refused, state unchanged.
   d = h.new()
   for src, upto in ((a, 0), (a, -3), (d, None), (d, 5)):
     before = snapshot(h.cache.state)
@@ -266,7 +266,7 @@ GQA_CASES = [("reference", 2, 2), ("reference", 4, 1), ("reference", 8, 2)] + [
 @pytest.mark.parametrize("implementation, n_q_heads, n_kv_heads", GQA_CASES,
                          ids=[f"{i}-hq{q}-hkv{k}" for i, q, k in GQA_CASES])
 def test_spans_gqa_groups(implementation, n_q_heads, n_kv_heads):
-  """SPEC §8 GQA/MQA: query head h reads KV head h // g, for g = 1, H_q and 4 (scenario 1 shape)."""
+  """CONTRACT §8 GQA/MQA: query head h reads KV head h // g, for g = 1, H_q and 4 (scenario 1 shape)."""
   layers = [jaxkv.LayerConfig(flat(), n_kv_heads, HEAD_DIM),
             jaxkv.LayerConfig(ring(3), n_kv_heads, 16)]
   h = Harness(default_config(layers=layers), implementation=implementation,
@@ -296,7 +296,7 @@ def test_spans_ring_before_at_after_wrap(max_write):
 
 
 def test_explicit_scale(implementation):
-  """SPEC §6.4: attend(scale=...) replaces 1/sqrt(head_dim); float32 storage, tight tolerance."""
+  """CONTRACT §6.4: attend(scale=...) replaces 1/sqrt(head_dim); float32 storage, tight tolerance."""
   config = default_config(layers=[flat(), ring(2)], max_write=4, kv_dtype=jnp.float32)
   h = Harness(config, implementation=implementation, scale=0.75, driver="pure-poisoned")
   a, b = h.new(), h.new()
@@ -305,7 +305,7 @@ def test_explicit_scale(implementation):
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
 def test_output_follows_q_dtype(implementation, dtype):
-  """SPEC §6.4: the output comes back in q's dtype (here 16-bit q/k/v over float32 storage)."""
+  """CONTRACT §6.4: the output comes back in q's dtype (here 16-bit q/k/v over float32 storage)."""
   config = default_config(kv_dtype=jnp.float32)
   cache = jaxkv.BatchedSequenceCache(config, implementation=implementation)
   a = cache.seq_new()
@@ -408,7 +408,7 @@ def test_scenario_13_public_surface():
 
 
 def test_scenario_13_facade_implementation_argument():
-  """SPEC §10.5, §10.7: implementation=None works on any platform; unknown names are refused."""
+  """CONTRACT §10.5, §10.7: implementation=None works on any platform; unknown names are refused."""
   config = default_config()
   h = Harness(config, implementation=None)
   a, b = h.new(), h.new()
@@ -498,7 +498,7 @@ def _probe_feed(oracle, layer, positions, *, block=False):
 
 
 def test_oracle_reproduces_spec_worked_examples():
-  """The oracle gives the SPEC's own probe numbers (§7.3, §9; scenarios 42 and 46)."""
+  """The oracle gives the CONTRACT's own probe numbers (§7.3, §9; scenarios 42 and 46)."""
   # §7.3: [flat, ring(4)], a at 5, step [a, a, b, a]: ring 4.5, 5.5, 1, 6.5; flat 3.5, 4, 1, 4.5.
   a = SequenceOracle([None, 4], np.float32, 1.0)
   b = SequenceOracle([None, 4], np.float32, 1.0)

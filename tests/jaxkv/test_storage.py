@@ -1,6 +1,6 @@
 """Storage: flat growth, failed growth, columns, the scratch column and commit rules.
 
-SPEC §3, §6.5, §7; §11 scenarios 37, 38, 40–44 (39, configuration validation,
+CONTRACT §3, §6.5, §7; §11 scenarios 37, 38, 40–44 (39, configuration validation,
 lives in test_config.py). Outputs are checked against the float64 oracle through
 `scenario_utils.Harness` or against probe values derived from §8 here; storage
 is compared bit by bit, scratch column excluded.
@@ -100,7 +100,7 @@ class InjectedAllocationError(RuntimeError):
 def _inject(monkeypatch, fail_on):
   """Makes call `fail_on` (1-based; None: every call) of jaxkv's growth allocation raise.
 
-  SPEC §10.5: all growth goes through one internal allocation function, which
+  CONTRACT §10.5: all growth goes through one internal allocation function, which
   tests use to inject failures; jaxkv names it `jaxkv._host._allocate_rows`.
   This is the only private name the tests touch.
   """

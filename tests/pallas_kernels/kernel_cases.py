@@ -1,4 +1,4 @@
-"""Seeded random Steps for the kernel tests (SPEC scenario 49).
+"""Seeded random Steps for the kernel tests (CONTRACT scenario 49).
 
 Builds, with NumPy only and without `pallas_kernels.indexing` (the rules are
 re-derived here, independently), a random step of several live sequences:
@@ -69,7 +69,7 @@ def _runs(rng, live, n_tokens, allow_blocks):
       runs.append((seq, length, False))
     left -= length
   if allow_blocks:
-    # A sequence's last run may become its owner block (SPEC §9 rules 2-4).
+    # A sequence's last run may become its owner block (CONTRACT §9 rules 2-4).
     last = {}
     for i, (seq, _, _) in enumerate(runs):
       last[seq] = i

@@ -1,4 +1,4 @@
-"""The Mosaic GPU in-place write kernel against its reference (SPEC §10.6, §10.7)."""
+"""The Mosaic GPU in-place write kernel against its reference (CONTRACT §10.6, §10.7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Mosaic GPU varlen attention kernel against its reference (SPEC §10.7, scenario 49)."""
+"""The Mosaic GPU varlen attention kernel against its reference (CONTRACT §10.7, scenario 49)."""
 
 from __future__ import annotations
 

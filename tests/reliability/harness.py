@@ -42,7 +42,7 @@ def _cfg(layers, **kw):
 
 
 POOL: dict[str, PoolEntry] = {
-    # SPEC scenario 50's first config, probe content.
+    # CONTRACT scenario 50's first config, probe content.
     "flat+ring3/W2": PoolEntry(_cfg(
         [(flat(), 1, 4), (ring(3), 1, 4)], capacity=24, max_seqs=3, max_write=2,
         kv_dtype=jnp.float32, initial_capacity=2), 2, "probe"),
@@ -62,7 +62,7 @@ POOL: dict[str, PoolEntry] = {
     "flat/W3/f16/gqa": PoolEntry(_cfg(
         [(flat(), 2, 4)], capacity=16, max_seqs=4, max_write=3,
         kv_dtype=jnp.float16, initial_capacity=16), 4, "random"),
-    # SPEC scenario 50's second config, random float32 content.
+    # CONTRACT scenario 50's second config, random float32 content.
     "ring5+flat/W4": PoolEntry(_cfg(
         [(ring(5), 1, 4), (flat(), 1, 4)], capacity=24, max_seqs=3, max_write=4,
         kv_dtype=jnp.float32, initial_capacity=2), 2, "random"),

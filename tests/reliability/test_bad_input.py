@@ -3,7 +3,7 @@
 Wrong ranks, shapes, dtypes, head counts, ids of the wrong type, huge values
 and malformed owner blocks must raise `ValueError`/`StepError` (or `TypeError`
 for the wrong kind of object) whose message names the argument (STYLE habit 8),
-at trace time where the problem is static (SPEC §10.3), and leave the state
+at trace time where the problem is static (CONTRACT §10.3), and leave the state
 bitwise equal (scratch column excluded). Values that are merely refused (a dead
 id, a position out of range) are results, not errors: `test_stateful.py`
 covers those. A hypothesis fuzz checks that no other exception type escapes the
@@ -128,7 +128,7 @@ FACADE_CASES = [
      "implementation"),
 ]
 
-# Regressions (SPEC §10.5 facade; STYLE habit 8), found by these tests and fixed in
+# Regressions (CONTRACT §10.5 facade; STYLE habit 8), found by these tests and fixed in
 # 07fe30d: each raised an error that did not name the argument, or of the wrong type.
 FACADE_BUG_CASES = [
     # TypeError("'int' object is not iterable"): the message does not name seq_ids.
@@ -166,7 +166,7 @@ def test_facade_bad_argument_raises_and_changes_nothing(phase, call, error, matc
 
 
 def test_facade_accepts_owner_blocks_as_an_int_array():
-  """SPEC §6.2: owner_blocks lists (start, length) pairs; a NumPy [k, 2] int array is one.
+  """CONTRACT §6.2: owner_blocks lists (start, length) pairs; a NumPy [k, 2] int array is one.
 
   Regression (fixed in 07fe30d): `_block_rows` evaluates `owner_blocks or ()`, and the truth value of a
   multi-element array raises ValueError ("The truth value of an array with more
@@ -180,7 +180,7 @@ def test_facade_accepts_owner_blocks_as_an_int_array():
 
 
 def test_facade_huge_ints_are_clamped_not_wrapped():
-  """Python ints beyond int32 are clamped (SPEC §10.5), so they stay invalid instead of wrapping.
+  """Python ints beyond int32 are clamped (CONTRACT §10.5), so they stay invalid instead of wrapping.
 
   2**32 + 1 would wrap to the live id 1, and 2**32 + 2 to a valid rewind target.
   """
@@ -196,7 +196,7 @@ def test_facade_huge_ints_are_clamped_not_wrapped():
   assert cache.declare_step([0], owner_blocks=[(2**32, 1)]) is False
   assert cache.declare_step([0], owner_blocks=[(0, 2**32 + 1)]) is False
   assert_same_state(before, snapshot(cache.state))
-  # A huge `upto` is clamped to pos(src) (SPEC §5), not wrapped to 1.
+  # A huge `upto` is clamped to pos(src) (CONTRACT §5), not wrapped to 1.
   f = cache.seq_clone(0, 2**32 + 1)
   assert f == 2 and cache.pos(f) == 2
 
@@ -248,7 +248,7 @@ PURE_CASES = [
                                            jnp.ones((W, 2, 4))), ValueError, "k and v"),
 ]
 
-# Regressions, fixed in 07fe30d (SPEC §10.3 "Static misuse (wrong shapes ...)
+# Regressions, fixed in 07fe30d (CONTRACT §10.3 "Static misuse (wrong shapes ...)
 # raises ValueError at trace time"; STYLE habit 7). Before it, the pure verbs
 # other than attend validated no argument: wrong shapes broadcast silently or
 # failed deep inside with errors naming no argument, float ids and positions
@@ -312,7 +312,7 @@ def test_pure_bad_argument_raises_at_trace_time(declared, verb, args, error, mat
 
 
 def test_pure_verbs_reject_a_state_of_another_config():
-  """A state built for another config must not be used as is (SPEC §10.3 static misuse).
+  """A state built for another config must not be used as is (CONTRACT §10.3 static misuse).
 
   Regression (fixed in 07fe30d): `pure.seq_rm(config, state_of_another_config, 0)` returns OK; the verbs
   never compare the state's shapes (live [3] here, max_seqs 5 in the config)
@@ -412,7 +412,7 @@ def test_config_bad_field_raises(make, error, match):
     (dict(capacity=1, max_seqs=1, max_write=1), ring(1)),
 ], ids=["window-at-limit", "max_seqs-at-limit", "max_write-at-limit", "all-ones"])
 def test_configs_at_their_limits_trace(kwargs, layer):
-  """Configs at the edge of SPEC §2 build, and init_state plus every pure verb trace.
+  """Configs at the edge of CONTRACT §2 build, and init_state plus every pure verb trace.
 
   Traced with jax.eval_shape, so nothing of the (huge) storage is allocated.
   """
@@ -421,11 +421,11 @@ def test_configs_at_their_limits_trace(kwargs, layer):
 
 
 def test_config_accepting_max_write_2_31_must_trace():
-  """SPEC §2 allows `w + max_write - 1 < 2**31`, i.e. max_write = 2**31 for flat-only layers.
+  """CONTRACT §2 allows `w + max_write - 1 < 2**31`, i.e. max_write = 2**31 for flat-only layers.
 
   Regression (fixed in 07fe30d): CacheConfig accepts it, but `declare_step` cannot trace (OverflowError:
   "Python integer 2147483648 out of bounds for int32", from `n > step_width`);
-  decl_n is int32 (SPEC §10.2), so W = 2**31 cannot be represented. Either the
+  decl_n is int32 (CONTRACT §10.2), so W = 2**31 cannot be represented. Either the
   config refuses max_write >= 2**31 with a ValueError or the verbs trace.
   """
   try:

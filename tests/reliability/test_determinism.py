@@ -106,7 +106,7 @@ def _script(cache, entry, seed: int) -> list[bytes]:
       for layer in range(config.num_layers):
         q, k, v = H.content(entry, layer, positions, [t + 1 for t in ids], rng)
         first = np.asarray(cache.attend(layer, q, k, v))
-        again = np.asarray(cache.attend(layer, q, k, v))   # a layer served twice (SPEC §6.4)
+        again = np.asarray(cache.attend(layer, q, k, v))   # a layer served twice (CONTRACT §6.4)
         assert first.tobytes() == again.tobytes()
         outputs.append(first.tobytes())
       cache.commit_step()

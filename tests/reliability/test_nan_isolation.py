@@ -4,7 +4,7 @@ Two facade caches run the same random steps; in one of them a victim
 sequence's q, k or v rows carry NaN, inf or -inf in one step. Every other
 sequence's outputs (that step and every later one) and storage columns must be
 bitwise equal between the two caches, and equal to the model; the victim may
-produce anything. No error is raised: non-finite values are data (SPEC §6.4).
+produce anything. No error is raised: non-finite values are data (CONTRACT §6.4).
 """
 
 from __future__ import annotations

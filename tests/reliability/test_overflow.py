@@ -85,10 +85,10 @@ def test_ring_index_functions_near_int32_max(num_rows, window):
     (2**30 + 7, 2**30, 0, [2**30 - 1, 2**30]),        # ring(2**30), W = 8
 ], ids=["R2**31-1-start", "R2**31-1-mid", "R2**30+7"])
 def test_key_positions_of_rings_over_2_30_rows(num_rows, window, lo, rows):
-  """Ring row r holds position lo + ((r - lo) mod R) (SPEC §7.2), also for R > 2**30.
+  """Ring row r holds position lo + ((r - lo) mod R) (CONTRACT §7.2), also for R > 2**30.
 
   Bug: `indexing.key_positions` computes `(rows - lo + num_rows) % num_rows` in
-  int32; `rows + num_rows` overflows once R > 2**30 (allowed: SPEC §2 only needs
+  int32; `rows + num_rows` overflows once R > 2**30 (allowed: CONTRACT §2 only needs
   w + max_write - 1 < 2**31). With R = 2**31 - 1 and lo = 0, rows 0, 1, 2 map to
   positions 0, 2147483646, 0, so the reference attention drops position 1 and
   reads row 2 as position 0; with ring(2**30) (R = 2**30 + 7) rows 2**30 - 1 and

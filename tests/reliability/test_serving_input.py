@@ -201,7 +201,7 @@ def _prepared(config):
 
 def test_commit_after_some_layers_is_refused_and_changes_nothing():
   """Before: committing after attending only layer 0 advanced `pos` over positions whose
-  K/V layer 1 never stored (SPEC §6.4 did not check it)."""
+  K/V layer 1 never stored (CONTRACT §6.4 did not check it)."""
   q, kv = jnp.ones((4, 2, 16)), jnp.ones((4, 1, 16))
   state = _prepared(CORE)
   state, _, status = pure.attend(CORE, state, 0, q, kv, kv, implementation="reference")

@@ -331,7 +331,7 @@ class CacheMachine(RuleBasedStateMachine):
   def _prepare(self, positions, data):
     """Prepares with `positions` (None or a list of n ints); the pure driver may get NEEDS_ROWS.
 
-    In PREPARED, a prepare that does not raise is a no-op (SPEC §6.1): bitwise checked.
+    In PREPARED, a prepare that does not raise is a no-op (CONTRACT §6.1): bitwise checked.
     """
     before = self._snap()
     was_prepared = self.model.phase == Phase.PREPARED
@@ -461,7 +461,7 @@ class CacheMachine(RuleBasedStateMachine):
       self.check_pure_status(before, got, status)
     else:
       self.expect_refusal_or_error(before, status, self.cache.commit_step)
-    if was_committed:   # a second commit is a no-op (SPEC §6.5)
+    if was_committed:   # a second commit is a no-op (CONTRACT §6.5)
       assert_same_state(before, self._snap())
 
   def do_full_step(self, data):
