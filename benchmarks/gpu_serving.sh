@@ -18,7 +18,8 @@ for w in "${@:-decode uniform}"; do
     decode_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1" \
         run e2e_decode_cb 200 python3 benchmarks/e2e.py --workload decode --skip-baseline --out "$out/e2e_decode_cb.json";;
     uniform) run e2e_uniform 240 python3 benchmarks/e2e.py --workload uniform --out "$out/e2e_uniform.json";;
-    uniform2k) run e2e_uniform2k 240 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --skip-baseline --out "$out/e2e_uniform2k.json";;
+    uniform2k) run e2e_uniform2k 240 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --out "$out/e2e_uniform2k.json";;
+    kernels_fixed) run kernels_fixed 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_head_layouts.py tests/jaxkv/test_implementation_plan.py -k "shrinks or refuses or plan or warn";;
     mixed2k) run e2e_mixed2k 330 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
