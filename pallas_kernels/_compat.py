@@ -9,6 +9,8 @@ before it can run again in the same process.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 try:
@@ -26,8 +28,11 @@ def interpret_params(*, detect_races: bool = True) -> InterpretGPUParams:
   Args:
     detect_races: run the happens-before race detector (raises on a race).
   """
-  return InterpretGPUParams(detect_races=detect_races, on_race="raise",
-                            out_of_bounds_reads="raise", uninitialized_memory="nan")
+  wanted = dict(detect_races=detect_races, on_race="raise", out_of_bounds_reads="raise",
+                uninitialized_memory="nan")
+  # jax 0.11.2's private params have no `on_race` (seen on the H200 machine): pass what exists.
+  known = {f.name for f in dataclasses.fields(InterpretGPUParams)}
+  return InterpretGPUParams(**{k: v for k, v in wanted.items() if k in known})
 
 
 def resolve_interpret(interpret):

@@ -118,13 +118,6 @@ def static_check(q, k_cache, *, config):
         "float32 K/V storage is not served by the compiled Mosaic GPU attention "
         "kernel (wgmma rounds float32 to tf32, ~1e-3 error); store K/V as bfloat16 or "
         "float16 to use it, or run float32 with implementation='reference'")
-  if head_dim > COMPILED_MAX_HEAD_DIM:
-    # Measured on H200, jax 0.11.2 (2026-11-30): lowering the head_dim 256 kernel did not
-    # finish in 150 s (Mosaic GPU's layout inference on (64, 256) tiles), so the compiled
-    # path refuses it rather than stall a first call; the interpreter still serves it.
-    raise NotImplementedError(f"{head_dim=} > {COMPILED_MAX_HEAD_DIM}: the compiled Mosaic GPU "
-                              "kernel does not lower it in reasonable time on this jax; use "
-                              "implementation='reference'")
   if head_dim % WGMMA_HEAD_DIM_MULTIPLE or head_dim > WGMMA_MAX_HEAD_DIM:
     raise NotImplementedError(f"{head_dim=} must be a multiple of "
                               f"{WGMMA_HEAD_DIM_MULTIPLE} and at most {WGMMA_MAX_HEAD_DIM} "
@@ -136,6 +129,13 @@ def static_check(q, k_cache, *, config):
     raise NotImplementedError(f"{config} needs {smem} bytes of shared memory for "
                               f"{head_dim=}, more than the {SMEM_BYTES} an sm90 program has; "
                               "use fewer stages or a smaller block_k")
+  if head_dim > COMPILED_MAX_HEAD_DIM:
+    # Measured on H200, jax 0.11.2 (2026-11-30): lowering the head_dim 256 kernel did not
+    # finish in 150 s (Mosaic GPU's layout inference on (64, 256) tiles), so the compiled
+    # path refuses it rather than stall a first call; the interpreter still serves it.
+    raise NotImplementedError(f"{head_dim=} > {COMPILED_MAX_HEAD_DIM}: the compiled Mosaic GPU "
+                              "kernel does not lower it in reasonable time on this jax; use "
+                              "implementation='reference'")
   if config.block_k == head_dim:
     # Observed on H200 with jax 0.11.2: square K/V tiles (64x64, 128x128) give
     # wrong results; docs/PERFORMANCE.md has the measurements.
