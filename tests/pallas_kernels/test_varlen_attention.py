@@ -246,7 +246,8 @@ def test_tile_geometry(rows, head_dim, block_k, use_wgmma, want):
     ((8, 130, 64, 2, 64, jnp.bfloat16), None, "GQA group 65 must be at most"),
     ((8, 8, 64, 2, 64, jnp.int8), None, "kv dtype int8"),
     ((8, 8, 64, 2, 64, jnp.bfloat16), None, "square K/V tiles"),
-    ((8, 8, 64, 2, 256, jnp.bfloat16), config_lib.VarlenAttentionConfig(block_k=128),
+    # 256 rows: a smaller cache would get a shrunk K/V tile (`tile_geometry`) that fits.
+    ((8, 8, 256, 2, 256, jnp.bfloat16), config_lib.VarlenAttentionConfig(block_k=128),
      "shared memory"),
 ], ids=["f32", "d8", "d40", "d320", "group65", "int8", "square", "smem"])
 def test_production_kernel_refuses_what_it_cannot_serve(shapes, config, match):
