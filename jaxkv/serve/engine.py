@@ -108,6 +108,7 @@ class Engine:
     self._loop = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
     self.state: LoopState | None = None
     self.stats = EngineStats()
+    self.completions: list[Completion] = []   # of the last run, also when it failed
 
   def check(self, request: Request) -> None:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""

@@ -70,3 +70,12 @@ def test_demo_text_prompts_with_a_tokenizer(tmp_path, capsys):
   out = capsys.readouterr().out
   assert code == 0 and "1 requests" in out
   assert re.search(r"request 0 \[  3 prompt\] 'w\d+", out)
+
+
+def test_demo_parallel_samples_fill_every_column(capsys):
+  """`--n 2` with more requests than column pairs (issue 9: the host admission let a later
+  request take the columns a waiting fork needed, and the demo crashed with NO_FREE_ID)."""
+  code = demo.main(["--model", "llama", "--requests", "5", "--n", "2", "--max-seqs", "4",
+                    "--max-tokens", "3", "--layers", "1", "--quiet"])
+  out = capsys.readouterr().out
+  assert code == 0 and "generated 30 tokens" in out
