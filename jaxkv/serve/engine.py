@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, Sequence
@@ -75,11 +76,14 @@ class Engine:
       the same jitted loop runs on the mesh.
     kv_axis: the mesh axis splitting KV heads; default the model's `kv_axis`
       attribute, else `"tp"`.
+    device: optional `jax.Device` (without `mesh`): the parameters are copied there
+      and the cache and loop live there (`DataParallelEngine` runs one engine per
+      device).
   """
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
-               kv_axis: str | None = None):
+               kv_axis: str | None = None, device=None):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -103,7 +107,12 @@ class Engine:
                        f"W={config.step_width}")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
     check_engine_fits(config, self.max_len, self.max_stop, mesh=self.mesh, kv_axis=self.kv_axis)
+    if device is not None and self.mesh is not None:
+      raise ValueError("device= and mesh= exclude each other: a mesh places the engine already")
+    self.device = device
     self.graphdef, self.params = _split_placed(model, self.mesh)
+    if device is not None:
+      self.params = jax.device_put(self.params, device)
     # Looked up here, not at import, so a test can wrap `serve_loop` (chex.assert_max_traces).
     self._loop = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
     self.state: LoopState | None = None
@@ -151,6 +160,11 @@ class Engine:
     self.stats = stats = EngineStats()
     if not requests:
       return []
+    with contextlib.nullcontext() if self.device is None else jax.default_device(self.device):
+      return self._run(requests, order, on_progress)
+
+  def _run(self, requests, order, on_progress) -> list[Completion]:
+    stats = self.stats
     config = self.config
     started = time.perf_counter()
     host_queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],

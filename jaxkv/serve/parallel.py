@@ -1,0 +1,110 @@
+"""`DataParallelEngine`: one `Engine` per device, the queue split between them.
+
+For a model that fits one device, data parallelism serves more requests per
+second than splitting the model: each device holds a full copy of the weights
+and its own cache, and serves its share of the queue in its own jitted loop.
+The engines run in host threads (each loop entry releases the GIL while the
+device works), so the devices serve at the same time.
+
+The queue is split greedily by work: requests are taken longest first
+(prompt + n x max_tokens) and each goes to the device with the least work so
+far, then each device serves its share in the original order. Completions come
+back in the order of the queue, exactly as one `Engine` returns them; with the
+same seeds, sampled tokens do not depend on which device served a request.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Sequence
+
+import jax
+
+from jaxkv.serve.engine import Engine, EngineError
+from jaxkv.serve.requests import Completion, EngineStats, Request
+
+
+class DataParallelEngine:
+  """`Engine`s on several devices serving one queue.
+
+  Args:
+    model: a `jaxkv.serve.StepModel` (its parameters are copied to every device).
+    devices: the devices (default: every local device); at least one.
+    **engine_kwargs: passed to every `Engine` (`max_len`, `max_steps`, `widths`, ...;
+      not `mesh` or `device`).
+  """
+
+  def __init__(self, model, *, devices: Sequence | None = None, **engine_kwargs):
+    devices = list(jax.local_devices() if devices is None else devices)
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+      raise ValueError(f"devices={devices!r} must be a non-empty sequence of jax.Device")
+    if len(set(devices)) != len(devices):
+      raise ValueError(f"devices={devices!r} holds a device twice")
+    for name in ("mesh", "device"):
+      if name in engine_kwargs:
+        raise ValueError(f"{name}= is chosen per device by DataParallelEngine")
+    self.devices = devices
+    self.engines = [Engine(model, device=d, **engine_kwargs) for d in devices]
+    self.stats = EngineStats()
+    self.completions: list[Completion] = []
+
+  def run(self, requests: Sequence[Request]) -> list[Completion]:
+    """Serves every request across the devices; completions in (request order, sample index).
+
+    Raises:
+      ValueError, TypeError: a request no engine can serve (nothing is served).
+      EngineError: an engine failed; `completions` holds every sample finished on
+        any device (the other devices finish their shares first).
+    """
+    if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
+      raise TypeError("requests must be a sequence of jaxkv.serve.Request")
+    requests = [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
+                for i, r in enumerate(requests)]
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    if len(order) != len(requests):
+      raise ValueError("request_id values must be unique")
+    for r in requests:
+      self.engines[0].check(r)   # the engines are alike: one check refuses before any serves
+    shares = self._split(requests)
+    with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
+      futures = [pool.submit(e.run, share) if share else None
+                 for e, share in zip(self.engines, shares)]
+      errors = []
+      for f in futures:
+        if f is not None and f.exception() is not None:
+          errors.append(f.exception())
+    self.completions = sorted([c for e, share in zip(self.engines, shares) if share
+                               for c in e.completions],
+                              key=lambda c: (order[c.request_id], c.index))
+    self.stats = self._merged_stats([e for e, share in zip(self.engines, shares) if share])
+    if errors:
+      raise EngineError(f"{len(errors)} of {len(self.engines)} engines failed; first: "
+                        f"{errors[0]}", self.completions) from errors[0]
+    return self.completions
+
+  def _split(self, requests: list[Request]) -> list[list[Request]]:
+    work = [0] * len(self.engines)
+    owner = {}
+    cost = lambda r: len(r.prompt) + r.params.n * r.params.max_tokens
+    for i in sorted(range(len(requests)), key=lambda i: -cost(requests[i])):
+      d = min(range(len(work)), key=lambda d: work[d])
+      owner[i] = d
+      work[d] += cost(requests[i])
+    return [[r for i, r in enumerate(requests) if owner[i] == d] for d in range(len(work))]
+
+  @staticmethod
+  def _merged_stats(engines) -> EngineStats:
+    out = EngineStats()
+    for e in engines:
+      s = e.stats
+      out.steps += s.steps
+      out.step_tokens += s.step_tokens
+      out.generated += s.generated
+      out.occupancy += s.occupancy
+      out.loop_entries += s.loop_entries
+      out.seconds = max(out.seconds, s.seconds)
+      out.peak_rows = max(out.peak_rows, s.peak_rows)
+      for w, n in s.width_steps.items():
+        out.width_steps[w] = out.width_steps.get(w, 0) + n
+    return out
