@@ -65,6 +65,9 @@ def _args(argv=None):
                       "output lengths, 64 slots, against static batching; decode: 64 requests of "
                       "8..16-token prompts (decode-only steps) against the padded loop")
   p.add_argument("--slots", type=int, default=64, help="mixed: engine columns / static batch")
+  p.add_argument("--data-parallel", type=int, default=0,
+                 help="also serve with jaxkv.serve.DataParallelEngine over this many devices "
+                      "and report its speed-up over one device (same process)")
   p.add_argument("--small", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--skip-baseline", action="store_true")
   p.add_argument("--skip-jaxkv", action="store_true")
@@ -399,6 +402,24 @@ def main(argv=None) -> int:
           f"{r['ms_per_step']:.3f} ms/step, steps per width {r['width_steps']}, mean occupancy "
           f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries (with warm-up "
           f"{time.perf_counter() - t0:.0f} s)")
+    if args.data_parallel:
+      devices = jax.devices()[:args.data_parallel]
+      dp = serve.DataParallelEngine(model, devices=devices, max_len=max(
+          len(p) + n for p, n in zip(prompts, news)))
+      dp_requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
+                     for p, n in zip(prompts, news)]
+      dp.run(dp_requests)   # warm-up: compiles each device's loop
+      t1 = time.perf_counter()
+      dp_out = dp.run(dp_requests)
+      dp_s = time.perf_counter() - t1
+      same = sum(a.tokens == b for a, b in zip(dp_out, outputs["jaxkv"]))
+      results["data_parallel"] = {"devices": len(devices), "seconds": dp_s,
+                                  "tokens_per_s": dp.stats.generated / dp_s,
+                                  "speedup_vs_one_device": r["seconds"] / dp_s,
+                                  "same_tokens": same}
+      print(f"jaxkv data-parallel over {len(devices)} devices: {dp_s:.3f} s, "
+            f"{dp.stats.generated / dp_s:.0f} tokens/s = {r['seconds'] / dp_s:.2f}x one device; "
+            f"{same}/{len(prompts)} outputs identical to one device")
     if args.workload == "decode":
       print(f"decode step: {r['ms_per_step']:.3f} ms vs roofline {floor['decode_step_ms']:.3f} ms "
             f"= {r['ms_per_step'] / floor['decode_step_ms']:.2f}x")
