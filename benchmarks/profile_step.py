@@ -124,6 +124,21 @@ def _print(summary: dict) -> None:
     print(f"    {t:7.3f} {k:6.1f}  {n}")
 
 
+def _time_and_trace(engine, requests, trace_dir: str, label: str):
+  """Times a warm run of `requests` (untraced), then traces one more; `(timing, summary)`."""
+  engine.run(requests)   # compile and warm up
+  t0 = time.perf_counter()
+  engine.run(requests)
+  dt = time.perf_counter() - t0
+  st = engine.stats
+  print(f"{label}: {dt:.3f} s, {st.steps} steps, {1e3 * dt / st.steps:.3f} ms/step, "
+        f"{st.step_tokens / dt:.0f} step tokens/s, {st.loop_entries} loop entries")
+  with jax.profiler.trace(trace_dir):
+    engine.run(requests)
+  timing = {"seconds": dt, "steps": st.steps, "ms_per_step": 1e3 * dt / st.steps}
+  return timing, summarize(trace_dir, engine.stats.steps, label)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,20 +166,9 @@ def main(argv=None) -> int:
                         rngs=nnx.Rngs(0))
     engine = serve.Engine(model, max_len=2048 + 256)
     reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
-    engine.run(reqs[:2])   # compile
-    engine.run(reqs)
-    t0 = time.perf_counter()
-    engine.run(reqs)
-    dt = time.perf_counter() - t0
-    st = engine.stats
-    print(f"engine W={width}: decode-heavy {dt:.3f} s, {st.steps} steps, "
-          f"{1e3 * dt / st.steps:.3f} ms/step, {st.loop_entries} loop entries")
-    results[f"engine_W{width}_decode"] = {"seconds": dt, "steps": st.steps,
-                                         "ms_per_step": 1e3 * dt / st.steps}
-    tdir = os.path.join(args.out, f"engine_W{width}_decode")
-    with jax.profiler.trace(tdir):
-      engine.run(reqs)
-    s = summarize(tdir, engine.stats.steps, f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
+    results[f"engine_W{width}_decode"], s = _time_and_trace(
+        engine, reqs, os.path.join(args.out, f"engine_W{width}_decode"),
+        f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
     if args.dump_hlo:
       queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in reqs],
                                max_len=engine.max_len, max_stop=engine.max_stop)
@@ -181,17 +185,9 @@ def main(argv=None) -> int:
     _print(s)
     if width >= 512 and not args.decode_only:
       lreqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
-      engine.run(lreqs)
-      t0 = time.perf_counter()
-      engine.run(lreqs)
-      dt = time.perf_counter() - t0
-      st = engine.stats
-      print(f"engine W={width}: prefill-heavy {dt:.3f} s, {st.steps} steps, "
-            f"{1e3 * dt / st.steps:.3f} ms/step, {st.step_tokens / dt:.0f} tokens/s")
-      tdir = os.path.join(args.out, f"engine_W{width}_prefill")
-      with jax.profiler.trace(tdir):
-        engine.run(lreqs)
-      s = summarize(tdir, engine.stats.steps, f"engine W={width}, prefill-heavy (16 x 2000 + 4)")
+      results[f"engine_W{width}_prefill"], s = _time_and_trace(
+          engine, lreqs, os.path.join(args.out, f"engine_W{width}_prefill"),
+          f"engine W={width}, prefill-heavy (16 x 2000 + 4)")
       results[s["label"]] = s
       _print(s)
     del engine, model
