@@ -176,7 +176,7 @@ def _admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
   """Admits the queue's next column: a new sequence with the request's prompt and parameters."""
   q = ls.queue
   i = q.next
-  _, cols, rows = _head_needs(config, ls)
+  _, _, rows = _head_needs(config, ls)
   n, plen = q.n[i], q.prompt_len[i]
   fork = (n > 1) & (plen > 1)
   cache, status, seq_id = pure.seq_new(config, ls.cache)
@@ -201,7 +201,6 @@ def _admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
   finished_request = ok & (fork | (copies >= n))
   queue = dataclasses.replace(q, next=jnp.where(finished_request, q.next + 1, q.next),
                               copies=jnp.where(finished_request, 0, copies))
-  del cols
   return dataclasses.replace(ls, queue=queue,
                              status=jnp.where(ok | (ls.status != Status.OK), ls.status, status))
 
