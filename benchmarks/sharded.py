@@ -149,8 +149,7 @@ def _serve(model_config, devices, requests, args):
       capacity=args.seqs * per_seq, max_seqs=args.seqs, max_write=args.width,
       kv_dtype=jnp.bfloat16, initial_capacity=rows)
   model = build(model_config, cache_config, seed=0, dtype=jnp.bfloat16,
-                param_dtype=jnp.bfloat16, implementation=args.implementation,
-                bucket=args.seqs if args.seqs < args.width else None, mesh=mesh)
+                param_dtype=jnp.bfloat16, implementation=args.implementation, mesh=mesh)
   engine = serve.Engine(model, max_len=per_seq)
   engine.run(requests)   # compiles
   completions = engine.run(requests)

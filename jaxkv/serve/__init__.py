@@ -30,14 +30,15 @@ greedy decoding over a `ModelRunner`).
 from jaxkv.serve.engine import Engine, EngineError, default_widths
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.parallel import DataParallelEngine
-from jaxkv.serve.memory import bytes_in_use, check_engine_fits, loop_buffer_bytes, storage_bytes
+from jaxkv.serve.memory import (ROW_MULTIPLE, bytes_in_use, check_engine_fits, loop_buffer_bytes,
+                                storage_bytes)
 from jaxkv.serve.protocol import StepModel, check_step_model
 from jaxkv.serve.requests import Completion, EngineStats, Request, SamplingParams, check_request
 from jaxkv.serve.runner import ModelRunner
 from jaxkv.serve.sampling import sample
 from jaxkv.serve.state import LoopState, Queue, init_loop_state, pack_queue
 
-__all__ = ["Completion", "DataParallelEngine", "Engine", "EngineError", "EngineStats", "LoopState", "ModelRunner",
+__all__ = ["ROW_MULTIPLE", "Completion", "DataParallelEngine", "Engine", "EngineError", "EngineStats", "LoopState", "ModelRunner",
            "Queue", "Request", "SamplingParams", "StepModel", "bytes_in_use", "check_engine_fits",
            "check_request", "check_step_model", "default_widths", "init_loop_state",
            "loop_buffer_bytes", "pack_queue", "sample", "serve_loop", "storage_bytes"]
