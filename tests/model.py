@@ -330,9 +330,6 @@ class CacheModel:
     for t in range(n):
       h = self.hist[ids[t]][layer]
       entries = [h[kp] for kp in self.visible(layer, t)]
-      if any(e is UNKNOWN for e in entries):
-        checked[t] = False
-        continue
       out[t] = attend_naive(q[t][None], np.stack([e[0] for e in entries]),
                             np.stack([e[1] for e in entries]), np.ones((1, len(entries)), bool),
                             self.scales[layer])[0]
