@@ -102,3 +102,19 @@ def test_kernels_never_import_jaxkv():
 @pytest.mark.parametrize("name", sorted(_modules()))
 def test_every_module_imports(name):
   importlib.import_module(name)
+
+
+def test_the_library_never_imports_examples_or_tests():
+  """`examples/` and `tests/` are scripts and tests, not installed: no library module may import them."""
+
+  root = pathlib.Path(__file__).resolve().parents[2]
+  offenders = []
+  for package in ("jaxkv", "pallas_kernels"):
+    for path in sorted((root / package).rglob("*.py")):
+      for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [])
+        offenders += [f"{path.relative_to(root)}: {n}" for n in names
+                      if n.split(".")[0] in ("examples", "tests", "conftest")]
+  assert not offenders, offenders
