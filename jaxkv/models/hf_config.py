@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-from jaxkv.models.decoder import GEMMA3, LLAMA, ModelConfig
+from jaxkv.models.config import GEMMA3, LLAMA, ModelConfig
 import numpy as np
 
 from jaxkv.nnx import RopeScaling, rope_inv_freq
