@@ -219,7 +219,10 @@ def main(argv=None) -> int:
   started = time.perf_counter()
   model, config, tokenizer, requests, longest = _prepare(p, args)
   cache = model.cache_config
-  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_MAX_STOP)
+  # The loop returns to the host every 16 steps so the progress bar moves (a whole queue
+  # would otherwise be served in one loop entry); `--quiet` serves it in one.
+  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_MAX_STOP,
+                        max_steps=1 << 20 if args.quiet else 16)
   rings = sum(layer.policy.is_ring for layer in cache.layers)
   print(f"jaxkv demo on {jax.devices()[0].platform}: {config.arch} "
         f"({'checkpoint' if args.checkpoint else 'random weights'}, {config.num_layers} layers: "
