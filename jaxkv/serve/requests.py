@@ -15,7 +15,9 @@ class SamplingParams:
     top_k: keep the `top_k` most likely tokens (0: all).
     top_p: keep the smallest set whose probability reaches `top_p` (1: all).
     seed: the request's seed; sample `i`'s token `t` uses
-      `fold_in(fold_in(key(seed), i), t)`, independent of batching.
+      `fold_in(fold_in(key(seed), i), t)`, independent of batching. None: the
+      engine draws one on the host and reports it (`Completion.seed`,
+      `Delta.seed`), so a random request can be replayed.
     stop_tokens: tokens that end the request (the stop token is kept).
     n: parallel samples of the prompt (forked with `seq_clone`).
   """
@@ -24,7 +26,7 @@ class SamplingParams:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  seed: int = 0
+  seed: int | None = 0
   stop_tokens: tuple[int, ...] = ()
   n: int = 1
 
@@ -39,7 +41,7 @@ class SamplingParams:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
     if self.n < 1:
       raise ValueError(f"n={self.n} must be >= 1")
-    if not 0 <= self.seed < 2**31:
+    if self.seed is not None and not 0 <= self.seed < 2**31:
       raise ValueError(f"seed={self.seed} must be in [0, 2**31)")
     object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
@@ -75,6 +77,8 @@ class Completion:
     prompt: the prompt tokens.
     tokens: generated tokens.
     finish_reason: `"stop"` (a stop token) or `"length"` (token limit).
+    seed: the seed the sample was drawn with (drawn by the engine when the
+      request's was None).
   """
 
   request_id: object
@@ -82,6 +86,7 @@ class Completion:
   prompt: tuple[int, ...]
   tokens: list[int]
   finish_reason: str
+  seed: int | None = None
 
 
 @dataclasses.dataclass
@@ -97,6 +102,9 @@ class EngineStats:
     seconds: wall time.
     peak_rows: most cache positions held at once (all sequences together).
     width_steps: steps run at each compiled width (`{width: steps}`).
+    compile_seconds: of `seconds`, the time spent tracing and compiling (the
+      first entry of a new shape class pays it).
+    aborted: samples ended by `Engine.abort` (incremental API).
   """
 
   steps: int = 0
@@ -107,3 +115,15 @@ class EngineStats:
   seconds: float = 0.0
   peak_rows: int = 0
   width_steps: dict = dataclasses.field(default_factory=dict)
+  compile_seconds: float = 0.0
+  aborted: int = 0
+
+  @property
+  def serve_seconds(self) -> float:
+    """Wall time spent serving, compilation excluded."""
+    return max(self.seconds - self.compile_seconds, 0.0)
+
+  @property
+  def tokens_per_second(self) -> float:
+    """Generated tokens per second of serving time (after warm-up: compilation excluded)."""
+    return self.generated / self.serve_seconds if self.serve_seconds > 0 else 0.0
