@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
-from jaxkv.serve.aio import AsyncEngine
+from jaxkv.serve import AsyncEngine
 import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
 
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -114,7 +114,7 @@ def test_abort_frees_columns_and_room_for_later_requests(rng):
   assert engine._live.counts() == (1, 1)     # "later" cannot be admitted next to "long"
   assert engine.abort("long") and not engine.abort("long") and not engine.abort("nobody")
   deltas = engine.step(3)
-  assert deltas[0] == serve.live.Delta("long", 0, (), "abort", 0, deltas[0].timing)
+  assert deltas[0] == serve.Delta("long", 0, (), "abort", 0, deltas[0].timing)
   assert deltas[0].timing is not None and engine.stats.aborted == 1
   assert [d.request_id for d in deltas[1:]] == ["later"]   # admitted in the same step
   got = _collect(engine.stream(8), _collect(deltas[1:]))
@@ -240,3 +240,27 @@ def test_async_engine_streams_and_aborts_on_early_exit(model, rng):
     got |= part
   assert got == want
   assert engine.stats.aborted == 1
+
+
+def test_stats_split_compile_time_from_serving(model, rng):
+  """A new shape class pays compilation once; later entries add serving time only."""
+  engine = serve.Engine(model, max_len=40)   # a max_len no other test compiles for
+  # 12 output rows and 4 requests: run's shapes (R=16, Q=8) are the incremental API's too.
+  batch = [serve.Request((1 + i, 2, 3), serve.SamplingParams(max_tokens=6, n=3)) for i in range(4)]
+  engine.run(batch)
+  stats = engine.stats
+  assert 0 < stats.compile_seconds < stats.seconds and stats.tokens_per_second > 0
+  for r in _requests(rng, 3):
+    engine.add_request(r)
+  list(engine.stream(4))
+  stats = engine.stats
+  compiled, seconds = stats.compile_seconds, stats.seconds
+  for r in _requests(rng, 3, prefix="again"):
+    engine.add_request(r)
+  deltas = list(engine.stream(4))
+  assert stats.compile_seconds == compiled and stats.seconds > seconds   # nothing recompiled
+  assert stats.tokens_per_second > 0
+  timings = [d.timing for d in deltas if d.timing is not None]
+  assert len(timings) == 3
+  for t in timings:
+    assert 0 <= t.queue_seconds <= t.first_token_seconds <= t.total_seconds
