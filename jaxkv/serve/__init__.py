@@ -36,11 +36,11 @@ greedy decoding over a `ModelRunner`).
 
 from jaxkv.serve.engine import Engine, EngineError, default_widths
 from jaxkv.serve.aio import AsyncEngine
-from jaxkv.serve.live import Delta, RequestTiming
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.protocol import StepModel, check_step_model
 from jaxkv.serve.memory import bytes_in_use, storage_bytes
-from jaxkv.serve.requests import Completion, EngineStats, Request, SamplingParams
+from jaxkv.serve.requests import (Completion, Delta, EngineStats, Request, RequestTiming,
+                                  SamplingParams)
 from jaxkv.serve.runner import ModelRunner
 from jaxkv.serve.sampling import sample
 from jaxkv.serve.state import LoopState, Queue, init_loop_state, pack_queue

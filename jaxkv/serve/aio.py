@@ -15,8 +15,7 @@ import asyncio
 from typing import AsyncIterator, Callable
 
 from jaxkv.serve.engine import Engine
-from jaxkv.serve.live import Delta
-from jaxkv.serve.requests import Request
+from jaxkv.serve.requests import Delta, Request
 
 
 class AsyncEngine:

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
-from jaxkv.serve.live import Delta, LiveQueue
+from jaxkv.serve.live import LiveQueue
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows
 from jaxkv.serve.protocol import check_step_model
-from jaxkv.serve.requests import Completion, EngineStats, Request
+from jaxkv.serve.requests import Completion, Delta, EngineStats, Request
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
 

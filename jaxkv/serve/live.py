@@ -41,52 +41,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import CacheConfig, Status, pure
-from jaxkv.serve.requests import Request
-from jaxkv.serve.state import HostQueue, LoopState, _bucket, init_loop_state, pack_queue
+from jaxkv import Status
+from jaxkv.serve.live_ops import abort_columns, clear_rows
+from jaxkv.serve.requests import Delta, Request, RequestTiming
+from jaxkv.serve.state import HostQueue, _bucket, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
-
-FINISH_REASONS = ("stop", "length", "abort")
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestTiming:
-  """Latency figures of one request, measured on the host (resolution: one loop entry).
-
-  Attributes:
-    queue_seconds: `add_request` until the host saw the request admitted.
-    first_token_seconds: `add_request` until its first token was reported
-      (None if it produced none).
-    total_seconds: `add_request` until it finished.
-  """
-
-  queue_seconds: float | None
-  first_token_seconds: float | None
-  total_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-  """New tokens of one sample since the last step.
-
-  Attributes:
-    request_id: the request's id (`add_request`'s return value).
-    index: sample index (0..n-1).
-    tokens: tokens generated since the last delta of this sample.
-    finish_reason: None while the sample runs; `"stop"` (a stop token, kept
-      as the last token), `"length"` (max_tokens) or `"abort"` (`abort`).
-    seed: the sample's seed (drawn by the engine when the request's was None).
-    timing: the request's `RequestTiming` on the delta that ends its last
-      sample; None otherwise.
-  """
-
-  request_id: object
-  index: int
-  tokens: tuple[int, ...]
-  finish_reason: str | None
-  seed: int
-  timing: RequestTiming | None = None
-
 
 @dataclasses.dataclass
 class _Tracked:
@@ -102,33 +61,6 @@ class _Tracked:
   @property
   def n(self) -> int:
     return self.request.params.n
-
-
-def _abort_columns(config: CacheConfig, ls: LoopState, mask):
-  """Removes every used column in `mask` (`bool[S]`) and clears its bookkeeping."""
-
-  def body(carry):
-    ls, mask = carry
-    col = jnp.argmax(mask & (ls.used == 1)).astype(jnp.int32)
-    cache, status = pure.seq_rm(config, ls.cache, col)
-    off = lambda a, v=0: a.at[col].set(v)
-    ls = dataclasses.replace(
-        ls, cache=cache, used=off(ls.used), active=off(ls.active), done=off(ls.done),
-        reserve=off(ls.reserve), forks=off(ls.forks), hold=off(ls.hold, ls.tokens.shape[1]),
-        status=jnp.where((status == Status.OK) | (ls.status != Status.OK), ls.status, status))
-    return ls, mask.at[col].set(False)
-
-  cond = lambda carry: jnp.any(carry[1] & (carry[0].used == 1)) & (carry[0].status == Status.OK)
-  return jax.lax.while_loop(cond, body, (ls, mask))[0]
-
-
-_jit_abort = jax.jit(_abort_columns, static_argnums=0, donate_argnums=1)
-
-
-@jax.jit
-def _clear_rows(out_len, out_stop, out_done, clear):
-  zero = lambda a: jnp.where(clear, 0, a)
-  return zero(out_len), zero(out_stop), zero(out_done)
 
 
 class LiveQueue:
@@ -304,7 +236,7 @@ class LiveQueue:
     for rid in moved:
       t = self._tracked[rid]
       clear[t.base:t.base + t.n] = True
-    out_len, out_stop, out_done = _clear_rows(ls.out_len, ls.out_stop, ls.out_done,
+    out_len, out_stop, out_done = clear_rows(ls.out_len, ls.out_stop, ls.out_done,
                                               self._place(jnp.asarray(clear)))
     engine.state = dataclasses.replace(ls, queue=queue, out_len=out_len, out_stop=out_stop,
                                        out_done=out_done)
@@ -322,7 +254,7 @@ class LiveQueue:
       return
     engine = self.engine
     ls, engine.state = engine.state, None
-    engine.state = _jit_abort(engine.config, ls, self._place(jnp.asarray(mask)))
+    engine.state = abort_columns(engine.config, ls, self._place(jnp.asarray(mask)))
     self._host["used"] = np.where(mask, 0, self._host["used"])
     if int(engine.state.status) != Status.OK:
       raise RuntimeError(f"aborting columns failed: {Status(int(engine.state.status)).name}")

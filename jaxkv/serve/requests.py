@@ -127,3 +127,42 @@ class EngineStats:
   def tokens_per_second(self) -> float:
     """Generated tokens per second of serving time (after warm-up: compilation excluded)."""
     return self.generated / self.serve_seconds if self.serve_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTiming:
+  """Latency figures of one request, measured on the host (resolution: one loop entry).
+
+  Attributes:
+    queue_seconds: `add_request` until the host saw the request admitted.
+    first_token_seconds: `add_request` until its first token was reported
+      (None if it produced none).
+    total_seconds: `add_request` until it finished.
+  """
+
+  queue_seconds: float | None
+  first_token_seconds: float | None
+  total_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  """New tokens of one sample since the last step.
+
+  Attributes:
+    request_id: the request's id (`add_request`'s return value).
+    index: sample index (0..n-1).
+    tokens: tokens generated since the last delta of this sample.
+    finish_reason: None while the sample runs; `"stop"` (a stop token, kept
+      as the last token), `"length"` (max_tokens) or `"abort"` (`abort`).
+    seed: the sample's seed (drawn by the engine when the request's was None).
+    timing: the request's `RequestTiming` on the delta that ends its last
+      sample; None otherwise.
+  """
+
+  request_id: object
+  index: int
+  tokens: tuple[int, ...]
+  finish_reason: str | None
+  seed: int
+  timing: RequestTiming | None = None

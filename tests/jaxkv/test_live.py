@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 
 import chex
-import numpy as np
 import pytest
 from flax import nnx
 
@@ -20,8 +19,9 @@ MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, n
 MAX_SEQS, WIDTH = 4, 8
 
 
-def _model(capacity=160):
-  cache = MODEL.cache_config(capacity=capacity, max_seqs=MAX_SEQS, max_write=WIDTH)
+def _model(capacity=160, initial_capacity=None):
+  cache = MODEL.cache_config(capacity=capacity, max_seqs=MAX_SEQS, max_write=WIDTH,
+                             initial_capacity=initial_capacity)
   return Decoder(MODEL, cache, rngs=nnx.Rngs(0))
 
 
@@ -99,6 +99,20 @@ def test_queue_longer_than_device_queue_waits_on_the_host(model, rng):
     engine.add_request(r)
   assert engine._live.counts() == (0, 30)
   assert _collect(engine.stream(4)) == _want(model, requests)
+
+
+def test_flat_rows_grow_between_entries(rng):
+  """A cache that starts with 16 flat rows grows on the host before longer requests enter."""
+  model = _model(initial_capacity=16)
+  requests = _requests(rng, 6)
+  engine = serve.Engine(model, max_len=48)
+  for r in requests[:2]:
+    engine.add_request(r)
+  got = _collect(engine.step(2))
+  for r in requests[2:]:
+    engine.add_request(r)
+  assert _collect(engine.stream(3), got) == _want(model, requests)
+  assert engine.state.cache.k[0].shape[0] > 16
 
 
 def test_abort_frees_columns_and_room_for_later_requests(rng):

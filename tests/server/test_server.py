@@ -37,7 +37,8 @@ STOP_IDS = (2, 7)   # generation_config.json's eos_token_id
 @pytest.fixture(scope="module")
 def server():
   engine, tokenizer = build_server(CHECKPOINT, max_seqs=4, max_len=MAX_LEN, max_write=16)
-  app = create_app(engine, tokenizer, model_name=MODEL, interval=2)
+  # interval=1: a token per loop entry, so a 120-token stream outlives a client that leaves early.
+  app = create_app(engine, tokenizer, model_name=MODEL, interval=1)
   sock = socket.socket()
   sock.bind(("127.0.0.1", 0))
   config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
@@ -164,7 +165,7 @@ def test_concurrent_requests_sampling_and_stop_strings(client, oracle):
 def test_client_disconnect_aborts_the_request(server, client):
   url, engine = server
   before = engine.stats.aborted
-  stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=100, temperature=0,
+  stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=120, temperature=0,
                                      stream=True, extra_body={"ignore_eos": True})
   first = next(iter(stream))
   assert first.choices[0].finish_reason is None
