@@ -188,8 +188,11 @@ class LiveQueue:
     engine, q = self.engine, self.queue_size
     arrays = self._pack([]).arrays
     host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0)
-    engine.state = init_loop_state(engine.config, host_queue, num_widths=len(engine.widths),
-                                   mesh=engine.mesh, kv_axis=engine.kv_axis)
+    state = init_loop_state(engine.config, host_queue, num_widths=len(engine.widths),
+                            mesh=engine.mesh, kv_axis=engine.kv_axis)
+    # Committed from the start, as the loop's outputs are: jit keys its compiled code on
+    # whether each argument is committed, so a mix would compile the loop a second time.
+    engine.state = state if engine.mesh is not None else self._place(state)
     assert engine.state.queue.prompt.shape[0] == q
 
   def _pack(self, requests) -> HostQueue:
@@ -201,9 +204,11 @@ class LiveQueue:
                       max_len=engine.max_len, max_stop=engine.max_stop)
 
   def _place(self, tree):
-    from jax.sharding import NamedSharding, PartitionSpec as P   # pylint: disable=g-import-not-at-top
+    """`tree` committed where the loop state lives: replicated on the mesh, or the first device."""
+    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding   # pylint: disable=g-import-not-at-top
     mesh = self.engine.mesh
-    return jax.device_put(tree, NamedSharding(mesh, P()) if mesh is not None else None)
+    return jax.device_put(tree, NamedSharding(mesh, P()) if mesh is not None
+                          else SingleDeviceSharding(jax.devices()[0]))
 
   def _fill(self) -> None:
     """Moves waiting requests into the device queue while slots and output rows allow."""

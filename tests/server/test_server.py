@@ -198,3 +198,21 @@ def test_bad_requests_get_clear_errors_and_the_server_stays_up(server, client, c
   assert body["error"]["type"] and match in body["error"]["message"]
   assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2).choices[0].text is not None
   assert json.loads(httpx.get(server[0] + "/health").text) == {"status": "ok"}
+
+
+def test_plain_request_of_a_client_that_left_is_aborted(server):
+  """A non-streaming client that gives up (a read timeout closes its connection) is aborted too."""
+  url, engine = server
+  before = engine.stats.aborted
+  body = {"model": MODEL, "prompt": "Hello", "max_tokens": 120, "n": 4, "temperature": 0,
+          "ignore_eos": True}
+  # The full request takes about 10x the client's patience on CPU (one token per loop entry).
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(url + "/v1/completions", json=body, timeout=0.05)
+  deadline = time.monotonic() + 20
+  while engine.has_unfinished() or engine.stats.aborted == before:
+    assert time.monotonic() < deadline, "the engine did not abort the request"
+    time.sleep(0.05)
+  assert engine.stats.aborted - before == 4   # every sample of it
+  r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+  assert r.status_code == 200 and len(r.json()["choices"]) == 4
