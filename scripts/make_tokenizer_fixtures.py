@@ -1,4 +1,4 @@
-"""Writes a tiny tokenizer next to each fixture checkpoint under tests/fixtures/ (needs `tokenizers`).
+"""Writes a tiny tokenizer beside each fixture checkpoint in tests/fixtures/ (needs `tokenizers`).
 
 Each `tests/fixtures/hf_*` directory gains
 - `tokenizer.json`: a character-level BPE (Metaspace spaces, as SentencePiece
@@ -43,7 +43,8 @@ CHAT_TEMPLATE = (
 
 
 def make_tokenizer():
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=g-import-not-at-top
+  from tokenizers import (  # pylint: disable=g-import-not-at-top
+      Tokenizer, decoders, models, pre_tokenizers, processors, trainers)
   tok = Tokenizer(models.BPE(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
   tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")

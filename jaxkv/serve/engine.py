@@ -160,7 +160,8 @@ class Engine:
                 for i, r in enumerate(requests)]
     # A None seed is drawn here, on the host, and reported on the completions.
     requests = [r if r.params.seed is not None else dataclasses.replace(
-        r, params=dataclasses.replace(r.params, seed=secrets.randbelow(2**31))) for r in requests]
+        r, params=dataclasses.replace(r.params, seed=secrets.randbelow(2**31)))
+                for r in requests]
     for r in requests:
       self._check(r)
     order = {r.request_id: i for i, r in enumerate(requests)}

@@ -40,6 +40,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxkv import Status
 from jaxkv.serve.live_ops import abort_columns, clear_rows
@@ -125,7 +126,8 @@ class LiveQueue:
       t = self._tracked.get(request_id)
       if t is None or (request_id, None) in self._aborts or (request_id, index) in self._aborts:
         return False
-      if index is not None and not (0 <= index < t.n and t.emitted[index] and not t.finished[index]):
+      if index is not None and not (0 <= index < t.n and t.emitted[index]
+                                    and not t.finished[index]):
         return False   # one sample is aborted only once it runs (it has a column of its own)
       self._aborts.append((request_id, index))
       return True
@@ -178,8 +180,8 @@ class LiveQueue:
     if idle:
       return deltas
     ls, engine.state = engine.state, None   # donated below
-    ls = engine._loop(engine.graphdef, engine.config, engine.widths, engine.params, ls,  # pylint: disable=protected-access
-                      jnp.int32(k))
+    loop = engine._loop   # pylint: disable=protected-access
+    ls = loop(engine.graphdef, engine.config, engine.widths, engine.params, ls, jnp.int32(k))
     engine.state = ls
     engine.stats.loop_entries += 1
     return deltas + self._collect()
@@ -205,7 +207,6 @@ class LiveQueue:
 
   def _place(self, tree):
     """`tree` committed where the loop state lives: replicated on the mesh, or the first device."""
-    from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding   # pylint: disable=g-import-not-at-top
     mesh = self.engine.mesh
     return jax.device_put(tree, NamedSharding(mesh, P()) if mesh is not None
                           else SingleDeviceSharding(jax.devices()[0]))
@@ -228,7 +229,8 @@ class LiveQueue:
         return
       queued = [self._tracked[rid] for rid in self._queued]
       self._dirty = False
-    ls = engine._grow_for(engine.state, [t.request for t in queued]) if queued else engine.state  # pylint: disable=protected-access
+    grow = engine._grow_for   # pylint: disable=protected-access
+    ls = grow(engine.state, [t.request for t in queued]) if queued else engine.state
     host_queue = self._pack([t.request for t in queued])
     out_base = np.zeros((self.queue_size,), np.int32)
     out_base[:len(queued)] = [t.base for t in queued]
@@ -346,7 +348,9 @@ class LiveQueue:
           if out is None:
             out = np.asarray(jax.device_get(ls.out_tokens))
           new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
-          reason = ("stop" if host["out_stop"][row] else "length") if host["out_done"][row] else None
+          reason = None
+          if host["out_done"][row]:
+            reason = "stop" if host["out_stop"][row] else "length"
           hit = next((i for i, tok in enumerate(new) if tok in t.host_stops), None)
           if hit is not None:
             new, reason = new[:hit + 1], "stop"
