@@ -281,3 +281,25 @@ def test_stats_split_compile_time_from_serving(model, rng):
     assert t.first_token_seconds is None or t.queue_seconds <= t.first_token_seconds
   engine.run(_requests(rng, 9))   # a queue of 9 pads to 16 slots: a new shape class
   assert 0 < engine.stats.compile_seconds < engine.stats.seconds
+
+
+def test_async_engine_reports_a_failed_step_and_recovers(model, rng, monkeypatch):
+  engine = serve.Engine(model, max_len=48)
+  requests = _requests(rng, 2)
+  good = engine._loop
+
+  def broken(*args):
+    raise FloatingPointError("device lost")
+
+  async def consume(request):
+    return _collect([d async for d in aio.generate(request)])
+
+  async def main():
+    monkeypatch.setattr(engine, "_loop", broken)
+    with pytest.raises(serve.EngineError, match="device lost"):
+      await consume(requests[0])
+    monkeypatch.setattr(engine, "_loop", good)
+    return await consume(requests[1])
+
+  aio = AsyncEngine(engine, interval=3)
+  assert asyncio.run(main()) == _want(model, requests[1:])
