@@ -5,6 +5,8 @@ pure jittable function in `jaxkv.pure` and, for host code, as a method of
 `BatchedSequenceCache`.
 """
 
+__version__ = "0.1.0"
+
 from jaxkv import pure
 from jaxkv._config import CacheConfig, LayerConfig, LayerPolicy
 from jaxkv._host import BatchedSequenceCache
@@ -13,6 +15,7 @@ from jaxkv._implementation import (KernelFallbackWarning, LayerImplementation,
 from jaxkv._state import CacheState, Phase, Status, Step, StepError, init_state
 
 __all__ = [
+    "__version__",
     "BatchedSequenceCache",
     "CacheConfig",
     "CacheState",

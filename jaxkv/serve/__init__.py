@@ -17,28 +17,39 @@ decode-only step runs on one slot per column, prefill on `W`), sampling
 (greedy, temperature, top-k, top-p, per-request seeds) and retirement
 (`jaxkv.pure.seq_rm`). The host is visited once per `max_steps` steps.
 
+The incremental API serves requests that come and go over one persistent
+cache (`live.py`): `Engine.add_request`, `Engine.abort`, `Engine.step(k)` /
+`Engine.stream(k)` (per-sample `Delta`s of new tokens with finish reasons,
+every `k` steps), and `AsyncEngine` (`aio.py`) for asyncio; `jaxkv serve`
+(`jaxkv.server`) puts an OpenAI-compatible HTTP server on top.
+
 `ModelRunner` is the host-level companion for step-by-step work (speculative
 decoding, DFlash blocks, tests): jitted declare/prepare/model/commit steps and
 the sequence verbs, one call each.
 
 Rooms: `requests` (what users hand in and get back), `protocol` (`StepModel`), `sampling`,
 `state` (what the loop carries, the device queue), `loop` (the jitted loop), `engine`
-(`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `runner` (`ModelRunner`), `memory` (sizing), `decoding` (host-level feeding and
+(`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `live` (the incremental
+API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `runner` (`ModelRunner`),
+`memory` (sizing), `decoding` (host-level feeding and
 greedy decoding over a `ModelRunner`).
 """
 
 from jaxkv.serve.engine import Engine, EngineError, default_widths
+from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.memory import (ROW_MULTIPLE, bytes_in_use, check_engine_fits, loop_buffer_bytes,
                                 storage_bytes)
 from jaxkv.serve.protocol import StepModel, check_step_model
-from jaxkv.serve.requests import Completion, EngineStats, Request, SamplingParams, check_request
+from jaxkv.serve.requests import (Completion, Delta, EngineStats, Request, RequestTiming,
+                                  SamplingParams, check_request)
 from jaxkv.serve.runner import ModelRunner
 from jaxkv.serve.sampling import sample
 from jaxkv.serve.state import LoopState, Queue, init_loop_state, pack_queue
 
-__all__ = ["ROW_MULTIPLE", "Completion", "DataParallelEngine", "Engine", "EngineError", "EngineStats", "LoopState", "ModelRunner",
-           "Queue", "Request", "SamplingParams", "StepModel", "bytes_in_use", "check_engine_fits",
+__all__ = ["ROW_MULTIPLE", "AsyncEngine", "Completion", "DataParallelEngine", "Delta", "Engine",
+           "EngineError", "EngineStats", "LoopState", "ModelRunner", "Queue", "Request",
+           "RequestTiming", "SamplingParams", "StepModel", "bytes_in_use", "check_engine_fits",
            "check_request", "check_step_model", "default_widths", "init_loop_state",
            "loop_buffer_bytes", "pack_queue", "sample", "serve_loop", "storage_bytes"]

@@ -5,18 +5,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Callable, Sequence
+import secrets
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve.live import LiveQueue
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows, check_engine_fits
 from jaxkv.serve.protocol import check_step_model
-from jaxkv.serve.requests import Completion, EngineStats, Request, check_request
+from jaxkv.serve.requests import Completion, Delta, EngineStats, Request, check_request
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
+from jaxkv.serve.timing import compile_seconds
 
 
 def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
@@ -118,6 +121,7 @@ class Engine:
     self.state: LoopState | None = None
     self.stats = EngineStats()
     self.completions: list[Completion] = []   # of the last run, also when it failed
+    self._live: LiveQueue | None = None
 
   def check(self, request: Request) -> None:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
@@ -151,11 +155,19 @@ class Engine:
       raise TypeError("requests must be a sequence of jaxkv.serve.Request")
     requests = [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
                 for i, r in enumerate(requests)]
+    # A None seed is drawn here, on the host, and reported on the completions.
+    requests = [r if r.params.seed is not None else dataclasses.replace(
+        r, params=dataclasses.replace(r.params, seed=secrets.randbelow(2**31)))
+                for r in requests]
     for r in requests:
       self.check(r)
     order = {r.request_id: i for i, r in enumerate(requests)}
     if len(order) != len(requests):
       raise ValueError("request_id values must be unique")
+    if self._live is not None and self._live.has_unfinished():
+      raise RuntimeError("run: requests added with add_request are still in flight (one cache "
+                         "at a time): step until has_unfinished() is False, or abort them")
+    self._live = None   # its state goes with it, below
     self.completions: list[Completion] = []
     self.stats = stats = EngineStats()
     if not requests:
@@ -166,7 +178,7 @@ class Engine:
   def _run(self, requests, order, on_progress) -> list[Completion]:
     stats = self.stats
     config = self.config
-    started = time.perf_counter()
+    started, compiled = time.perf_counter(), compile_seconds()
     host_queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],
                             max_len=self.max_len, max_stop=self.max_stop)
     # Queue and output rows are padded to powers of two (the output's token axis is
@@ -203,7 +215,8 @@ class Engine:
             n_tok = int(host["out_len"][row])
             new_results.append(Completion(request.request_id, index, request.prompt,
                                           out[row, :n_tok].tolist(),
-                                          "stop" if host["out_stop"][row] else "length"))
+                                          "stop" if host["out_stop"][row] else "length",
+                                          request.params.seed))
           collected[new_rows] = True
           self.completions.extend(new_results)
         stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
@@ -211,6 +224,7 @@ class Engine:
         stats.width_steps = {w: int(c) for w, c in zip(self.widths, host["width_steps"])}
         stats.generated = sum(len(c.tokens) for c in self.completions)
         stats.seconds = time.perf_counter() - started
+        stats.compile_seconds = compile_seconds() - compiled
         if int(host["status"]) != Status.OK:
           raise EngineError(f"the cache refused a step: {Status(int(host['status'])).name}",
                             self.completions)
@@ -227,7 +241,87 @@ class Engine:
       raise EngineError(f"Engine.run failed after {len(self.completions)} finished samples: "
                         f"{type(e).__name__}: {e}", self.completions) from e
     stats.seconds = time.perf_counter() - started
+    stats.compile_seconds = compile_seconds() - compiled
     return sorted(self.completions, key=lambda c: (order[c.request_id], c.index))
+
+  # ------------------------------------------------------------ incremental API (live.py)
+
+  def _live_queue(self) -> LiveQueue:
+    if self._live is None:
+      self.state = None   # run's state goes before the persistent one is allocated
+      self.stats = EngineStats()
+      self._live = LiveQueue(self)
+    return self._live
+
+  def add_request(self, request: Request):
+    """Queues one request for `step`/`stream`; returns its id.
+
+    The request is checked now (as by `run`); a refused request changes
+    nothing. It may be called from any thread, also while a step runs; the
+    request enters the loop at the next step. Its stop tokens may exceed
+    `max_stop_tokens`: the rest are checked on the host after each step. A
+    `seed` of None is drawn here and reported on every `Delta`.
+
+    Args:
+      request: the `Request`; its `request_id` (default: the lowest unused
+        int) must not be in flight.
+
+    Returns:
+      The request id.
+
+    Raises:
+      ValueError, TypeError: a malformed request, one that can never fit, or
+        an id already in flight.
+    """
+    return self._live_queue().add_request(request)
+
+  def abort(self, request_id, index: int | None = None) -> bool:
+    """Ends a request (or one running sample) at the next step, finish reason `"abort"`.
+
+    Its columns are removed and their reserved room freed before the next
+    loop entry, so waiting requests can take them.
+
+    Args:
+      request_id: the request.
+      index: one sample of it (only once that sample has produced tokens);
+        None: every unfinished sample.
+
+    Returns:
+      False (changing nothing) if the request or sample is not in flight.
+    """
+    return self._live is not None and self._live.abort(request_id, index)
+
+  def has_unfinished(self) -> bool:
+    """Whether a request added with `add_request` has not finished yet."""
+    return self._live is not None and self._live.has_unfinished()
+
+  def step(self, max_steps: int | None = None) -> list[Delta]:
+    """One loop entry of at most `max_steps` steps over the persistent cache.
+
+    Applies pending aborts, moves waiting requests into the device queue,
+    runs the jitted loop (admission, forks, steps, retirement inside) and
+    reports every sample's new tokens. One entry runs at a time.
+
+    Args:
+      max_steps: the streaming interval `k` (default: the engine's `max_steps`).
+
+    Returns:
+      `Delta`s of the samples that produced tokens or finished, in arrival
+      order; the last delta of a request carries its `RequestTiming`.
+
+    Raises:
+      EngineError: the model, device or cache failed; the requests the
+        device held are dropped (`error.failed`), requests still waiting on
+        the host are kept, and the next step starts on a fresh cache.
+      RuntimeError: another step is running.
+    """
+    return self._live_queue().step(max_steps)
+
+  def stream(self, max_steps: int | None = None) -> Iterator[Delta]:
+    """Steps until every added request has finished, yielding the deltas as they come."""
+    live = self._live_queue()
+    while live.has_unfinished():
+      yield from live.step(max_steps)
 
   def _grow_for(self, ls: LoopState, requests) -> LoopState:
     """Grows flat rows once so that no request of the queue can hit NEEDS_ROWS in the loop."""

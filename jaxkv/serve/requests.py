@@ -71,7 +71,9 @@ class SamplingParams:
     top_k: keep the `top_k` most likely tokens (0: all).
     top_p: keep the smallest set whose probability reaches `top_p` (1: all).
     seed: the request's seed; sample `i`'s token `t` uses
-      `fold_in(fold_in(key(seed), i), t)`, independent of batching.
+      `fold_in(fold_in(key(seed), i), t)`, independent of batching. None: the
+      engine draws one on the host and reports it (`Completion.seed`,
+      `Delta.seed`), so a random request can be replayed.
     stop_tokens: tokens that end the request (the stop token is kept).
     n: parallel samples of the prompt (forked with `seq_clone`).
   """
@@ -80,13 +82,16 @@ class SamplingParams:
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
-  seed: int = 0
+  seed: int | None = 0
   stop_tokens: tuple[int, ...] = ()
   n: int = 1
 
   def __post_init__(self):
     fields = {}
     for name, lo in (("max_tokens", 1), ("top_k", 0), ("n", 1), ("seed", 0)):
+      if name == "seed" and self.seed is None:   # drawn by the engine on the host
+        fields[name] = None
+        continue
       value = _as_int(name, getattr(self, name))
       if not lo <= value < _INT32_LIMIT:
         raise ValueError(f"{name}={value} must be in [{lo}, 2**31)")
@@ -179,6 +184,8 @@ class Completion:
     prompt: the prompt tokens.
     tokens: generated tokens.
     finish_reason: `"stop"` (a stop token) or `"length"` (token limit).
+    seed: the seed the sample was drawn with (drawn by the engine when the
+      request's was None).
   """
 
   request_id: object
@@ -186,6 +193,7 @@ class Completion:
   prompt: tuple[int, ...]
   tokens: list[int]
   finish_reason: str
+  seed: int | None = None
 
 
 @dataclasses.dataclass
@@ -201,6 +209,9 @@ class EngineStats:
     seconds: wall time.
     peak_rows: most cache positions held at once (all sequences together).
     width_steps: steps run at each compiled width (`{width: steps}`).
+    compile_seconds: of `seconds`, the time spent tracing and compiling (the
+      first entry of a new shape class pays it).
+    aborted: samples ended by `Engine.abort` (incremental API).
   """
 
   steps: int = 0
@@ -211,3 +222,54 @@ class EngineStats:
   seconds: float = 0.0
   peak_rows: int = 0
   width_steps: dict = dataclasses.field(default_factory=dict)
+  compile_seconds: float = 0.0
+  aborted: int = 0
+
+  @property
+  def serve_seconds(self) -> float:
+    """Wall time spent serving, compilation excluded."""
+    return max(self.seconds - self.compile_seconds, 0.0)
+
+  @property
+  def tokens_per_second(self) -> float:
+    """Generated tokens per second of serving time (after warm-up: compilation excluded)."""
+    return self.generated / self.serve_seconds if self.serve_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestTiming:
+  """Latency figures of one request, measured on the host (resolution: one loop entry).
+
+  Attributes:
+    queue_seconds: `add_request` until the host saw the request admitted.
+    first_token_seconds: `add_request` until its first token was reported
+      (None if it produced none).
+    total_seconds: `add_request` until it finished.
+  """
+
+  queue_seconds: float | None
+  first_token_seconds: float | None
+  total_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  """New tokens of one sample since the last step.
+
+  Attributes:
+    request_id: the request's id (`add_request`'s return value).
+    index: sample index (0..n-1).
+    tokens: tokens generated since the last delta of this sample.
+    finish_reason: None while the sample runs; `"stop"` (a stop token, kept
+      as the last token), `"length"` (max_tokens) or `"abort"` (`abort`).
+    seed: the sample's seed (drawn by the engine when the request's was None).
+    timing: the request's `RequestTiming` on the delta that ends its last
+      sample; None otherwise.
+  """
+
+  request_id: object
+  index: int
+  tokens: tuple[int, ...]
+  finish_reason: str | None
+  seed: int
+  timing: RequestTiming | None = None

@@ -1,0 +1,105 @@
+"""The `jaxkv` console script: `jaxkv serve --checkpoint DIR` starts the OpenAI-compatible server.
+
+The server's packages come with the `serve` extra (`pip install "jaxkv[serve]"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
+  sub = p.add_subparsers(dest="command", required=True)
+  s = sub.add_parser("serve", help="serve a Hugging Face checkpoint over an OpenAI-compatible API")
+  s.add_argument("--checkpoint", required=True,
+                 help="checkpoint directory: config.json, *.safetensors, tokenizer.json "
+                      "(tokenizer_config.json for chat, generation_config.json for stop ids)")
+  s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+  s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+  s.add_argument("--model-name", default=None,
+                 help="the model id clients send (default: the checkpoint's directory name)")
+  s.add_argument("--max-seqs", type=int, default=8, help="sequences served at once (default 8)")
+  s.add_argument("--max-len", type=int, default=None,
+                 help="longest prompt + completion (default: max_position_embeddings, at most "
+                      "4096)")
+  s.add_argument("--capacity", type=int, default=None,
+                 help="cache positions shared by all sequences (default max_seqs * max_len)")
+  s.add_argument("--max-write", type=int, default=64,
+                 help="step width W: tokens per step (default 64)")
+  s.add_argument("--dtype", choices=_DTYPES, default="auto",
+                 help="compute and K/V dtype (default auto: the checkpoint's)")
+  s.add_argument("--interval", type=int, default=8,
+                 help="steps per loop entry: streaming granularity (default 8)")
+  s.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
+                 default=None, help="attention implementation (default: automatic)")
+  s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+  return p
+
+
+def build_server(checkpoint: str, *, max_seqs: int = 8, max_len: int | None = None,
+                 capacity: int | None = None, max_write: int = 64, dtype: str = "auto",
+                 implementation: str | None = None):
+  """`(engine, tokenizer)` for a checkpoint: the model loaded, the engine built, the tokenizer read.
+
+  Raises:
+    ValueError: a bad checkpoint or size (named).
+  """
+  from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
+  from jaxkv.server.text import Tokenizer   # pylint: disable=g-import-not-at-top
+  tokenizer = Tokenizer.from_checkpoint(checkpoint)
+  with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+    positions = json.load(f).get("max_position_embeddings") or 4096
+  max_len = min(int(positions), 4096) if max_len is None else max_len
+  capacity = max_seqs * max_len if capacity is None else capacity
+  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
+  kv = "auto" if dtype == "auto" else getattr(jnp, dtype)
+  model, _, _ = hf.load_model(checkpoint, capacity=capacity, max_seqs=max_seqs,
+                              max_write=max_write, dtype=kv, kv_dtype=kv,
+                              implementation=implementation)
+  engine = Engine(model, max_len=max_len)
+  if tokenizer.vocab_size > engine.vocab_size:
+    raise ValueError(f"{checkpoint}: the tokenizer has {tokenizer.vocab_size} tokens; the model's "
+                     f"vocab_size is {engine.vocab_size}")
+  return engine, tokenizer
+
+
+def serve(args) -> int:
+  try:
+    import uvicorn   # pylint: disable=g-import-not-at-top
+    from jaxkv.server.app import create_app   # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    print(f"jaxkv serve needs the serve extra (pip install 'jaxkv[serve]'): {e}", file=sys.stderr)
+    return 2
+  for name in ("max_seqs", "max_write", "interval"):
+    if getattr(args, name) < 1:
+      print(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
+      return 2
+  try:
+    engine, tokenizer = build_server(args.checkpoint, max_seqs=args.max_seqs, max_len=args.max_len,
+                                     capacity=args.capacity, max_write=args.max_write,
+                                     dtype=args.dtype, implementation=args.implementation)
+  except (ValueError, OSError) as e:
+    print(f"jaxkv serve: {e}", file=sys.stderr)
+    return 2
+  name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
+  app = create_app(engine, tokenizer, model_name=name, interval=args.interval)
+  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+  return 0
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  if args.command == "serve":
+    return serve(args)
+  raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

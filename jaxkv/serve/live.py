@@ -1,0 +1,394 @@
+"""Incremental serving over one persistent loop state: `add_request`, `abort`, `step`.
+
+`Engine.run` packs a known queue and serves it in one jitted call. `LiveQueue`
+keeps one `LoopState` (one cache) alive across calls and serves requests that
+arrive and leave while others run:
+
+- **Requests** are checked at `add_request` (`Engine.check`) and wait on the
+  host until the device queue (`Q` slots, `LoopState.queue`) has room. Between
+  loop entries the host rewrites the queue arrays: the requests not yet
+  admitted first (a partly admitted head keeps its `copies`), then newly
+  arrived ones, `next = 0`. The loop admits from it in order, as in `run`.
+- **Output rows** (`R` rows of `out_tokens`) are allocated on the host, `n`
+  contiguous rows per request (forked samples write `out_base + index`), when
+  the request enters the device queue; they return to a free map when the
+  request ends, and are cleared (`out_len = out_done = out_stop = 0`) before
+  reuse. Rows of in-flight samples never move.
+- **A step** is one loop entry of at most `k` steps (`max_steps`); the host
+  then reads `out_len` (tokens so far, updated every step) and reports each
+  sample's new tokens as a `Delta`, with a finish reason when it ended.
+- **Aborts** are applied between entries by `_abort_columns` (jitted, the
+  state donated): `jaxkv.pure.seq_rm` on each of the request's columns, and
+  `used/active/done/reserve/forks` cleared, so its columns and reserved room
+  are free for the next admission.
+- **Stop tokens past the engine's `max_stop_tokens`** are checked on the host:
+  the sample is cut after the first one and its column aborted.
+
+Everything here runs on the host between loop entries; the jitted loop
+(`loop.serve_loop`) is the same one `run` uses.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import secrets
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from jaxkv import Status
+from jaxkv.serve.live_ops import abort_columns, clear_rows
+from jaxkv.serve.requests import Delta, Request, RequestTiming
+from jaxkv.serve.state import HostQueue, _bucket, init_loop_state, pack_queue
+from jaxkv.serve.timing import compile_seconds
+
+@dataclasses.dataclass
+class _Tracked:
+  request: Request            # seed resolved, stop tokens cut to the engine's max_stop_tokens
+  host_stops: frozenset       # stop tokens past max_stop_tokens, checked on the host
+  arrived: float
+  base: int = -1              # first output row; -1 while waiting on the host
+  admitted: float | None = None
+  first_token: float | None = None
+  emitted: list = dataclasses.field(default_factory=list)    # tokens reported, per sample
+  finished: list = dataclasses.field(default_factory=list)   # per sample
+
+  @property
+  def n(self) -> int:
+    return self.request.params.n
+
+
+class LiveQueue:
+  """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
+
+  Args:
+    engine: the `Engine`; its `state` holds the persistent `LoopState`.
+    queue_size: device queue slots `Q` (rounded up to a power of two).
+    out_rows: output rows `R` (rounded up to a power of two, at least `max_seqs`).
+  """
+
+  def __init__(self, engine, *, queue_size: int | None = None, out_rows: int | None = None):
+    s = engine.config.max_seqs
+    self.engine = engine
+    self.queue_size = _bucket(2 * s if queue_size is None else queue_size)
+    self.out_rows = _bucket(max(s, 2 * self.queue_size if out_rows is None else out_rows))
+    self._lock = threading.Lock()        # host bookkeeping (add_request/abort from any thread)
+    self._stepping = threading.Lock()    # one loop entry at a time
+    self._tracked: dict = {}             # request_id -> _Tracked, in arrival order
+    self._waiting = collections.deque()  # on the host, not yet in the device queue
+    self._queued: list = []              # == device queue[next:count]
+    self._head_copies = 0
+    self._dev_next = 0                   # the device queue's `next` when the host last saw it
+    self._free = np.ones((self.out_rows,), bool)
+    self._aborts: list = []
+    self._ids = itertools.count()
+    self._host: dict | None = None       # last host copy of the column arrays
+    self._dirty = False                  # the device queue must be rewritten
+    self._steps_seen = 0                 # the loop's step counter after the last entry
+    self.held = 0                        # cache positions held after the last step
+
+  # ------------------------------------------------------------------ requests
+
+  def add_request(self, request: Request):
+    if not isinstance(request, Request):
+      raise TypeError(f"request must be a jaxkv.serve.Request; got {type(request).__name__}")
+    engine, p = self.engine, request.params
+    seed = secrets.randbelow(2**31) if p.seed is None else p.seed
+    device = dataclasses.replace(p, seed=seed, stop_tokens=p.stop_tokens[:engine.max_stop])
+    bad = [t for t in p.stop_tokens if not 0 <= t < engine.vocab_size]
+    with self._lock:
+      rid = request.request_id
+      if rid is None:
+        rid = next(i for i in self._ids if i not in self._tracked)
+      elif rid in self._tracked:
+        raise ValueError(f"request_id={rid!r} is already in flight")
+      checked = dataclasses.replace(request, params=device, request_id=rid)
+      engine.check(checked)
+      if bad:
+        raise ValueError(f"request {rid!r}: stop_tokens holds token id {bad[0]}, outside "
+                         f"[0, vocab_size={engine.vocab_size})")
+      if p.n > self.out_rows:
+        raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
+      self._tracked[rid] = _Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
+                                    time.perf_counter(), emitted=[0] * p.n,
+                                    finished=[False] * p.n)
+      self._waiting.append(rid)
+    return rid
+
+  def abort(self, request_id, index: int | None = None) -> bool:
+    with self._lock:
+      t = self._tracked.get(request_id)
+      if t is None or (request_id, None) in self._aborts or (request_id, index) in self._aborts:
+        return False
+      if index is not None and not (0 <= index < t.n and t.emitted[index]
+                                    and not t.finished[index]):
+        return False   # one sample is aborted only once it runs (it has a column of its own)
+      self._aborts.append((request_id, index))
+      return True
+
+  def has_unfinished(self) -> bool:
+    with self._lock:
+      return bool(self._tracked)
+
+  def counts(self) -> tuple[int, int]:
+    """`(running, waiting)` requests: admitted into the loop, and not yet."""
+    with self._lock:
+      waiting = len(self._waiting) + len(self._queued) - (self._head_copies > 0)
+      return len(self._tracked) - waiting, waiting
+
+  # ------------------------------------------------------------------ one step
+
+  def step(self, max_steps: int | None = None) -> list[Delta]:
+    engine = self.engine
+    k = engine.max_steps if max_steps is None else max_steps
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+      raise ValueError(f"max_steps={max_steps!r} must be an int >= 1")
+    if not self._stepping.acquire(blocking=False):
+      raise RuntimeError("step: another loop entry is running (one at a time)")
+    started, compiled = time.perf_counter(), compile_seconds()
+    try:
+      try:
+        deltas = self._step(int(k))
+      except Exception as e:   # pylint: disable=broad-except  (model, device or status failure)
+        failed = self._reset()
+        from jaxkv.serve.engine import EngineError   # pylint: disable=g-import-not-at-top
+        err = EngineError(f"step failed; requests {failed} were dropped: "
+                          f"{type(e).__name__}: {e}", [])
+        err.failed = failed
+        raise err from e
+      stats = engine.stats
+      stats.seconds += time.perf_counter() - started
+      stats.compile_seconds += compile_seconds() - compiled
+      return deltas
+    finally:
+      self._stepping.release()
+
+  def _step(self, k: int) -> list[Delta]:
+    engine = self.engine
+    if engine.state is None:
+      self._init_state()
+    deltas = self._apply_aborts()
+    self._fill()
+    with self._lock:
+      idle = not self._queued and not any(t.base >= 0 for t in self._tracked.values())
+    if idle:
+      return deltas
+    ls, engine.state = engine.state, None   # donated below
+    loop = engine._loop   # pylint: disable=protected-access
+    ls = loop(engine.graphdef, engine.config, engine.widths, engine.params, ls, jnp.int32(k))
+    engine.state = ls
+    engine.stats.loop_entries += 1
+    return deltas + self._collect()
+
+  def _init_state(self) -> None:
+    engine, q = self.engine, self.queue_size
+    arrays = self._pack([]).arrays
+    host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0)
+    state = init_loop_state(engine.config, host_queue, num_widths=len(engine.widths),
+                            mesh=engine.mesh, kv_axis=engine.kv_axis)
+    # Committed from the start, as the loop's outputs are: jit keys its compiled code on
+    # whether each argument is committed, so a mix would compile the loop a second time.
+    engine.state = state if engine.mesh is not None else self._place(state)
+    assert engine.state.queue.prompt.shape[0] == q
+
+  def _pack(self, requests) -> HostQueue:
+    """The queue arrays of `requests`, padded with never-admitted fillers to `Q` slots."""
+    engine = self.engine
+    filler = Request((0,))
+    padded = list(requests) + [filler] * (self.queue_size - len(requests))
+    return pack_queue([r.prompt for r in padded], [r.params for r in padded],
+                      max_len=engine.max_len, max_stop=engine.max_stop)
+
+  def _place(self, tree):
+    """`tree` committed where the loop state lives: replicated on the mesh, or the first device."""
+    mesh = self.engine.mesh
+    return jax.device_put(tree, NamedSharding(mesh, P()) if mesh is not None
+                          else SingleDeviceSharding(jax.devices()[0]))
+
+  def _fill(self) -> None:
+    """Moves waiting requests into the device queue while slots and output rows allow."""
+    engine = self.engine
+    with self._lock:
+      moved = []
+      while self._waiting and len(self._queued) < self.queue_size:
+        t = self._tracked[self._waiting[0]]
+        base = _first_fit(self._free, t.n)
+        if base is None:
+          break   # in order: a later request never overtakes one waiting for rows
+        self._free[base:base + t.n] = False
+        t.base = base
+        moved.append(self._waiting.popleft())
+        self._queued.append(moved[-1])
+      if not moved and not self._dirty:
+        return
+      queued = [self._tracked[rid] for rid in self._queued]
+      self._dirty = False
+    grow = engine._grow_for   # pylint: disable=protected-access
+    ls = grow(engine.state, [t.request for t in queued]) if queued else engine.state
+    host_queue = self._pack([t.request for t in queued])
+    out_base = np.zeros((self.queue_size,), np.int32)
+    out_base[:len(queued)] = [t.base for t in queued]
+    arrays = host_queue.arrays | {"out_base": out_base}
+    queue = dataclasses.replace(
+        ls.queue, **self._place({k: jnp.asarray(v) for k, v in arrays.items()}),
+        next=self._place(jnp.int32(0)), copies=self._place(jnp.int32(self._head_copies)),
+        count=self._place(jnp.int32(len(queued))))
+    clear = np.zeros((self.out_rows,), bool)
+    for rid in moved:
+      t = self._tracked[rid]
+      clear[t.base:t.base + t.n] = True
+    out_len, out_stop, out_done = clear_rows(ls.out_len, ls.out_stop, ls.out_done,
+                                              self._place(jnp.asarray(clear)))
+    engine.state = dataclasses.replace(ls, queue=queue, out_len=out_len, out_stop=out_stop,
+                                       out_done=out_done)
+    self._dev_next = 0
+
+  def _columns_of(self, rows) -> np.ndarray:
+    """`bool[S]`: used columns writing to any of `rows`."""
+    host = self._host
+    if host is None:
+      return np.zeros((self.engine.config.max_seqs,), bool)
+    return (host["used"] == 1) & np.isin(host["out_row"], list(rows))
+
+  def _remove_columns(self, mask: np.ndarray) -> None:
+    if not mask.any():
+      return
+    engine = self.engine
+    ls, engine.state = engine.state, None
+    engine.state = abort_columns(engine.config, ls, self._place(jnp.asarray(mask)))
+    self._host["used"] = np.where(mask, 0, self._host["used"])
+    if int(engine.state.status) != Status.OK:
+      raise RuntimeError(f"aborting columns failed: {Status(int(engine.state.status)).name}")
+
+  def _apply_aborts(self) -> list[Delta]:
+    with self._lock:
+      aborts, self._aborts = self._aborts, []
+      deltas, mask = [], np.zeros((self.engine.config.max_seqs,), bool)
+      for rid, index in aborts:
+        t = self._tracked.get(rid)
+        if t is None or (index is not None and t.finished[index]):
+          continue   # it finished in the step that ran when abort() was called
+        if index is not None:
+          mask |= self._columns_of([t.base + index])
+          t.finished[index] = True
+          self.engine.stats.aborted += 1
+          deltas.append(Delta(rid, index, (), "abort", t.request.params.seed))
+          if all(t.finished):
+            deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
+          continue
+        if rid in self._waiting:
+          self._waiting.remove(rid)
+        elif rid in self._queued:
+          if self._queued[0] == rid:
+            self._head_copies = 0
+          self._queued.remove(rid)
+          self._dirty = True
+        if t.base >= 0:
+          mask |= self._columns_of(range(t.base, t.base + t.n))
+        for j in range(t.n):
+          if not t.finished[j]:
+            t.finished[j] = True
+            self.engine.stats.aborted += 1
+            deltas.append(Delta(rid, j, (), "abort", t.request.params.seed))
+        deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
+    self._remove_columns(mask)
+    return deltas
+
+  def _release(self, rid) -> RequestTiming:
+    """Forgets a finished request and frees its output rows; its timing. Holds `_lock`."""
+    t = self._tracked.pop(rid)
+    if t.base >= 0:
+      self._free[t.base:t.base + t.n] = True
+    now = time.perf_counter()
+    since = lambda x: None if x is None else x - t.arrived
+    return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived)
+
+  def _collect(self) -> list[Delta]:
+    """Reads the entry's outputs: deltas, finishes, admissions; host-side stops."""
+    engine = self.engine
+    ls = engine.state
+    host = jax.device_get({k: getattr(ls, k) for k in (
+        "out_done", "out_len", "out_stop", "status", "used", "out_row", "fed", "steps",
+        "step_tokens", "occupancy", "peak_rows", "width_steps")}
+        | {"next": ls.queue.next, "copies": ls.queue.copies})
+    self._host = host
+    now = time.perf_counter()
+    stats = engine.stats
+    stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
+    stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
+    stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
+    self.held = int(np.where(host["used"] == 1, host["fed"], 0).sum())
+    if int(host["status"]) != Status.OK:
+      raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
+    newly = int(host["next"]) - self._dev_next
+    if self._queued and not newly and not (host["used"] == 1).any():
+      raise RuntimeError(f"request {self._queued[0]!r} cannot be admitted into an empty engine")
+    out = None
+    deltas, cut = [], np.zeros((engine.config.max_seqs,), bool)
+    with self._lock:
+      admitted, self._queued = self._queued[:newly], self._queued[newly:]
+      self._dev_next = int(host["next"])
+      self._head_copies = int(host["copies"])
+      for rid in admitted + self._queued[:1 if self._head_copies else 0]:
+        t = self._tracked[rid]
+        t.admitted = now if t.admitted is None else t.admitted
+      for rid, t in list(self._tracked.items()):
+        if t.admitted is None:
+          continue
+        for j in range(t.n):
+          row = t.base + j
+          if t.finished[j] or host["out_len"][row] <= t.emitted[j] and not host["out_done"][row]:
+            continue
+          if out is None:
+            out = np.asarray(jax.device_get(ls.out_tokens))
+          new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
+          reason = None
+          if host["out_done"][row]:
+            reason = "stop" if host["out_stop"][row] else "length"
+          hit = next((i for i, tok in enumerate(new) if tok in t.host_stops), None)
+          if hit is not None:
+            new, reason = new[:hit + 1], "stop"
+            if not host["out_done"][row]:
+              cut |= self._columns_of([row])
+          t.emitted[j] += len(new)
+          stats.generated += len(new)
+          if new and t.first_token is None:
+            t.first_token = now
+          t.finished[j] = reason is not None
+          deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed))
+        if all(t.finished):
+          deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
+    self._remove_columns(cut)
+    if not deltas and not newly and int(host["steps"]) == self._steps_seen and not self._waiting:
+      raise RuntimeError("the loop made no progress (nothing admitted, stepped or finished)")
+    self._steps_seen = int(host["steps"])
+    return deltas
+
+  def _reset(self) -> list:
+    """After a failed entry: drops the state and every request the device held; their ids."""
+    with self._lock:
+      failed = [rid for rid, t in self._tracked.items() if t.base >= 0]
+      for rid in failed:
+        self._tracked.pop(rid)
+      self._queued, self._head_copies, self._aborts, self._dev_next = [], 0, [], 0
+      self._steps_seen = 0
+      self._free[:] = True
+      self._host, self.held, self._dirty = None, 0, False
+    self.engine.state = None   # rebuilt (a fresh cache) at the next step
+    return failed
+
+
+def _first_fit(free: np.ndarray, n: int) -> int | None:
+  """Start of the first run of `n` free rows, or None."""
+  run = 0
+  for i, is_free in enumerate(free):
+    run = run + 1 if is_free else 0
+    if run == n:
+      return i - n + 1
+  return None

@@ -1,0 +1,300 @@
+"""The OpenAI-compatible FastAPI app: completions, chat completions, models, health, metrics.
+
+Every request is checked before anything is queued (400 with an OpenAI error
+body naming the problem), its samples are served by the `AsyncEngine`, text
+comes from a `TextStream` per sample (stable text only, stop strings cut),
+and a client that goes away (a closed stream, a dropped connection) aborts
+its requests in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxkv.serve.aio import AsyncEngine
+from jaxkv.serve.requests import Request as EngineRequest
+from jaxkv.server.metrics import Metrics
+from jaxkv.server.protocol import ChatRequest, CompletionRequest
+from jaxkv.server.text import TextStream, Tokenizer
+
+
+class BadRequest(Exception):
+  def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+               kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.message, self.status, self.param, self.kind = message, status, param, kind
+
+
+def _error(status: int, message: str, kind: str, param=None) -> JSONResponse:
+  return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                 "code": None}}, status_code=status)
+
+
+class _Sample:
+  """One sample's text state and timing while it is served."""
+
+  def __init__(self, tokenizer, stop, arrived):
+    self.text = TextStream(tokenizer, stop)
+    self.tokens, self.finish, self.arrived, self.last = 0, None, arrived, None
+
+
+def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 8) -> FastAPI:
+  """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O."""
+  app = FastAPI(title="jaxkv", version=_version())
+  metrics = Metrics(engine.config.capacity)
+  aio = AsyncEngine(engine, interval=interval,
+                    on_step=lambda deltas: metrics.after_step(engine, deltas))
+  app.state.engine, app.state.aio, app.state.metrics = engine, aio, metrics
+  created = int(time.time())
+
+  @app.exception_handler(BadRequest)
+  async def _bad(_, e: BadRequest):
+    metrics.errors.labels(str(e.status)).inc()
+    return _error(e.status, e.message, e.kind, e.param)
+
+  @app.exception_handler(RequestValidationError)
+  async def _invalid(_, e: RequestValidationError):
+    first = e.errors()[0] if e.errors() else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    metrics.errors.labels("400").inc()
+    return _error(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error",
+                  where or None)
+
+  @app.exception_handler(Exception)
+  async def _failed(_, e: Exception):   # the server stays up; the client gets a JSON 500
+    metrics.errors.labels("500").inc()
+    return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+  @app.get("/health")
+  async def health():
+    return {"status": "ok"}
+
+  @app.get("/metrics")
+  async def prometheus():
+    return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                        "owned_by": "jaxkv", "max_model_len": engine.max_len}]}
+
+  def check_model(body):
+    if body.model not in (None, model_name):
+      raise BadRequest(f"model {body.model!r} does not exist; this server serves "
+                       f"{model_name!r}", status=404, param="model", kind="not_found_error")
+    problem = body.unsupported()
+    if problem:
+      raise BadRequest(problem)
+
+  def build(body, prompts: list[list[int]], max_tokens: int | None) -> list[EngineRequest]:
+    out = []
+    for prompt in prompts:
+      if not prompt:
+        raise BadRequest("the prompt encodes to no tokens", param="prompt")
+      limit = max_tokens if max_tokens is not None else engine.max_len - len(prompt)
+      if limit < 1:
+        raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len} "
+                         "leaves none to generate", param="messages")
+      try:
+        params = body.sampling(max_tokens=limit, stop_ids=tokenizer.eos_ids)
+        out.append(EngineRequest(tuple(prompt), params))
+      except ValueError as e:
+        raise BadRequest(str(e)) from e
+    return out
+
+  async def serve(http: Request, requests, stop) -> tuple[list, list, dict]:
+    """Adds every request (all or none); returns its ids, samples and an event stream."""
+    arrived = time.perf_counter()
+    ids = []
+    try:
+      for r in requests:
+        ids.append(aio.add_request(r))
+    except (ValueError, TypeError) as e:
+      for rid in ids:
+        aio.abort(rid)
+      raise BadRequest(str(e)) from e
+    metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
+    samples = [[_Sample(tokenizer, stop, arrived) for _ in range(r.params.n)] for r in requests]
+    return ids, samples, arrived
+
+  async def events(ids, samples):
+    """Merged `(request index, sample index, text, finish or None)` of every request."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, rid):
+      try:
+        async for d in aio.deltas(rid):
+          await queue.put((i, d))
+      except Exception as e:   # pylint: disable=broad-except  (reported to the client)
+        await queue.put((i, e))
+      await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(ids)]
+    try:
+      live = len(tasks)
+      while live:
+        i, d = await queue.get()
+        if d is None:
+          live -= 1
+          continue
+        if isinstance(d, BaseException):
+          raise BadRequest(f"the engine failed: {d}", status=500, kind="server_error")
+        s = samples[i][d.index]
+        if s.finish is not None:
+          continue
+        now = time.perf_counter()
+        if d.tokens:
+          if s.last is None:
+            metrics.ttft.observe(now - s.arrived)
+          else:
+            for _ in d.tokens:
+              metrics.itl.observe((now - s.last) / len(d.tokens))
+          s.last = now
+        s.tokens += len(d.tokens)
+        text = s.text.push(d.tokens)
+        if s.text.stopped:   # a stop string: end this sample in the engine too
+          if d.finish_reason is None:
+            aio.abort(ids[i], d.index)
+          s.finish = "stop"
+        elif d.finish_reason is not None:
+          text += s.text.finish()
+          s.finish = d.finish_reason
+        if s.finish is not None:
+          metrics.finished.labels(s.finish).inc()
+          metrics.e2e.observe(now - s.arrived)
+        if d.timing is not None and d.timing.queue_seconds is not None:
+          metrics.queue.observe(d.timing.queue_seconds)
+        yield i, d.index, text, s.finish
+    finally:
+      for t in tasks:
+        t.cancel()   # their generators close and abort whatever has not finished
+      for i, rid in enumerate(ids):
+        if any(s.finish is None for s in samples[i]):
+          metrics.finished.labels("abort").inc(sum(s.finish is None for s in samples[i]))
+          aio.abort(rid)
+
+  def usage(requests, samples):
+    prompt = sum(len(r.prompt) for r in requests)
+    completion = sum(s.tokens for ss in samples for s in ss)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+  async def respond(http, body, requests, *, chat: bool):
+    ids, samples, _ = await serve(http, requests, body.stop or [])
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    n = body.n
+    head = {"id": rid, "created": int(time.time()), "model": model_name}
+    if body.stream:
+      return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat),
+                               media_type="text/event-stream")
+    texts = [[""] * n for _ in requests]
+    watcher = asyncio.ensure_future(_disconnected(http))
+    gen = events(ids, samples)
+    try:
+      async for i, j, text, _ in _until(gen, watcher):
+        texts[i][j] += text
+    finally:
+      watcher.cancel()
+      await gen.aclose()
+    choices = []
+    for i in range(len(requests)):
+      for j in range(n):
+        reason = samples[i][j].finish
+        reason = "stop" if reason == "abort" else reason
+        if chat:
+          choices.append({"index": i * n + j, "finish_reason": reason, "logprobs": None,
+                          "message": {"role": "assistant", "content": texts[i][j]}})
+        else:
+          choices.append({"index": i * n + j, "text": texts[i][j], "finish_reason": reason,
+                          "logprobs": None})
+    return head | {"object": "chat.completion" if chat else "text_completion",
+                   "choices": choices, "usage": usage(requests, samples)}
+
+  async def _sse(head, ids, samples, requests, body, *, chat: bool):
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    n = body.n
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def chunk(choices, **extra):
+      return "data: " + json.dumps(head | {"object": kind, "choices": choices} | extra) + "\n\n"
+
+    if chat:
+      yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None} for k in range(len(requests) * n)])
+    gen = events(ids, samples)
+    try:
+      async for i, j, text, finish in gen:
+        if not text and finish is None:
+          continue
+        finish = "stop" if finish == "abort" else finish
+        if chat:
+          yield chunk([{"index": i * n + j, "delta": {"content": text} if text else {},
+                        "finish_reason": finish, "logprobs": None}])
+        else:
+          yield chunk([{"index": i * n + j, "text": text, "finish_reason": finish,
+                        "logprobs": None}])
+      if include_usage:
+        yield chunk([], usage=usage(requests, samples))
+      yield "data: [DONE]\n\n"
+    except BadRequest as e:   # headers are sent: report in the stream
+      yield "data: " + json.dumps({"error": {"message": e.message, "type": e.kind}}) + "\n\n"
+    finally:
+      await gen.aclose()
+
+  @app.post("/v1/completions")
+  async def completions(body: CompletionRequest, http: Request):
+    check_model(body)
+    p = body.prompt
+    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
+      texts = [p] if isinstance(p, str) else p
+      prompts = [tokenizer.encode(t) for t in texts]
+    else:
+      prompts = [p] if not p or isinstance(p[0], int) else p
+    if not prompts:
+      raise BadRequest("prompt must not be empty", param="prompt")
+    return await respond(http, body, build(body, prompts, body.max_tokens), chat=False)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(body: ChatRequest, http: Request):
+    check_model(body)
+    try:
+      prompt = tokenizer.encode_chat([m.for_template() for m in body.messages],
+                                     add_generation_prompt=body.add_generation_prompt)
+    except ValueError as e:
+      raise BadRequest(str(e), param="messages") from e
+    limit = body.max_completion_tokens or body.max_tokens
+    return await respond(http, body, build(body, [prompt], limit), chat=True)
+
+  return app
+
+
+async def _disconnected(http: Request) -> None:
+  """Returns once the client of a plain (non-streaming) request has gone away."""
+  while not await http.is_disconnected():
+    await asyncio.sleep(0.05)
+
+
+async def _until(gen, watcher):
+  """`gen`'s items until it ends, or until `watcher` finishes (then the rest is dropped)."""
+  while True:
+    nxt = asyncio.ensure_future(gen.__anext__())
+    done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if nxt not in done:
+      nxt.cancel()
+      return
+    try:
+      yield nxt.result()
+    except StopAsyncIteration:
+      return
+
+
+def _version() -> str:
+  from jaxkv import __version__   # pylint: disable=g-import-not-at-top
+  return __version__

@@ -1,0 +1,305 @@
+"""The incremental engine API: add_request / abort / step / stream over one persistent cache."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import chex
+import pytest
+from flax import nnx
+
+from jaxkv import serve
+from jaxkv.models import Decoder, ModelConfig
+from jaxkv.serve import AsyncEngine
+import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
+
+MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=2, num_kv_heads=1, head_dim=16)
+MAX_SEQS, WIDTH = 4, 8
+
+
+def _model(capacity=160, initial_capacity=None):
+  cache = MODEL.cache_config(capacity=capacity, max_seqs=MAX_SEQS, max_write=WIDTH,
+                             initial_capacity=initial_capacity)
+  return Decoder(MODEL, cache, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _model()
+
+
+def _requests(rng, count, prefix="r"):
+  out = []
+  for i in range(count):
+    prompt = tuple(int(t) for t in rng.integers(0, 64, size=int(rng.integers(1, 12))))
+    params = serve.SamplingParams(
+        max_tokens=int(rng.integers(1, 14)), temperature=float(rng.choice([0.0, 0.9])),
+        top_k=int(rng.choice([0, 5])), seed=int(rng.integers(0, 100)),
+        n=int(rng.choice([1, 1, 2, 3])), stop_tokens=tuple(int(t) for t in rng.integers(0, 64, 2)))
+    out.append(serve.Request(prompt, params, request_id=f"{prefix}{i}"))
+  return out
+
+
+def _collect(deltas, into=None):
+  """`{(request_id, index): (tokens, finish_reason)}` from deltas, checking their order."""
+  into = {} if into is None else into
+  for d in deltas:
+    tokens, reason = into.get((d.request_id, d.index), ([], None))
+    assert reason is None, f"delta after the finish of {d.request_id}/{d.index}"
+    into[(d.request_id, d.index)] = (tokens + list(d.tokens), d.finish_reason)
+  return into
+
+
+def _want(model, requests, **engine_args):
+  done = serve.Engine(model, max_len=48, **engine_args).run(requests)
+  return {(c.request_id, c.index): (c.tokens, c.finish_reason) for c in done}
+
+
+@pytest.mark.parametrize("interval", [1, 5])
+def test_streamed_deltas_concatenate_to_run(model, rng, monkeypatch, interval):
+  """Greedy and seeded requests, parallel samples, stop tokens: stream == run, one compile."""
+  requests = _requests(rng, 9)
+  want = _want(model, requests)
+  chex.clear_trace_counter()   # parametrized: the count is per function, across cases
+  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve.serve_loop, n=1))
+  engine = serve.Engine(model, max_len=48)
+  assert [engine.add_request(r) for r in requests] == [r.request_id for r in requests]
+  got = _collect(engine.stream(interval))
+  assert got == want
+  assert not engine.has_unfinished() and engine.stats.generated == sum(len(t) for t, _ in
+                                                                       want.values())
+  assert engine.stats.loop_entries > 1 if interval == 1 else True
+  # The persistent cache is empty again: every column retired or removed, no room reserved.
+  assert int(engine.state.used.sum()) == 0 or int(engine.state.done.sum()) == int(
+      engine.state.used.sum())
+
+
+def test_add_request_while_others_run(model, rng):
+  requests = _requests(rng, 12)
+  want = _want(model, requests)
+  engine = serve.Engine(model, max_len=48)
+  got = {}
+  for r in requests[:3]:
+    engine.add_request(r)
+  pending = list(requests[3:])
+  while engine.has_unfinished() or pending:
+    if pending:   # one new request per entry, while the earlier ones are mid-flight
+      engine.add_request(pending.pop(0))
+    _collect(engine.step(2), got)
+  assert got == want
+
+
+def test_queue_longer_than_device_queue_waits_on_the_host(model, rng):
+  """More requests than queue slots (8) and output rows (16): they wait, then run in order."""
+  requests = _requests(rng, 30)
+  engine = serve.Engine(model, max_len=48)
+  for r in requests:
+    engine.add_request(r)
+  assert engine._live.counts() == (0, 30)
+  assert _collect(engine.stream(4)) == _want(model, requests)
+
+
+def test_flat_rows_grow_between_entries(rng):
+  """A cache that starts with 16 flat rows grows on the host before longer requests enter."""
+  model = _model(initial_capacity=16)
+  requests = _requests(rng, 6)
+  engine = serve.Engine(model, max_len=48)
+  for r in requests[:2]:
+    engine.add_request(r)
+  got = _collect(engine.step(2))
+  for r in requests[2:]:
+    engine.add_request(r)
+  assert _collect(engine.stream(3), got) == _want(model, requests)
+  assert engine.state.cache.k[0].shape[0] > 16
+
+
+def test_abort_frees_columns_and_room_for_later_requests(rng):
+  """A capacity for one long request at a time: aborting it lets the next one in at once."""
+  model = _model(capacity=40)
+  long = serve.Request(tuple(range(1, 9)), serve.SamplingParams(max_tokens=30), "long")
+  later = serve.Request((5, 6, 7), serve.SamplingParams(max_tokens=30), "later")
+  engine = serve.Engine(model, max_len=48)
+  engine.add_request(long)
+  engine.add_request(later)
+  first = _collect(engine.step(3))
+  assert list(first) == [("long", 0)] and len(first["long", 0][0]) == 3
+  assert engine._live.counts() == (1, 1)     # "later" cannot be admitted next to "long"
+  assert engine.abort("long") and not engine.abort("long") and not engine.abort("nobody")
+  deltas = engine.step(3)
+  assert deltas[0] == serve.Delta("long", 0, (), "abort", 0, deltas[0].timing)
+  assert deltas[0].timing is not None and engine.stats.aborted == 1
+  assert [d.request_id for d in deltas[1:]] == ["later"]   # admitted in the same step
+  got = _collect(engine.stream(8), _collect(deltas[1:]))
+  assert got["later", 0] == _want(model, [later])["later", 0]
+  assert int(engine.state.reserve.sum()) == 0 and int(engine.state.used.sum()) <= 1
+
+
+def test_abort_waiting_queued_and_one_sample(model, rng):
+  requests = _requests(rng, 14)
+  multi = next(r for r in requests[:4] if r.params.n > 1 and r.params.max_tokens > 3)
+  engine = serve.Engine(model, max_len=48)
+  for r in requests:
+    engine.add_request(r)
+  assert engine.abort("r13")                   # waiting on the host
+  assert not engine.abort(multi.request_id, index=0)   # not running yet: refused
+  got = _collect(engine.step(1))
+  queued = engine._live._queued[-1]
+  assert engine.abort(queued)                  # in the device queue, not admitted
+  while not got.get((multi.request_id, 0), ([], None))[0]:
+    _collect(engine.step(1), got)
+  assert not engine.abort(multi.request_id, index=multi.params.n)   # no such sample
+  assert engine.abort(multi.request_id, index=0)
+  got = _collect(engine.stream(3), got)
+  want = _want(model, requests)
+  for key, (tokens, reason) in got.items():
+    if key[0] in ("r13", queued) or key == (multi.request_id, 0):
+      assert reason == "abort" and tokens == want[key][0][:len(tokens)], key
+    else:
+      assert (tokens, reason) == want[key], key
+  assert ("r13", 0) in got and (queued, 0) in got and len(got) == len(want)
+
+
+def test_stop_tokens_past_max_stop_tokens_are_checked_on_the_host(model, rng):
+  """With max_stop_tokens=1, the second stop token still ends the sample (cut after it)."""
+  prompt = (3, 9, 27)
+  free = serve.Engine(model, max_len=48).run([serve.Request(prompt, serve.SamplingParams(
+      max_tokens=12))])[0].tokens
+  stop = free[4]
+  absent = next(t for t in range(64) if t not in free)
+  request = serve.Request(prompt, serve.SamplingParams(max_tokens=12, stop_tokens=(absent, stop)),
+                          request_id="s")
+  engine = serve.Engine(model, max_len=48, max_stop_tokens=1)
+  with pytest.raises(ValueError, match="max_stop_tokens=1"):
+    engine.run([request])                      # run keeps its refusal
+  engine.add_request(request)
+  got = _collect(engine.stream(12))
+  assert got["s", 0] == (free[:free.index(stop) + 1], "stop")
+  assert got["s", 0] == _want(model, [request])["s", 0]
+
+
+def test_random_seed_is_drawn_and_reported(model):
+  request = serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=8, temperature=1.0, seed=None,
+                                                          n=2))
+  engine = serve.Engine(model, max_len=48)
+  rid = engine.add_request(request)
+  deltas = list(engine.stream())
+  seeds = {d.seed for d in deltas}
+  assert len(seeds) == 1
+  replay = dataclasses.replace(request, params=dataclasses.replace(request.params,
+                                                                   seed=seeds.pop()),
+                               request_id=rid)
+  assert _collect(deltas) == _want(model, [replay])
+  done = serve.Engine(model, max_len=48).run([request])
+  assert done[0].seed is not None and done[0].seed == done[1].seed
+
+
+def test_errors_leave_the_engine_usable(model, rng, monkeypatch):
+  engine = serve.Engine(model, max_len=48)
+  with pytest.raises(ValueError, match="max_len=48"):
+    engine.add_request(serve.Request((1,) * 40, serve.SamplingParams(max_tokens=20)))
+  with pytest.raises(ValueError, match="outside"):
+    engine.add_request(serve.Request((1,), serve.SamplingParams(stop_tokens=(64,))))
+  assert not engine.has_unfinished()
+  requests = _requests(rng, 3)
+  engine.add_request(requests[0])
+  with pytest.raises(ValueError, match="already in flight"):
+    engine.add_request(requests[0])
+  with pytest.raises(RuntimeError, match="still in flight"):
+    engine.run(requests[1:])
+
+  calls = []
+
+  def broken(*args):
+    calls.append(1)
+    raise FloatingPointError("device lost")
+
+  good = engine._loop
+  monkeypatch.setattr(engine, "_loop", broken)
+  with pytest.raises(serve.EngineError, match="device lost") as info:
+    engine.step()
+  assert info.value.failed == ["r0"] and not engine.has_unfinished() and calls
+  monkeypatch.setattr(engine, "_loop", good)
+  for r in requests:
+    engine.add_request(r)
+  assert _collect(engine.stream(4)) == _want(model, requests)
+  assert engine.run(requests[1:2])[0].tokens == _want(model, requests[1:2])["r1", 0][0]
+
+
+def test_async_engine_streams_and_aborts_on_early_exit(model, rng):
+  requests = _requests(rng, 6)
+  want = _want(model, requests)
+  engine = serve.Engine(model, max_len=48)
+  long = serve.Request((1, 2), serve.SamplingParams(max_tokens=40), "long")
+
+  async def consume(request):
+    return _collect([d async for d in aio.generate(request)])
+
+  async def leave_early():
+    async for d in aio.generate(long):
+      if d.tokens:
+        break   # closing the generator aborts the request
+
+  async def main():
+    results = await asyncio.gather(leave_early(), *(consume(r) for r in requests))
+    while engine.has_unfinished():   # the abort is applied by the driver's next step
+      await asyncio.sleep(0.01)
+    return results[1:]
+
+  aio = AsyncEngine(engine, interval=2)
+  results = asyncio.run(main())
+  got = {}
+  for part in results:
+    got |= part
+  assert got == want
+  assert engine.stats.aborted == 1
+
+
+def test_stats_split_compile_time_from_serving(model, rng):
+  """The first entry of a new shape class compiles; no later entry does (nor adds, aborts)."""
+  engine = serve.Engine(model, max_len=40)   # a max_len no other test compiles for
+  for r in _requests(rng, 3):
+    engine.add_request(r)
+  engine.step(1)
+  stats = engine.stats
+  compiled, seconds = stats.compile_seconds, stats.seconds
+  assert 0 < compiled < seconds
+  list(engine.stream(1))   # regression: the loop's committed outputs as inputs compiled again
+  for r in _requests(rng, 3, prefix="again"):
+    engine.add_request(r)
+  engine.step(1)
+  engine.abort("again0")
+  deltas = list(engine.stream(4))
+  # Only the small abort/clear helpers may compile now, not the loop again.
+  assert stats.compile_seconds - compiled < compiled / 4 and stats.seconds > seconds
+  assert stats.tokens_per_second > 0
+  timings = [d.timing for d in deltas if d.timing is not None]
+  assert len(timings) == 3
+  for t in timings:
+    assert 0 <= t.queue_seconds <= t.total_seconds
+    assert t.first_token_seconds is None or t.queue_seconds <= t.first_token_seconds
+  engine.run(_requests(rng, 9))   # a queue of 9 pads to 16 slots: a new shape class
+  assert 0 < engine.stats.compile_seconds < engine.stats.seconds
+
+
+def test_async_engine_reports_a_failed_step_and_recovers(model, rng, monkeypatch):
+  engine = serve.Engine(model, max_len=48)
+  requests = _requests(rng, 2)
+  good = engine._loop
+
+  def broken(*args):
+    raise FloatingPointError("device lost")
+
+  async def consume(request):
+    return _collect([d async for d in aio.generate(request)])
+
+  async def main():
+    monkeypatch.setattr(engine, "_loop", broken)
+    with pytest.raises(serve.EngineError, match="device lost"):
+      await consume(requests[0])
+    monkeypatch.setattr(engine, "_loop", good)
+    return await consume(requests[1])
+
+  aio = AsyncEngine(engine, interval=3)
+  assert asyncio.run(main()) == _want(model, requests[1:])

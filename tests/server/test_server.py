@@ -1,0 +1,219 @@
+"""`jaxkv serve` on a tiny fixture checkpoint, on CPU, driven by the official `openai` client.
+
+One server for the module: uvicorn in a thread on a socket this test bound to
+a free localhost port, always stopped. Expected outputs come from a second
+engine's `Engine.run` on the same checkpoint, and expected text from the
+`tokenizers` library directly, so the oracle shares no code with the server's
+HTTP, text or streaming layers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the server tests need the test extra's openai")
+uvicorn = pytest.importorskip("uvicorn", reason="the server tests need the test extra's uvicorn")
+import httpx  # noqa: E402
+import tokenizers  # noqa: E402
+
+from jaxkv import serve  # noqa: E402
+from jaxkv.cli import build_server  # noqa: E402
+from jaxkv.models import hf  # noqa: E402
+from jaxkv.server.app import create_app  # noqa: E402
+
+CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
+MODEL = "tiny-llama"
+MAX_LEN = 128
+STOP_IDS = (2, 7)   # generation_config.json's eos_token_id
+
+
+@pytest.fixture(scope="module")
+def server():
+  engine, tokenizer = build_server(CHECKPOINT, max_seqs=4, max_len=MAX_LEN, max_write=16)
+  # interval=1: a token per loop entry, so a 120-token stream outlives a client that leaves early.
+  app = create_app(engine, tokenizer, model_name=MODEL, interval=1)
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+  srv = uvicorn.Server(config)
+  thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+  thread.start()
+  url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+  deadline = time.monotonic() + 30
+  while not srv.started:
+    assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+    time.sleep(0.05)
+  try:
+    yield url, engine
+  finally:
+    srv.should_exit = True
+    thread.join(timeout=20)
+    sock.close()
+  assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+  with openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0,
+                     timeout=60) as c:
+    yield c
+
+
+@pytest.fixture(scope="module")
+def oracle():
+  """`expect(prompt_ids, **params) -> (text, finish_reason)` from a separate engine."""
+  model, _, _ = hf.load_model(CHECKPOINT, capacity=4 * MAX_LEN, max_seqs=4, max_write=16)
+  engine = serve.Engine(model, max_len=MAX_LEN)
+  tok = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+
+  def expect(prompt_ids, max_tokens, **params):
+    params.setdefault("stop_tokens", STOP_IDS)
+    done = engine.run([serve.Request(prompt_ids, serve.SamplingParams(max_tokens=max_tokens,
+                                                                      **params))])
+    return [(tok.decode(c.tokens, skip_special_tokens=True), c.finish_reason) for c in done]
+
+  return tok, expect
+
+
+def _chat_ids(tok, messages):
+  text = "<s>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
+  return tuple(tok.encode(text + "<|assistant|>", add_special_tokens=False).ids)
+
+
+def test_models_health_and_metrics(server, client):
+  url, _ = server
+  assert [m.id for m in client.models.list().data] == [MODEL]
+  assert httpx.get(url + "/health").status_code == 200
+  text = httpx.get(url + "/metrics").text
+  for name in ("jaxkv_time_to_first_token_seconds", "jaxkv_inter_token_latency_seconds",
+               "jaxkv_queue_time_seconds", "jaxkv_kv_cache_usage_ratio",
+               "jaxkv_generation_tokens_per_second"):
+    assert name in text
+
+
+def test_completion_and_its_stream_match_the_engine(client, oracle):
+  tok, expect = oracle
+  prompt = "The quick brown fox"
+  [(want, reason)] = expect(tuple(tok.encode(prompt).ids), 20)
+  got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+  assert (got.choices[0].text, got.choices[0].finish_reason) == (want, reason)
+  assert got.usage.prompt_tokens == len(tok.encode(prompt).ids)
+  chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20,
+                                          temperature=0, stream=True,
+                                          stream_options={"include_usage": True}))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+  assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_chat_and_its_stream_match_the_engine(client, oracle):
+  tok, expect = oracle
+  messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+  [(want, reason)] = expect(_chat_ids(tok, messages), 24)
+  got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                       temperature=0)
+  assert got.choices[0].message.role == "assistant"
+  assert (got.choices[0].message.content, got.choices[0].finish_reason) == (want, reason)
+  chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                               temperature=0, stream=True))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+  assert chunks[-1].choices[0].finish_reason == reason
+
+
+def test_concurrent_requests_sampling_and_stop_strings(client, oracle):
+  tok, expect = oracle
+  prompts = ["Hello, world!", "Once upon a time", "What is the capital", "Paris is", "a", "Say"]
+  wants = [expect(tuple(tok.encode(p).ids), 12)[0] for p in prompts]
+  aclient = openai.AsyncOpenAI(base_url=client.base_url, api_key="unused", max_retries=0)
+
+  async def one(p):
+    r = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+    return r.choices[0].text, r.choices[0].finish_reason
+
+  async def sampled():
+    return await aclient.completions.create(model=MODEL, prompt="Hello", max_tokens=10,
+                                            temperature=1.0, top_p=0.9, n=2, seed=7,
+                                            extra_body={"ignore_eos": True})
+
+  async def main():
+    async with aclient:
+      return await asyncio.gather(*(one(p) for p in prompts), sampled(), sampled())
+
+  *got, s1, s2 = asyncio.run(main())
+  assert got == wants
+  wanted = expect(tuple(tok.encode("Hello").ids), 10, temperature=1.0, top_p=0.9, n=2, seed=7,
+                  stop_tokens=())
+  assert [(c.text, c.finish_reason) for c in s1.choices] == wanted
+  assert [c.text for c in s2.choices] == [c.text for c in s1.choices]
+  # A stop string taken from the middle of a greedy output ends the text just before it.
+  long_want = expect(tuple(tok.encode("The").ids), 40, stop_tokens=())[0][0]
+  stop = long_want[len(long_want) // 2:len(long_want) // 2 + 3]
+  r = client.completions.create(model=MODEL, prompt="The", max_tokens=40, temperature=0,
+                                stop=[stop], extra_body={"ignore_eos": True})
+  assert (r.choices[0].text, r.choices[0].finish_reason) == (long_want[:long_want.index(stop)],
+                                                            "stop")
+
+
+def test_client_disconnect_aborts_the_request(server, client):
+  url, engine = server
+  before = engine.stats.aborted
+  stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=120, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+  first = next(iter(stream))
+  assert first.choices[0].finish_reason is None
+  stream.close()
+  deadline = time.monotonic() + 20
+  while engine.has_unfinished() or engine.stats.aborted == before:
+    assert time.monotonic() < deadline, "the engine did not abort the request"
+    time.sleep(0.05)
+  assert 'jaxkv_requests_finished_total{reason="abort"}' in httpx.get(url + "/metrics").text
+
+
+@pytest.mark.parametrize("call, status, match", [
+    (lambda c: c.completions.create(model="nope", prompt="x"), 404, "does not exist"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x", temperature=5), 400, "temperature"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x" * 200, max_tokens=4), 400, "max_len"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x", logprobs=2), 400, "logprobs"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x", extra_body={"bogus": 1}), 400,
+     "bogus"),
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "tool",
+                                                                  "content": "x"}]), 400,
+     "unknown role"),
+    (lambda c: c.completions.create(model=MODEL, prompt=[[5, 300]]), 400, "outside"),
+], ids=["model", "temperature", "too-long", "logprobs", "unknown-field", "template", "token-id"])
+def test_bad_requests_get_clear_errors_and_the_server_stays_up(server, client, call, status,
+                                                               match):
+  with pytest.raises(openai.APIStatusError, match=match) as info:
+    call(client)
+  assert info.value.status_code == status
+  body = info.value.response.json()
+  assert body["error"]["type"] and match in body["error"]["message"]
+  ok = client.completions.create(model=MODEL, prompt="ok", max_tokens=2, temperature=0)
+  assert ok.choices[0].finish_reason in ("stop", "length")
+  assert json.loads(httpx.get(server[0] + "/health").text) == {"status": "ok"}
+
+
+def test_plain_request_of_a_client_that_left_is_aborted(server):
+  """A non-streaming client that gives up (a read timeout closes its connection) is aborted too."""
+  url, engine = server
+  before = engine.stats.aborted
+  body = {"model": MODEL, "prompt": "Hello", "max_tokens": 120, "n": 4, "temperature": 0,
+          "ignore_eos": True}
+  # The full request takes about 10x the client's patience on CPU (one token per loop entry).
+  with pytest.raises(httpx.ReadTimeout):
+    httpx.post(url + "/v1/completions", json=body, timeout=0.05)
+  deadline = time.monotonic() + 20
+  while engine.has_unfinished() or engine.stats.aborted == before:
+    assert time.monotonic() < deadline, "the engine did not abort the request"
+    time.sleep(0.05)
+  assert engine.stats.aborted - before == 4   # every sample of it
+  r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+  assert r.status_code == 200 and len(r.json()["choices"]) == 4
