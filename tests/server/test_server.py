@@ -187,7 +187,7 @@ def test_client_disconnect_aborts_the_request(server, client):
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "tool",
                                                                   "content": "x"}]), 400,
      "unknown role"),
-    (lambda c: c.completions.create(model=MODEL, prompt=[[5, 300]]), 400, "outside"),
+    (lambda c: c.completions.create(model=MODEL, prompt=[[5, 300]]), 400, "vocab_size"),
 ], ids=["model", "temperature", "too-long", "logprobs", "unknown-field", "template", "token-id"])
 def test_bad_requests_get_clear_errors_and_the_server_stays_up(server, client, call, status,
                                                                match):
