@@ -2,15 +2,15 @@
 
 Every verb is jittable with `config` static, works under `scan`/`while_loop`, and
 returns every state leaf. A refused verb returns a state equal in value to its
-input (the scratch column excepted). Control values are selected with
-`jnp.where`; K/V storage is never selected wholesale (that would copy the
-cache): a refused clone copies into the scratch column instead.
+input (the scratch column excepted). Control values (page tables and reference
+counts included) are selected with `jnp.where`; K/V storage is never selected
+wholesale (that would copy the cache): a refused clone copies into the scratch
+column instead, and a refused paged verb copies no page.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxkv import _pages, _plan
 from jaxkv._config import CacheConfig
-from jaxkv._memory import check_state_fits
+from jaxkv._grow import grow, grown_array  # pylint: disable=unused-import  (re-exported)
 from jaxkv._state import CacheState, Phase, Status, empty_step, flat_rows
 from jaxkv._validate import static_validate_int_arg, static_validate_state
 from pallas_kernels import indexing
@@ -136,7 +136,8 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
 
   Flat layers copy the source's whole column (rows past the kept prefix are
   never read); ring layers copy the whole ring column. The fork inherits
-  `hw(src)`, hence its floor.
+  `hw(src)`, hence its floor. Paged flat layers (CONTRACT §3.1) share the
+  source's full pages below `keep` and copy only the partial last page.
 
   Returns:
     `(state, status, id)`; `id = -1` on refusal (NOT_LIVE, EMPTY, BELOW_FLOOR,
@@ -174,7 +175,7 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
 
 
 def seq_rm(config: CacheConfig, state: CacheState, seq_id):
-  """Removes a live sequence, releasing its budget; `(state, status)`."""
+  """Removes a live sequence, releasing its budget (and its pages); `(state, status)`."""
   _check(config, state, seq_id=(seq_id, ()))
   is_live, col = _is_live(config, state, seq_id)
   new = _invalidated(
@@ -187,6 +188,8 @@ def seq_rm(config: CacheConfig, state: CacheState, seq_id):
 
 def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   """Keeps positions `[0, position)` of a live sequence; `hw` is unchanged.
+
+  Paged storage releases the pages past `position` (CONTRACT §3.1).
 
   Returns:
     `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`) or
@@ -298,6 +301,9 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   Returns:
     `(state, status)`: NO_DECLARATION (IDLE or COMMITTED), BAD_POSITIONS, or
     NEEDS_ROWS (flat rows too few; grow first) refuse. In PREPARED it is a no-op.
+    Paged storage (CONTRACT §3.1) takes the step's pages here and copies a
+    shared first write page (copy on write); NO_ROOM if the pool ran out, which
+    no state the verbs produce allows.
   """
   _check(config, state, **({} if positions is None else
                            {"positions": (positions, (config.step_width,))}))
@@ -385,59 +391,3 @@ def commit_step(config: CacheConfig, state: CacheState):
   new = dataclasses.replace(state, pos=pos, held=_held(state.live, pos),
                             phase=_i32(Phase.COMMITTED))
   return _select_control(ok, new, state), status
-
-
-def grown_array(array, rows: int):
-  """A new `[rows, ...]` array whose first rows are `array`'s bytes, the rest zero.
-
-  The result keeps `array`'s sharding, built in place on each device.
-  """
-  return _grow_rows(rows, array.sharding)(array)
-
-
-@functools.lru_cache(maxsize=64)
-def _grow_rows(rows: int, sharding):
-  def grow_one(array):
-    # Zero rows appended along the unsharded row axis: each device pads its own
-    # heads, so a head-sharded cache stays sharded with no collective.
-    extra = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
-    return jnp.pad(array, extra)
-  return jax.jit(grow_one, out_shardings=sharding)
-
-
-def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_array):
-  """A new state whose flat layers have `rows` rows (host only: shapes change).
-
-  Transactional: every new array is built before the result is assembled, so if
-  an allocation raises, the error propagates and `state` is untouched. Rows
-  `[0, F)` keep their bytes exactly; new rows are zero. Not donated.
-
-  Raises:
-    ValueError: no flat layer, not `F < rows <= capacity`, or the new flat
-      arrays would not fit in the device's free memory (checked before
-      allocating; the message gives the byte formula).
-  """
-  _check(config, state)
-  current = flat_rows(config, state)
-  if not config.has_flat:
-    raise ValueError("grow needs a flat layer; this config has only rings")
-  if config.is_paged:
-    raise ValueError(f"grow does not apply to paged storage (page_size={config.page_size}): "
-                     "the page pool is allocated whole, for the full capacity")
-  if isinstance(rows, bool) or not isinstance(rows, int):
-    raise TypeError(f"rows={rows!r} must be a Python int")
-  if not current < rows <= config.capacity:
-    raise ValueError(f"rows={rows} must satisfy F={current} < rows <= "
-                     f"capacity={config.capacity}")
-  flat = [l for l, layer in enumerate(config.layers) if not layer.policy.is_ring]
-  first = state.k[flat[0]]
-  # A head-split layer holds 1/shards of its heads on each device.
-  shards = first.shape[2] // first.sharding.shard_shape(first.shape)[2]
-  devices = sorted(first.sharding.device_set, key=lambda d: d.id)
-  # The old arrays stay alive while the new ones are built, so only the new count.
-  check_state_fits(config, rows, layers=flat, shards=shards, device=devices[0], control=False)
-  new_k, new_v = list(state.k), list(state.v)
-  for l in flat:
-    new_k[l] = allocate(state.k[l], rows)
-    new_v[l] = allocate(state.v[l], rows)
-  return dataclasses.replace(state, k=tuple(new_k), v=tuple(new_v))
