@@ -27,9 +27,22 @@ from jaxkv._validate import (static_validate_attend, static_validate_implementat
                              static_validate_state, step_width_of)
 
 
-def _write_and_attend(implementation, *, window, scale):
-  """`(k_cache, v_cache, q, k, v, step, rows, n_tokens, n_segments) -> (k, v, out)`
-  for one implementation: the write, then the attention over the written cache."""
+def _write_and_attend(implementation, *, window, scale, paged=False):
+  """`(k_cache, v_cache, q, k, v, step, rows, n_tokens, n_segments[, page_table])
+  -> (k, v, out)` for one implementation: the write, then the attention over the
+  written cache. A paged layer takes the pool and its page table."""
+  if paged:
+    if implementation != "reference":
+      raise NotImplementedError(_implementation.PAGED_REFUSAL)
+
+    def run_paged(k_pool, v_pool, q, k, v, step, rows, n_tokens, n_segments, page_table):
+      k_pool, v_pool = pallas_kernels.paged_kv_write_reference(
+          k_pool, v_pool, k, v, step.seq_cols, rows, n_tokens, page_table)
+      out = pallas_kernels.paged_varlen_attention_reference(
+          q, k_pool, v_pool, page_table, step.seq_info, n_segments, window=window, scale=scale)
+      return k_pool, v_pool, out
+
+    return run_paged
   if implementation == "reference":
     write, attention = pallas_kernels.kv_write_reference, pallas_kernels.varlen_attention_reference
   else:
@@ -86,10 +99,13 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   n_segments = jnp.where(is_prepared, step.n_segments, 0)
   operands = (state.k[layer], state.v[layer], q, k, v, step, step.write_rows[layer],
               n_tokens, n_segments)
-  static = dict(window=config.window(layer), scale=scale)
+  paged = config.is_paged_layer(layer)
+  if paged:
+    operands += (state.page_table,)
+  static = dict(window=config.window(layer), scale=scale, paged=paged)
   run = lambda impl: per_shard(_write_and_attend(impl, **static), mesh, kv_axis)(*operands)
   if implementation is None:
-    chosen, reason = _implementation.choose_implementation(q, state.k[layer])
+    chosen, reason = _implementation.choose_implementation(q, state.k[layer], paged=paged)
     if chosen != _implementation.default_implementation():
       _implementation.warn_fallback(q, state.k[layer], reason)
     try:

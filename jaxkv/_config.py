@@ -105,7 +105,12 @@ class CacheConfig:
     kv_dtype: storage dtype, canonicalised to a NumPy dtype (float32, bfloat16,
       float16).
     initial_capacity: flat rows allocated at construction (`> 0`; clamped to
-      `capacity`).
+      `capacity`). Ignored by paged flat layers, whose pool is allocated whole.
+    page_size: None (the default) stores each flat layer as columns
+      `[rows, max_seqs + 1, H, D]`; an int `1 <= page_size <= capacity` stores
+      each flat layer as a pool of `num_pages` pages `[num_pages, page_size, H, D]`
+      addressed through the state's page table (CONTRACT §3.1). It need not
+      divide `capacity`. Ring layers keep their per-sequence rows either way.
   """
 
   layers: tuple[LayerConfig, ...]
@@ -114,6 +119,7 @@ class CacheConfig:
   max_write: int
   kv_dtype: Any = jnp.bfloat16
   initial_capacity: int = 512
+  page_size: int | None = None
 
   def __post_init__(self):
     if isinstance(self.layers, LayerConfig) or not hasattr(self.layers, "__iter__"):
@@ -148,6 +154,14 @@ class CacheConfig:
     if dtype not in _KV_DTYPES:
       raise ValueError(f"kv_dtype={dtype} must be float32, bfloat16 or float16")
     object.__setattr__(self, "kv_dtype", dtype)
+    if self.page_size is not None:
+      _require_int("page_size", self.page_size)
+      object.__setattr__(self, "page_size", int(self.page_size))
+      if not 1 <= self.page_size <= self.capacity:
+        raise ValueError(f"page_size={self.page_size} must be in [1, capacity={self.capacity}]")
+      if not self.has_flat:
+        raise ValueError(f"page_size={self.page_size} needs a flat layer; every layer is a "
+                         "ring (rings keep their per-sequence rows)")
 
   @property
   def step_width(self) -> int:
@@ -167,6 +181,31 @@ class CacheConfig:
   def initial_flat_rows(self) -> int:
     """Flat rows at construction: `min(initial_capacity, capacity)`."""
     return min(self.initial_capacity, self.capacity)
+
+  @property
+  def is_paged(self) -> bool:
+    """Whether flat layers live in a page pool (`page_size` is set)."""
+    return self.page_size is not None
+
+  @property
+  def max_pages_per_seq(self) -> int:
+    """Page-table entries per sequence: `ceil(capacity / page_size)` (0 unpaged)."""
+    return -(-self.capacity // self.page_size) if self.is_paged else 0
+
+  @property
+  def num_pages(self) -> int:
+    """Pages of the pool: `ceil(capacity / page_size) + max_seqs + 1` (0 unpaged).
+
+    Live sequences hold at most `capacity` positions, so `sum ceil(pos_s / P)`
+    is at most `capacity / P + max_seqs` pages (one partial page each); the last
+    page is the scratch page. No verb can therefore be refused for want of pages.
+    """
+    return self.max_pages_per_seq + self.max_seqs + 1 if self.is_paged else 0
+
+  @property
+  def scratch_page(self) -> int:
+    """Page `num_pages - 1`: padded writes and refused copies land there; nothing reads it."""
+    return self.num_pages - 1
 
   @property
   def has_flat(self) -> bool:
@@ -189,8 +228,16 @@ class CacheConfig:
     return tuple((self.ring_rows(l), layer.policy.window)
                  for l, layer in enumerate(self.layers) if layer.policy.is_ring)
 
+  def is_paged_layer(self, layer: int) -> bool:
+    """Whether layer `layer` lives in the page pool (a flat layer of a paged config)."""
+    return self.is_paged and not self.layers[layer].policy.is_ring
+
   def layer_shape(self, layer: int, flat_rows: int) -> tuple[int, int, int, int]:
-    """`[rows, max_seqs + 1, n_kv_heads, head_dim]` of layer `layer`."""
+    """`[rows, max_seqs + 1, n_kv_heads, head_dim]` of layer `layer`, or the pool
+    `[num_pages, page_size, n_kv_heads, head_dim]` of a paged flat layer (which
+    ignores `flat_rows`)."""
     cfg = self.layers[layer]
+    if self.is_paged_layer(layer):
+      return (self.num_pages, self.page_size, cfg.n_kv_heads, cfg.head_dim)
     rows = self.ring_rows(layer) if cfg.policy.is_ring else flat_rows
     return (rows, self.max_seqs + 1, cfg.n_kv_heads, cfg.head_dim)

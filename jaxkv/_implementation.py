@@ -58,9 +58,19 @@ def kernel_refusal(q, k_cache) -> str | None:
   return None
 
 
-def choose_implementation(q, k_cache) -> tuple[str, str]:
-  """`(implementation, reason)` that `implementation=None` uses for one layer."""
+PAGED_REFUSAL = ("paged storage (page_size set): the Mosaic GPU kernels do not read page "
+                 "tables yet; the reference serves paged layers")
+
+
+def choose_implementation(q, k_cache, *, paged: bool = False) -> tuple[str, str]:
+  """`(implementation, reason)` that `implementation=None` uses for one layer.
+
+  `paged`: the layer lives in a page pool (`k_cache` is the pool), which only
+  the reference reads.
+  """
   default = default_implementation()
+  if paged:   # on every device: no kernel reads a page table yet
+    return "reference", PAGED_REFUSAL
   if default == "reference":
     device = jax.devices()[0]
     return "reference", (f"the default device ({device.platform}: {device.device_kind}) is "
@@ -111,5 +121,6 @@ def implementation_plan(config: CacheConfig,
     # The row count never decides (the kernels serve every row count).
     k_cache = jax.ShapeDtypeStruct(config.layer_shape(layer, config.initial_flat_rows),
                                    config.kv_dtype)
-    plan.append(LayerImplementation(layer, *choose_implementation(q, k_cache)))
+    plan.append(LayerImplementation(
+        layer, *choose_implementation(q, k_cache, paged=config.is_paged_layer(layer))))
   return plan

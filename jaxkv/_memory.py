@@ -71,9 +71,15 @@ def kv_formula(config: CacheConfig, flat_rows: int, layers=None) -> tuple[int, s
     groups[key] = groups.get(key, 0) + 1
   item = config.kv_dtype.itemsize
   total, terms = 0, []
-  for (rows, cols, heads, dim), count in groups.items():
+  paged = {config.layer_shape(l, flat_rows) for l in layers if config.is_paged_layer(l)}
+  for shape, count in groups.items():
+    rows, cols, heads, dim = shape
     total += count * 2 * rows * cols * heads * dim * item
-    terms.append(f"{count} layers x 2 (K, V) x {rows} rows x {cols} columns (max_seqs + 1) x "
+    if shape in paged:
+      what = f"{rows} pages (ceil(capacity / page_size) + max_seqs + 1) x {cols} page_size"
+    else:
+      what = f"{rows} rows x {cols} columns (max_seqs + 1)"
+    terms.append(f"{count} layers x 2 (K, V) x {what} x "
                  f"{heads} kv heads x {dim} head_dim x {item} bytes")
   return total, " + ".join(terms)
 
@@ -81,7 +87,8 @@ def kv_formula(config: CacheConfig, flat_rows: int, layers=None) -> tuple[int, s
 def control_bytes(config: CacheConfig) -> int:
   """Bytes of the int32 control leaves: `live/pos/hw [S]`, declaration and Step `[W]`, ..."""
   s, w, n = config.max_seqs, config.step_width, config.num_layers
-  return 4 * (3 * s + 5 + n + w * (2 + 2 + n + 5))
+  pages = (s + 1) * config.max_pages_per_seq + config.num_pages   # page table + refs
+  return 4 * (3 * s + 5 + n + w * (2 + 2 + n + 5) + pages)
 
 
 def state_bytes(config: CacheConfig, flat_rows: int | None = None) -> int:

@@ -113,6 +113,13 @@ class CacheState:
     attended: `int32[L]` 1 for each layer served (`attend`) since the step was
       prepared; `commit_step` refuses (NOT_ATTENDED) unless every entry is 1.
     step: the `Step`, meaningful in PREPARED and COMMITTED.
+    page_table: paged storage only (else None): `int32[max_seqs + 1,
+      max_pages_per_seq]`, entry `[c, j]` the pool page holding positions
+      `[j * page_size, (j + 1) * page_size)` of column `c`; unheld entries and the
+      whole scratch row hold `scratch_page` (CONTRACT §3.1).
+    page_refs: paged storage only (else None): `int32[num_pages]`, how many
+      page-table entries of live columns hold each page (0 = free; the scratch
+      page stays 0 and is never handed out).
   """
 
   k: tuple[jax.Array, ...]
@@ -127,6 +134,8 @@ class CacheState:
   decl_n: jax.Array
   attended: jax.Array
   step: Step
+  page_table: jax.Array | None = None
+  page_refs: jax.Array | None = None
 
 
 def empty_step(config: CacheConfig) -> Step:
@@ -152,6 +161,9 @@ def _zeros(shape, dtype, sharding):
 
 def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheState:
   """Zeroed storage with `F = initial_flat_rows`, zero control values, phase IDLE.
+
+  With `config.page_size` set, every flat layer is a zeroed page pool instead, all
+  pages free, and every page-table entry points at the scratch page.
 
   Args:
     config: the `CacheConfig`.
@@ -187,6 +199,9 @@ def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheS
       decl_n=jnp.zeros((), jnp.int32),
       attended=jnp.zeros((config.num_layers,), jnp.int32),
       step=empty_step(config),
+      page_table=(jnp.full((config.max_seqs + 1, config.max_pages_per_seq),
+                           config.scratch_page, jnp.int32) if config.is_paged else None),
+      page_refs=jnp.zeros((config.num_pages,), jnp.int32) if config.is_paged else None,
   )
   if mesh is None:
     return state
@@ -195,7 +210,13 @@ def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheS
 
 
 def flat_rows(config: CacheConfig, state: CacheState) -> int:
-  """`F`, the flat layers' row count (0 when every layer is a ring)."""
+  """`F`, the flat layers' row count (0 when every layer is a ring).
+
+  Paged flat layers address every position below `capacity` through the page
+  table, so their logical row count is `capacity` (they never grow).
+  """
+  if config.is_paged:
+    return config.capacity
   for l, layer in enumerate(config.layers):
     if not layer.policy.is_ring:
       return state.k[l].shape[0]

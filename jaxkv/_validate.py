@@ -59,7 +59,7 @@ def dynamic_validate_state(config: CacheConfig, state: CacheState) -> None:
   assert held <= config.capacity, f"{held=} > capacity={config.capacity}"
   assert np.all(pos <= hw) and np.all(hw <= config.capacity), f"{pos=}, {hw=}"
   flat = [state.k[l].shape[0] for l, c in enumerate(config.layers) if not c.policy.is_ring]
-  if flat:
+  if flat and not config.is_paged:
     assert np.all(hw <= flat[0]), f"hw {hw} exceeds flat rows {flat[0]}"
 
 
@@ -106,6 +106,8 @@ def static_validate_state(config: CacheConfig, state) -> None:
     raise ValueError(f"state has {len(state.k)} K and {len(state.v)} V layers; config has "
                      f"{config.num_layers}")
   flat_rows = {a.shape[0] for a, c in zip(state.k, config.layers) if not c.policy.is_ring}
+  if config.is_paged:
+    flat_rows = {config.capacity}   # pools are checked by layer_shape below
   if len(flat_rows) > 1:
     raise ValueError(f"state's flat layers disagree on their row count: {sorted(flat_rows)}")
   rows = flat_rows.pop() if flat_rows else 0
@@ -133,3 +135,13 @@ def static_validate_state(config: CacheConfig, state) -> None:
     if tuple(leaf.shape) != shape or leaf.dtype != jnp.int32:
       raise ValueError(f"state.{name} is {leaf.dtype}{list(leaf.shape)}; config needs "
                        f"int32{list(shape)}")
+  pages = {"page_table": (seqs + 1, config.max_pages_per_seq), "page_refs": (config.num_pages,)}
+  for name, shape in pages.items():
+    leaf = getattr(state, name)
+    if not config.is_paged:
+      if leaf is not None:
+        raise ValueError(f"state.{name} must be None: the config has no page_size")
+    elif leaf is None or tuple(leaf.shape) != shape or leaf.dtype != jnp.int32:
+      got = "None" if leaf is None else f"{leaf.dtype}{list(leaf.shape)}"
+      raise ValueError(f"state.{name} is {got}; config (page_size={config.page_size}) "
+                       f"needs int32{list(shape)}")

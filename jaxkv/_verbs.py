@@ -2,23 +2,23 @@
 
 Every verb is jittable with `config` static, works under `scan`/`while_loop`, and
 returns every state leaf. A refused verb returns a state equal in value to its
-input (the scratch column excepted). Control values are selected with
-`jnp.where`; K/V storage is never selected wholesale (that would copy the
-cache): a refused clone copies into the scratch column instead.
+input (the scratch column excepted). Control values (page tables and reference
+counts included) are selected with `jnp.where`; K/V storage is never selected
+wholesale (that would copy the cache): a refused clone copies into the scratch
+column instead, and a refused paged verb copies no page.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import _plan
+from jaxkv import _pages, _plan
 from jaxkv._config import CacheConfig
-from jaxkv._memory import check_state_fits
+from jaxkv._grow import grow, grown_array  # pylint: disable=unused-import  (re-exported)
 from jaxkv._state import CacheState, Phase, Status, empty_step, flat_rows
 from jaxkv._validate import static_validate_int_arg, static_validate_state
 from pallas_kernels import indexing
@@ -27,7 +27,7 @@ WHOLE = 2**31 - 1
 """`upto` for `seq_clone` meaning the source's whole committed length."""
 
 _CONTROL_FIELDS = ("live", "pos", "hw", "held", "phase", "decl_ids", "decl_block",
-                   "decl_n", "attended", "step")
+                   "decl_n", "attended", "step", "page_table", "page_refs")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
@@ -136,7 +136,8 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
 
   Flat layers copy the source's whole column (rows past the kept prefix are
   never read); ring layers copy the whole ring column. The fork inherits
-  `hw(src)`, hence its floor.
+  `hw(src)`, hence its floor. Paged flat layers (CONTRACT §3.1) share the
+  source's full pages below `keep` and copy only the partial last page.
 
   Returns:
     `(state, status, id)`; `id = -1` on refusal (NOT_LIVE, EMPTY, BELOW_FLOOR,
@@ -146,37 +147,49 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
   is_live, src_col = _is_live(config, state, src)
   keep = jnp.minimum(_i32(upto), jnp.where(is_live, state.pos[src_col], 0))
   any_free, dst = _lowest_free(state)
+  pages, enough = {}, True
+  if config.is_paged:
+    pages, enough, partial = _pages.clone_pages(config, state, src_col, dst, keep)
   status = _first_failure([
       (~is_live, Status.NOT_LIVE),
       (keep <= 0, Status.EMPTY),
       (keep < floor(config, state, src_col), Status.BELOW_FLOOR),
       (state.held > config.capacity - keep, Status.NO_ROOM),
       (~any_free, Status.NO_FREE_ID),
+      (~jnp.asarray(enough), Status.NO_ROOM),
   ])
   ok = status == Status.OK
   # A refused clone writes only the scratch column, which nothing reads.
   target = jnp.where(ok, dst, config.scratch_col)
-  copy = lambda arrays: tuple(a.at[:, target].set(a[:, src_col]) for a in arrays)
+  k, v = state.k, state.v
+  if config.is_paged:
+    # Full pages are shared; only the partial last page is copied (none on refusal).
+    k, v = _pages.copy_pool_pages(config, state, *partial[:2], jnp.where(ok, partial[2], 0))
+  copy = lambda arrays: tuple(a if config.is_paged_layer(l) else a.at[:, target].set(a[:, src_col])
+                              for l, a in enumerate(arrays))
   new = _invalidated(
-      config, state, k=copy(state.k), v=copy(state.v),
+      config, state, k=copy(k), v=copy(v),
       live=state.live.at[dst].set(1), pos=state.pos.at[dst].set(keep),
-      hw=state.hw.at[dst].set(state.hw[src_col]), held=state.held + keep)
+      hw=state.hw.at[dst].set(state.hw[src_col]), held=state.held + keep, **pages)
   return _select_control(ok, new, state), status, jnp.where(ok, dst, -1)
 
 
 def seq_rm(config: CacheConfig, state: CacheState, seq_id):
-  """Removes a live sequence, releasing its budget; `(state, status)`."""
+  """Removes a live sequence, releasing its budget (and its pages); `(state, status)`."""
   _check(config, state, seq_id=(seq_id, ()))
   is_live, col = _is_live(config, state, seq_id)
   new = _invalidated(
       config, state, live=state.live.at[col].set(0), pos=state.pos.at[col].set(0),
-      hw=state.hw.at[col].set(0), held=state.held - state.pos[col])
+      hw=state.hw.at[col].set(0), held=state.held - state.pos[col],
+      **_pages.fitted_pages(config, state, _pages.committed_extents(state).at[col].set(0)))
   status = jnp.where(is_live, _i32(Status.OK), _i32(Status.NOT_LIVE))
   return _select_control(is_live, new, state), status
 
 
 def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   """Keeps positions `[0, position)` of a live sequence; `hw` is unchanged.
+
+  Paged storage releases the pages past `position` (CONTRACT §3.1).
 
   Returns:
     `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`) or
@@ -192,7 +205,9 @@ def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   ])
   ok = status == Status.OK
   new = _invalidated(config, state, pos=state.pos.at[col].set(position),
-                     held=state.held - state.pos[col] + position)
+                     held=state.held - state.pos[col] + position,
+                     **_pages.fitted_pages(config, state, _pages.committed_extents(state).at[
+                         col].set(jnp.clip(position, 0, state.pos[col]))))
   return _select_control(ok, new, state), status
 
 
@@ -200,8 +215,12 @@ def clear(config: CacheConfig, state: CacheState):
   """Drops every sequence and the step; storage keeps its shape and bytes."""
   _check(config, state)
   zeros = jnp.zeros((config.max_seqs,), jnp.int32)
+  pages = {}
+  if config.is_paged:
+    pages = dict(page_table=jnp.full_like(state.page_table, config.scratch_page),
+                 page_refs=jnp.zeros_like(state.page_refs))
   new = _invalidated(config, state, live=zeros, pos=zeros, hw=zeros, held=_i32(0),
-                     step=empty_step(config))
+                     step=empty_step(config), **pages)
   return new, _i32(Status.OK)
 
 
@@ -282,6 +301,9 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   Returns:
     `(state, status)`: NO_DECLARATION (IDLE or COMMITTED), BAD_POSITIONS, or
     NEEDS_ROWS (flat rows too few; grow first) refuse. In PREPARED it is a no-op.
+    Paged storage (CONTRACT §3.1) takes the step's pages here and copies a
+    shared first write page (copy on write); NO_ROOM if the pool ran out, which
+    no state the verbs produce allows.
   """
   _check(config, state, **({} if positions is None else
                            {"positions": (positions, (config.step_width,))}))
@@ -293,17 +315,27 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
       jnp.where(is_real, _i32(positions) == derived, True))
   needed = _plan.rows_needed(config, state.decl_n, derived)
   too_few_rows = config.has_flat & (needed > flat_rows(config, state))
+  step = _plan.build_step(config, state.decl_ids, state.decl_block, state.decl_n, derived)
+  ends = jnp.where(is_real, derived + 1, 0)
+  pages, enough = {}, True
+  if config.is_paged:
+    pages, enough, copies = _pages.prepare_pages(config, state, step.seq_cols, ends)
   status = _first_failure([
       (~(is_declared | is_prepared), Status.NO_DECLARATION),
       (~jnp.asarray(positions_ok), Status.BAD_POSITIONS),
       (is_declared & too_few_rows, Status.NEEDS_ROWS),
+      (is_declared & ~jnp.asarray(enough), Status.NO_ROOM),
   ])
-  step = _plan.build_step(config, state.decl_ids, state.decl_block, state.decl_n, derived)
-  ends = jnp.where(is_real, derived + 1, 0)
+  ok = (status == Status.OK) & is_declared
+  k, v = state.k, state.v
+  if config.is_paged:
+    # Copy on write: shared first pages are copied before the step writes them.
+    k, v = _pages.copy_pool_pages(config, state, *copies[:2], jnp.where(ok, copies[2], 0))
   new = dataclasses.replace(
-      state, step=step, phase=_i32(Phase.PREPARED), attended=_no_layer_attended(config),
-      hw=state.hw.at[step.seq_cols].max(ends, mode="drop"))
-  return _select_control((status == Status.OK) & is_declared, new, state), status
+      state, k=k, v=v, step=step, phase=_i32(Phase.PREPARED),
+      attended=_no_layer_attended(config),
+      hw=state.hw.at[step.seq_cols].max(ends, mode="drop"), **pages)
+  return _select_control(ok, new, state), status
 
 
 def run_narrow(config: CacheConfig, state: CacheState, width: int, fn):
@@ -359,56 +391,3 @@ def commit_step(config: CacheConfig, state: CacheState):
   new = dataclasses.replace(state, pos=pos, held=_held(state.live, pos),
                             phase=_i32(Phase.COMMITTED))
   return _select_control(ok, new, state), status
-
-
-def grown_array(array, rows: int):
-  """A new `[rows, ...]` array whose first rows are `array`'s bytes, the rest zero.
-
-  The result keeps `array`'s sharding, built in place on each device.
-  """
-  return _grow_rows(rows, array.sharding)(array)
-
-
-@functools.lru_cache(maxsize=64)
-def _grow_rows(rows: int, sharding):
-  def grow_one(array):
-    # Zero rows appended along the unsharded row axis: each device pads its own
-    # heads, so a head-sharded cache stays sharded with no collective.
-    extra = [(0, rows - array.shape[0])] + [(0, 0)] * (array.ndim - 1)
-    return jnp.pad(array, extra)
-  return jax.jit(grow_one, out_shardings=sharding)
-
-
-def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_array):
-  """A new state whose flat layers have `rows` rows (host only: shapes change).
-
-  Transactional: every new array is built before the result is assembled, so if
-  an allocation raises, the error propagates and `state` is untouched. Rows
-  `[0, F)` keep their bytes exactly; new rows are zero. Not donated.
-
-  Raises:
-    ValueError: no flat layer, not `F < rows <= capacity`, or the new flat
-      arrays would not fit in the device's free memory (checked before
-      allocating; the message gives the byte formula).
-  """
-  _check(config, state)
-  current = flat_rows(config, state)
-  if not config.has_flat:
-    raise ValueError("grow needs a flat layer; this config has only rings")
-  if isinstance(rows, bool) or not isinstance(rows, int):
-    raise TypeError(f"rows={rows!r} must be a Python int")
-  if not current < rows <= config.capacity:
-    raise ValueError(f"rows={rows} must satisfy F={current} < rows <= "
-                     f"capacity={config.capacity}")
-  flat = [l for l, layer in enumerate(config.layers) if not layer.policy.is_ring]
-  first = state.k[flat[0]]
-  # A head-split layer holds 1/shards of its heads on each device.
-  shards = first.shape[2] // first.sharding.shard_shape(first.shape)[2]
-  devices = sorted(first.sharding.device_set, key=lambda d: d.id)
-  # The old arrays stay alive while the new ones are built, so only the new count.
-  check_state_fits(config, rows, layers=flat, shards=shards, device=devices[0], control=False)
-  new_k, new_v = list(state.k), list(state.v)
-  for l in flat:
-    new_k[l] = allocate(state.k[l], rows)
-    new_v[l] = allocate(state.v[l], rows)
-  return dataclasses.replace(state, k=tuple(new_k), v=tuple(new_v))

@@ -10,6 +10,10 @@ from pallas_kernels.kv_write import (
     kv_write_reference,
     static_validate_kv_write,
 )
+from pallas_kernels.paged import (
+    paged_kv_write_reference,
+    paged_varlen_attention_reference,
+)
 from pallas_kernels.varlen_attention import (
     check_varlen_attention,
     static_validate_varlen_attention,
@@ -23,6 +27,8 @@ __all__ = [
     "indexing",
     "kv_write",
     "kv_write_reference",
+    "paged_kv_write_reference",
+    "paged_varlen_attention_reference",
     "static_validate_kv_write",
     "static_validate_varlen_attention",
     "varlen_attention",

@@ -74,8 +74,25 @@ def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, win
   """
   static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments,
                                    window=window, scale=scale)
+  # Row `r` of token `t`'s column: `cache[r, col[t]]`.
+  gather = lambda cache, rows, col: cache[rows.T, col[None, :]].swapaxes(0, 1)
+  return blocked_attention(q, k_cache, v_cache, gather, k_cache.shape[0], seq_info,
+                           n_segments, window=window, scale=scale)
+
+
+def blocked_attention(q, k_cache, v_cache, gather, num_rows: int, seq_info, n_segments, *,
+                      window, scale):
+  """The reference's loop over blocks of rows, for any storage layout.
+
+  Args:
+    gather: `(cache, rows [1, S], col [T]) -> [T, S, K, D]`, the K or V each
+      token's column holds at rows `rows` (any value where the row is not in the
+      token's read range: it is selected away, never multiplied).
+    num_rows: rows per column (`R`); rows `[0, R)` are streamed.
+    The other arguments are `varlen_attention_reference`'s.
+  """
   num_tokens, num_q_heads, head_dim = q.shape
-  num_rows, _, num_kv_heads, _ = k_cache.shape
+  num_kv_heads = k_cache.shape[2]
   group = num_q_heads // num_kv_heads
   has_segment, q_start, q_len, col, pos0, kind = token_segments(
       seq_info, n_segments, num_tokens)
@@ -94,10 +111,11 @@ def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, win
     key_pos = indexing.key_positions(safe_rows, lo, end, num_rows=num_rows, window=window)
     visible = (indexing.is_visible(key_pos, query_pos, lo, end, kind[:, None], window=window)
                & has_segment[:, None] & (rows < num_rows)[None, :])       # [T, S]
-    gather = lambda cache: cache[safe_rows.T, col[None, :]].swapaxes(0, 1)  # [T, S, K, D]
     # Select, never multiply: a masked row may hold NaN, and 0 * NaN is NaN.
-    keys = jnp.where(visible[:, :, None, None], gather(k_cache).astype(jnp.float32), 0.0)
-    values = jnp.where(visible[:, :, None, None], gather(v_cache).astype(jnp.float32), 0.0)
+    keys = jnp.where(visible[:, :, None, None],
+                     gather(k_cache, safe_rows, col).astype(jnp.float32), 0.0)
+    values = jnp.where(visible[:, :, None, None],
+                       gather(v_cache, safe_rows, col).astype(jnp.float32), 0.0)
     scores = jnp.einsum("TKGD,TSKD->TKGS", queries, keys,
                         precision=jax.lax.Precision.HIGHEST) * scale
     scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)

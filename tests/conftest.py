@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from drivers import KERNEL_IMPLEMENTATIONS  # pylint: disable=wrong-import-position
+import scenario_utils  # pylint: disable=wrong-import-position
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -27,6 +28,27 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 def implementation(request):
   """Parametrizes a test over every implementation this machine can run."""
   return request.param
+
+
+@pytest.fixture(params=["columns", "paged"])
+def storage(request):
+  """Runs a scenario with both storages: `scenario_utils.default_config` then builds
+  column storage, or paged storage with `PAGED_PAGE_SIZE` (CONTRACT §3.1).
+
+  Modules opt in with `pytestmark = pytest.mark.usefixtures("storage")`. Only the
+  reference reads page tables, so paged variants of kernel implementations are
+  skipped (their column variants still run).
+  """
+  callspec = getattr(request.node, "callspec", None)
+  implementation = callspec.params.get("implementation") if callspec else None
+  if request.param == "paged" and request.node.get_closest_marker("columns_only"):
+    pytest.skip("inspects column storage; paged storage has its own tests (test_paged.py)")
+  if request.param == "paged" and implementation not in (None, "reference"):
+    pytest.skip("paged storage is served by the reference only (no kernel reads page tables)")
+  previous = scenario_utils.PAGE_SIZE
+  scenario_utils.PAGE_SIZE = scenario_utils.PAGED_PAGE_SIZE if request.param == "paged" else None
+  yield request.param
+  scenario_utils.PAGE_SIZE = previous
 
 
 @pytest.fixture

@@ -118,9 +118,76 @@ def poison_free_storage(state, config):
     mask = jnp.asarray(keep)[:, :, None, None]
     return jnp.where(mask, arr, jnp.asarray(np.nan, arr.dtype))
 
-  k = tuple(poison(a, l) for l, a in enumerate(state.k))
-  v = tuple(poison(a, l) for l, a in enumerate(state.v))
+  def poison_pool(arr):
+    keep = kept_page_rows(state, config)
+    return jnp.where(jnp.asarray(keep)[:, :, None, None], arr, jnp.asarray(np.nan, arr.dtype))
+
+  def poison_any(arr, layer):
+    paged = config.page_size is not None and config.layers[layer].policy.kind == "flat"
+    return poison_pool(arr) if paged else poison(arr, layer)
+
+  k = tuple(poison_any(a, l) for l, a in enumerate(state.k))
+  v = tuple(poison_any(a, l) for l, a in enumerate(state.v))
   return dataclasses.replace(state, k=k, v=v)
+
+
+def kept_page_rows(state, config) -> np.ndarray:
+  """`bool[num_pages, page_size]`: pool rows holding a position some live sequence keeps.
+
+  Row `r` of page `q` is kept iff a live column `c` holds `q` at table slot `j`
+  with `j * page_size + r < pos(c)`; free pages, the scratch page and every row at
+  or past its holders' lengths are not (a shared page may be full for one holder
+  and partial for another, so the union is taken).
+  """
+  table = np.asarray(state.page_table)
+  live, pos = np.asarray(state.live), np.asarray(state.pos)
+  size = config.page_size
+  keep = np.zeros((config.num_pages, size), bool)
+  for c in np.nonzero(live)[0]:
+    for p in range(int(pos[c])):
+      keep[table[c, p // size], p % size] = True
+  return keep
+
+
+def check_page_invariants(config, state) -> None:
+  """Asserts CONTRACT §3.1's page-table invariants on concrete values (no jaxkv code).
+
+  Each live column holds a prefix of table slots covering at least its `pos`,
+  no page twice; every other entry and the whole scratch row hold the scratch
+  page; `page_refs[p]` is the number of live-column entries holding `p` (the sum
+  of the counts is the number of entries held); a page shared by a column lies
+  at or below its first write slot `pos // page_size` (so copy on write only
+  ever concerns that page); the pages in use fit the pool.
+  """
+  if config.page_size is None:
+    assert state.page_table is None and state.page_refs is None
+    return
+  table, refs = np.asarray(state.page_table), np.asarray(state.page_refs)
+  live, pos = np.asarray(state.live), np.asarray(state.pos)
+  size, scratch = config.page_size, config.num_pages - 1
+  slots = -(-config.capacity // size)
+  assert table.shape == (config.max_seqs + 1, slots) and refs.shape == (config.num_pages,)
+  assert np.all(table[-1] == scratch), f"scratch row {table[-1]}"
+  counts = np.zeros(config.num_pages, np.int64)
+  for c in range(config.max_seqs):
+    row = table[c]
+    held = row != scratch
+    if not live[c]:
+      assert not held.any(), f"non-live column {c} holds pages {row}"
+      continue
+    n = int(held.sum())
+    assert held[:n].all() and not held[n:].any(), f"column {c} holds no prefix: {row}"
+    assert n * size >= pos[c], f"column {c}: {n} pages cannot hold pos {pos[c]}"
+    assert len(set(row[:n].tolist())) == n, f"column {c} holds a page twice: {row}"
+    np.add.at(counts, row[:n], 1)
+  assert refs[scratch] == 0 and np.array_equal(refs, counts), f"refs {refs} != {counts}"
+  assert int(refs.sum()) == int(sum((table[c] != scratch).sum()
+                                    for c in range(config.max_seqs) if live[c]))
+  for c in np.nonzero(live)[0]:
+    for j, page in enumerate(table[c]):
+      if page != scratch and refs[page] > 1:
+        assert j <= pos[c] // size, f"column {c} shares page {page} at slot {j} > pos // P"
+  assert int((counts > 0).sum()) <= config.num_pages - 1
 
 
 # --------------------------------------------------------------------------- undonated pure verbs

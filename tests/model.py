@@ -51,6 +51,11 @@ class Phase(enum.IntEnum):
   COMMITTED = 3
 
 
+# A history entry the model cannot know. `attend` skips rows that would read one;
+# the merge that moved `attend` here dropped this name, so every stateful test
+# raised NameError.
+UNKNOWN = object()
+
 FACADE_STEP_ERRORS = (Status.NO_DECLARATION, Status.BAD_POSITIONS, Status.NOT_PREPARED,
                       Status.NOT_ATTENDED)
 
@@ -88,8 +93,12 @@ class CacheModel:
   def for_config(cls, config) -> "CacheModel":
     """The model of a `jaxkv.CacheConfig`, read by attribute (nothing of jaxkv is imported)."""
     windows = [None if lc.policy.kind == "flat" else int(lc.policy.window) for lc in config.layers]
+    # Paged storage (CONTRACT §3.1) addresses every position below capacity from
+    # the start: its flat rows are `capacity` and never grow.
+    paged = getattr(config, "page_size", None) is not None
     return cls(windows, capacity=config.capacity, max_seqs=config.max_seqs,
-               max_write=config.max_write, initial_capacity=config.initial_capacity,
+               max_write=config.max_write,
+               initial_capacity=config.capacity if paged else config.initial_capacity,
                kv_dtype=config.kv_dtype,
                scales=[1.0 / math.sqrt(lc.head_dim) for lc in config.layers])
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from drivers import PureCache
+from drivers import check_page_invariants
 import jaxkv
 from oracle import SequenceOracle
 from oracle import tol
@@ -22,6 +23,12 @@ from oracle import tol
 N_Q_HEADS = 4
 N_KV_HEADS = 2
 HEAD_DIM = 8
+
+# Storage of `default_config`: None (columns) or a page size; the `storage` fixture
+# (conftest) sets it per test. 3 does not divide the §11 capacities or W, so steps
+# cross page boundaries at every offset.
+PAGE_SIZE: int | None = None
+PAGED_PAGE_SIZE = 3
 
 # Relative tolerance of probe content: CONTRACT §11 probes use float32 storage, relative 1e-5,
 # which is conftest's float32 tolerance.
@@ -75,19 +82,51 @@ def _is_kv_path(path) -> bool:
 def snapshot(state) -> dict[str, np.ndarray]:
   """NumPy copies of every CacheState leaf, keyed by path, scratch column removed.
 
-  The scratch column (index max_seqs on axis 1 of every K/V array) is owned by
-  no sequence and its contents are unspecified (CONTRACT §3), so it is left out.
-  Call this before the next facade call: the facade donates its state.
+  The scratch column (index max_seqs on axis 1 of every column-stored K/V array)
+  is owned by no sequence and its contents are unspecified (CONTRACT §3), so it
+  is left out. A page pool (CONTRACT §3.1) is kept whole: no verb writes its
+  scratch page, and a refusal must leave every page, the page table and the
+  reference counts bitwise unchanged. Call this before the next facade call:
+  the facade donates its state.
   """
   leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+  live = getattr(state, "live", None)    # a Step has no columns of its own
+  columns = None if live is None else live.shape[0] + 1
   out = {}
   for path, leaf in leaves:
     arr = np.array(leaf, copy=True)
     if _is_kv_path(path):
       assert arr.ndim == 4, (path, arr.shape)
-      arr = np.ascontiguousarray(arr[:, :-1])
+      # A pool whose page size happens to equal the column count loses its last
+      # row per page here: a weaker check, never a wrong one.
+      if arr.shape[1] == columns:
+        arr = np.ascontiguousarray(arr[:, :-1])
     out[_leaf_name(path)] = arr
   return out
+
+
+def stored_rows(state, config, layer: int, col: int, positions) -> tuple[np.ndarray, np.ndarray]:
+  """`(K, V)` `[len(positions), H_kv, D]` that flat layer `layer` stores for column `col`.
+
+  Reads `k[layer][p, col]` with column storage, and
+  `pool[page_table[col, p // page_size], p % page_size]` with paged storage
+  (CONTRACT §3.1), so a scenario can inspect storage under either.
+  """
+  k, v = np.asarray(state.k[layer]), np.asarray(state.v[layer])
+  positions = np.asarray(list(positions), np.int64)
+  if config.page_size is None or config.layers[layer].policy.kind != "flat":
+    return k[positions, col], v[positions, col]
+  table = np.asarray(state.page_table)
+  pages = table[col, positions // config.page_size]
+  return k[pages, positions % config.page_size], v[pages, positions % config.page_size]
+
+
+def flat_row_count(state, config) -> int:
+  """Flat rows per column as allocated: `k[flat].shape[0]`, or `capacity` when paged
+  (every position below capacity has a page-table slot; the pool never grows)."""
+  if config.page_size is not None:
+    return config.capacity
+  return next(a.shape[0] for a, lc in zip(state.k, config.layers) if lc.policy.kind == "flat")
 
 
 def assert_same_state(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -358,6 +397,7 @@ class Harness:
       cache_prev = out[:n]
       outputs.append(cache_prev)
     self.cache.commit_step()
+    check_page_invariants(self.config, self.cache.state)
 
     # Oracles: each sequence's segments in step order, layer by layer.
     expected = [np.zeros((n,) + o.shape[1:], np.float64) for o in outputs]
@@ -395,4 +435,7 @@ def default_config(**overrides):
   ]
   kwargs = dict(capacity=32, max_seqs=4, max_write=8, kv_dtype=jnp.float16, initial_capacity=32)
   kwargs.update(overrides)
+  has_flat = any(lc.policy.kind == "flat" for lc in layer_configs)
+  if PAGE_SIZE is not None and has_flat and "page_size" not in overrides:
+    kwargs["page_size"] = min(PAGE_SIZE, kwargs["capacity"])
   return jaxkv.CacheConfig(layer_configs, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from fork_utils import assert_causal_probe
 from fork_utils import assert_probe
 from fork_utils import bits
@@ -27,6 +28,9 @@ from scenario_utils import default_config
 from scenario_utils import snapshot
 from scenario_utils import tok
 
+# Every scenario runs with column and paged storage (CONTRACT §3.1).
+pytestmark = pytest.mark.usefixtures("storage")
+
 FLAT = jaxkv.LayerPolicy.flat()
 RING_W = 2
 R = 9  # min(64, 2 + 8 − 1)
@@ -40,7 +44,8 @@ def _setup(implementation):
   x, y = h.new(), h.new()
   h.step([x] * 6)
   h.step([y] * 6)
-  assert h.cache.state.k[0].shape[0] == 8
+  if config.page_size is None:
+    assert h.cache.state.k[0].shape[0] == 8
   return config, h, x, y
 
 
@@ -93,7 +98,8 @@ def test_block_attention_and_bookkeeping(implementation):
   ids = [x] * 4 + [y] * 4
   blocks = [(0, 4), (4, 4)]
   assert prepared(cache, ids, owner_blocks=blocks) == _first_step(x, y)
-  assert cache.state.k[0].shape[0] == 16  # flat rows grew 8 → 16 for b0 + B = 10
+  if config.page_size is None:
+    assert cache.state.k[0].shape[0] == 16  # flat rows grew 8 → 16 for b0 + B = 10
 
   # Probe content: every block query reads positions 0..9 (flat) and 5..9 (ring),
   # where a causal query at 6 would read 6.5 on the ring.

@@ -30,6 +30,9 @@ from scenario_utils import assert_same_state
 from scenario_utils import default_config
 from scenario_utils import snapshot
 
+# Every scenario runs with column and paged storage (CONTRACT §3.1).
+pytestmark = pytest.mark.usefixtures("storage")
+
 FLAT = jaxkv.LayerPolicy.flat()
 DRIVERS = ["facade", "pure-poisoned"]  # pure-poisoned: NaN in every row no live sequence owns
 

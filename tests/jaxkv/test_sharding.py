@@ -121,6 +121,27 @@ def test_sharded_facade_equals_unsharded(mesh):
   assert_same_state(snapshot(plain.state), snapshot(split.state))
 
 
+def test_sharded_paged_facade_equals_unsharded():
+  """Paged storage (CONTRACT §3.1) on a mesh: the pool is split over its heads like the
+  columns, the page table is replicated, and the script's outputs, page tables and
+  pages equal the unsharded ones."""
+  mesh = _mesh(AxisType.Explicit)
+  config = _config(page_size=5)
+  plain = jaxkv.BatchedSequenceCache(config, implementation="reference")
+  split = jaxkv.BatchedSequenceCache(config, implementation="reference", mesh=mesh)
+  expected, got = _run_script(plain, 0), _run_script(split, 0)
+  for i, (e, g) in enumerate(zip(expected, got)):
+    if isinstance(e, list):
+      for layer, (a, b) in enumerate(zip(e, g)):
+        np.testing.assert_allclose(b, a, atol=tol(jnp.float32), rtol=0,
+                                   err_msg=f"op {i} {_SCRIPT[i]} layer {layer}")
+    else:
+      assert e == g, f"op {i} {_SCRIPT[i]}: {e} != {g}"
+  _assert_kv_sharded(split.state, mesh)
+  assert split.state.page_table.sharding.is_fully_replicated
+  assert_same_state(snapshot(plain.state), snapshot(split.state))
+
+
 def test_sharded_heads_must_divide():
   mesh = _mesh(AxisType.Explicit)
   layers = [jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 2, HEAD_DIM)]

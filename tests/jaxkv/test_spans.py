@@ -28,7 +28,11 @@ from scenario_utils import (
     probe,
     snapshot,
     tok,
+    stored_rows,
 )
+
+# Every scenario runs with column and paged storage (CONTRACT §3.1).
+pytestmark = pytest.mark.usefixtures("storage")
 
 flat = jaxkv.LayerPolicy.flat
 ring = jaxkv.LayerPolicy.ring
@@ -134,13 +138,12 @@ def test_scenario_05_dtype_cast(make):
   a, b = h.new(), h.new()
   outs = h.step([a, b])   # row 0 vs the bfloat16 oracle, within tol(bfloat16)
   assert outs[0].dtype == np.float32
-  stored_k = np.asarray(h.cache.state.k[0])
-  stored_v = np.asarray(h.cache.state.v[0])
-  assert stored_k.dtype == np.dtype(jnp.bfloat16)
+  assert h.cache.state.k[0].dtype == np.dtype(jnp.bfloat16)
   for col, s in ((0, a), (1, b)):
     _, k, v = tok(h.tags[s], 0, 0, n_q_heads=N_Q_HEADS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM)
-    assert stored_k[0, col].tobytes() == k.astype(jnp.bfloat16).tobytes()
-    assert stored_v[0, col].tobytes() == v.astype(jnp.bfloat16).tobytes()
+    stored_k, stored_v = stored_rows(h.cache.state, config, 0, col, [0])
+    assert stored_k[0].tobytes() == k.astype(jnp.bfloat16).tobytes()
+    assert stored_v[0].tobytes() == v.astype(jnp.bfloat16).tobytes()
 
 
 def test_scenario_06_removed_id_starts_over(make):
@@ -238,6 +241,7 @@ def test_scenario_09_partial_flat_fork_copies_only_prefix(make):
   assert h.cache.pos(f) == 6
 
 
+@pytest.mark.columns_only   # paged storage never grows; its forks are tests/jaxkv/test_paged.py's
 def test_scenario_10_fork_and_source_diverge_while_rows_grow(make):
   """Scenario 10: initial_capacity 2; F grows 2 -> 4 -> 8 -> 16 under decode and a fork."""
   config = default_config(initial_capacity=2)
@@ -532,6 +536,7 @@ def test_oracle_reproduces_spec_worked_examples():
   np.testing.assert_allclose(_probe_feed(x, 1, [2])[0], probe_expected([1, 2]))
 
 
+@pytest.mark.columns_only   # the paged poison: tests/jaxkv/test_paged.py
 def test_poison_free_storage_keeps_owned_rows_only():
   """The NaN poison covers free columns, scratch and unowned rows, and nothing a sequence owns."""
   config = default_config(layers=[flat(), ring(2)], max_write=1, kv_dtype=jnp.float32)

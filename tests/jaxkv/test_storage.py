@@ -33,6 +33,9 @@ from scenario_utils import default_config
 from scenario_utils import layer_windows
 from scenario_utils import snapshot
 
+# Every scenario runs with column and paged storage (CONTRACT §3.1).
+pytestmark = pytest.mark.usefixtures("storage")
+
 FLAT = jaxkv.LayerPolicy.flat()
 
 
@@ -47,6 +50,7 @@ def _flat_rows(state) -> int:
 # --------------------------------------------------------------------------- 37
 
 
+@pytest.mark.columns_only   # the page pool never grows (CONTRACT §3.1)
 def test_growth_preserves_contents():
   """37: F grows 4 → 8 → 16 → 32 keeping old rows' bytes, zeroing new ones, leaving the ring alone."""
   config = default_config(layers=[FLAT, ring(4)], capacity=32, initial_capacity=4, max_write=8)
@@ -129,6 +133,7 @@ def _growth_setup():
 
 
 @pytest.mark.parametrize("fail_on", [1, 2, 3], ids=lambda c: f"call{c}")
+@pytest.mark.columns_only   # the page pool never grows (CONTRACT §3.1)
 def test_failed_growth_is_transactional(monkeypatch, fail_on):
   """38: a failed allocation leaves shapes, bytes, control values and the declaration as before."""
   _, h, x = _growth_setup()
@@ -151,6 +156,7 @@ def test_failed_growth_is_transactional(monkeypatch, fail_on):
   h.step([x] * 3)  # and the rows are usable: outputs match the oracle
 
 
+@pytest.mark.columns_only   # the page pool never grows (CONTRACT §3.1)
 def test_step_without_growth_needs_no_allocation(monkeypatch):
   """38: after a failed growth, a 1-token step needs no rows and succeeds with the fault still on."""
   _, h, x = _growth_setup()
@@ -173,7 +179,8 @@ def test_max_seqs_exhaustion_and_reuse():
   h = Harness(config)
   cache = h.cache
   assert h.new() == 0 and h.new() == 1
-  assert cache.state.k[0].shape == (32, 3, 2, 8)
+  if config.page_size is None:
+    assert cache.state.k[0].shape == (32, 3, 2, 8)
 
   before = snapshot(cache.state)
   assert cache.seq_new() is None
@@ -191,9 +198,15 @@ def test_max_seqs_exhaustion_and_reuse():
   before = kv_bits(cache.state, config.max_seqs)
   h.step([1])  # writes row 1 of column 1
   after = kv_bits(cache.state, config.max_seqs)
+  # Columns: row 1 of column 1. Paged: row 1 % page_size of the page column 1's
+  # slot 1 // page_size names (the paged storage's "column" axis is the row in the page).
+  where = [[1, 1]]
+  if config.page_size is not None:
+    page = int(np.asarray(cache.state.page_table)[1, 1 // config.page_size])
+    where = [[page, 1 % config.page_size]]
   for b, a in zip(before, after):
     changed = np.argwhere((a != b).any(axis=(2, 3)))
-    assert changed.tolist() == [[1, 1]], changed
+    assert changed.tolist() == where, changed
 
 
 # --------------------------------------------------------------------------- 41

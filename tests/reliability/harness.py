@@ -66,6 +66,18 @@ POOL: dict[str, PoolEntry] = {
     "ring5+flat/W4": PoolEntry(_cfg(
         [(ring(5), 1, 4), (flat(), 1, 4)], capacity=24, max_seqs=3, max_write=4,
         kv_dtype=jnp.float32, initial_capacity=2), 2, "random"),
+    # Paged storage (CONTRACT §3.1), drawn like any other entry: pages of 2 under
+    # scenario 50's first config, pages of 3 (not dividing capacity 16 or W 3), and
+    # pages of 4 under a ring, with W 4 steps crossing page boundaries.
+    "flat+ring3/W2/paged2": PoolEntry(_cfg(
+        [(flat(), 1, 4), (ring(3), 1, 4)], capacity=24, max_seqs=3, max_write=2,
+        kv_dtype=jnp.float32, page_size=2), 2, "probe"),
+    "flat/W3/f16/gqa/paged3": PoolEntry(_cfg(
+        [(flat(), 2, 4)], capacity=16, max_seqs=4, max_write=3,
+        kv_dtype=jnp.float16, page_size=3), 4, "random"),
+    "ring5+flat/W4/paged4": PoolEntry(_cfg(
+        [(ring(5), 1, 4), (flat(), 1, 4)], capacity=24, max_seqs=3, max_write=4,
+        kv_dtype=jnp.float32, page_size=4), 2, "probe"),
     # Rings only, two windows, five sequences.
     "ring7+ring2/W5": PoolEntry(_cfg(
         [(ring(7), 1, 4), (ring(2), 1, 4)], capacity=40, max_seqs=5, max_write=5,
@@ -76,7 +88,9 @@ POOL_NAMES = sorted(POOL)
 
 
 def flat_rows(config, state) -> int:
-  """F: rows of the first flat layer, 0 when every layer is a ring."""
+  """F: rows of the first flat layer, 0 when every layer is a ring; capacity when paged."""
+  if config.page_size is not None:
+    return config.capacity
   for lc, k in zip(config.layers, state.k):
     if lc.policy.kind == "flat":
       return k.shape[0]

@@ -196,6 +196,7 @@ class CacheMachine(RuleBasedStateMachine):
                phase=int(state.phase))
     assert got == want, f"{self.name}: state {got} != model {want}"
     assert H.flat_rows(self.config, state) == model.flat_rows
+    D.check_page_invariants(self.config, state)
     floors = D.floors(self.config, state)
     assert floors == [model.floor(s) for s in range(self.config.max_seqs)], floors
     self._check_declaration_and_step(state)

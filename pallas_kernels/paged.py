@@ -1,0 +1,96 @@
+"""Paged storage: the write and the attention references through a page table.
+
+A paged flat layer stores K (and V) in a pool `[num_pages, page_size, K, D]`;
+column `c`'s logical row (position) `p` lives at
+`pool[page_table[c, p // page_size], p % page_size]`. These references take the
+arguments of `kv_write_reference` / `varlen_attention_reference` with the
+pool in place of the `[R, C, K, D]` cache, plus the `page_table`; the logical
+rows per column are `page_table.shape[1] * page_size`. Only flat layers are
+paged (`window=None`). No whole cache is gathered: the write scatters the
+step's tokens, and the attention streams its key blocks through the table
+inside the reference's own loop.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels.varlen_attention import blocked_attention
+from pallas_kernels.varlen_attention import static_validate_varlen_attention
+
+
+def static_validate_paged(k_pool, v_pool, page_table) -> None:
+  """Checks the pool and table shapes and dtypes at trace time; raises ValueError."""
+  if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+    raise ValueError(f"k_pool and v_pool must share one [pages, page_size, K, D] shape; "
+                     f"got {k_pool.shape=}, {v_pool.shape=}")
+  if k_pool.dtype != v_pool.dtype:
+    raise ValueError(f"{k_pool.dtype=} and {v_pool.dtype=} must agree")
+  if page_table.ndim != 2 or page_table.dtype != jnp.int32:
+    raise ValueError(f"page_table must be int32 [columns, pages per column]; got "
+                     f"{page_table.dtype}{list(page_table.shape)}")
+
+
+def page_address(page_table, cols, rows, page_size: int):
+  """`(page, offset)` of logical `rows` of columns `cols` (arrays of one shape)."""
+  pages_per_col = page_table.shape[1]
+  slot = jnp.clip(rows // page_size, 0, pages_per_col - 1)
+  return page_table[cols, slot], rows % page_size
+
+
+def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
+                             page_table):
+  """Sets `pool[page_table[seq_cols[t], rows[t] // P], rows[t] % P] = new[t]` for `t < n_tokens`.
+
+  Args:
+    k_pool, v_pool: `[num_pages, P, K, D]`; donate them for an in-place update.
+    k_new, v_new: `[T, K, D]`.
+    seq_cols, rows: `[T]` int32 column and logical row (position) of each token.
+    n_tokens: int32 scalar; later tokens are padding and not written.
+    page_table: `[C, pages per column]` int32; the caller has given every written
+      row a page the column owns alone (copy on write happens before).
+
+  Returns:
+    `(k_pool, v_pool)` updated.
+  """
+  static_validate_paged(k_pool, v_pool, page_table)
+  if k_new.ndim != 3 or k_new.shape != v_new.shape or k_new.shape[1:] != k_pool.shape[2:]:
+    raise ValueError(f"k_new and v_new must be [T, {k_pool.shape[2]}, {k_pool.shape[3]}]; "
+                     f"got {k_new.shape=}, {v_new.shape=}")
+  num_tokens = k_new.shape[0]
+  if seq_cols.shape != (num_tokens,) or rows.shape != (num_tokens,):
+    raise ValueError(f"seq_cols and rows must be [{num_tokens}]; got {seq_cols.shape=}, "
+                     f"{rows.shape=}")
+  page, offset = page_address(page_table, seq_cols, rows, k_pool.shape[1])
+  is_real = jnp.arange(num_tokens, dtype=jnp.int32) < n_tokens
+  # Padded tokens get an out-of-range page and are dropped: nothing is written.
+  page = jnp.where(is_real, page, k_pool.shape[0])
+  k_pool = k_pool.at[page, offset].set(k_new.astype(k_pool.dtype), mode="drop")
+  v_pool = v_pool.at[page, offset].set(v_new.astype(v_pool.dtype), mode="drop")
+  return k_pool, v_pool
+
+
+def paged_varlen_attention_reference(q, k_pool, v_pool, page_table, seq_info, n_segments, *,
+                                     window, scale):
+  """`varlen_attention_reference` over paged storage (flat layers only).
+
+  Each token streams its column's logical rows in blocks; a block's keys are
+  looked up through `page_table` inside the loop. Only rows of a real
+  segment's read range are read; every other page may hold NaN.
+
+  Raises:
+    ValueError: a ring `window` (rings are not paged), or bad shapes.
+  """
+  static_validate_paged(k_pool, v_pool, page_table)
+  if window is not None:
+    raise ValueError(f"{window=}: paged storage serves flat layers only (window=None)")
+  static_validate_varlen_attention(q, k_pool, v_pool, seq_info, n_segments, window=None,
+                                   scale=scale)
+  page_size = k_pool.shape[1]
+
+  def gather(pool, rows, col):
+    page, offset = page_address(page_table, col[:, None], rows, page_size)   # [T, S]
+    return pool[page, offset]                                                 # [T, S, K, D]
+
+  return blocked_attention(q, k_pool, v_pool, gather, page_table.shape[1] * page_size,
+                           seq_info, n_segments, window=None, scale=scale)
