@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from jaxkv._config import CacheConfig
