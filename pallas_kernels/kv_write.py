@@ -10,13 +10,24 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
-def static_validate_kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens):
-  """Checks shapes and dtypes at trace time; raises ValueError."""
-  if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-    raise ValueError(f"k_cache and v_cache must share one [R, C, K, D] shape; got "
-                     f"{k_cache.shape=}, {v_cache.shape=}")
-  if k_cache.dtype != v_cache.dtype:
-    raise ValueError(f"{k_cache.dtype=} and {v_cache.dtype=} must agree")
+def static_validate_kv_pair(k, v, *, names=("k_cache", "v_cache"), layout="[R, C, K, D]"):
+  """A K and a V store of one 4-d shape and one dtype; raises ValueError naming them."""
+  a, b = names
+  if k.ndim != 4 or k.shape != v.shape:
+    raise ValueError(f"{a} and {b} must share one {layout} shape; got "
+                     f"{a}.shape={k.shape}, {b}.shape={v.shape}")
+  if k.dtype != v.dtype:
+    raise ValueError(f"{a}.dtype={k.dtype!r} and {b}.dtype={v.dtype!r} must agree")
+
+
+def static_validate_kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
+                            names=("k_cache", "v_cache"), layout="[R, C, K, D]"):
+  """Checks shapes and dtypes at trace time; raises ValueError.
+
+  `names` and `layout` name the stores in messages (a paged pool is
+  `[pages, page_size, K, D]`: the same checks apply to its last two axes).
+  """
+  static_validate_kv_pair(k_cache, v_cache, names=names, layout=layout)
   if k_new.ndim != 3 or k_new.shape != v_new.shape:
     raise ValueError(f"k_new and v_new must share one [T, K, D] shape; got "
                      f"{k_new.shape=}, {v_new.shape=}")

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.kv_write import static_validate_kv_pair, static_validate_kv_write
 from pallas_kernels.varlen_attention import blocked_attention
 from pallas_kernels.varlen_attention import static_validate_varlen_attention
 
 
 def static_validate_paged(k_pool, v_pool, page_table) -> None:
   """Checks the pool and table shapes and dtypes at trace time; raises ValueError."""
-  if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-    raise ValueError(f"k_pool and v_pool must share one [pages, page_size, K, D] shape; "
-                     f"got {k_pool.shape=}, {v_pool.shape=}")
-  if k_pool.dtype != v_pool.dtype:
-    raise ValueError(f"{k_pool.dtype=} and {v_pool.dtype=} must agree")
+  static_validate_kv_pair(k_pool, v_pool, names=("k_pool", "v_pool"),
+                          layout="[pages, page_size, K, D]")
   if page_table.ndim != 2 or page_table.dtype != jnp.int32:
     raise ValueError(f"page_table must be int32 [columns, pages per column]; got "
                      f"{page_table.dtype}{list(page_table.shape)}")
@@ -54,13 +52,9 @@ def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tok
     `(k_pool, v_pool)` updated.
   """
   static_validate_paged(k_pool, v_pool, page_table)
-  if k_new.ndim != 3 or k_new.shape != v_new.shape or k_new.shape[1:] != k_pool.shape[2:]:
-    raise ValueError(f"k_new and v_new must be [T, {k_pool.shape[2]}, {k_pool.shape[3]}]; "
-                     f"got {k_new.shape=}, {v_new.shape=}")
+  static_validate_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
+                           names=("k_pool", "v_pool"), layout="[pages, page_size, K, D]")
   num_tokens = k_new.shape[0]
-  if seq_cols.shape != (num_tokens,) or rows.shape != (num_tokens,):
-    raise ValueError(f"seq_cols and rows must be [{num_tokens}]; got {seq_cols.shape=}, "
-                     f"{rows.shape=}")
   page, offset = page_address(page_table, seq_cols, rows, k_pool.shape[1])
   is_real = jnp.arange(num_tokens, dtype=jnp.int32) < n_tokens
   # Padded tokens get an out-of-range page and are dropped: nothing is written.
