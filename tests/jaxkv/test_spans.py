@@ -376,7 +376,8 @@ def test_scenario_13_public_surface():
   assert [(s.name, int(s)) for s in jaxkv.Status] == [
       ("OK", 0), ("NOT_LIVE", 1), ("NO_ROOM", 2), ("NO_FREE_ID", 3), ("EMPTY", 4),
       ("TOO_WIDE", 5), ("BAD_BLOCKS", 6), ("BAD_TARGET", 7), ("BELOW_FLOOR", 8),
-      ("NO_DECLARATION", 9), ("BAD_POSITIONS", 10), ("NEEDS_ROWS", 11), ("NOT_PREPARED", 12)]
+      ("NO_DECLARATION", 9), ("BAD_POSITIONS", 10), ("NEEDS_ROWS", 11), ("NOT_PREPARED", 12),
+      ("NOT_ATTENDED", 13)]
   assert [(p.name, int(p)) for p in jaxkv.Phase] == [
       ("IDLE", 0), ("DECLARED", 1), ("PREPARED", 2), ("COMMITTED", 3)]
   assert jaxkv.pure.WHOLE == 2**31 - 1
@@ -389,8 +390,11 @@ def test_scenario_13_public_surface():
   leaves = jax.tree_util.tree_leaves(state)
   assert all(isinstance(x, jax.Array) for x in leaves)
   W, S, L = 8, 4, 2
+  # Flat: 16 columns rows, or paged (CONTRACT §3.1) ceil(64 / P) + S + 1 pages of P rows.
+  P = config.page_size
+  flat_shape = (16, S + 1, 2, 8) if P is None else (-(-64 // P) + S + 1, P, 2, 8)
   expect = {
-      "k": [(16, S + 1, 2, 8), (11, S + 1, 2, 8)], "v": [(16, S + 1, 2, 8), (11, S + 1, 2, 8)],
+      "k": [flat_shape, (11, S + 1, 2, 8)], "v": [flat_shape, (11, S + 1, 2, 8)],
       "live": (S,), "pos": (S,), "hw": (S,), "held": (), "phase": (), "decl_ids": (W,),
       "decl_block": (W,), "decl_n": (),
   }
