@@ -127,7 +127,8 @@ def test_block_attention_and_bookkeeping(implementation):
   cache.commit_step()
   assert cache.pos(x) == 6 and cache.pos(y) == 6
   assert hw_of(cache, x) == 10 and hw_of(cache, y) == 10
-  assert cache.state.k[0].shape[0] == 16
+  if config.page_size is None:
+    assert cache.state.k[0].shape[0] == 16
   assert floor_of(config, cache.state, x) == 10 - R + RING_W - 1 == 2
 
   before = snapshot(cache.state)

@@ -299,8 +299,8 @@ def _copies_of(hlo_text: str, shapes) -> list[str]:
 
 
 def test_paged_jitted_loop_updates_the_pool_in_place():
-  """A donated jitted loop (clone, rewind into a shared page, decode with copy on write)
-  copies no K/V-shaped array and aliases every K/V byte."""
+  """A donated jitted loop (clone, rewind into a shared page, decode with copy on write,
+  removal) copies no K/V-shaped array and aliases every K/V byte."""
   config = paged_config(kv_dtype=jnp.bfloat16)
   width = config.max_write
 
@@ -322,6 +322,7 @@ def test_paged_jitted_loop_updates_the_pool_in_place():
     state, _ = pure.rewind(config, state, b, 2)
     decode = jnp.full((width,), config.max_seqs, jnp.int32).at[0].set(b).at[1].set(a)
     state = jax.lax.fori_loop(0, 3, lambda _, s: step(s, decode, 2), state)
+    state, _ = pure.seq_rm(config, state, a)
     return state
 
   rng = np.random.default_rng(0)
@@ -339,4 +340,4 @@ def test_paged_jitted_loop_updates_the_pool_in_place():
     out = jax.block_until_ready(jitted(config, state, q, k, v))
   assert not [w for w in caught if "donated" in str(w.message)]
   check_page_invariants(config, out)
-  assert np.asarray(out.pos)[:2].tolist() == [7, 5]
+  assert np.asarray(out.pos)[:2].tolist() == [0, 5] and np.asarray(out.live)[:2].tolist() == [0, 1]

@@ -390,8 +390,11 @@ def test_scenario_13_public_surface():
   leaves = jax.tree_util.tree_leaves(state)
   assert all(isinstance(x, jax.Array) for x in leaves)
   W, S, L = 8, 4, 2
+  # Flat: 16 columns rows, or paged (CONTRACT §3.1) ceil(64 / P) + S + 1 pages of P rows.
+  P = config.page_size
+  flat_shape = (16, S + 1, 2, 8) if P is None else (-(-64 // P) + S + 1, P, 2, 8)
   expect = {
-      "k": [(16, S + 1, 2, 8), (11, S + 1, 2, 8)], "v": [(16, S + 1, 2, 8), (11, S + 1, 2, 8)],
+      "k": [flat_shape, (11, S + 1, 2, 8)], "v": [flat_shape, (11, S + 1, 2, 8)],
       "live": (S,), "pos": (S,), "hw": (S,), "held": (), "phase": (), "decl_ids": (W,),
       "decl_block": (W,), "decl_n": (),
   }
