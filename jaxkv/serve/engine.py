@@ -326,7 +326,7 @@ class Engine:
   def _grow_for(self, ls: LoopState, requests) -> LoopState:
     """Grows flat rows once so that no request of the queue can hit NEEDS_ROWS in the loop."""
     config = self.config
-    if not config.has_flat:
+    if not config.has_flat or config.page_size is not None:   # a paged pool never grows
       return ls
     current = next(ls.cache.k[l].shape[0] for l, layer in enumerate(config.layers)
                    if not layer.policy.is_ring)

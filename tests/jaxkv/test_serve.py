@@ -250,3 +250,16 @@ def test_model_protocol_is_checked_at_construction(model):
 
   with pytest.raises(TypeError, match="float32"):
     serve.Engine(WrongVocab(model))
+
+
+def test_paged_storage_serves_the_same_tokens(model, rng):
+  """An engine over paged flat layers (CONTRACT §3.1; the pool never grows) gives the columns' tokens."""
+  import dataclasses   # pylint: disable=g-import-not-at-top
+  paged_cache = dataclasses.replace(model.cache_config, page_size=4)
+  paged = Decoder(MODEL, paged_cache, rngs=nnx.Rngs(0))
+  requests = [serve.Request(p, serve.SamplingParams(max_tokens=5, n=1 + i % 2))
+              for i, p in enumerate(_prompts(rng, 4))]
+  want = serve.Engine(model, max_len=48).run(requests)
+  got = serve.Engine(paged, max_len=48).run(requests)
+  assert [(c.request_id, c.index, c.tokens) for c in got] == [
+      (c.request_id, c.index, c.tokens) for c in want]
