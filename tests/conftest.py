@@ -74,3 +74,16 @@ def pytest_runtest_call(item):
     outcome.force_exception(pytest.skip.Exception(
         f"the compiled Mosaic GPU kernel does not serve this configuration: {error}",
         _use_item_location=True))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops jax's compiled programs after each test module.
+
+  A long xdist worker otherwise keeps every module's executables alive; on the
+  2-core, 24 GiB CI machine one such worker crashed inside XLA's compiler late in
+  the run (segmentation fault while compiling). Modules share few programs, so
+  little is recompiled.
+  """
+  yield
+  jax.clear_caches()
