@@ -51,6 +51,22 @@ def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
   return dataclasses.replace(ls, cache=pure.grow(config, ls.cache, rows))
 
 
+def labelled(requests: Sequence[Request]) -> list[Request]:
+  """The queue as a list of `Request`s, each without a `request_id` labelled by its index."""
+  if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
+    raise TypeError("requests must be a sequence of jaxkv.serve.Request")
+  return [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
+          for i, r in enumerate(requests)]
+
+
+def queue_order(requests: Sequence[Request]) -> dict:
+  """`request_id -> position` of a labelled queue; raises ValueError on a repeated id."""
+  order = {r.request_id: i for i, r in enumerate(requests)}
+  if len(order) != len(requests):
+    raise ValueError("request_id values must be unique")
+  return order
+
+
 class EngineError(RuntimeError):
   """`Engine.run` failed; `completions` holds every sample finished before the failure."""
 
@@ -151,19 +167,14 @@ class Engine:
         raised; its `completions` (and `self.completions`) hold every sample
         finished before, the cause is chained, and the engine stays usable.
     """
-    if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
-      raise TypeError("requests must be a sequence of jaxkv.serve.Request")
-    requests = [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
-                for i, r in enumerate(requests)]
+    requests = labelled(requests)
     # A None seed is drawn here, on the host, and reported on the completions.
     requests = [r if r.params.seed is not None else dataclasses.replace(
         r, params=dataclasses.replace(r.params, seed=secrets.randbelow(2**31)))
                 for r in requests]
     for r in requests:
       self.check(r)
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    if len(order) != len(requests):
-      raise ValueError("request_id values must be unique")
+    order = queue_order(requests)
     if self._live is not None and self._live.has_unfinished():
       raise RuntimeError("run: requests added with add_request are still in flight (one cache "
                          "at a time): step until has_unfinished() is False, or abort them")

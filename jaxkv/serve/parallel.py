@@ -16,12 +16,11 @@ same seeds, sampled tokens do not depend on which device served a request.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 from typing import Sequence
 
 import jax
 
-from jaxkv.serve.engine import Engine, EngineError
+from jaxkv.serve.engine import Engine, EngineError, labelled, queue_order
 from jaxkv.serve.requests import Completion, EngineStats, Request
 
 
@@ -57,13 +56,8 @@ class DataParallelEngine:
       EngineError: an engine failed; `completions` holds every sample finished on
         any device (the other devices finish their shares first).
     """
-    if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
-      raise TypeError("requests must be a sequence of jaxkv.serve.Request")
-    requests = [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
-                for i, r in enumerate(requests)]
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    if len(order) != len(requests):
-      raise ValueError("request_id values must be unique")
+    requests = labelled(requests)
+    order = queue_order(requests)
     for r in requests:
       self.engines[0].check(r)   # the engines are alike: one check refuses before any serves
     shares = self._split(requests)
