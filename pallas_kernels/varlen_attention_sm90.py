@@ -16,8 +16,10 @@ items, longest first. Each item streams the K/V tiles of its key range (the
 segment's one or two ring row runs, see `indexing.run_tiling`) through a
 `num_stages`-deep TMA pipeline, keeps an online float32 softmax in registers,
 and writes its real rows of a normalized float32 partial output plus the
-log-sum-exp (base 2). A small XLA epilogue copies each token's partial back to
-`[T, H_q, D]` in q's dtype, merging the splits of split segments.
+log-sum-exp (base 2). An epilogue copies each token's partial back to
+`[T, H_q, D]` in q's dtype, merging the splits of split segments: one Pallas
+kernel (`pallas_kernels.combine`) for power-of-two groups and head dims, XLA
+ops otherwise.
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
 K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
@@ -42,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels import _compat
+from pallas_kernels import combine
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
 from pallas_kernels.common import MASK_VALUE
@@ -489,15 +492,12 @@ def _smem_transforms(use_wgmma, dtype, head_dim):
   return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
-             max_split_tokens, out_dtype):
-  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`.
+def _token_fields(seg, *, num_tokens, group, block_q):
+  """Per token: `(is_token, item_base, row_block, splits)`, each `[T]`.
 
-  Every token's first (often only) partial is gathered once; tokens of split
-  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
-  compacted and merged over their `max_splits` partials, then scattered back.
+  `item_base` is the token's first partial (its q tile's first split) and
+  `row_block` its place in the tile, in whole tokens.
   """
-  num_items, num_kv_heads, _, head_dim = o_part.shape
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
   # Padded rows have q_len 0 here (`_segment_plan`), so they are not real.
   s = jnp.clip(token_segment_index(seg["q_start"], seg["q_len"] > 0, num_tokens), 0,
@@ -507,8 +507,23 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
   local_token = tokens - seg["q_start"][s]
   splits = seg["splits"][s]
   item_base = seg["cu_items"][s] - seg["num_items"][s] + (local_token // tile_tokens) * splits
+  return is_token, item_base, local_token % tile_tokens, splits
+
+
+def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
+             max_split_tokens, out_dtype):
+  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype` (XLA ops).
+
+  Every token's first (often only) partial is gathered once; tokens of split
+  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
+  compacted and merged over their `max_splits` partials, then scattered back.
+  `combine.combine` does the same in one kernel where it serves the layout.
+  """
+  num_items, num_kv_heads, _, head_dim = o_part.shape
+  is_token, item_base, row_block, splits = _token_fields(seg, num_tokens=num_tokens,
+                                                         group=group, block_q=block_q)
   item_base = jnp.clip(item_base, 0, num_items - 1)
-  row_block = local_token % tile_tokens
+  tile_tokens = block_q // group
   # The idle rows past the tile's whole tokens (when G does not divide block_q)
   # are dropped; the gathers below read every row through this view.
   tile_rows = tile_tokens * group
@@ -601,6 +616,13 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_compat.resolve_interpret(interpret),
   )(items, qt, k_cache, v_cache)
+  if combine.serves(group, head_dim):
+    is_token, item_base, row_block, splits = _token_fields(
+        seg, num_tokens=num_tokens, group=group, block_q=block_q)
+    table = combine.token_table(item_base=item_base, splits=splits, row_block=row_block,
+                                is_token=is_token, group=group)
+    return combine.combine(table, o_part, lse_part, group=group, max_splits=config.max_splits,
+                           out_dtype=q.dtype, interpret=interpret is not None)
   return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
                   max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
                   out_dtype=q.dtype)
@@ -624,7 +646,8 @@ def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, 
       the Mosaic GPU interpreter.
 
   Returns:
-    `[T, H_q, D]` in q's dtype; rows of padding tokens are unspecified.
+    `[T, H_q, D]` in q's dtype; rows of tokens outside the real segments (padding,
+    every token when `n_segments` is 0) are zeros: `jaxkv.pure.attend` relies on it.
 
   Raises:
     NotImplementedError: for a valid request this kernel cannot serve (dtype,

@@ -54,3 +54,12 @@ def check_family(family, rng, *, config, interpret):
     assert np.isfinite(got).all(), step.description
     np.testing.assert_allclose(got, want, atol=tol(family.dtype), rtol=0,
                                err_msg=step.description)
+    # Padding tokens (NaN queries) get zero rows: `jaxkv.pure.attend` relies on it.
+    np.testing.assert_array_equal(np.asarray(out[step.n_tokens:], np.float32), 0.0,
+                                  err_msg=step.description)
+    if index == 0:
+      # No real segment (a refused attend passes n_segments = 0): every row is zero.
+      none = pallas_kernels.varlen_attention(*args[:4], jnp.int32(0), **kwargs, config=config,
+                                             interpret=interpret)
+      np.testing.assert_array_equal(np.asarray(none, np.float32), 0.0,
+                                    err_msg=step.description)

@@ -1,0 +1,114 @@
+"""What each candidate lever is worth before it is built: the decode step with parts switched off.
+
+An experiment, not a product path: each variant replaces one part of the serving
+step for the duration of its run (by patching module attributes in this process
+only) and times the e2e decode workload (64 requests, 8-16-token prompts, greedy)
+through `jaxkv.serve.Engine`, beside the padded cuDNN loop on the same weights.
+Compilation is excluded (each engine serves the queue once first); timing is the
+mean step time of one timed run.
+
+Variants:
+- `base`: the engine as shipped.
+- `no_sample_cond`: sampling is a bare argmax (the workload is greedy, so the
+  tokens are the same): measures the per-step `lax.cond` of `serve.sampling.sample`,
+  a host synchronisation on GPU.
+- `no_splits`: the attention kernels never split a segment (`max_splits=1`), so
+  the split merge (three XLA kernels per layer) is compiled out: measures the
+  merge's cost on a workload that never splits.
+- `both`.
+
+Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/step_levers.py [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv import serve   # pylint: disable=wrong-import-position
+from jaxkv.serve import loop as loop_module   # pylint: disable=wrong-import-position
+from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
+
+
+@contextlib.contextmanager
+def _patched(obj, name, value):
+  old = getattr(obj, name)
+  setattr(obj, name, value)
+  try:
+    yield
+  finally:
+    setattr(obj, name, old)
+
+
+def _greedy_only(logits, temperature, top_k, top_p, keys):   # pylint: disable=unused-argument
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _no_split_default(*args, **kwargs):
+  config = _DEFAULT(*args, **kwargs)
+  return dataclasses.replace(config, max_splits=1, split_budget=0)
+
+
+_DEFAULT = kernel_config.default_varlen_attention_config
+
+
+def _variant(name):
+  stack = contextlib.ExitStack()
+  if name in ("no_sample_cond", "both"):
+    stack.enter_context(_patched(loop_module, "sample", _greedy_only))
+  if name in ("no_splits", "both"):
+    stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
+                                 _no_split_default))
+  return stack
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--small", action="store_true")
+  p.add_argument("--new-tokens", type=int, default=256)
+  p.add_argument("--variants", default="base,no_sample_cond,no_splits,both")
+  args = p.parse_args(argv)
+  cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  n_req = 64 if not args.small else 4
+  new = args.new_tokens if not args.small else 4
+  prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist()
+             for n in rng.integers(8, 17, size=n_req)]
+  rows = -(-(16 + new) // 128) * 128
+  cache = cfg.cache_config(capacity=n_req * rows, max_seqs=n_req, max_write=512 if not args.small
+                           else 16, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  base, _ = e2e.run_baseline(cfg, model, prompts, new)
+  print(f"device {jax.devices()[0].device_kind}; padded {base['attention']} loop: "
+        f"{base['ms_per_decode_step']:.3f} ms per decode step")
+  print("| variant | ms/step | steps | vs padded decode step | tokens equal to base |")
+  print("|---|---|---|---|---|")
+  reference = None
+  for name in args.variants.split(","):
+    jax.clear_caches()   # every variant traces and compiles its own loop
+    with _variant(name):
+      result, tokens = e2e.run_jaxkv(model, prompts, new)
+    reference = tokens if reference is None else reference
+    same = sum(a == b for a, b in zip(tokens, reference))
+    print(f"| {name} | {result['ms_per_step']:.3f} | {result['steps']} | "
+          f"{result['ms_per_step'] / base['ms_per_decode_step']:.2f}x | {same}/{len(tokens)} |",
+          flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
