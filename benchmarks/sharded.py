@@ -136,12 +136,13 @@ def _model_config(args):
       vocab_size=pick(args.model_vocab, vocab))
 
 
-def _serve(model_config, devices, requests, args):
-  """`(completions, generated tokens/s, step tokens/s, steps/s)` on a mesh of `devices`."""
+def _serve(model_config, devices, requests, args, *, use_mesh=True):
+  """`(completions, generated tokens/s, step tokens/s, steps/s)` on a mesh of `devices`
+  (or, `use_mesh=False`, on the default device with no mesh at all)."""
   from jaxkv.models import build   # pylint: disable=g-import-not-at-top
   from jaxkv import serve   # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,))
+                       axis_types=(jax.sharding.AxisType.Auto,)) if use_mesh else None
   per_seq = args.prompt_len + args.new_tokens
   # Flat rows are per column: one request's history, rounded up as the engine grows them.
   rows = -(-per_seq // serve.ROW_MULTIPLE) * serve.ROW_MULTIPLE
@@ -171,7 +172,11 @@ def model_main(args):
   for n in (1, args.devices):
     completions, *rates = _serve(model_config, devices[:n], requests, args)
     rows.append((n, [c.tokens for c in completions], *rates))
-  same = sum(a == b for ta, tb in zip(rows[0][1], rows[-1][1]) for a, b in zip(ta, tb))
+  if args.no_mesh_row:
+    # The same model on one device without a mesh: what the mesh itself costs.
+    completions, *rates = _serve(model_config, devices[:1], requests, args, use_mesh=False)
+    rows.append(("1, no mesh", [c.tokens for c in completions], *rates))
+  same = sum(a == b for ta, tb in zip(rows[0][1], rows[1][1]) for a, b in zip(ta, tb))
   total = sum(len(t) for t in rows[0][1])
   print(f"device: {devices[0].device_kind}; Llama-style {model_config.num_params / 1e6:.1f}M "
         f"params bf16 ({model_config.num_layers} layers, hidden {model_config.hidden_size}, "
@@ -199,6 +204,8 @@ def main():
   model = parser.add_argument_group("--model: serve the example Llama-style model")
   model.add_argument("--model", action="store_true", help="run the model benchmark")
   model.add_argument("--tiny", action="store_true", help="tiny model sizes (CPU smoke test)")
+  model.add_argument("--no-mesh-row", action="store_true",
+                     help="also serve on one device without a mesh")
   model.add_argument("--seqs", type=int, default=None, help="requests (64; 4 with --tiny)")
   model.add_argument("--prompt-len", type=int, default=None, help="512; 8 with --tiny")
   model.add_argument("--new-tokens", type=int, default=None, help="128; 8 with --tiny")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -152,11 +153,19 @@ def empty_step(config: CacheConfig) -> Step:
   )
 
 
+@functools.lru_cache(maxsize=256)
+def _zeros_fn(shape, dtype, sharding):
+  # One compiled program per (shape, dtype, sharding): a fresh `jax.jit` of a
+  # fresh lambda missed jax's cache and recompiled on every `init_state` (every
+  # `Engine.run` on a mesh paid several compilations inside its timed serving).
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
 def _zeros(shape, dtype, sharding):
   """A zero array created directly with `sharding` (no single-device staging copy)."""
   if sharding is None:
     return jnp.zeros(shape, dtype)
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
 def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheState:

@@ -251,3 +251,18 @@ def test_hlo_check_sees_a_gather_of_kv(mesh):
   text = replicate.lower(state.k[0]).compile().as_text()
   shapes = [_shape_of(m.group(1)) for m in _COLLECTIVE.finditer(text)]
   assert any(s in _kv_shapes(state, per_shard=True) for s in shapes), shapes
+
+
+def test_init_state_on_a_mesh_compiles_once(mesh):
+  """Before: every init_state on a mesh recompiled its zeros (a fresh jit per leaf), so
+  each Engine.run on a mesh paid compilations inside its serving time (issue 11)."""
+  compiles = []
+  listener = lambda event, *args, **kwargs: compiles.append(event) if "compile" in event else None
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    jax.block_until_ready(jaxkv.init_state(_config(), mesh=mesh))
+    first = len(compiles)
+    jax.block_until_ready(jaxkv.init_state(_config(), mesh=mesh))
+    assert len(compiles) == first, compiles[first:]
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
