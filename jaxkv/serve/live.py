@@ -49,12 +49,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxkv import Status
 from jaxkv.serve.live_ops import abort_columns, clear_rows
 from jaxkv.serve.requests import Delta, Request, RequestTiming, token_logprobs
-from jaxkv.serve.state import NO_ROW, HostQueue, _bucket, init_loop_state, pack_queue
+from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
+                               pack_queue)
 from jaxkv.serve.timing import compile_seconds
-
-# Logprob tokens kept per output row between host reads (caps a loop entry's steps while a
-# request wants logprobs); small, as the window costs rows x window x (1 + 2 max_logprobs) x 4 bytes.
-LOGPROB_WINDOW = 64
 
 @dataclasses.dataclass
 class _Tracked:
@@ -70,6 +67,10 @@ class _Tracked:
   @property
   def n(self) -> int:
     return self.request.params.n
+
+  @property
+  def logprobs_of_none(self) -> tuple | None:   # a token-less delta's: () if asked, else None
+    return None if self.request.params.logprobs is None else ()
 
 
 class LiveQueue:
@@ -297,7 +298,8 @@ class LiveQueue:
           mask |= self._columns_of([t.base + index])
           t.finished[index] = True
           self.engine.stats.aborted += 1
-          deltas.append(Delta(rid, index, (), "abort", t.request.params.seed))
+          deltas.append(Delta(rid, index, (), "abort", t.request.params.seed,
+                              logprobs=t.logprobs_of_none))
           if all(t.finished):
             deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
           continue
@@ -314,7 +316,8 @@ class LiveQueue:
           if not t.finished[j]:
             t.finished[j] = True
             self.engine.stats.aborted += 1
-            deltas.append(Delta(rid, j, (), "abort", t.request.params.seed))
+            deltas.append(Delta(rid, j, (), "abort", t.request.params.seed,
+                                logprobs=t.logprobs_of_none))
         deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
     self._remove_columns(mask)
     return deltas

@@ -23,6 +23,9 @@ from jaxkv import CacheConfig, CacheState, init_state
 # `lp_base`/`lp_row` of a request that wants no logprobs: past every logprob row, so its
 # writes are dropped (a fork adds its sample index and stays out of range).
 NO_ROW = 2**30
+# The incremental API's logprob tokens per output row between host reads (it caps a loop entry's
+# steps while a request wants logprobs); small: it costs rows x window x (1 + 2 NL) x 4 bytes.
+LOGPROB_WINDOW = 64
 
 
 def _register(cls):

@@ -149,6 +149,16 @@ def test_incremental_api_streams_the_same_tokens_and_logprobs(engine, monkeypatc
       assert [i for i, _ in a.top] == [i for i, _ in b.top]
 
 
+def test_an_aborted_request_with_logprobs_reports_empty_logprobs(engine):
+  rid = engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=20,
+                                                                         logprobs=2)))
+  first = engine.step(max_steps=2)
+  assert first and all(len(d.logprobs) == len(d.tokens) > 0 for d in first)
+  assert engine.abort(rid)
+  [last] = engine.step()
+  assert (last.finish_reason, last.tokens, last.logprobs) == ("abort", (), ())
+
+
 @pytest.mark.parametrize("field, value, error, match", [
     ("min_p", 1.5, ValueError, r"min_p=1.5 must be in \[0.0, 1.0\]"),
     ("min_p", "0.1", TypeError, "min_p='0.1' must be a real number"),
