@@ -18,13 +18,17 @@ Per row, in this order (vLLM's v1 sampler):
    top-k renormalised) set a threshold; a token is drawn with the row's key.
    Ties at the threshold are all kept.
 
-Top-k and top-p read the `top_cap` largest logits of the row (`lax.top_k`), not
-a sort of the vocabulary: enough when `top_k <= top_cap`, or when `top_k` keeps
-the whole vocabulary and the top-p set closes within `top_cap` tokens. Rows
-needing more (`top_cap < top_k < vocab`, or a nucleus wider than `top_cap`)
-take a full sort, under a `lax.cond` that only runs when one does. A row's
-result depends only on its own values, never on which path its neighbours
-took, so seeded sampling is independent of batching.
+Nothing sorts the vocabulary. Top-k and top-p first read the row's `top_cap`
+(16) largest logits with `lax.top_k` (on GPU XLA runs a one-pass TopK kernel
+up to k = 16 and lowers a larger k to a full sort, hence the small cap): that
+decides rows with `top_k <= top_cap`, and rows whose top-k keeps the whole
+vocabulary and whose nucleus closes within the candidates. Other rows
+(`top_cap < top_k < vocab`, or a wider nucleus) find their thresholds by
+bisection over the 32 bits of order-preserving integer keys of the logits
+(32 counting passes for top-k, 32 mass passes for top-p), exact, under a
+`lax.cond` that only runs when a row needs it. A row's result depends only on
+its own values, never on which path its neighbours took, so seeded sampling
+is independent of batching.
 
 Cost when unused: every stage sits behind a `lax.cond` on "any sampling row
 needs it", so a step whose sampling rows are all greedy with no penalty and no
@@ -41,8 +45,8 @@ import numpy as np
 
 # A finite mask value, not -inf: a row with every logit masked must stay NaN-free.
 _NEG = float(np.finfo(np.float32).min)
-# Logits a row reads without sorting (`lax.top_k`); rows that need more sort.
-TOP_CAP = 256
+# Candidates a row reads with `lax.top_k` (XLA's GPU TopK kernel serves k <= 16).
+TOP_CAP = 16
 
 
 @jax.tree_util.register_dataclass
@@ -101,18 +105,38 @@ def _penalize(logits, p: RowParams, history, prompt_len, length):
   return jnp.where(p.has_penalty()[:, None], x, logits)
 
 
-def _sorted_threshold(scaled, k, top_p):
-  """The row's keep threshold from a full descending sort (the fallback)."""
-  ordered = jnp.sort(scaled)[::-1]
-  ranks = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
-  in_k = ranks < k
-  probs = jax.nn.softmax(jnp.where(in_k, ordered, _NEG))
-  keep = in_k & (((jnp.cumsum(probs) - probs) < top_p) | (top_p >= 1))
-  return ordered[jnp.maximum(keep.sum(dtype=jnp.int32) - 1, 0)]
+def _keys(x):
+  """`uint32` keys ordered as the float32 values `x` are (finite values; -0 < +0)."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def _thresholds(scaled, top_k, top_p, top_cap: int):
-  """`float32[S]` keep thresholds (keep `scaled >= threshold`) of top-k then top-p."""
+def _bisect(test, rows: int):
+  """`uint32[S]`: per row, the largest key `t` with `test(t)` true (`test` monotone, true at 0)."""
+  def body(b, t):
+    cand = t | (jnp.uint32(1) << (31 - b).astype(jnp.uint32))
+    return jnp.where(test(cand), cand, t)
+  return jax.lax.fori_loop(0, 32, body, jnp.zeros((rows,), jnp.uint32))
+
+
+def _bisected_floor(scaled, k, top_p):
+  """`uint32[S]` key thresholds of top-k then top-p (keep `keys >= floor`), by bisection."""
+  keys = _keys(scaled)
+  rows = scaled.shape[0]
+  # The k-th largest key: the largest t with at least k keys >= t.
+  kth = _bisect(lambda t: (keys >= t[:, None]).sum(-1, dtype=jnp.int32) >= k, rows)
+  mass = jnp.where(keys >= kth[:, None],
+                   jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True)), 0.0)
+  goal = top_p * mass.sum(-1)
+  # A token is kept while the mass above it (strictly) is below top_p: keep keys > t*, where
+  # t* is the largest t whose mass above still reaches top_p.
+  above = _bisect(lambda t: jnp.where(keys > t[:, None], mass, 0.0).sum(-1) >= goal, rows)
+  nucleus = jnp.where(top_p >= 1, jnp.uint32(0), above + jnp.uint32(1))
+  return jnp.maximum(kth, nucleus)
+
+
+def _keep(scaled, top_k, top_p, top_cap: int):
+  """`bool[S, V]`: the tokens top-k then top-p keep (ties at the threshold all kept)."""
   vocab = scaled.shape[-1]
   cap = min(top_cap, vocab)
   vals, _ = jax.lax.top_k(scaled, cap)                     # [S, cap], descending
@@ -125,15 +149,16 @@ def _thresholds(scaled, top_k, top_p, top_cap: int):
   keep = in_k & (((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
                  | (top_p[:, None] >= 1))
   count = keep.sum(axis=-1, dtype=jnp.int32)
-  fast = jnp.take_along_axis(vals, jnp.maximum(count - 1, 0)[:, None], axis=-1)[:, 0]
+  fast = _keys(jnp.take_along_axis(vals, jnp.maximum(count - 1, 0)[:, None], axis=-1)[:, 0])
   keeps_all = (k >= vocab) & (top_p >= 1)
-  fast = jnp.where(keeps_all, _NEG, fast)
+  fast = jnp.where(keeps_all, jnp.uint32(0), fast)
   # The candidates cannot decide: a top-k past them, or a nucleus that may extend past them.
-  needs_sort = ~keeps_all & (k > cap) & ((k < vocab) | (count >= cap))
-  return jax.lax.cond(
-      jnp.any(needs_sort),
-      lambda: jnp.where(needs_sort, jax.vmap(_sorted_threshold)(scaled, k, top_p), fast),
+  needs_more = ~keeps_all & (k > cap) & ((k < vocab) | (count >= cap))
+  floor = jax.lax.cond(
+      jnp.any(needs_more),
+      lambda: jnp.where(needs_more, _bisected_floor(scaled, k, top_p), fast),
       lambda: fast)
+  return _keys(scaled) >= floor[:, None]
 
 
 def _draw(x, p: RowParams, keys, top_cap: int):
@@ -143,8 +168,7 @@ def _draw(x, p: RowParams, keys, top_cap: int):
   # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p): no softmax needed.
   floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(p.min_p, jnp.float32(1e-30)))
   scaled = jnp.where((p.min_p[:, None] > 0) & (scaled < floor[:, None]), _NEG, scaled)
-  threshold = _thresholds(scaled, p.top_k, p.top_p, top_cap)
-  masked = jnp.where(scaled >= threshold[:, None], scaled, _NEG)
+  masked = jnp.where(_keep(scaled, p.top_k, p.top_p, top_cap), scaled, _NEG)
   drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
   return jnp.where(p.temperature > 0, drawn, greedy)
 
@@ -163,7 +187,7 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
       `prompt_len`/`length` (`int32[S]`: prompt tokens, tokens known), needed
       for penalties (None: no row may have one).
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
-    top_cap: logits read without sorting (static; see the module docstring).
+    top_cap: candidates read with `lax.top_k` (static; see the module docstring).
 
   Returns:
     `(tokens int32[S], logprob float32[S], top_ids int32[S, num_logprobs],

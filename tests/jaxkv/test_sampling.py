@@ -2,7 +2,7 @@
 
 The oracle applies vLLM's order (penalties, temperature, min_p, top-k, top-p)
 with plain loops, Python sets and a full stable sort, sharing no code with the
-sampler (which reads the top `top_cap` logits and sorts only as a fallback).
+sampler (which reads the top `top_cap` logits and bisects on integer keys as a fallback).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxkv.serve import RowParams, sample, sample_rows
-from jaxkv.serve.sampling import _penalize
+from jaxkv.serve.sampling import _keep, _penalize
 
 
 def _oracle_penalize(logits, history, prompt_len, length, rep, pres, freq):
@@ -106,11 +106,11 @@ def test_penalties_match_the_oracle(rng):
   assert (np.argmax(want, axis=-1) != np.argmax(logits, axis=-1)).any()   # penalties mattered
 
 
-@pytest.mark.parametrize("top_cap", [256, 6], ids=["candidates", "sort-fallback"])
+@pytest.mark.parametrize("top_cap", [16, 3], ids=["candidates", "bisection"])
 def test_min_p_top_k_top_p_distributions_match_the_oracle(rng, top_cap):
   """Each row's draws follow the oracle's distribution; nothing outside its support is drawn.
 
-  With `top_cap=6` rows with `top_k > 6` or a nucleus past 6 tokens take the sort path.
+  With `top_cap=3` rows with `top_k > 3` or a nucleus past 3 tokens take the bisection.
   """
   v, draws = 16, 3000
   base = rng.normal(size=(v,)).astype(np.float32) * 1.5
@@ -127,13 +127,26 @@ def test_min_p_top_k_top_p_distributions_match_the_oracle(rng, top_cap):
     _check_distribution(freq[r], expected, draws)
 
 
+@pytest.mark.parametrize("top_cap", [16, 2], ids=["candidates", "bisection"])
+def test_kept_tokens_equal_the_oracle_support_exactly(rng, top_cap):
+  """Top-k then top-p keep sets, token for token, over 96 random rows of every kind."""
+  s, v = 96, 40
+  scaled = (rng.normal(size=(s, v)) * rng.choice([0.3, 1.0, 4.0], size=(s, 1))).astype(np.float32)
+  top_k = rng.choice([0, 1, 3, 7, 20, 39, 40, 50], size=s).astype(np.int32)
+  top_p = rng.choice([1.0, 0.3, 0.6, 0.9, 0.99], size=s).astype(np.float32)
+  got = np.asarray(_keep(jnp.asarray(scaled), jnp.asarray(top_k), jnp.asarray(top_p), top_cap))
+  for r in range(s):
+    want = _oracle_probs(scaled[r], 1.0, int(top_k[r]), float(top_p[r]), 0.0) > 0
+    np.testing.assert_array_equal(got[r], want, err_msg=f"row {r}: {top_k[r]=} {top_p[r]=}")
+
+
 def test_a_row_does_not_depend_on_its_neighbours_path(rng):
-  """A fast-path row gives the same token alone and beside rows that force the sort fallback."""
+  """A fast-path row gives the same token alone and beside rows that force the bisection."""
   v = 300
   logits = rng.normal(size=(4, v)).astype(np.float32)
   rows = dict(temperature=np.array([1.0, 1.0, 0.8, 0.0], np.float32),
-              top_k=np.array([5, 50, 0, 0], np.int32),       # 50 > cap: sort
-              top_p=np.array([0.9, 1.0, 0.99, 1.0], np.float32))   # flat nucleus > cap: sort
+              top_k=np.array([5, 50, 0, 0], np.int32),       # 50 > cap: bisection
+              top_p=np.array([0.9, 1.0, 0.99, 1.0], np.float32))   # flat nucleus > cap: bisection
   keys = jax.random.split(jax.random.key(3), 4)
   together = sample_rows(jnp.asarray(logits), RowParams.default(4, **rows), keys,
                          sampling=jnp.ones((4,), bool), top_cap=8)[0]
