@@ -161,6 +161,30 @@ def _keep(scaled, top_k, top_p, top_cap: int):
   return _keys(scaled) >= floor[:, None]
 
 
+def _top_n(x, n: int):
+  """`(values, ids)` of each row's `n` largest, descending, without sorting the row.
+
+  Up to `TOP_CAP` by `lax.top_k`; past it (on GPU XLA would sort the row), the `n`-th
+  largest key by bisection, then the entries above it and enough ties, gathered in index
+  order and ordered among themselves (an `[S, n]` sort).
+  """
+  rows, vocab = x.shape
+  if n <= TOP_CAP:
+    return jax.lax.top_k(x, n) if n else (jnp.zeros((rows, 0), x.dtype),
+                                          jnp.zeros((rows, 0), jnp.int32))
+  keys = _keys(x)
+  nth = _bisect(lambda t: (keys >= t[:, None]).sum(-1, dtype=jnp.int32) >= n, rows)
+  above, tied = keys > nth[:, None], keys == nth[:, None]
+  count = above.sum(-1, dtype=jnp.int32, keepdims=True)
+  slot = jnp.where(above, jnp.cumsum(above, -1, dtype=jnp.int32) - 1,
+                   jnp.where(tied, count + jnp.cumsum(tied, -1, dtype=jnp.int32) - 1, n))
+  ids = jnp.zeros((rows, n), jnp.int32).at[jnp.arange(rows)[:, None], slot].set(
+      jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (rows, vocab)), mode="drop")
+  vals = jnp.take_along_axis(x, ids, axis=-1)
+  order = jnp.argsort(-vals, axis=-1, stable=True)
+  return jnp.take_along_axis(vals, order, -1), jnp.take_along_axis(ids, order, -1)
+
+
 def _draw(x, p: RowParams, keys, top_cap: int):
   """Random rows' tokens from penalised logits `x` (greedy rows: argmax)."""
   greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -211,10 +235,7 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     def logprobs():
       raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
       chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-      if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(raw, num_logprobs)
-      else:   # lax.top_k refuses k=0
-        top_lp, top_ids = jnp.zeros((s, 0), jnp.float32), jnp.zeros((s, 0), jnp.int32)
+      top_lp, top_ids = _top_n(raw, num_logprobs)
       on = wants_lp[:, None]
       return (jnp.where(wants_lp, chosen, 0.0), jnp.where(on, top_ids, 0).astype(jnp.int32),
               jnp.where(on, top_lp, 0.0))

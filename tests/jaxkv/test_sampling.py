@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxkv.serve import RowParams, sample, sample_rows
-from jaxkv.serve.sampling import _keep, _penalize
+from jaxkv.serve.sampling import _keep, _penalize, _top_n
 
 
 def _oracle_penalize(logits, history, prompt_len, length, rep, pres, freq):
@@ -157,14 +157,15 @@ def test_a_row_does_not_depend_on_its_neighbours_path(rng):
     assert int(alone[0]) == int(together[r]), r
 
 
-def test_logprobs_are_the_raw_distribution(rng):
-  s, v, nl = 4, 30, 5
+@pytest.mark.parametrize("nl", [5, 20], ids=["top_k", "bisection"])
+def test_logprobs_are_the_raw_distribution(rng, nl):
+  s, v = 4, 30
   logits = rng.normal(size=(s, v)).astype(np.float32) * 2
   history = rng.integers(0, v, size=(s, 8)).astype(np.int32)
   p = RowParams.default(s, temperature=np.array([0.0, 1.5, 0.0, 1.0], np.float32),
                         repetition_penalty=np.array([1.0, 1.5, 2.0, 1.0], np.float32),
                         frequency_penalty=np.array([0.0, 1.0, 0.0, 0.0], np.float32),
-                        logprobs=np.array([5, 2, 0, -1], np.int32))
+                        logprobs=np.array([nl, 2, 0, -1], np.int32))
   tokens, lp, ids, top = sample_rows(
       jnp.asarray(logits), p, jax.random.split(jax.random.key(1), s),
       sampling=jnp.ones((s,), bool), history=jnp.asarray(history),
@@ -183,6 +184,17 @@ def test_logprobs_are_the_raw_distribution(rng):
   # The greedy row with a penalty picked a token other than the raw argmax: its logprob says so.
   assert tokens[2] == np.argmax(_oracle_penalize(logits, history, [4] * s, [8] * s,
                                                  [1, 1.5, 2, 1], [0] * s, [0, 1, 0, 0])[2])
+
+
+@pytest.mark.parametrize("n", [3, 16, 17, 40])
+def test_top_n_with_many_ties(rng, n):
+  """The n largest values, descending, each id once and pointing at its value; ties anywhere."""
+  x = rng.integers(-3, 3, size=(8, 50)).astype(np.float32) + rng.choice([0.0, 0.5], size=(8, 1))
+  vals, ids = map(np.asarray, _top_n(jnp.asarray(x), n))
+  for r in range(8):
+    np.testing.assert_array_equal(vals[r], np.sort(x[r])[::-1][:n])
+    np.testing.assert_array_equal(x[r, ids[r]], vals[r])
+    assert len(set(ids[r].tolist())) == n
 
 
 def test_rows_outside_the_step_decide_nothing_and_greedy_takes_the_short_path(rng):
