@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxkv.serve import RowParams, sample, sample_rows
+from jaxkv.serve.sampling import TOP_CAP
 from jaxkv.serve.sampling import _keep, _penalize, _top_n
 
 
@@ -222,6 +223,33 @@ def test_rows_outside_the_step_decide_nothing_and_greedy_takes_the_short_path(rn
   names = {e.primitive.name for e in greedy_branch.eqns}
   assert "argmax" in names
   assert not names & {"sort", "top_k", "scatter-add", "scatter", "exp", "log", "cond"}, names
+
+
+def _eqns(jaxpr):
+  """Every equation of `jaxpr` and of the jaxprs nested in it (cond branches, loops)."""
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+def test_nothing_sorts_the_vocabulary(rng):
+  """Every path of the sampler (penalties, min_p, top-k/top-p, 20 logprobs): no sort over V."""
+  s, v = 4, 512
+  p = RowParams.default(s, temperature=1.0, top_k=np.array([0, 5, 100, 0], np.int32),
+                        top_p=0.9, min_p=0.05, repetition_penalty=1.2, logprobs=20)
+  jaxpr = jax.make_jaxpr(lambda lg: sample_rows(
+      lg, p, jax.random.split(jax.random.key(0), s), sampling=jnp.ones((s,), bool),
+      history=jnp.zeros((s, 8), jnp.int32), prompt_len=jnp.zeros((s,), jnp.int32),
+      length=jnp.full((s,), 8, jnp.int32), num_logprobs=20))(jnp.zeros((s, v), jnp.float32))
+  eqns = list(_eqns(jaxpr.jaxpr))
+  sorts = [e for e in eqns if e.primitive.name == "sort"]
+  top_ks = [e for e in eqns if e.primitive.name == "top_k"]
+  assert top_ks and all(e.params["k"] <= TOP_CAP for e in top_ks)
+  assert all(e.invars[0].aval.shape[-1] <= 20 for e in sorts), [e.invars[0].aval for e in sorts]
 
 
 def test_sample_keeps_its_signature_and_min_p(rng):
