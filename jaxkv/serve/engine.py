@@ -100,14 +100,15 @@ class Engine:
       and the cache and loop live there (`DataParallelEngine` runs one engine per
       device).
     max_logprobs: most top logprobs a request may ask for per token
-      (`SamplingParams.logprobs`; default 20, vLLM's). It sizes the logprob
+      (`SamplingParams.logprobs`; default 20, vLLM's, or the vocabulary if
+      smaller). It sizes the logprob
       outputs, which exist only while a request wants logprobs (`run`) or hold
       a short window per output row (incremental API).
   """
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
-               kv_axis: str | None = None, device=None, max_logprobs: int = MAX_LOGPROBS):
+               kv_axis: str | None = None, device=None, max_logprobs: int | None = None):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -122,6 +123,8 @@ class Engine:
       raise ValueError(f"max_steps={max_steps} must be >= 1")
     if max_stop_tokens < 1:
       raise ValueError(f"max_stop_tokens={max_stop_tokens} must be >= 1")
+    if max_logprobs is None:
+      max_logprobs = min(MAX_LOGPROBS, self.vocab_size)
     if not 0 <= max_logprobs <= self.vocab_size:
       raise ValueError(f"max_logprobs={max_logprobs} must be in [0, vocab_size={self.vocab_size}]")
     self.max_logprobs = int(max_logprobs)

@@ -4,8 +4,8 @@ Every request is checked before anything is queued (400 with an OpenAI error
 body naming the problem), its samples are served by the `AsyncEngine`, text
 comes from a `TextStream` per sample (stable text only, stop strings cut),
 logprobs (when asked) come in OpenAI's shapes for the tokens up to the one
-that completed a stop string (`logprobs.py`), and a client that goes away (a closed stream, a dropped connection) aborts
-its requests in the engine.
+that completed a stop string (`logprobs.py`), and a client that goes away (a
+closed stream, a dropped connection) aborts its requests in the engine.
 """
 
 from __future__ import annotations
