@@ -14,7 +14,8 @@ sampling forks (`n > 1`: the prompt but its last token is prefilled once, then
 `jaxkv.pure.seq_clone` forks it; every sample feeds the last prompt token
 itself and samples with its own key), steps at a few compiled widths (a
 decode-only step runs on one slot per column, prefill on `W`), sampling
-(greedy, temperature, top-k, top-p, per-request seeds) and retirement
+(greedy, temperature, top-k, top-p, min_p, repetition/presence/frequency penalties, logprobs,
+per-request seeds) and retirement
 (`jaxkv.pure.seq_rm`). The host is visited once per `max_steps` steps.
 
 The incremental API serves requests that come and go over one persistent
@@ -42,14 +43,15 @@ from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.memory import (ROW_MULTIPLE, bytes_in_use, check_engine_fits, loop_buffer_bytes,
                                 storage_bytes)
 from jaxkv.serve.protocol import StepModel, check_step_model
-from jaxkv.serve.requests import (Completion, Delta, EngineStats, Request, RequestTiming,
-                                  SamplingParams, check_request)
+from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, Request,
+                                  RequestTiming, SamplingParams, TokenLogprob, check_request)
 from jaxkv.serve.runner import ModelRunner
-from jaxkv.serve.sampling import sample
+from jaxkv.serve.sampling import RowParams, sample, sample_rows
 from jaxkv.serve.state import LoopState, Queue, init_loop_state, pack_queue
 
-__all__ = ["ROW_MULTIPLE", "AsyncEngine", "Completion", "DataParallelEngine", "Delta", "Engine",
-           "EngineError", "EngineStats", "LoopState", "ModelRunner", "Queue", "Request",
-           "RequestTiming", "SamplingParams", "StepModel", "bytes_in_use", "check_engine_fits",
-           "check_request", "check_step_model", "default_widths", "init_loop_state",
-           "loop_buffer_bytes", "pack_queue", "sample", "serve_loop", "storage_bytes"]
+__all__ = ["MAX_LOGPROBS", "ROW_MULTIPLE", "AsyncEngine", "Completion", "DataParallelEngine",
+           "Delta", "Engine", "EngineError", "EngineStats", "LoopState", "ModelRunner", "Queue",
+           "Request", "RequestTiming", "RowParams", "SamplingParams", "StepModel", "TokenLogprob",
+           "bytes_in_use", "check_engine_fits", "check_request", "check_step_model",
+           "default_widths", "init_loop_state", "loop_buffer_bytes", "pack_queue", "sample",
+           "sample_rows", "serve_loop", "storage_bytes"]

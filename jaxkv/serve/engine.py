@@ -17,7 +17,8 @@ from jaxkv.serve.live import LiveQueue
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows, check_engine_fits
 from jaxkv.serve.protocol import check_step_model
-from jaxkv.serve.requests import Completion, Delta, EngineStats, Request, check_request
+from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, Request,
+                                  check_request, token_logprobs)
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
 
@@ -98,13 +99,18 @@ class Engine:
     device: optional `jax.Device` (without `mesh`): the parameters are copied there
       and the cache and loop live there (`DataParallelEngine` runs one engine per
       device).
+    max_logprobs: most top logprobs a request may ask for per token
+      (`SamplingParams.logprobs`; default 20, vLLM's, or the vocabulary if
+      smaller). It sizes the logprob
+      outputs, which exist only while a request wants logprobs (`run`) or hold
+      a short window per output row (incremental API).
   """
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
-               kv_axis: str | None = None, device=None):
+               kv_axis: str | None = None, device=None, max_logprobs: int | None = None):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
-                        ("max_stop_tokens", max_stop_tokens)):
+                        ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
         raise TypeError(f"{name}={value!r} must be an int")
     self.config, self.vocab_size = check_step_model(model)
@@ -117,6 +123,11 @@ class Engine:
       raise ValueError(f"max_steps={max_steps} must be >= 1")
     if max_stop_tokens < 1:
       raise ValueError(f"max_stop_tokens={max_stop_tokens} must be >= 1")
+    if max_logprobs is None:
+      max_logprobs = min(MAX_LOGPROBS, self.vocab_size)
+    if not 0 <= max_logprobs <= self.vocab_size:
+      raise ValueError(f"max_logprobs={max_logprobs} must be in [0, vocab_size={self.vocab_size}]")
+    self.max_logprobs = int(max_logprobs)
     self.widths = default_widths(config) if widths is None else tuple(widths)
     if (not self.widths or any(isinstance(w, bool) or not isinstance(w, int) for w in self.widths)
         or self.widths[0] != config.step_width or list(self.widths) != sorted(set(self.widths),
@@ -143,7 +154,7 @@ class Engine:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
     check_request(request, vocab_size=self.vocab_size, max_len=self.max_len,
                   max_seqs=self.config.max_seqs, capacity=self.config.capacity,
-                  max_stop_tokens=self.max_stop)
+                  max_stop_tokens=self.max_stop, max_logprobs=self.max_logprobs)
 
   def run(self, requests: Sequence[Request], *,
           on_progress: Callable[[EngineStats, list[Completion]], None] | None = None
@@ -191,7 +202,8 @@ class Engine:
     config = self.config
     started, compiled = time.perf_counter(), compile_seconds()
     host_queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],
-                            max_len=self.max_len, max_stop=self.max_stop)
+                            max_len=self.max_len, max_stop=self.max_stop,
+                            num_logprobs=self.max_logprobs)
     # Queue and output rows are padded to powers of two (the output's token axis is
     # `max_len`), so the loop compiles once per size class, not once per queue.
     # One cache at a time: the previous run's state goes before the new one is allocated.
@@ -200,11 +212,13 @@ class Engine:
                          kv_axis=self.kv_axis)
     ls = self._grow_for(ls, requests)
     self.state = ls
-    owner = {}
+    owner, lp_rows = {}, {}
     for r in requests:
       base = len(owner)
       for j in range(r.params.n):
         owner[base + j] = (r, j)
+        if r.params.logprobs is not None:   # pack_queue's order: logprob rows in queue order
+          lp_rows[base + j] = len(lp_rows)
     collected = np.zeros((host_queue.rows,), bool)
     collected[len(owner):] = True   # padding rows
     try:
@@ -221,13 +235,20 @@ class Engine:
         new_results = []
         if new_rows.size:
           out = np.asarray(jax.device_get(ls.out_tokens))
+          lps = None
           for row in new_rows:
             request, index = owner[int(row)]
             n_tok = int(host["out_len"][row])
+            logprobs = None
+            if request.params.logprobs is not None:
+              if lps is None:
+                lps = jax.device_get((ls.out_logprob, ls.out_top_ids, ls.out_top_logprobs))
+              logprobs = token_logprobs(lps, lp_rows[int(row)], out[row, :n_tok],
+                                        range(n_tok), request.params.logprobs)
             new_results.append(Completion(request.request_id, index, request.prompt,
                                           out[row, :n_tok].tolist(),
                                           "stop" if host["out_stop"][row] else "length",
-                                          request.params.seed))
+                                          request.params.seed, logprobs=logprobs))
           collected[new_rows] = True
           self.completions.extend(new_results)
         stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])

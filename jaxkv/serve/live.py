@@ -23,6 +23,10 @@ arrive and leave while others run:
   are free for the next admission.
 - **Stop tokens past the engine's `max_stop_tokens`** are checked on the host:
   the sample is cut after the first one and its column aborted.
+- **Logprobs** land in a window of `LOGPROB_WINDOW` tokens per output row
+  (token `t` at `t % LOGPROB_WINDOW`); while a request that wants them is in
+  flight, a loop entry runs at most that many steps, so the host reads every
+  token's logprobs before its slot is written again.
 
 Everything here runs on the host between loop entries; the jitted loop
 (`loop.serve_loop`) is the same one `run` uses.
@@ -44,8 +48,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxkv import Status
 from jaxkv.serve.live_ops import abort_columns, clear_rows
-from jaxkv.serve.requests import Delta, Request, RequestTiming
-from jaxkv.serve.state import HostQueue, _bucket, init_loop_state, pack_queue
+from jaxkv.serve.requests import Delta, Request, RequestTiming, token_logprobs
+from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
+                               pack_queue)
 from jaxkv.serve.timing import compile_seconds
 
 @dataclasses.dataclass
@@ -63,6 +68,10 @@ class _Tracked:
   def n(self) -> int:
     return self.request.params.n
 
+  @property
+  def logprobs_of_none(self) -> tuple | None:   # a token-less delta's: () if asked, else None
+    return None if self.request.params.logprobs is None else ()
+
 
 class LiveQueue:
   """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
@@ -78,6 +87,7 @@ class LiveQueue:
     self.engine = engine
     self.queue_size = _bucket(2 * s if queue_size is None else queue_size)
     self.out_rows = _bucket(max(s, 2 * self.queue_size if out_rows is None else out_rows))
+    self.logprob_window = min(LOGPROB_WINDOW, engine.max_len)
     self._lock = threading.Lock()        # host bookkeeping (add_request/abort from any thread)
     self._stepping = threading.Lock()    # one loop entry at a time
     self._tracked: dict = {}             # request_id -> _Tracked, in arrival order
@@ -152,6 +162,9 @@ class LiveQueue:
     if not self._stepping.acquire(blocking=False):
       raise RuntimeError("step: another loop entry is running (one at a time)")
     started, compiled = time.perf_counter(), compile_seconds()
+    with self._lock:
+      if any(t.request.params.logprobs is not None for t in self._tracked.values()):
+        k = min(int(k), self.logprob_window)   # no logprob slot is rewritten before it is read
     try:
       try:
         deltas = self._step(int(k))
@@ -189,7 +202,9 @@ class LiveQueue:
   def _init_state(self) -> None:
     engine, q = self.engine, self.queue_size
     arrays = self._pack([]).arrays
-    host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0)
+    host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0,
+                           lp_rows=self.out_rows, lp_window=self.logprob_window,
+                           num_logprobs=engine.max_logprobs)
     state = init_loop_state(engine.config, host_queue, num_widths=len(engine.widths),
                             mesh=engine.mesh, kv_axis=engine.kv_axis)
     # Committed from the start, as the loop's outputs are: jit keys its compiled code on
@@ -203,7 +218,8 @@ class LiveQueue:
     filler = Request((0,))
     padded = list(requests) + [filler] * (self.queue_size - len(requests))
     return pack_queue([r.prompt for r in padded], [r.params for r in padded],
-                      max_len=engine.max_len, max_stop=engine.max_stop)
+                      max_len=engine.max_len, max_stop=engine.max_stop,
+                      num_logprobs=engine.max_logprobs)
 
   def _place(self, tree):
     """`tree` committed where the loop state lives: replicated on the mesh, or the first device."""
@@ -234,7 +250,11 @@ class LiveQueue:
     host_queue = self._pack([t.request for t in queued])
     out_base = np.zeros((self.queue_size,), np.int32)
     out_base[:len(queued)] = [t.base for t in queued]
-    arrays = host_queue.arrays | {"out_base": out_base}
+    # Logprob rows are the output rows (the window has `out_rows` rows).
+    lp_base = np.full((self.queue_size,), NO_ROW, np.int32)
+    lp_base[:len(queued)] = [t.base if t.request.params.logprobs is not None else NO_ROW
+                             for t in queued]
+    arrays = host_queue.arrays | {"out_base": out_base, "lp_base": lp_base}
     queue = dataclasses.replace(
         ls.queue, **self._place({k: jnp.asarray(v) for k, v in arrays.items()}),
         next=self._place(jnp.int32(0)), copies=self._place(jnp.int32(self._head_copies)),
@@ -278,7 +298,8 @@ class LiveQueue:
           mask |= self._columns_of([t.base + index])
           t.finished[index] = True
           self.engine.stats.aborted += 1
-          deltas.append(Delta(rid, index, (), "abort", t.request.params.seed))
+          deltas.append(Delta(rid, index, (), "abort", t.request.params.seed,
+                              logprobs=t.logprobs_of_none))
           if all(t.finished):
             deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
           continue
@@ -295,7 +316,8 @@ class LiveQueue:
           if not t.finished[j]:
             t.finished[j] = True
             self.engine.stats.aborted += 1
-            deltas.append(Delta(rid, j, (), "abort", t.request.params.seed))
+            deltas.append(Delta(rid, j, (), "abort", t.request.params.seed,
+                                logprobs=t.logprobs_of_none))
         deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
     self._remove_columns(mask)
     return deltas
@@ -329,7 +351,7 @@ class LiveQueue:
     newly = int(host["next"]) - self._dev_next
     if self._queued and not newly and not (host["used"] == 1).any():
       raise RuntimeError(f"request {self._queued[0]!r} cannot be admitted into an empty engine")
-    out = None
+    out = lps = None
     deltas, cut = [], np.zeros((engine.config.max_seqs,), bool)
     with self._lock:
       admitted, self._queued = self._queued[:newly], self._queued[newly:]
@@ -356,12 +378,20 @@ class LiveQueue:
             new, reason = new[:hit + 1], "stop"
             if not host["out_done"][row]:
               cut |= self._columns_of([row])
+          logprobs = None
+          if t.request.params.logprobs is not None:
+            if lps is None:
+              lps = jax.device_get((ls.out_logprob, ls.out_top_ids, ls.out_top_logprobs))
+            logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
+                                                                 t.emitted[j] + len(new)),
+                                            t.request.params.logprobs))
           t.emitted[j] += len(new)
           stats.generated += len(new)
           if new and t.first_token is None:
             t.first_token = now
           t.finished[j] = reason is not None
-          deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed))
+          deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed,
+                              logprobs=logprobs))
         if all(t.finished):
           deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
     self._remove_columns(cut)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
-from jaxkv.serve.sampling import sample
+from jaxkv.serve.sampling import RowParams, sample_rows
 from jaxkv.serve.state import LoopState
 
 
@@ -113,13 +113,17 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
   generated = ls.length - ls.prompt_len
   keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
       jax.random.fold_in(jax.random.key(seed), i), t))(ls.seed, ls.sample_index, generated)
-  new = sample(logits, ls.temperature, ls.top_k, ls.top_p, keys)
+  new, lp, top_ids, top_lp = sample_rows(
+      logits, _row_params(ls), keys, sampling=emits, history=ls.tokens,
+      prompt_len=ls.prompt_len, length=ls.length, num_logprobs=ls.out_top_ids.shape[2])
   cols = jnp.arange(s, dtype=jnp.int32)
   max_len = ls.tokens.shape[1]
   tokens_buf = ls.tokens.at[cols, jnp.where(emits, ls.length, max_len)].set(new, mode="drop")
   rows_out, max_new = ls.out_tokens.shape
   out_at = jnp.where(emits, ls.out_row, rows_out)
   out_tokens = ls.out_tokens.at[out_at, jnp.minimum(generated, max_new - 1)].set(new, mode="drop")
+  lp_rows, window = ls.out_logprob.shape
+  lp_at, lp_t = jnp.where(emits & (ls.logprobs >= 0), ls.lp_row, lp_rows), generated % window
   length = ls.length + emits.astype(jnp.int32)
   is_stop = jnp.any(ls.stop_tokens == new[:, None], axis=1)
   finished = emits & (is_stop | (length >= ls.limit))
@@ -132,6 +136,9 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
       active=jnp.where(finished, 0, ls.active), done=ls.done | as_int(finished),
       out_tokens=out_tokens,
       out_len=ls.out_len.at[out_at].set(length - ls.prompt_len, mode="drop"),   # so far
+      out_logprob=ls.out_logprob.at[lp_at, lp_t].set(lp, mode="drop"),
+      out_top_ids=ls.out_top_ids.at[lp_at, lp_t].set(top_ids, mode="drop"),
+      out_top_logprobs=ls.out_top_logprobs.at[lp_at, lp_t].set(top_lp, mode="drop"),
       out_stop=ls.out_stop.at[fin_at].set(as_int(is_stop), mode="drop"),
       out_done=ls.out_done.at[fin_at].set(1, mode="drop"),
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
@@ -139,6 +146,13 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
       peak_rows=jnp.maximum(ls.peak_rows, held),
       width_steps=ls.width_steps.at[which].add(as_int(ok)),
       status=jnp.where(ls.status == Status.OK, status, ls.status))
+
+
+def _row_params(ls: LoopState) -> RowParams:
+  return RowParams(temperature=ls.temperature, top_k=ls.top_k, top_p=ls.top_p, min_p=ls.min_p,
+                   repetition_penalty=ls.repetition_penalty,
+                   presence_penalty=ls.presence_penalty,
+                   frequency_penalty=ls.frequency_penalty, logprobs=ls.logprobs)
 
 
 # ----------------------------------------------------------------------------- columns
@@ -169,6 +183,11 @@ def _can_admit(config: CacheConfig, ls: LoopState):
           & (ls.reserve.sum() + rows <= config.capacity) & (ls.status == Status.OK))
 
 
+# Per-column sampling values copied from the queue at admission and to forks.
+_SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                    "logprobs")
+
+
 def _put(a, col, v):
   return a.at[col].set(v, mode="drop")
 
@@ -196,7 +215,9 @@ def _admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
       temperature=put(ls.temperature, q.temperature[i]), top_k=put(ls.top_k, q.top_k[i]),
       top_p=put(ls.top_p, q.top_p[i]), seed=put(ls.seed, q.seed[i]),
       sample_index=put(ls.sample_index, sample_index),
-      stop_tokens=put(ls.stop_tokens, q.stop_tokens[i]))
+      stop_tokens=put(ls.stop_tokens, q.stop_tokens[i]),
+      **{f: put(getattr(ls, f), getattr(q, f)[i]) for f in _SAMPLING_EXTRAS},
+      lp_row=put(ls.lp_row, q.lp_base[i] + sample_index))
   # A forking request is one admission; otherwise each of its n samples is one.
   copies = jnp.where(ok, q.copies + 1, q.copies)
   finished_request = ok & (fork | (copies >= n))
@@ -218,12 +239,13 @@ def _fork_one(config: CacheConfig, ls: LoopState) -> LoopState:
   per_sample = ls.limit[src] - 1
   copy = lambda a: a.at[col].set(a[src], mode="drop")
   fields = ("tokens", "prompt_len", "length", "fed", "limit", "used", "active", "done",
-            "temperature", "top_k", "top_p", "seed", "stop_tokens")
+            "temperature", "top_k", "top_p", "seed", "stop_tokens") + _SAMPLING_EXTRAS
   ls = dataclasses.replace(ls, cache=cache, **{f: copy(getattr(ls, f)) for f in fields})
   forks_left = jnp.where(ok, n_left - 1, n_left)
   max_len = ls.tokens.shape[1]
   return dataclasses.replace(
       ls, sample_index=_put(ls.sample_index, col, index),
+      lp_row=_put(ls.lp_row, col, ls.lp_row[src] + n_left),
       out_row=_put(ls.out_row, col, ls.out_row[src] + n_left),
       hold=_put(ls.hold, col, max_len).at[src].set(jnp.where(forks_left == 0, max_len,
                                                              ls.hold[src])),

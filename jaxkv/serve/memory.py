@@ -34,8 +34,9 @@ def storage_bytes(cache: CacheState) -> int:
 
 
 # The loop's per-column vectors (prompt_len, length, fed, hold, limit, active, done,
-# stopped, temperature, top_k, top_p, seed, sample_index): 13 x 4 bytes per column.
-_PER_COLUMN_BYTES = 13 * 4
+# stopped, temperature, top_k, top_p, seed, sample_index, min_p, the three penalties,
+# logprobs, lp_row): 19 x 4 bytes per column.
+_PER_COLUMN_BYTES = 19 * 4
 
 
 def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int) -> tuple[int, str]:

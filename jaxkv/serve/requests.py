@@ -76,6 +76,23 @@ class SamplingParams:
       `Delta.seed`), so a random request can be replayed.
     stop_tokens: tokens that end the request (the stop token is kept).
     n: parallel samples of the prompt (forked with `seq_clone`).
+    min_p: keep tokens whose probability (after temperature) is at least
+      `min_p` times the most likely one's, in [0, 1] (0: off).
+    repetition_penalty: over every token in the prompt or the output, a
+      positive logit is divided by it and any other multiplied (Hugging Face
+      and vLLM semantics); `> 0`, 1 is off, `> 1` discourages repeats.
+    presence_penalty: subtracted from the logit of every token generated at
+      least once, in [-2, 2] (OpenAI semantics; the prompt does not count).
+    frequency_penalty: times the token's count in the output, subtracted from
+      its logit, in [-2, 2] (OpenAI semantics; the prompt does not count).
+    logprobs: None, or how many top alternatives to report per generated token
+      (0: only the chosen token's); at most the engine's `max_logprobs`
+      (default 20). Reported from the model's raw distribution: `log_softmax`
+      of its logits before penalties, temperature, min_p, top-k and top-p (as
+      vLLM and OpenAI report them), so a greedy token's logprob is the largest.
+
+  Penalties apply to greedy requests too (the argmax of the penalised logits),
+  in vLLM's order: penalties, then temperature, min_p, top-k, top-p.
   """
 
   max_tokens: int = 16
@@ -85,6 +102,11 @@ class SamplingParams:
   seed: int | None = 0
   stop_tokens: tuple[int, ...] = ()
   n: int = 1
+  min_p: float = 0.0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logprobs: int | None = None
 
   def __post_init__(self):
     fields = {}
@@ -103,8 +125,73 @@ class SamplingParams:
     if not 0 < fields["top_p"] <= 1:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
     fields["stop_tokens"] = _token_ids("stop_tokens", self.stop_tokens)
+    fields.update(_sampling_extras(self))
     for name, value in fields.items():   # plain Python values: equal params hash equal
       object.__setattr__(self, name, value)
+
+
+# vLLM's ranges for the parameters it shares with OpenAI.
+_RANGES = {"min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+# Top logprobs an engine reports per token by default (vLLM's `max_logprobs`).
+MAX_LOGPROBS = 20
+
+
+def _sampling_extras(p: SamplingParams) -> dict:
+  """Validated min_p, penalties and logprobs of `p` (TypeError/ValueError naming the field)."""
+  out = {}
+  for name, (lo, hi) in _RANGES.items():
+    value = _as_real(name, getattr(p, name))
+    if not lo <= value <= hi:
+      raise ValueError(f"{name}={value} must be in [{lo}, {hi}]")
+    out[name] = value
+  rep = _as_real("repetition_penalty", p.repetition_penalty)
+  if not rep > 0:
+    raise ValueError(f"repetition_penalty={rep} must be > 0")
+  out["repetition_penalty"] = rep
+  out["logprobs"] = None
+  if p.logprobs is not None:
+    out["logprobs"] = _as_int("logprobs", p.logprobs)
+    if not 0 <= out["logprobs"] < _INT32_LIMIT:
+      raise ValueError(f"logprobs={out['logprobs']} must be >= 0 (or None: no logprobs)")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+  """One generated token's log-probability and the most likely alternatives.
+
+  Attributes:
+    token: the generated token.
+    logprob: its log-probability under the model's raw distribution (see
+      `SamplingParams.logprobs`).
+    top: `SamplingParams.logprobs` pairs `(token, logprob)`, most likely first
+      (it may or may not hold `token`).
+  """
+
+  token: int
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(buffers, row: int, tokens, indices, n: int) -> list[TokenLogprob]:
+  """`TokenLogprob`s of `tokens` (generated indices `indices`) from host copies of the outputs.
+
+  Args:
+    buffers: `(out_logprob, out_top_ids, out_top_logprobs)` as NumPy arrays.
+    row: the sample's logprob row.
+    tokens: its generated tokens at `indices`.
+    indices: their indices among its generated tokens (slot `index % T`).
+    n: top alternatives the request asked for.
+  """
+  lp, ids, top = buffers
+  window = lp.shape[1]
+  out = []
+  for token, t in zip(tokens, indices):
+    at = t % window
+    out.append(TokenLogprob(int(token), float(lp[row, at]),
+                            tuple((int(i), float(v)) for i, v in zip(ids[row, at, :n],
+                                                                     top[row, at, :n]))))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +223,8 @@ class Request:
 
 
 def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: int,
-                  capacity: int, max_stop_tokens: int) -> None:
+                  capacity: int, max_stop_tokens: int,
+                  max_logprobs: int = MAX_LOGPROBS) -> None:
   """Checks a request against the model and the engine, before anything is served.
 
   Args:
@@ -148,6 +236,7 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
     max_seqs: the cache's columns (`n` samples each take one).
     capacity: the cache's token budget (each sample holds prompt + max_tokens - 1).
     max_stop_tokens: the engine's stop-token slots per request.
+    max_logprobs: the engine's top logprobs per token (`logprobs` must not exceed it).
 
   Raises:
     TypeError: `request` is not a `Request`.
@@ -169,6 +258,9 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
   if p.n * (total - 1) > capacity:
     raise ValueError(f"{label}: n ({p.n}) x (prompt + max_tokens - 1 = {total - 1}) = "
                      f"{p.n * (total - 1)} cache rows must be <= capacity={capacity}")
+  if p.logprobs is not None and p.logprobs > min(max_logprobs, vocab_size):
+    raise ValueError(f"{label}: logprobs={p.logprobs} must be <= max_logprobs={max_logprobs} "
+                     f"(and vocab_size={vocab_size})")
   if len(p.stop_tokens) > max_stop_tokens:
     raise ValueError(f"{label}: {len(p.stop_tokens)} stop_tokens; at most "
                      f"max_stop_tokens={max_stop_tokens}")
@@ -186,6 +278,8 @@ class Completion:
     finish_reason: `"stop"` (a stop token) or `"length"` (token limit).
     seed: the seed the sample was drawn with (drawn by the engine when the
       request's was None).
+    logprobs: one `TokenLogprob` per generated token when the request asked
+      (`SamplingParams.logprobs`); None otherwise.
   """
 
   request_id: object
@@ -194,6 +288,7 @@ class Completion:
   tokens: list[int]
   finish_reason: str
   seed: int | None = None
+  logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass
@@ -265,6 +360,8 @@ class Delta:
     seed: the sample's seed (drawn by the engine when the request's was None).
     timing: the request's `RequestTiming` on the delta that ends its last
       sample; None otherwise.
+    logprobs: one `TokenLogprob` per token of `tokens` when the request asked
+      (`SamplingParams.logprobs`); None otherwise.
   """
 
   request_id: object
@@ -273,3 +370,4 @@ class Delta:
   finish_reason: str | None
   seed: int
   timing: RequestTiming | None = None
+  logprobs: tuple[TokenLogprob, ...] | None = None

@@ -2,7 +2,9 @@
 
 `S = max_seqs` columns, `L = max_len` tokens per column, `Q` queued requests,
 `R` output rows (one per sample: request `i`'s sample `j` is row
-`out_base[i] + j`), `M` most new tokens of any request, `NS` stop-token slots.
+`out_base[i] + j`), `M` most new tokens of any request, `NS` stop-token slots,
+`RL` logprob rows, `T` logprob tokens per row (a window: token `t` of a
+sample is at `t % T`), `NL` top logprobs per token (the engine's `max_logprobs`).
 Everything is a fixed-shape array, so one compiled loop serves every queue of
 the same sizes.
 """
@@ -18,6 +20,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, init_state
 
+# `lp_base`/`lp_row` of a request that wants no logprobs: past every logprob row, so its
+# writes are dropped (a fork adds its sample index and stays out of range).
+NO_ROW = 2**30
+# The incremental API's logprob tokens per output row between host reads (it caps a loop entry's
+# steps while a request wants logprobs); small: it costs rows x window x (1 + 2 NL) x 4 bytes.
+LOGPROB_WINDOW = 64
+
 
 def _register(cls):
   names = [f.name for f in dataclasses.fields(cls)]
@@ -32,7 +41,10 @@ class Queue:
   Attributes:
     prompt: `int32[Q, L]` prompt tokens (zero padded).
     prompt_len, max_tokens, top_k, seed, n, out_base: `int32[Q]`.
-    temperature, top_p: `float32[Q]`.
+    temperature, top_p, min_p, repetition_penalty, presence_penalty,
+      frequency_penalty: `float32[Q]`.
+    logprobs: `int32[Q]` top logprobs wanted (-1: none).
+    lp_base: `int32[Q]` the request's first logprob row (`NO_ROW`: none).
     stop_tokens: `int32[Q, NS]` (-1 = unused).
     next: `int32[]` the first request not yet (fully) admitted.
     copies: `int32[]` columns already admitted for request `next` (a request
@@ -50,6 +62,12 @@ class Queue:
   n: jax.Array
   stop_tokens: jax.Array
   out_base: jax.Array
+  min_p: jax.Array
+  repetition_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  logprobs: jax.Array
+  lp_base: jax.Array
   next: jax.Array
   copies: jax.Array
   count: jax.Array
@@ -77,8 +95,14 @@ class LoopState:
     out_row: `int32[S]` the column's output row.
     temperature, top_p: `float32[S]`; top_k, seed, sample_index: `int32[S]`.
     stop_tokens: `int32[S, NS]`.
+    min_p, repetition_penalty, presence_penalty, frequency_penalty: `float32[S]`;
+      logprobs, lp_row: `int32[S]` top logprobs wanted (-1: none) and the
+      column's logprob row (`NO_ROW`: none).
     out_tokens: `int32[R, M]` each sample's generated tokens; out_len: `int32[R]`
       tokens generated so far; out_stop, out_done: `int32[R]` set when it finishes.
+    out_logprob: `float32[RL, T]` each generated token's logprob, out_top_ids:
+      `int32[RL, T, NL]` and out_top_logprobs: `float32[RL, T, NL]` the top
+      alternatives (`sampling.sample_rows`); token `t` at `t % T`.
     steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
       most positions held at once, and the first non-OK cache status.
     width_steps: `int32[len(widths)]` steps run at each compiled width.
@@ -104,10 +128,19 @@ class LoopState:
   seed: jax.Array
   sample_index: jax.Array
   stop_tokens: jax.Array
+  min_p: jax.Array
+  repetition_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  logprobs: jax.Array
+  lp_row: jax.Array
   out_tokens: jax.Array
   out_len: jax.Array
   out_stop: jax.Array
   out_done: jax.Array
+  out_logprob: jax.Array
+  out_top_ids: jax.Array
+  out_top_logprobs: jax.Array
   steps: jax.Array
   step_tokens: jax.Array
   occupancy: jax.Array
@@ -118,12 +151,19 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class HostQueue:
-  """A queue built on the host (NumPy), to be placed in a `LoopState`."""
+  """A queue built on the host (NumPy), to be placed in a `LoopState`.
+
+  `lp_rows` x `lp_window` x `num_logprobs` size the logprob outputs: 0 rows
+  when no request of the queue wants logprobs, so they cost nothing then.
+  """
 
   arrays: dict
   rows: int
   max_new: int
   count: int
+  lp_rows: int = 0
+  lp_window: int = 1
+  num_logprobs: int = 0
 
 
 def _bucket(n: int) -> int:
@@ -131,11 +171,15 @@ def _bucket(n: int) -> int:
   return max(8, 1 << (max(n, 1) - 1).bit_length())
 
 
-def pack_queue(prompts, params, *, max_len: int, max_stop: int) -> HostQueue:
+def pack_queue(prompts, params, *, max_len: int, max_stop: int,
+               num_logprobs: int = 0) -> HostQueue:
   """Packs validated requests (prompt tuples and their `SamplingParams`) into arrays.
 
   The queue and the output rows are padded to powers of two and every output
   row holds `max_len` tokens, so queues of similar size share one compiled loop.
+  Samples that want logprobs get logprob rows of their own (`max_len` tokens,
+  `num_logprobs` alternatives each), also padded to a power of two; none when
+  no request wants them.
   """
   q = _bucket(len(prompts))
   a = {
@@ -144,8 +188,12 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int) -> HostQueue:
       "temperature": np.zeros((q,), np.float32), "top_k": np.zeros((q,), np.int32),
       "top_p": np.ones((q,), np.float32), "seed": np.zeros((q,), np.int32),
       "n": np.zeros((q,), np.int32), "stop_tokens": np.full((q, max_stop), -1, np.int32),
-      "out_base": np.zeros((q,), np.int32)}
-  row = 0
+      "out_base": np.zeros((q,), np.int32),
+      "min_p": np.zeros((q,), np.float32), "repetition_penalty": np.ones((q,), np.float32),
+      "presence_penalty": np.zeros((q,), np.float32),
+      "frequency_penalty": np.zeros((q,), np.float32),
+      "logprobs": np.full((q,), -1, np.int32), "lp_base": np.full((q,), NO_ROW, np.int32)}
+  row = lp_row = 0
   for i, (prompt, p) in enumerate(zip(prompts, params)):
     a["prompt"][i, :len(prompt)] = prompt
     a["prompt_len"][i], a["max_tokens"][i] = len(prompt), p.max_tokens
@@ -153,7 +201,14 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int) -> HostQueue:
     a["seed"][i], a["n"][i], a["out_base"][i] = p.seed, p.n, row
     a["stop_tokens"][i, :len(p.stop_tokens)] = p.stop_tokens
     row += p.n
-  return HostQueue(a, _bucket(row), max_len, len(prompts))
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+      a[name][i] = getattr(p, name)
+    if p.logprobs is not None:
+      a["logprobs"][i], a["lp_base"][i] = p.logprobs, lp_row
+      lp_row += p.n
+  return HostQueue(a, _bucket(row), max_len, len(prompts),
+                   lp_rows=_bucket(lp_row) if lp_row else 0, lp_window=max_len,
+                   num_logprobs=num_logprobs)
 
 
 def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: int,
@@ -170,6 +225,9 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
   queue = Queue(**{k: jnp.asarray(v) for k, v in host_queue.arrays.items()},
                 next=scalar(), copies=scalar(), count=scalar(host_queue.count))
   rows, m = host_queue.rows, host_queue.max_new
+  lp_shape = (host_queue.lp_rows, host_queue.lp_window)
+  nl = host_queue.num_logprobs
+  f32 = lambda v: jnp.full((s,), v, jnp.float32)
   ls = LoopState(
       cache=None, queue=queue, tokens=jnp.zeros((s, max_len), jnp.int32),
       prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
@@ -177,6 +235,12 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
       out_row=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
       top_p=jnp.ones((s,), jnp.float32), seed=zeros(), sample_index=zeros(),
       stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
+      min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
+      frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32),
+      lp_row=jnp.full((s,), NO_ROW, jnp.int32),
+      out_logprob=jnp.zeros(lp_shape, jnp.float32),
+      out_top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
+      out_top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
       out_tokens=jnp.zeros((rows, m), jnp.int32), out_len=jnp.zeros((rows,), jnp.int32),
       out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
       steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),

@@ -3,8 +3,9 @@
 Every request is checked before anything is queued (400 with an OpenAI error
 body naming the problem), its samples are served by the `AsyncEngine`, text
 comes from a `TextStream` per sample (stable text only, stop strings cut),
-and a client that goes away (a closed stream, a dropped connection) aborts
-its requests in the engine.
+logprobs (when asked) come in OpenAI's shapes for the tokens up to the one
+that completed a stop string (`logprobs.py`), and a client that goes away (a
+closed stream, a dropped connection) aborts its requests in the engine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.requests import Request as EngineRequest
+from jaxkv.server.logprobs import LogprobFormatter
 from jaxkv.server.metrics import Metrics
 from jaxkv.server.protocol import ChatRequest, CompletionRequest
 from jaxkv.server.text import TextStream, Tokenizer
@@ -38,11 +40,24 @@ def _error(status: int, message: str, kind: str, param=None) -> JSONResponse:
 
 
 class _Sample:
-  """One sample's text state and timing while it is served."""
+  """One sample's text state, logprob formatter (None: not asked) and timing while it is served."""
 
-  def __init__(self, tokenizer, stop, arrived):
+  def __init__(self, tokenizer, stop, arrived, logprobs: LogprobFormatter | None):
     self.text = TextStream(tokenizer, stop)
     self.tokens, self.finish, self.arrived, self.last = 0, None, arrived, None
+    self.logprobs = logprobs
+
+  def push(self, delta) -> tuple[str, dict | None]:
+    """The delta's new text, and the logprobs of its tokens up to a stop string (if asked)."""
+    if self.logprobs is None or delta.logprobs is None:
+      return self.text.push(delta.tokens), None
+    text, entries = "", []
+    for entry in delta.logprobs:   # one token at a time: the tokens after a stop string go
+      if self.text.stopped:
+        break
+      text += self.text.push((entry.token,))
+      entries.append(entry)
+    return text, self.logprobs.format(entries)
 
 
 def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 8) -> FastAPI:
@@ -109,7 +124,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         raise BadRequest(str(e)) from e
     return out
 
-  async def serve(http: Request, requests, stop) -> tuple[list, list, dict]:
+  async def serve(http: Request, requests, stop, chat: bool) -> tuple[list, list, dict]:
     """Adds every request (all or none); returns its ids, samples and an event stream."""
     arrived = time.perf_counter()
     ids = []
@@ -121,11 +136,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         aio.abort(rid)
       raise BadRequest(str(e)) from e
     metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
-    samples = [[_Sample(tokenizer, stop, arrived) for _ in range(r.params.n)] for r in requests]
+    samples = [[_Sample(tokenizer, stop, arrived,
+                        None if r.params.logprobs is None else LogprobFormatter(tokenizer,
+                                                                                chat=chat))
+                for _ in range(r.params.n)] for r in requests]
     return ids, samples, arrived
 
   async def events(ids, samples):
-    """Merged `(request index, sample index, text, finish or None)` of every request."""
+    """Merged `(request index, sample index, text, finish or None, logprobs or None)`."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, rid):
@@ -158,7 +176,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
               metrics.itl.observe((now - s.last) / len(d.tokens))
           s.last = now
         s.tokens += len(d.tokens)
-        text = s.text.push(d.tokens)
+        text, logprobs = s.push(d)
         if s.text.stopped:   # a stop string: end this sample in the engine too
           if d.finish_reason is None:
             aio.abort(ids[i], d.index)
@@ -171,7 +189,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
           metrics.e2e.observe(now - s.arrived)
         if d.timing is not None and d.timing.queue_seconds is not None:
           metrics.queue.observe(d.timing.queue_seconds)
-        yield i, d.index, text, s.finish
+        yield i, d.index, text, s.finish, logprobs
     finally:
       for t in tasks:
         t.cancel()   # their generators close and abort whatever has not finished
@@ -187,7 +205,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
             "total_tokens": prompt + completion}
 
   async def respond(http, body, requests, *, chat: bool):
-    ids, samples, _ = await serve(http, requests, body.stop or [])
+    ids, samples, _ = await serve(http, requests, body.stop or [], chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     n = body.n
     head = {"id": rid, "created": int(time.time()), "model": model_name}
@@ -195,11 +213,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat),
                                media_type="text/event-stream")
     texts = [[""] * n for _ in requests]
+    lps = [[[] for _ in range(n)] for _ in requests]
     watcher = asyncio.ensure_future(_disconnected(http))
     gen = events(ids, samples)
     try:
-      async for i, j, text, _ in _until(gen, watcher):
+      async for i, j, text, _, logprobs in _until(gen, watcher):
         texts[i][j] += text
+        if logprobs is not None:
+          lps[i][j].append(logprobs)
     finally:
       watcher.cancel()
       await gen.aclose()
@@ -208,12 +229,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       for j in range(n):
         reason = samples[i][j].finish
         reason = "stop" if reason == "abort" else reason
+        logprobs = (None if samples[i][j].logprobs is None
+                    else LogprobFormatter.merge(lps[i][j], chat=chat))
         if chat:
-          choices.append({"index": i * n + j, "finish_reason": reason, "logprobs": None,
+          choices.append({"index": i * n + j, "finish_reason": reason, "logprobs": logprobs,
                           "message": {"role": "assistant", "content": texts[i][j]}})
         else:
           choices.append({"index": i * n + j, "text": texts[i][j], "finish_reason": reason,
-                          "logprobs": None})
+                          "logprobs": logprobs})
     return head | {"object": "chat.completion" if chat else "text_completion",
                    "choices": choices, "usage": usage(requests, samples)}
 
@@ -230,16 +253,17 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                     "finish_reason": None} for k in range(len(requests) * n)])
     gen = events(ids, samples)
     try:
-      async for i, j, text, finish in gen:
-        if not text and finish is None:
+      async for i, j, text, finish, logprobs in gen:
+        has_tokens = logprobs is not None and any(logprobs.get("content", logprobs.get("tokens")))
+        if not text and finish is None and not has_tokens:
           continue
         finish = "stop" if finish == "abort" else finish
         if chat:
           yield chunk([{"index": i * n + j, "delta": {"content": text} if text else {},
-                        "finish_reason": finish, "logprobs": None}])
+                        "finish_reason": finish, "logprobs": logprobs}])
         else:
           yield chunk([{"index": i * n + j, "text": text, "finish_reason": finish,
-                        "logprobs": None}])
+                        "logprobs": logprobs}])
       if include_usage:
         yield chunk([], usage=usage(requests, samples))
       yield "data: [DONE]\n\n"

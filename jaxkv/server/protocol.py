@@ -1,22 +1,23 @@
 """Request bodies of the OpenAI-compatible endpoints, and their translation into sampling params.
 
 Unknown fields are refused (a typo must not pass silently), and so are
-OpenAI parameters this server does not implement, by name: `logprobs`,
-`top_logprobs`, penalties, `logit_bias`, `best_of != n`, `suffix`, `echo`,
-tools and response formats (logprobs, min_p and penalties need changes to
-the jitted loop's sampler). `top_k`, `stop_token_ids`, `ignore_eos` and
-`min_tokens == 0` are accepted as vLLM accepts them.
+OpenAI parameters this server does not implement, by name: `logit_bias`,
+`best_of != n`, `suffix`, `echo`, tools and response formats. Logprobs
+(`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
+chat), `presence_penalty` and `frequency_penalty` are OpenAI's; `top_k`,
+`min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and
+`min_tokens == 0` are accepted as vLLM accepts them. Ranges are checked by
+`SamplingParams` (vLLM's), the logprob count against the engine's
+`max_logprobs`; either refusal is a 400 naming the field.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from jaxkv.serve.requests import SamplingParams
-
-_UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty")
 
 
 class StreamOptions(BaseModel):
@@ -43,9 +44,9 @@ class _Common(BaseModel):
   user: str | None = None
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  min_p: float = 0.0
   logit_bias: dict | None = None
-  logprobs: Union[bool, int, None] = None
-  top_logprobs: int | None = None
   min_tokens: int = 0
 
   @field_validator("stop")
@@ -55,22 +56,25 @@ class _Common(BaseModel):
 
   def unsupported(self) -> str | None:
     """The first parameter set to a value this server cannot honour, as an error message."""
-    for name in _UNSUPPORTED_ZERO:
-      if getattr(self, name):
-        return f"{name}={getattr(self, name)} is not supported (only 0)"
     if self.logit_bias:
       return "logit_bias is not supported"
-    if self.logprobs not in (None, False, 0) or self.top_logprobs:
-      return "logprobs are not supported"
     if self.min_tokens:
       return "min_tokens is not supported (only 0)"
     return None
+
+  def num_logprobs(self) -> int | None:
+    """Top logprobs per token the request asks for (None: no logprobs)."""
+    raise NotImplementedError
 
   def sampling(self, *, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
     ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_ids)
     return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                           top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
-                          stop_tokens=tuple(dict.fromkeys(ids)), n=self.n)
+                          stop_tokens=tuple(dict.fromkeys(ids)), n=self.n, min_p=self.min_p,
+                          repetition_penalty=self.repetition_penalty,
+                          presence_penalty=self.presence_penalty,
+                          frequency_penalty=self.frequency_penalty,
+                          logprobs=self.num_logprobs())
 
 
 class CompletionRequest(_Common):
@@ -79,6 +83,10 @@ class CompletionRequest(_Common):
   echo: bool = False
   suffix: str | None = None
   best_of: int | None = None
+  logprobs: StrictInt | None = Field(default=None, ge=0)
+
+  def num_logprobs(self) -> int | None:
+    return self.logprobs
 
   def unsupported(self) -> str | None:
     if self.echo:
@@ -115,10 +123,17 @@ class ChatRequest(_Common):
   tools: list | None = None
   tool_choice: Union[str, dict, None] = None
   response_format: dict | None = None
+  logprobs: StrictBool = False
+  top_logprobs: StrictInt | None = Field(default=None, ge=0)
+
+  def num_logprobs(self) -> int | None:
+    return (self.top_logprobs or 0) if self.logprobs else None
 
   def unsupported(self) -> str | None:
     if self.tools or self.tool_choice not in (None, "none"):
       return "tools are not supported"
     if self.response_format and self.response_format.get("type") != "text":
       return "response_format is not supported (only text)"
+    if self.top_logprobs is not None and not self.logprobs:
+      return "top_logprobs needs logprobs=true"
     return super().unsupported()

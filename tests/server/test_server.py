@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -79,6 +80,7 @@ def oracle():
                                                                       **params))])
     return [(tok.decode(c.tokens, skip_special_tokens=True), c.finish_reason) for c in done]
 
+  expect.engine = engine   # for the logprob tests, which need the completions themselves
   return tok, expect
 
 
@@ -181,17 +183,25 @@ def test_client_disconnect_aborts_the_request(server, client):
     (lambda c: c.completions.create(model="nope", prompt="x"), 404, "does not exist"),
     (lambda c: c.completions.create(model=MODEL, prompt="x", temperature=5), 400, "temperature"),
     (lambda c: c.completions.create(model=MODEL, prompt="x" * 200, max_tokens=4), 400, "max_len"),
-    (lambda c: c.completions.create(model=MODEL, prompt="x", logprobs=2), 400, "logprobs"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x", logprobs=21), 400,
+     "logprobs=21 must be <= max_logprobs=20"),
+    (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                         top_logprobs=2), 400, "top_logprobs needs logprobs"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x", presence_penalty=2.5), 400,
+     "presence_penalty=2.5 must be in [-2.0, 2.0]"),
+    (lambda c: c.completions.create(model=MODEL, prompt="x", extra_body={"min_p": 1.5}), 400,
+     "min_p=1.5"),
     (lambda c: c.completions.create(model=MODEL, prompt="x", extra_body={"bogus": 1}), 400,
      "bogus"),
     (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "tool",
                                                                   "content": "x"}]), 400,
      "unknown role"),
     (lambda c: c.completions.create(model=MODEL, prompt=[[5, 300]]), 400, "vocab_size"),
-], ids=["model", "temperature", "too-long", "logprobs", "unknown-field", "template", "token-id"])
+], ids=["model", "temperature", "too-long", "logprobs", "top-logprobs", "penalty", "min-p",
+        "unknown-field", "template", "token-id"])
 def test_bad_requests_get_clear_errors_and_the_server_stays_up(server, client, call, status,
                                                                match):
-  with pytest.raises(openai.APIStatusError, match=match) as info:
+  with pytest.raises(openai.APIStatusError, match=re.escape(match)) as info:
     call(client)
   assert info.value.status_code == status
   body = info.value.response.json()
@@ -217,3 +227,65 @@ def test_plain_request_of_a_client_that_left_is_aborted(server):
   assert engine.stats.aborted - before == 4   # every sample of it
   r = httpx.post(url + "/v1/completions", json=body, timeout=60)
   assert r.status_code == 200 and len(r.json()["choices"]) == 4
+
+
+def _token_text(tok, token_id):
+  return tok.decode([token_id], skip_special_tokens=False)
+
+
+def test_completion_logprobs_and_penalties_match_the_engine(client, oracle):
+  """`logprobs: n` on /v1/completions, plain and streamed, equals the engine's `TokenLogprob`s."""
+  tok, expect = oracle
+  prompt = "The quick brown fox"
+  params = dict(max_tokens=10, temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5,
+                repetition_penalty=1.3, min_p=0.1, logprobs=3, stop_tokens=())
+  [want] = expect.engine.run([serve.Request(tuple(tok.encode(prompt).ids),
+                                            serve.SamplingParams(**params))])
+  plain = [_token_text(tok, t) for t in want.tokens]
+  kwargs = dict(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, presence_penalty=1.5,
+                frequency_penalty=0.5, logprobs=3,
+                extra_body={"ignore_eos": True, "repetition_penalty": 1.3, "min_p": 0.1})
+  got = client.completions.create(**kwargs).choices[0]
+  assert got.text == tok.decode(want.tokens, skip_special_tokens=True)
+  lp = got.logprobs
+  assert lp.tokens == plain
+  assert lp.token_logprobs == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
+  assert lp.text_offset == [sum(len(x) for x in plain[:i]) for i in range(len(plain))]
+  for top, t in zip(lp.top_logprobs, want.logprobs):
+    expected = {_token_text(tok, i): v for i, v in t.top}
+    expected.setdefault(_token_text(tok, t.token), t.logprob)
+    assert top == pytest.approx(expected, abs=1e-5)
+  chunks = list(client.completions.create(stream=True, **kwargs))
+  streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+  assert [x for c in streamed for x in c.tokens] == plain
+  assert [x for c in streamed for x in c.text_offset] == lp.text_offset
+  assert [x for c in streamed for x in c.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                           abs=1e-6)
+  # Without logprobs and penalties the same request decodes differently: the penalties acted.
+  base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0]
+  assert base.logprobs is None and base.text != got.text
+
+
+def test_chat_logprobs_match_the_engine(client, oracle):
+  tok, expect = oracle
+  messages = [{"role": "user", "content": "Hello!"}]
+  [want] = expect.engine.run([serve.Request(_chat_ids(tok, messages), serve.SamplingParams(
+      max_tokens=8, logprobs=2, stop_tokens=STOP_IDS))])
+  kwargs = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                top_logprobs=2)
+  got = client.chat.completions.create(**kwargs).choices[0]
+  content = got.logprobs.content
+  assert [c.token for c in content] == [_token_text(tok, t) for t in want.tokens]
+  for c, t in zip(content, want.logprobs):
+    assert c.logprob == pytest.approx(t.logprob, abs=1e-5)
+    assert c.bytes == list(c.token.encode("utf-8"))
+    assert [(x.token, x.logprob) for x in c.top_logprobs] == [
+        (_token_text(tok, i), pytest.approx(v, abs=1e-5)) for i, v in t.top]
+  chunks = list(client.chat.completions.create(stream=True, **kwargs))
+  streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+              for x in ch.choices[0].logprobs.content]
+  assert [(x.token, x.logprob) for x in streamed] == [(c.token, c.logprob) for c in content]
+  plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                         temperature=0).choices[0]
+  assert plain.logprobs is None and plain.message.content == got.message.content
