@@ -10,7 +10,7 @@ mean step time of one timed run.
 Variants:
 - `base`: the engine as shipped.
 - `no_sample_cond`: sampling is a bare argmax (the workload is greedy, so the
-  tokens are the same): measures the per-step `lax.cond` of `serve.sampling.sample`,
+  tokens are the same): measures the per-step `lax.cond` of `serve.sampling.sample_rows`,
   a host synchronisation on GPU.
 - `no_splits`: the attention kernels never split a segment (`max_splits=1`), so
   the split merge (three XLA kernels per layer) is compiled out: measures the
@@ -52,8 +52,11 @@ def _patched(obj, name, value):
     setattr(obj, name, old)
 
 
-def _greedy_only(logits, temperature, top_k, top_p, keys):   # pylint: disable=unused-argument
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _greedy_only(logits, p, keys, *, num_logprobs=0, **unused):   # pylint: disable=unused-argument
+  """`serve.sampling.sample_rows` without its `lax.cond`: argmax, no logprobs."""
+  s = logits.shape[0]
+  return (jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((s,), jnp.float32),
+          jnp.zeros((s, num_logprobs), jnp.int32), jnp.zeros((s, num_logprobs), jnp.float32))
 
 
 def _no_split_default(*args, **kwargs):
@@ -67,7 +70,7 @@ _DEFAULT = kernel_config.default_varlen_attention_config
 def _variant(name):
   stack = contextlib.ExitStack()
   if name in ("no_sample_cond", "both"):
-    stack.enter_context(_patched(loop_module, "sample", _greedy_only))
+    stack.enter_context(_patched(loop_module, "sample_rows", _greedy_only))
   if name in ("no_splits", "both"):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
