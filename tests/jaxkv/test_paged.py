@@ -82,18 +82,32 @@ def test_initial_capacity_is_ignored_and_the_pool_never_grows():
     pure.grow(small, state, 8)
 
 
-def test_implementation_plan_and_explicit_kernels_refuse_paged_layers():
-  config = paged_config()
-  plan = jaxkv.implementation_plan(config, 4)
-  assert plan[0].implementation == "reference" and "page tables" in plan[0].reason
-  assert "page tables" not in plan[1].reason
-  cache = jaxkv.BatchedSequenceCache(config, implementation="interpret")
-  s = cache.seq_new()
-  assert cache.declare_step([s])
-  cache.prepare_step()
-  q, k = jnp.ones((1, 4, 8), jnp.float32), jnp.ones((1, 2, 8), jnp.float32)
-  with pytest.raises(NotImplementedError, match="page tables"):
-    cache.attend(0, q, k, k)
+def test_implementation_plan_serves_paged_layers_with_the_paged_kernels(monkeypatch):
+  """On a Hopper default the plan runs the paged kernels' own checks: a page size that a
+  compiled K/V tile divides is served, one no tile divides falls back, with the reason."""
+  monkeypatch.setattr(jaxkv._implementation, "default_implementation",  # pylint: disable=protected-access
+                      lambda: "mosaic_gpu")
+  layers = [jaxkv.LayerConfig(FLAT, 2, 128), jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(8), 2, 128)]
+  config = jaxkv.CacheConfig(layers, capacity=512, max_seqs=2, max_write=4,
+                             kv_dtype=jnp.bfloat16, page_size=64)
+  plan = jaxkv.implementation_plan(config, 8)
+  assert [p.implementation for p in plan] == ["mosaic_gpu", "mosaic_gpu"]
+  assert "page table" in plan[0].reason and "page table" not in plan[1].reason
+  plan = jaxkv.implementation_plan(dataclasses.replace(config, page_size=32), 8)
+  assert plan[0].implementation == "reference" and plan[1].implementation == "mosaic_gpu"
+  assert re.search(r"page_size=32 is not a multiple of a K/V tile", plan[0].reason)
+
+
+def test_explicit_kernels_refuse_a_page_size_no_tile_divides():
+  """The compiled kernels' refusal reaches an explicit `implementation="mosaic_gpu"` (CONTRACT
+  §10.7); checked on shapes, so it runs on any machine."""
+  q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=r"page_size=96 is not a multiple"):
+    pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 96, 2, 128), jnp.bfloat16))
+  pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 128, 2, 128), jnp.bfloat16))
+  # The interpreter shrinks its tile to divide any page size.
+  pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 7, 2, 128), jnp.bfloat16),
+                             interpret=True)
 
 
 # --------------------------------------------------------------------------- life cycle
