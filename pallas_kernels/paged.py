@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.indexing import page_address
 from pallas_kernels.kv_write import static_validate_kv_pair, static_validate_kv_write
 from pallas_kernels.varlen_attention import blocked_attention
 from pallas_kernels.varlen_attention import static_validate_varlen_attention
@@ -31,13 +32,6 @@ def static_validate_paged(k_pool, v_pool, page_table) -> None:
   if page_table.ndim != 2 or page_table.dtype != jnp.int32:
     raise ValueError(f"page_table must be int32 [columns, pages per column]; got "
                      f"{page_table.dtype}{list(page_table.shape)}")
-
-
-def page_address(page_table, cols, rows, page_size: int):
-  """`(page, offset)` of logical `rows` of columns `cols` (arrays of one shape)."""
-  pages_per_col = page_table.shape[1]
-  slot = jnp.clip(rows // page_size, 0, pages_per_col - 1)
-  return page_table[cols, slot], rows % page_size
 
 
 def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,

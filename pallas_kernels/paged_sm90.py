@@ -10,7 +10,7 @@ of "column 0" is offset `o` of `page`. Nothing of K/V is gathered or copied.
   table inside the kernel (`address` below). `P` must be a multiple of the K/V
   tile `block_k`, so a tile never straddles two pages.
 - The write runs `kv_write_sm90`'s kernel with each token's pool row computed
-  from the page table by a `[T]` gather of int32 indices (`paged.page_address`):
+  from the page table by a `[T]` gather of int32 indices (`indexing.page_address`):
   only the step's new rows move, in place when the pool is donated.
 
 The page table names pages the caller's bookkeeping owns; rows past a read
@@ -30,7 +30,7 @@ from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
 from pallas_kernels import kv_write_sm90
 from pallas_kernels import varlen_attention_sm90 as column
-from pallas_kernels.paged import page_address
+from pallas_kernels.indexing import page_address
 
 
 def pool_view(pool):
