@@ -297,3 +297,27 @@ def test_paged_attention_validates_its_arguments():
     pallas_kernels.paged_kv_write(pool, pool[:4], q[:, :2], q[:, :2], seq_info[:, 0],
                                   seq_info[:, 0], n, table, interpret=True)
   _compat.reset_interpreter()
+
+
+@requires_hopper
+def test_compiled_paged_write_and_attention_update_the_pools_in_place():
+  """Compiled with the pools donated, a write then attention step has no pool-sized copy and
+  aliases every pool byte (the reshapes to the kernels' view are bitcasts)."""
+  s = _shapes(64, 32, 200, 64, 8, 128)
+
+  def step(k_pool, v_pool, q, k_new, v_new, seq_cols, rows, n, table, seq_info):
+    k_pool, v_pool = pallas_kernels.paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows,
+                                                   n, table)
+    out = pallas_kernels.paged_varlen_attention(q, k_pool, v_pool, table, seq_info, n,
+                                                window=None, scale=0.1)
+    return k_pool, v_pool, out
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      s["pool"], s["pool"], s["q"], s["new"], s["new"], s["ints"], s["ints"], s["n"], s["table"],
+      s["seq_info"]).compile()
+  sizes = ("[200,64,8,128]", "[12800,1,8,128]")
+  copies = [line for line in compiled.as_text().splitlines()
+            if re.search(r"\s(copy|copy-start)\(", line) and any(x in line for x in sizes)]
+  assert not copies, copies
+  pool_bytes = 200 * 64 * 8 * 128 * 2
+  assert compiled.memory_analysis().alias_size_in_bytes >= 2 * pool_bytes
