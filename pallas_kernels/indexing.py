@@ -126,7 +126,7 @@ def is_visible(key_pos, query_pos, lo, end, kind, *, window: int | None):
 
 
 def page_address(page_table, cols, rows, page_size: int):
-  """`(page, offset)` holding logical `rows` of columns `cols` in paged storage (arrays of one shape).
+  """`(page, offset)` holding logical `rows` of columns `cols` (arrays of one shape) when paged.
 
   Position `p` of column `c` lives at offset `p % P` of page `page_table[c, p // P]`
   (CONTRACT §3.1); the slot is clamped into the table, so any row indexes safely.

@@ -32,6 +32,8 @@ from pallas_kernels import kv_write_sm90
 from pallas_kernels import varlen_attention_sm90 as column
 from pallas_kernels.indexing import page_address
 
+_div = column._div   # pylint: disable=protected-access
+
 
 def pool_view(pool):
   """`[num_pages, P, K, D] -> [num_pages * P, 1, K, D]`: the pool as one column of rows."""
@@ -91,7 +93,8 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
   """
 
   def address(col, row):
-    slot = column._div(row, page_size)    # pylint: disable=protected-access
+    # Clamped: a lookup issued early for an empty item must stay inside the table.
+    slot = jnp.minimum(_div(row, page_size), pages_per_col - 1)
     page = table_ref[col * pages_per_col + slot]
     return page * page_size + (row - slot * page_size), 0
 

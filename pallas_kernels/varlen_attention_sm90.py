@@ -387,10 +387,15 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     plgpu.copy_gmem_to_smem(v_ref.at[rows, load_col, head], v_smem.at[stage],
                             v_bars.at[stage])
 
+  # Paged storage: the first stages' page-table loads are issued together, before
+  # the first TMA has to wait on one (the tile is clamped into the item's range).
+  first = [None] * num_stages if address is None else [
+      locate(jnp.minimum(t_begin + stage, jnp.maximum(t_end - 1, t_begin)))
+      for stage in range(num_stages)]
   for stage in range(num_stages):
     @pl.when(t_begin + stage < t_end)
     def _prologue():
-      fetch(t_begin + stage, stage)
+      fetch(t_begin + stage, stage, first[stage])
   plgpu.barrier_wait(q_bar)
   q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
 

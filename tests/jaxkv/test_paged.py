@@ -85,8 +85,8 @@ def test_initial_capacity_is_ignored_and_the_pool_never_grows():
 def test_implementation_plan_serves_paged_layers_with_the_paged_kernels(monkeypatch):
   """On a Hopper default the plan runs the paged kernels' own checks: a page size that a
   compiled K/V tile divides is served, one no tile divides falls back, with the reason."""
-  monkeypatch.setattr(jaxkv._implementation, "default_implementation",  # pylint: disable=protected-access
-                      lambda: "mosaic_gpu")
+  implementation_module = jaxkv._implementation   # pylint: disable=protected-access
+  monkeypatch.setattr(implementation_module, "default_implementation", lambda: "mosaic_gpu")
   layers = [jaxkv.LayerConfig(FLAT, 2, 128), jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(8), 2, 128)]
   config = jaxkv.CacheConfig(layers, capacity=512, max_seqs=2, max_write=4,
                              kv_dtype=jnp.bfloat16, page_size=64)
@@ -363,7 +363,8 @@ def test_the_page_life_cycle_through_each_implementation(implementation):
   oracle checks every output. The compiled kernels get page 64 (bf16, head_dim 128, K/V
   tiles of 64); the CPU variants run the same script with page 8."""
   p = 64 if implementation == "mosaic_gpu" else 8
-  layers = [jaxkv.LayerConfig(FLAT, 2, 128), jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(4), 2, 128)]
+  layers = [jaxkv.LayerConfig(FLAT, 2, 128),
+            jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(4), 2, 128)]
   config = default_config(layers=layers, capacity=3 * p, max_seqs=3, max_write=8,
                           kv_dtype=jnp.bfloat16, page_size=p)
   h = Harness(config, implementation=implementation, n_q_heads=4, driver="pure-poisoned")
