@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for the serving issue: e2e workloads (decode-only, uniform, mixed) with the
 # roofline, and the decode workload again with XLA command buffers extended to WHILE and
-# CONDITIONAL (CUDA graphs across the loop). Usage: bash benchmarks/gpu_serving.sh [which...]
+# CONDITIONAL (CUDA graphs across the loop); `paged` times the decode kernel through page tables
+# against the column layout (issue 13). Usage: bash benchmarks/gpu_serving.sh [which...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
@@ -10,7 +11,7 @@ run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   echo "=== $name (<= ${secs}s)"
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "rc=$?" >> "$out/$name.log"
-  grep -v "^[WI][0-9]\{4\} " "$out/$name.log" | tail -n 8
+  grep -v "^[WI][0-9]\{4\} " "$out/$name.log" | tail -n "${TAIL:-8}"
 }
 for w in "${@:-decode uniform}"; do
   case $w in
@@ -27,6 +28,8 @@ for w in "${@:-decode uniform}"; do
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "(compiled or mosaic_gpu or plan or warn) and not d256";;
+    paged) TAIL=40 run paged_decode 120 python3 benchmarks/paged_decode.py --out "$out/paged_decode.json";;
+    paged_kernels) run paged_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done

@@ -32,14 +32,18 @@ def _write_and_attend(implementation, *, window, scale, paged=False):
   -> (k, v, out)` for one implementation: the write, then the attention over the
   written cache. A paged layer takes the pool and its page table."""
   if paged:
-    if implementation != "reference":
-      raise NotImplementedError(_implementation.PAGED_REFUSAL)
+    if implementation == "reference":
+      write = pallas_kernels.paged_kv_write_reference
+      attention = pallas_kernels.paged_varlen_attention_reference
+    else:
+      interpret = implementation == "interpret"
+      write = functools.partial(pallas_kernels.paged_kv_write, interpret=interpret)
+      attention = functools.partial(pallas_kernels.paged_varlen_attention, interpret=interpret)
 
     def run_paged(k_pool, v_pool, q, k, v, step, rows, n_tokens, n_segments, page_table):
-      k_pool, v_pool = pallas_kernels.paged_kv_write_reference(
-          k_pool, v_pool, k, v, step.seq_cols, rows, n_tokens, page_table)
-      out = pallas_kernels.paged_varlen_attention_reference(
-          q, k_pool, v_pool, page_table, step.seq_info, n_segments, window=window, scale=scale)
+      k_pool, v_pool = write(k_pool, v_pool, k, v, step.seq_cols, rows, n_tokens, page_table)
+      out = attention(q, k_pool, v_pool, page_table, step.seq_info, n_segments, window=window,
+                      scale=scale)
       return k_pool, v_pool, out
 
     return run_paged

@@ -45,39 +45,40 @@ def default_implementation() -> str:
   return "reference"
 
 
-def kernel_refusal(q, k_cache) -> str | None:
+def kernel_refusal(q, k_cache, *, paged: bool = False) -> str | None:
   """Why the compiled kernels refuse this layer (their NotImplementedError), or None.
 
-  `q` is `[T, H_q, D]`, `k_cache` `[R, C, K, D]`: arrays or ShapeDtypeStructs.
+  `q` is `[T, H_q, D]`, `k_cache` `[R, C, K, D]` (a paged layer's pool
+  `[pages, P, K, D]` when `paged`): arrays or ShapeDtypeStructs.
   """
   try:
-    pallas_kernels.check_kv_write(k_cache)
-    pallas_kernels.check_varlen_attention(q, k_cache)
+    if paged:
+      pallas_kernels.check_paged(q, k_cache)
+    else:
+      pallas_kernels.check_kv_write(k_cache)
+      pallas_kernels.check_varlen_attention(q, k_cache)
   except NotImplementedError as e:
     return str(e)
   return None
 
 
-PAGED_REFUSAL = ("paged storage (page_size set): the Mosaic GPU kernels do not read page "
-                 "tables yet; the reference serves paged layers")
-
-
 def choose_implementation(q, k_cache, *, paged: bool = False) -> tuple[str, str]:
   """`(implementation, reason)` that `implementation=None` uses for one layer.
 
-  `paged`: the layer lives in a page pool (`k_cache` is the pool), which only
-  the reference reads.
+  `paged`: the layer lives in a page pool (`k_cache` is the pool), served by
+  the kernels that read the page table (`pallas_kernels.paged_*`).
   """
   default = default_implementation()
-  if paged:   # on every device: no kernel reads a page table yet
-    return "reference", PAGED_REFUSAL
   if default == "reference":
     device = jax.devices()[0]
     return "reference", (f"the default device ({device.platform}: {device.device_kind}) is "
                          "not an NVIDIA GPU of compute capability >= 9.0")
-  refusal = kernel_refusal(q, k_cache)
+  refusal = kernel_refusal(q, k_cache, paged=paged)
   if refusal is not None:
     return "reference", f"the Mosaic GPU kernels refuse this layer: {refusal}"
+  if paged:
+    return default, ("Hopper GPU; the Mosaic GPU kernels serve this layer's heads, dtype and "
+                     "page size through its page table")
   return default, "Hopper GPU; the Mosaic GPU kernels serve this layer's heads and dtype"
 
 

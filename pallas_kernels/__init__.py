@@ -11,7 +11,10 @@ from pallas_kernels.kv_write import (
     static_validate_kv_write,
 )
 from pallas_kernels.paged import (
+    check_paged,
+    paged_kv_write,
     paged_kv_write_reference,
+    paged_varlen_attention,
     paged_varlen_attention_reference,
 )
 from pallas_kernels.varlen_attention import (
@@ -23,11 +26,14 @@ from pallas_kernels.varlen_attention import (
 
 __all__ = [
     "check_kv_write",
+    "check_paged",
     "check_varlen_attention",
     "indexing",
     "kv_write",
     "kv_write_reference",
+    "paged_kv_write",
     "paged_kv_write_reference",
+    "paged_varlen_attention",
     "paged_varlen_attention_reference",
     "static_validate_kv_write",
     "static_validate_varlen_attention",

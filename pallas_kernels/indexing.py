@@ -125,6 +125,17 @@ def is_visible(key_pos, query_pos, lo, end, kind, *, window: int | None):
   return visible & (causal | (kind == KIND_BLOCK))
 
 
+def page_address(page_table, cols, rows, page_size: int):
+  """`(page, offset)` holding logical `rows` of columns `cols` (arrays of one shape) when paged.
+
+  Position `p` of column `c` lives at offset `p % P` of page `page_table[c, p // P]`
+  (CONTRACT §3.1); the slot is clamped into the table, so any row indexes safely.
+  """
+  pages_per_col = page_table.shape[1]
+  slot = jnp.clip(rows // page_size, 0, pages_per_col - 1)
+  return page_table[cols, slot], rows % page_size
+
+
 def pad_segment_row(n_tokens, scratch_col):
   """The padded segment row `[n, 0, scratch_col, 0, 0]` as an int32 vector."""
   n = jnp.asarray(n_tokens, jnp.int32)

@@ -1,4 +1,4 @@
-"""Paged storage: the write and the attention references through a page table.
+"""Paged storage: the write and the attention through a page table, references and kernels.
 
 A paged flat layer stores K (and V) in a pool `[num_pages, page_size, K, D]`;
 column `c`'s logical row (position) `p` lives at
@@ -9,12 +9,17 @@ rows per column are `page_table.shape[1] * page_size`. Only flat layers are
 paged (`window=None`). No whole cache is gathered: the write scatters the
 step's tokens, and the attention streams its key blocks through the table
 inside the reference's own loop.
+
+`paged_kv_write` and `paged_varlen_attention` run the Mosaic GPU kernels of
+`paged_sm90.py` behind the same signatures (plus `config`/`interpret`);
+`check_paged` is their shape-only refusal check for dispatchers.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.indexing import page_address
 from pallas_kernels.kv_write import static_validate_kv_pair, static_validate_kv_write
 from pallas_kernels.varlen_attention import blocked_attention
 from pallas_kernels.varlen_attention import static_validate_varlen_attention
@@ -27,13 +32,6 @@ def static_validate_paged(k_pool, v_pool, page_table) -> None:
   if page_table.ndim != 2 or page_table.dtype != jnp.int32:
     raise ValueError(f"page_table must be int32 [columns, pages per column]; got "
                      f"{page_table.dtype}{list(page_table.shape)}")
-
-
-def page_address(page_table, cols, rows, page_size: int):
-  """`(page, offset)` of logical `rows` of columns `cols` (arrays of one shape)."""
-  pages_per_col = page_table.shape[1]
-  slot = jnp.clip(rows // page_size, 0, pages_per_col - 1)
-  return page_table[cols, slot], rows % page_size
 
 
 def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
@@ -88,3 +86,50 @@ def paged_varlen_attention_reference(q, k_pool, v_pool, page_table, seq_info, n_
 
   return blocked_attention(q, k_pool, v_pool, gather, page_table.shape[1] * page_size,
                            seq_info, n_segments, window=None, scale=scale)
+
+
+def paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
+                   config=None, interpret=False):
+  """The Mosaic GPU write kernel through the page table; the reference's arguments and result.
+
+  Raises:
+    NotImplementedError: for a valid request the kernel cannot serve.
+  """
+  static_validate_paged(k_pool, v_pool, page_table)
+  static_validate_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
+                           names=("k_pool", "v_pool"), layout="[pages, page_size, K, D]")
+  from pallas_kernels import paged_sm90   # pylint: disable=g-import-not-at-top
+  return paged_sm90.paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
+                                        page_table, config=config, interpret=interpret)
+
+
+def paged_varlen_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, window,
+                           scale, config=None, interpret=False):
+  """The Mosaic GPU attention kernel through the page table; the reference's arguments and result.
+
+  `config.block_k` must divide the page size (None picks such a config).
+
+  Raises:
+    ValueError: a ring `window`, or bad shapes (as the reference).
+    NotImplementedError: for a valid request the kernel cannot serve.
+  """
+  static_validate_paged(k_pool, v_pool, page_table)
+  if window is not None:
+    raise ValueError(f"{window=}: paged storage serves flat layers only (window=None)")
+  static_validate_varlen_attention(q, k_pool, v_pool, seq_info, n_segments, window=None,
+                                   scale=scale)
+  from pallas_kernels import paged_sm90   # pylint: disable=g-import-not-at-top
+  return paged_sm90.paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info,
+                                                n_segments, scale=scale, config=config,
+                                                interpret=interpret)
+
+
+def check_paged(q, k_pool, *, config=None, interpret=False) -> None:
+  """Raises NotImplementedError iff the paged kernels would refuse this layer.
+
+  Shapes and dtypes only (`q` `[T, H_q, D]`, `k_pool` `[pages, P, K, D]`, arrays or
+  `jax.ShapeDtypeStruct`s), so dispatchers and planners share the kernels' checks.
+  """
+  from pallas_kernels import paged_sm90   # pylint: disable=g-import-not-at-top
+  paged_sm90.check_write_request(k_pool)
+  paged_sm90.check_request(q, k_pool, config=config, interpret=interpret)

@@ -282,7 +282,7 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, cache_rows, window,
-                      use_wgmma, transforms, num_workers):
+                      use_wgmma, transforms, num_workers, address=None):
   """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
   Grid axes: "worker" (`num_workers` programs per head, each looping over the
@@ -297,6 +297,10 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   Scratch: the q tile and its barrier; the K/V stages and the output staging
   buffers live in two consecutive scopes, so they share shared memory (two
   programs fit on one SM).
+  `address`: None reads tile rows `[row, row + block_k)` of column `col`; a
+  function `(col, row) -> (row', col')` maps each tile's first (logical) row to
+  where the K/V arrays hold it (paged storage, `paged_sm90.py`); masks and key
+  positions keep the logical rows.
   """
   head = lax.axis_index("head")
   dtype = k_ref.dtype
@@ -329,7 +333,8 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
           k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, span=span, col=col,
           head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
           kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
-          block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma)
+          block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
+          address=address)
 
     stage_shape = (num_stages, block_k, head_dim)
     acc, m_i, l_i = pl.run_scoped(
@@ -363,22 +368,37 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
 
 def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
                   head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
-                  group, block_q, block_k, num_stages, window, use_wgmma):
-  """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item."""
+                  group, block_q, block_k, num_stages, window, use_wgmma, address=None):
+  """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
+
+  `address`: see `_attention_kernel`.
+  """
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
-  def fetch(t, stage):
+  def locate(t):
+    """Where tile `t` is stored: `(first row, column)` of the K/V arrays."""
     load_row = span(t)[0]
+    return (load_row, col) if address is None else address(col, load_row)
+
+  def fetch(t, stage, where=None):
+    load_row, load_col = locate(t) if where is None else where
     if use_wgmma:
       load_row = pl.multiple_of(load_row, ROW_ALIGN)
     rows = pl.ds(load_row, block_k)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows, col, head], k_smem.at[stage], k_bars.at[stage])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows, col, head], v_smem.at[stage], v_bars.at[stage])
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, load_col, head], k_smem.at[stage],
+                            k_bars.at[stage])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, load_col, head], v_smem.at[stage],
+                            v_bars.at[stage])
 
+  # Paged storage: the first stages' page-table loads are issued together, before
+  # the first TMA has to wait on one (the tile is clamped into the item's range).
+  first = [None] * num_stages if address is None else [
+      locate(jnp.minimum(t_begin + stage, jnp.maximum(t_end - 1, t_begin)))
+      for stage in range(num_stages)]
   for stage in range(num_stages):
     @pl.when(t_begin + stage < t_end)
     def _prologue():
-      fetch(t_begin + stage, stage)
+      fetch(t_begin + stage, stage, first[stage])
   plgpu.barrier_wait(q_bar)
   q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
 
@@ -392,6 +412,10 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   def body(t, carry):
     acc, m_i, l_i = carry
     stage = lax.rem(t - t_begin, jnp.int32(num_stages))
+    # Paged storage: look the refill tile's page up before this tile's math, so
+    # the page-table load's latency hides behind it (the index is clamped to
+    # the item's tiles; an unused lookup reads a valid table entry).
+    refill = None if address is None else locate(jnp.minimum(t + num_stages, t_end - 1))
     load_row, rows_start, rows_end, key0 = span(t)
     is_partial = (rows_start > load_row) | (rows_end < load_row + block_k)
     plgpu.barrier_wait(k_bars.at[stage])
@@ -453,7 +477,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         # (async proxy) overwrites the stage. wgmma already reads through the
         # async proxy, and the production V fix-up ends with this fence.
         plgpu.commit_smem()
-      fetch(t + num_stages, stage)
+      fetch(t + num_stages, stage, refill)
     return acc, m_new, l_i
 
   acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)

@@ -82,18 +82,32 @@ def test_initial_capacity_is_ignored_and_the_pool_never_grows():
     pure.grow(small, state, 8)
 
 
-def test_implementation_plan_and_explicit_kernels_refuse_paged_layers():
-  config = paged_config()
-  plan = jaxkv.implementation_plan(config, 4)
-  assert plan[0].implementation == "reference" and "page tables" in plan[0].reason
-  assert "page tables" not in plan[1].reason
-  cache = jaxkv.BatchedSequenceCache(config, implementation="interpret")
-  s = cache.seq_new()
-  assert cache.declare_step([s])
-  cache.prepare_step()
-  q, k = jnp.ones((1, 4, 8), jnp.float32), jnp.ones((1, 2, 8), jnp.float32)
-  with pytest.raises(NotImplementedError, match="page tables"):
-    cache.attend(0, q, k, k)
+def test_implementation_plan_serves_paged_layers_with_the_paged_kernels(monkeypatch):
+  """On a Hopper default the plan runs the paged kernels' own checks: a page size that a
+  compiled K/V tile divides is served, one no tile divides falls back, with the reason."""
+  implementation_module = jaxkv._implementation   # pylint: disable=protected-access
+  monkeypatch.setattr(implementation_module, "default_implementation", lambda: "mosaic_gpu")
+  layers = [jaxkv.LayerConfig(FLAT, 2, 128), jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(8), 2, 128)]
+  config = jaxkv.CacheConfig(layers, capacity=512, max_seqs=2, max_write=4,
+                             kv_dtype=jnp.bfloat16, page_size=64)
+  plan = jaxkv.implementation_plan(config, 8)
+  assert [p.implementation for p in plan] == ["mosaic_gpu", "mosaic_gpu"]
+  assert "page table" in plan[0].reason and "page table" not in plan[1].reason
+  plan = jaxkv.implementation_plan(dataclasses.replace(config, page_size=32), 8)
+  assert plan[0].implementation == "reference" and plan[1].implementation == "mosaic_gpu"
+  assert re.search(r"page_size=32 is not a multiple of a K/V tile", plan[0].reason)
+
+
+def test_explicit_kernels_refuse_a_page_size_no_tile_divides():
+  """The compiled kernels' refusal reaches an explicit `implementation="mosaic_gpu"` (CONTRACT
+  §10.7); checked on shapes, so it runs on any machine."""
+  q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=r"page_size=96 is not a multiple"):
+    pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 96, 2, 128), jnp.bfloat16))
+  pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 128, 2, 128), jnp.bfloat16))
+  # The interpreter shrinks its tile to divide any page size.
+  pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 7, 2, 128), jnp.bfloat16),
+                             interpret=True)
 
 
 # --------------------------------------------------------------------------- life cycle
@@ -341,3 +355,29 @@ def test_paged_jitted_loop_updates_the_pool_in_place():
   assert not [w for w in caught if "donated" in str(w.message)]
   check_page_invariants(config, out)
   assert np.asarray(out.pos)[:2].tolist() == [0, 5] and np.asarray(out.live)[:2].tolist() == [0, 1]
+
+
+def test_the_page_life_cycle_through_each_implementation(implementation):
+  """Prefill across a page boundary, a fork sharing a full page, copy on write after a rewind
+  into it and a removal, served by each implementation over NaN-poisoned free storage; the
+  oracle checks every output. The compiled kernels get page 64 (bf16, head_dim 128, K/V
+  tiles of 64); the CPU variants run the same script with page 8."""
+  p = 64 if implementation == "mosaic_gpu" else 8
+  layers = [jaxkv.LayerConfig(FLAT, 2, 128),
+            jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(4), 2, 128)]
+  config = default_config(layers=layers, capacity=3 * p, max_seqs=3, max_write=8,
+                          kv_dtype=jnp.bfloat16, page_size=p)
+  h = Harness(config, implementation=implementation, n_q_heads=4, driver="pure-poisoned")
+  a = h.new()
+  for _ in range(p // 8):
+    h.step([a] * 8)
+  h.step([a] * 3)                                   # pos p + 3: into page slot 1
+  b = h.clone(a, p)                                 # shares slot 0, copies nothing
+  assert pages_of(h.cache.state, b) == pages_of(h.cache.state, a)[:1]
+  h.step([a, a, b, b, b])
+  assert h.rewind(b, p - 2)                         # into the shared slot 0
+  h.step([b, a, b])                                 # copy on write of slot 0 for b
+  assert pages_of(h.cache.state, b)[0] != pages_of(h.cache.state, a)[0]
+  assert h.rm(a)
+  h.step([b] * 8)
+  check_page_invariants(h.config, h.cache.state)

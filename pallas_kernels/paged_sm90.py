@@ -1,0 +1,207 @@
+"""Paged storage through the Mosaic GPU kernels (sm90): attention and the K/V write.
+
+A paged flat layer's pool `[num_pages, P, K, D]` is handed to the column
+kernels as `[num_pages * P, 1, K, D]`, a free reshape: pool row `page * P + o`
+of "column 0" is offset `o` of `page`. Nothing of K/V is gathered or copied.
+
+- Attention runs `varlen_attention_sm90`'s kernel body unchanged on logical
+  tiles (a column's logical rows are its positions, `[0, M * P)` with `M` table
+  entries per column); only each tile's load address is looked up in the page
+  table inside the kernel (`address` below). `P` must be a multiple of the K/V
+  tile `block_k`, so a tile never straddles two pages.
+- The write runs `kv_write_sm90`'s kernel with each token's pool row computed
+  from the page table by a `[T]` gather of int32 indices (`indexing.page_address`):
+  only the step's new rows move, in place when the pool is donated.
+
+The page table names pages the caller's bookkeeping owns; rows past a read
+range, free pages and the scratch page may hold NaN and are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels import config as config_lib
+from pallas_kernels import kv_write_sm90
+from pallas_kernels import varlen_attention_sm90 as column
+from pallas_kernels.indexing import page_address
+
+_div = column._div   # pylint: disable=protected-access
+
+
+def pool_view(pool):
+  """`[num_pages, P, K, D] -> [num_pages * P, 1, K, D]`: the pool as one column of rows."""
+  num_pages, page_size, num_kv_heads, head_dim = pool.shape
+  return pool.reshape(num_pages * page_size, 1, num_kv_heads, head_dim)
+
+
+def _tile_sizes(default_block_k: int, head_dim: int, *, use_wgmma: bool) -> list[int]:
+  """K/V tile rows the kernel may use, largest first, none above the config's."""
+  if use_wgmma:   # multiples of 64, never square (see varlen_attention_sm90.static_check)
+    return [b for b in range(default_block_k, 0, -64) if b != head_dim]
+  return list(range(default_block_k, 0, -1))
+
+
+def check_request(q, k_pool, *, config=None, interpret=False):
+  """Resolves the config and raises NotImplementedError if this paged call cannot be served.
+
+  Shapes and dtypes only (arrays or `jax.ShapeDtypeStruct`s). Without a config
+  the heuristic default's K/V tile is shrunk to the largest tile the kernel may
+  use that divides the page size (the interpreter takes any tile, so it serves
+  every page size; the compiled kernel needs a multiple of 64 rows that is not
+  the head dim). An explicit config must have a `block_k` dividing the page size.
+
+  Returns:
+    The `VarlenAttentionConfig` the call will use.
+  """
+  page_size, num_kv_heads, head_dim = k_pool.shape[1:]
+  interpreted = _compat.resolve_interpret(interpret) is not None
+  if config is None:
+    default = config_lib.default_varlen_attention_config(
+        group=q.shape[1] // num_kv_heads, head_dim=head_dim, interpret=interpreted)
+    sizes = [b for b in _tile_sizes(default.block_k, head_dim, use_wgmma=default.use_wgmma)
+             if page_size % b == 0]
+    if not sizes:
+      raise NotImplementedError(
+          f"{page_size=} is not a multiple of a K/V tile the compiled Mosaic GPU kernel can "
+          f"use for {head_dim=} (a multiple of 64 rows, at most {default.block_k}, not "
+          f"{head_dim}); use a page_size that is a multiple of {default.block_k}")
+    config = dataclasses.replace(default, block_k=sizes[0])
+  elif page_size % config.block_k:
+    raise NotImplementedError(f"{page_size=} must be a multiple of {config.block_k=} (a K/V "
+                              "tile must not straddle two pages)")
+  view = jax.ShapeDtypeStruct((k_pool.shape[0] * page_size, 1, num_kv_heads, head_dim),
+                              k_pool.dtype)
+  return column.check_request(q, view, config=config, interpret=interpret)
+
+
+def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
+                  o_ref, lse_ref,                             # Outputs
+                  q_smem, q_bar,                              # Scratch
+                  *, page_size, pages_per_col, **kwargs):
+  """`column._attention_kernel` with each tile's rows looked up in the page table.
+
+  `table_ref` is the page table flattened to `[C * M]` int32. A tile starts at a
+  logical row `r` that is a multiple of `block_k`, and `P` is one too, so its
+  rows lie in page `table[col, r // P]` from offset `r % P` on.
+  """
+
+  def address(col, row):
+    # Clamped: a lookup issued early for an empty item must stay inside the table.
+    slot = jnp.minimum(_div(row, page_size), pages_per_col - 1)
+    page = table_ref[col * pages_per_col + slot]
+    return page * page_size + (row - slot * page_size), 0
+
+  column._attention_kernel(   # pylint: disable=protected-access
+      items_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, address=address,
+      **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale, config,
+                     interpret):
+  # pylint: disable=protected-access
+  num_tokens, num_q_heads, head_dim = q.shape
+  page_size, num_kv_heads = k_pool.shape[1:3]
+  pages_per_col = page_table.shape[1]
+  num_rows = pages_per_col * page_size        # logical rows (positions) of a column
+  group = num_q_heads // num_kv_heads
+  dtype = k_pool.dtype
+  block_q, block_k = config.block_q, config.block_k
+  tile_rows = column.q_tile_rows(block_q, group)
+  seg = column._segment_plan(seq_info, n_segments, num_rows=num_rows, window=None,
+                             group=group, tile_rows=tile_rows, block_k=block_k,
+                             align=column.ROW_ALIGN, config=config)
+  max_items = column._cdiv(num_tokens * group, tile_rows) + num_tokens + config.split_budget
+  items = column._item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
+                             block_k=block_k, window=None, sort_items=config.sort_items)
+  # As in the column wrapper: q rows per KV head, pre-scaled for exp2, padded for TMA.
+  qt = (q.astype(jnp.float32) * (scale * column.LOG2E)).astype(dtype)
+  qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+  qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
+  qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0)))
+  num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
+  kernel = functools.partial(
+      _paged_kernel, page_size=page_size, pages_per_col=pages_per_col, group=group,
+      block_q=block_q, block_k=block_k, num_stages=config.num_stages, cache_rows=num_rows,
+      window=None, use_wgmma=config.use_wgmma,
+      transforms=column._smem_transforms(config.use_wgmma, dtype, head_dim),
+      num_workers=num_workers)
+  o_part, lse_part = plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
+      scratch_types=[plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()],
+      grid=(num_workers, num_kv_heads),
+      grid_names=("worker", "head"),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(items, qt, pool_view(k_pool), pool_view(v_pool), page_table.reshape(-1))
+  return column._combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
+                         block_q=block_q, max_splits=config.max_splits,
+                         max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
+
+
+def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale,
+                                config=None, interpret=False):
+  """`paged_varlen_attention_reference` on the Mosaic GPU kernel (flat layers only).
+
+  Args:
+    q: `[T, H_q, D]` queries in step-token order (any float dtype).
+    k_pool, v_pool: `[num_pages, P, K, D]` pools (bf16, fp16 or fp32) already
+      holding this step's K/V; pages and rows outside a segment's read range
+      may hold anything, NaN included.
+    page_table: `[C, M]` int32; column `c`'s position `p` is at
+      `pool[page_table[c, p // P], p % P]`.
+    seq_info: `[T, 5]` int32 segment table; rows `[0, n_segments)` are real.
+    n_segments: int32 scalar.
+    scale: softmax scale (Python float).
+    config: a `VarlenAttentionConfig` whose `block_k` divides `P`; None picks one.
+    interpret: False compiles for the GPU; True (or `InterpretGPUParams`) runs
+      the Mosaic GPU interpreter.
+
+  Returns:
+    `[T, H_q, D]` in q's dtype; rows of padding tokens are unspecified.
+
+  Raises:
+    NotImplementedError: a valid request this kernel cannot serve (the column
+      kernel's reasons, or a page size no usable K/V tile divides).
+  """
+  config = check_request(q, k_pool, config=config, interpret=interpret)
+  return _paged_attention(q, k_pool, v_pool, page_table, seq_info,
+                          jnp.asarray(n_segments, jnp.int32), scale=float(scale),
+                          config=config, interpret=_compat.resolve_interpret(interpret))
+
+
+def check_write_request(k_pool, *, config=None) -> None:
+  """Raises NotImplementedError iff `paged_kv_write_sm90` would refuse this pool."""
+  kv_write_sm90.check_request(jax.ShapeDtypeStruct(
+      (k_pool.shape[0] * k_pool.shape[1], 1) + tuple(k_pool.shape[2:]), k_pool.dtype),
+      config=config)
+
+
+def paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
+                        config=None, interpret=False):
+  """`paged_kv_write_reference` on the Mosaic GPU write kernel, in place when donated.
+
+  Each token's pool row `page * P + offset` comes from the page table (int32
+  index math on `[T]` values); the kernel then moves only the new K/V rows, and
+  skips padding tokens (`t >= n_tokens`), so no page is written but the
+  step's own.
+
+  Raises:
+    NotImplementedError: a dtype or head geometry TMA cannot move.
+  """
+  page_size = k_pool.shape[1]
+  page, offset = page_address(page_table, seq_cols, rows, page_size)
+  k_view, v_view = kv_write_sm90.kv_write_sm90(
+      pool_view(k_pool), pool_view(v_pool), k_new, v_new, jnp.zeros_like(seq_cols),
+      page * page_size + offset, n_tokens, config=config, interpret=interpret)
+  return k_view.reshape(k_pool.shape), v_view.reshape(v_pool.shape)
+

@@ -1,0 +1,323 @@
+"""The paged Mosaic GPU kernels (CONTRACT §3.1, issue 13 item 3) against the references and
+against the column kernels on the same logical contents.
+
+Storage comes from `kernel_cases` (random steps: padded, owner blocks, sequences
+spanned twice) laid out by `paged_cases` in scattered pages with NaN in every
+page and row nobody holds, and, in half the steps, a fork sharing full pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_checks import requires_hopper
+from kernel_cases import Family
+from kernel_cases import Step
+from kernel_cases import queries
+from kernel_cases import random_step
+from kernel_cases import resident_storage
+from oracle import tol
+from paged_cases import paged_copy
+from paged_cases import read_through_table
+import pallas_kernels
+from pallas_kernels import _compat
+from pallas_kernels import config as config_lib
+from pallas_kernels import paged_sm90
+
+# (family, page size): GQA groups 1, 2 and 4, head dims 64 and 128, bf16; page 16
+# holds two interpreter K/V tiles of 8 rows, page 3 gets 3-row tiles.
+INTERPRET_CASES = [
+    (Family("bf16-g1-d64", jnp.bfloat16, None, 2, 2, 64, width=6, max_seqs=3, capacity=40,
+            num_steps=3), 8),
+    (Family("bf16-g2-d128", jnp.bfloat16, None, 4, 2, 128, width=5, max_seqs=3, capacity=48,
+            num_steps=3), 16),
+    (Family("bf16-g4-d64", jnp.bfloat16, None, 4, 1, 64, width=4, max_seqs=3, capacity=30,
+            num_steps=3), 3),
+]
+INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
+    block_q=8, block_k=8, num_stages=3, split_len=8, split_budget=2, max_splits=3,
+    max_split_tokens=3, sort_items=False, use_wgmma=False)
+
+# Compiled: pages of 64 and 128 rows (d64's 128-row default tile needs 128).
+GPU_CASES = [
+    (Family("bf16-g1-d128", jnp.bfloat16, None, 4, 4, 128, width=16, max_seqs=4,
+            capacity=512, num_steps=6), 64),
+    (Family("bf16-g2-d64", jnp.bfloat16, None, 4, 2, 64, width=40, max_seqs=5, capacity=768,
+            num_steps=6), 128),
+    (Family("bf16-g4-d128", jnp.bfloat16, None, 8, 2, 128, width=32, max_seqs=4,
+            capacity=1024, num_steps=6), 128),
+]
+GPU_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
+                                                   max_splits=4)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _reference(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale):
+  return pallas_kernels.paged_varlen_attention_reference(
+      q, k_pool, v_pool, page_table, seq_info, n_segments, window=None, scale=scale)
+
+
+def check_attention(family, page_size, rng, *, config, interpret):
+  """Random steps: the paged kernel runs twice (bitwise equal), matches the paged reference
+  within the dtype's tolerance and the column kernel (same config) bitwise."""
+  scale = 1.0 / np.sqrt(family.head_dim)
+  shared = 0
+  for index in range(family.num_steps):
+    step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
+    paged = paged_copy(rng, *resident_storage(rng, family, step), step, page_size=page_size,
+                       fork=index % 2 == 1)
+    shared += paged.shared_pages
+    q = queries(rng, family, step)
+    segments = (jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
+    args = (q, paged.k_pool, paged.v_pool, paged.page_table) + segments
+    run = functools.partial(pallas_kernels.paged_varlen_attention, *args, window=None,
+                            scale=scale, config=config, interpret=interpret)
+    out, again = run(), run()
+    real = slice(0, step.n_tokens)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32),
+                                  err_msg=step.description)
+    got = np.asarray(out[real], np.float32)
+    assert np.isfinite(got).all(), step.description
+    np.testing.assert_allclose(got, np.asarray(_reference(*args, scale=scale)[real], np.float32),
+                               atol=tol(family.dtype), rtol=0, err_msg=step.description)
+    # The same kernel body over columns, with the tile the paged call chose: same sums.
+    used = paged_sm90.check_request(q, paged.k_pool, config=config, interpret=interpret)
+    columns = pallas_kernels.varlen_attention(q, paged.k_cols, paged.v_cols, *segments,
+                                              window=None, scale=scale, config=used,
+                                              interpret=interpret)
+    np.testing.assert_array_equal(got, np.asarray(columns[real], np.float32),
+                                  err_msg=step.description)
+  return shared
+
+
+@pytest.mark.parametrize("family, page_size", INTERPRET_CASES, ids=lambda x: str(x))
+def test_interpreted_paged_attention_matches_reference_and_columns(family, page_size, rng):
+  check_attention(family, page_size, rng, config=None, interpret=True)
+
+
+def test_interpreted_paged_attention_with_splits(rng):
+  family = dataclasses.replace(INTERPRET_CASES[1][0], num_steps=2)
+  check_attention(family, 16, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
+
+
+def _fork_step() -> Step:
+  """Column 0 decodes at position 20; column 1 prefills 3 tokens at 5; column 2, forked from
+  column 0 at 16, decodes at 18. W = 6, one padded token."""
+  seq_info = np.array([[0, 1, 0, 20, 0], [1, 3, 1, 5, 0], [4, 1, 2, 18, 0]] + [[5, 0, 3, 0, 0]] * 3,
+                      np.int32)
+  seq_cols = np.array([0, 1, 1, 1, 2, 3], np.int32)
+  positions = np.array([20, 5, 6, 7, 18, 0], np.int32)
+  return Step(5, seq_cols, positions, positions, seq_info, 3, "fork")
+
+
+def test_a_fork_reads_the_shared_pages_and_its_own(rng):
+  family = Family("bf16-g2-d64", jnp.bfloat16, None, 4, 2, 64, width=6, max_seqs=3,
+                  capacity=32, num_steps=1)
+  step = _fork_step()
+  k, v = (rng.standard_normal((32, 4, 2, 64)) for _ in range(2))
+  for x in (k, v):
+    x[21:, 0] = x[8:, 1] = x[19:, 2] = x[:, 3] = np.nan    # rows past each read range
+    x[:16, 2] = x[:16, 0]                                   # the fork's prefix is the donor's
+  paged = paged_copy(rng, jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16), step,
+                     page_size=8, fork=True)
+  table = np.asarray(paged.page_table)
+  assert paged.shared_pages == 2 and (table[2, :2] == table[0, :2]).all()
+  assert table[2, 2] != table[0, 2]
+  q = queries(rng, family, step)
+  rest = (paged.v_pool, paged.page_table, jnp.asarray(step.seq_info), jnp.int32(3))
+  attend = lambda k_pool: np.asarray(pallas_kernels.paged_varlen_attention(
+      q, k_pool, *rest, window=None, scale=0.125, interpret=True), np.float32)[:5]
+  out = attend(paged.k_pool)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, np.asarray(_reference(q, paged.k_pool, *rest, scale=0.125),
+                                             np.float32)[:5], atol=tol(jnp.bfloat16), rtol=0)
+  # Poisoning the fork's own third page changes the fork's output only; poisoning a shared
+  # page changes both sharers' (so the kernel really reads it through both tables).
+  own = attend(paged.k_pool.at[table[2, 2]].set(jnp.nan))
+  assert np.isnan(own[4]).all()
+  np.testing.assert_array_equal(own[:4], out[:4])
+  shared = attend(paged.k_pool.at[table[0, 1]].set(jnp.nan))
+  assert np.isnan(shared[[0, 4]]).all()
+  np.testing.assert_array_equal(shared[1:4], out[1:4])
+
+
+@requires_hopper
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
+@pytest.mark.parametrize("family, page_size", GPU_CASES, ids=lambda x: str(x))
+def test_compiled_paged_attention_matches_reference_and_columns(family, page_size, splits,
+                                                                rng):
+  config = None
+  if splits:   # block_k != head_dim: square tiles are refused
+    config = dataclasses.replace(GPU_SPLIT_CONFIG, block_k=128 if family.head_dim == 64 else 64)
+  check_attention(family, page_size, rng, config=config, interpret=False)
+
+
+# --------------------------------------------------------------------------- write
+
+
+def check_write(family, page_size, rng, *, interpret):
+  """The paged write kernel against the paged reference (pools bitwise equal, NaN included)
+  and against the column reference read back through the table in NumPy; pages nobody holds
+  (free pages, the scratch page) are never written."""
+  for index in range(family.num_steps):
+    step = random_step(rng, family, pad=index % 2 == 0, allow_blocks=False)
+    paged = paged_copy(rng, *resident_storage(rng, family, step), step, page_size=page_size,
+                       fork=False)
+    new = rng.standard_normal((2, family.width, family.num_kv_heads, family.head_dim))
+    new[:, step.n_tokens:] = np.nan                  # padded tokens must not be written
+    k_new, v_new = (jnp.asarray(x, jnp.float32) for x in new)
+    plan = (jnp.asarray(step.seq_cols), jnp.asarray(step.rows), jnp.int32(step.n_tokens))
+    args = (paged.k_pool, paged.v_pool, k_new, v_new) + plan + (paged.page_table,)
+    got = pallas_kernels.paged_kv_write(*args, interpret=interpret)
+    want = pallas_kernels.paged_kv_write_reference(*args)
+    columns = pallas_kernels.kv_write_reference(paged.k_cols, paged.v_cols, k_new, v_new, *plan)
+    table = np.asarray(paged.page_table)
+    held = np.unique(table[:family.max_seqs])
+    unheld = np.setdiff1d(np.arange(paged.k_pool.shape[0]), held)
+    for g, w, c in zip(got, want, columns):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                    err_msg=step.description)
+      logical = read_through_table(g, table, page_size)[:, :family.max_seqs]
+      held_rows = np.asarray(c, np.float32)[:, :family.max_seqs]
+      for col in range(family.max_seqs):     # columns with no page read the scratch page
+        if (table[col] != unheld[-1]).any():
+          np.testing.assert_array_equal(logical[:, col], held_rows[:, col],
+                                        err_msg=step.description)
+      assert np.isnan(np.asarray(g, np.float32)[unheld]).all(), step.description
+
+
+@pytest.mark.parametrize("family, page_size", INTERPRET_CASES[:2], ids=lambda x: str(x))
+def test_interpreted_paged_write_matches_references(family, page_size, rng):
+  check_write(dataclasses.replace(family, num_steps=2), page_size, rng, interpret=True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("family, page_size", GPU_CASES, ids=lambda x: str(x))
+def test_compiled_paged_write_matches_references(family, page_size, rng):
+  check_write(family, page_size, rng, interpret=False)
+
+
+# --------------------------------------------------------------------------- shapes, refusals
+
+
+def _shapes(num_tokens, num_q_heads, num_pages, page_size, num_kv_heads, head_dim,
+            dtype=jnp.bfloat16, cols=9, pages_per_col=16):
+  pool = jax.ShapeDtypeStruct((num_pages, page_size, num_kv_heads, head_dim), dtype)
+  return dict(q=jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), dtype), pool=pool,
+              table=jax.ShapeDtypeStruct((cols, pages_per_col), jnp.int32),
+              seq_info=jax.ShapeDtypeStruct((num_tokens, 5), jnp.int32),
+              n=jax.ShapeDtypeStruct((), jnp.int32),
+              new=jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim), dtype),
+              ints=jax.ShapeDtypeStruct((num_tokens,), jnp.int32))
+
+
+def _touching_pool(text, pool_shape):
+  """Lowered lines that produce or take a pool- or view-sized tensor, as op names."""
+  num_pages, page_size, heads, dim = pool_shape
+  sizes = (f"{num_pages}x{page_size}x{heads}x{dim}", f"{num_pages * page_size}x1x{heads}x{dim}")
+  ops = []
+  for line in text.splitlines():
+    if any(size in line for size in sizes):
+      match = re.search(r"(func\.func|stablehlo\.\w+|call|return)", line)
+      ops.append(match.group(1) if match else line)
+  return ops
+
+
+@pytest.mark.parametrize("head_dim, page_size", [(128, 64), (128, 128), (64, 128), (64, 256)])
+def test_compiled_kernels_lower_with_no_copy_of_the_pool(head_dim, page_size):
+  """Lowered for the GPU on any machine (Mosaic GPU checks the TMA shapes while lowering): one
+  Mosaic GPU call each, and the pool reaches it through free reshapes only (no gather, copy
+  or slice of K/V outside the kernel); the donated write aliases the pools in place."""
+  s = _shapes(64, 32, 200, page_size, 8, head_dim)
+  attend = jax.jit(functools.partial(pallas_kernels.paged_varlen_attention, window=None,
+                                     scale=0.1))
+  text = attend.trace(s["q"], s["pool"], s["pool"], s["table"], s["seq_info"], s["n"]).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+  assert set(_touching_pool(text, s["pool"].shape)) <= {
+      "func.func", "call", "stablehlo.reshape", "stablehlo.custom_call"}
+  write = jax.jit(pallas_kernels.paged_kv_write, donate_argnums=(0, 1))
+  text = write.trace(s["pool"], s["pool"], s["new"], s["new"], s["ints"], s["ints"], s["n"],
+                     s["table"]).lower(lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == ["mosaic_gpu_v2"]
+  assert set(_touching_pool(text, s["pool"].shape)) <= {
+      "func.func", "call", "stablehlo.reshape", "stablehlo.custom_call", "return"}
+  call = next(line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line)
+  assert "output_operand_aliases" in call
+  entry = next(line for line in text.splitlines() if "func.func public @main" in line)
+  assert len(re.findall(r"tf\.aliasing_output", entry)) == 2
+
+
+@pytest.mark.parametrize("head_dim, page_size, interpret, want", [
+    (128, 64, False, 64), (128, 128, False, 64), (128, 256, False, 64),
+    (64, 128, False, 128), (64, 384, False, 128),
+    (64, 8, True, 8), (64, 16, True, 8), (64, 12, True, 6), (64, 3, True, 3), (64, 7, True, 7),
+])
+def test_the_default_tile_divides_the_page(head_dim, page_size, interpret, want):
+  s = _shapes(8, 8, 10, page_size, 2, head_dim)
+  config = paged_sm90.check_request(s["q"], s["pool"], interpret=interpret)
+  assert config.block_k == want and page_size % config.block_k == 0
+
+
+@pytest.mark.parametrize("head_dim, page_size, config, interpret, match", [
+    (128, 32, None, False, "page_size=32 is not a multiple of a K/V tile"),
+    (128, 96, None, False, "page_size=96 is not a multiple of a K/V tile"),
+    (64, 64, None, False, "page_size=64 is not a multiple of a K/V tile"),   # 64 is square
+    (128, 128, config_lib.VarlenAttentionConfig(block_k=256, num_stages=1), False,
+     r"page_size=128 must be a multiple of config.block_k=256"),
+    (64, 128, config_lib.VarlenAttentionConfig(block_k=128), True,
+     "interpreter cannot run wgmma"),
+], ids=["p32", "p96", "d64-p64", "explicit", "interpret-wgmma"])
+def test_paged_kernels_refuse_what_they_cannot_serve(head_dim, page_size, config, interpret,
+                                                     match):
+  s = _shapes(8, 8, 10, page_size, 2, head_dim)
+  with pytest.raises(NotImplementedError, match=match):
+    pallas_kernels.check_paged(s["q"], s["pool"], config=config, interpret=interpret)
+
+
+def test_paged_attention_validates_its_arguments():
+  q = jnp.zeros((4, 4, 64), jnp.bfloat16)
+  pool = jnp.zeros((5, 8, 2, 64), jnp.bfloat16)
+  seq_info, n = jnp.zeros((4, 5), jnp.int32), jnp.int32(0)
+  table = jnp.zeros((3, 4), jnp.int32)
+  with pytest.raises(ValueError, match="window=5: paged storage serves flat layers only"):
+    pallas_kernels.paged_varlen_attention(q, pool, pool, table, seq_info, n, window=5,
+                                          scale=0.1, interpret=True)
+  with pytest.raises(ValueError, match="page_table must be int32"):
+    pallas_kernels.paged_varlen_attention(q, pool, pool, table.astype(jnp.float32), seq_info,
+                                          n, window=None, scale=0.1, interpret=True)
+  with pytest.raises(ValueError, match="k_pool and v_pool must share one"):
+    pallas_kernels.paged_kv_write(pool, pool[:4], q[:, :2], q[:, :2], seq_info[:, 0],
+                                  seq_info[:, 0], n, table, interpret=True)
+  _compat.reset_interpreter()
+
+
+@requires_hopper
+def test_compiled_paged_write_and_attention_update_the_pools_in_place():
+  """Compiled with the pools donated, a write then attention step has no pool-sized copy and
+  aliases every pool byte (the reshapes to the kernels' view are bitcasts)."""
+  s = _shapes(64, 32, 200, 64, 8, 128)
+
+  def step(k_pool, v_pool, q, k_new, v_new, seq_cols, rows, n, table, seq_info):
+    k_pool, v_pool = pallas_kernels.paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows,
+                                                   n, table)
+    out = pallas_kernels.paged_varlen_attention(q, k_pool, v_pool, table, seq_info, n,
+                                                window=None, scale=0.1)
+    return k_pool, v_pool, out
+
+  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+      s["pool"], s["pool"], s["q"], s["new"], s["new"], s["ints"], s["ints"], s["n"], s["table"],
+      s["seq_info"]).compile()
+  sizes = ("[200,64,8,128]", "[12800,1,8,128]")
+  copies = [line for line in compiled.as_text().splitlines()
+            if re.search(r"\s(copy|copy-start)\(", line) and any(x in line for x in sizes)]
+  assert not copies, copies
+  pool_bytes = 200 * 64 * 8 * 128 * 2
+  assert compiled.memory_analysis().alias_size_in_bytes >= 2 * pool_bytes
