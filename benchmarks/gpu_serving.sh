@@ -23,7 +23,7 @@ for w in "${@:-decode uniform}"; do
     kernels_fixed) run kernels_fixed 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_head_layouts.py tests/jaxkv/test_implementation_plan.py -k "shrinks or refuses or plan or warn";;
     mixed2k) run e2e_mixed2k 330 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;
-    tp8b) run tp8b 480 python3 benchmarks/sharded.py --model --devices 2 --model-layers 32 --model-hidden 4096 --model-heads 32 --model-kv-heads 8 --model-head-dim 128 --model-intermediate 14336 --model-vocab 128256;;
+    tp8b) run tp8b 480 python3 benchmarks/sharded.py --model --devices 2 --model-layers 32 --model-hidden 4096 --model-heads 32 --model-kv-heads 8 --model-head-dim 128 --model-intermediate 14336 --model-vocab 128256 --no-mesh-row;;
     levers) run step_levers 400 python3 benchmarks/step_levers.py;;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;

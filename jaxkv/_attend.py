@@ -122,11 +122,11 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
       k_cache, v_cache, out = run(ran)
   else:
     k_cache, v_cache, out = run(implementation)
-  if ran == "reference" or paged:
+  if ran == "reference":
     out = jnp.where(is_prepared, out, jnp.zeros_like(out))
-  # else: the column kernels return zeros for every token outside a real
-  # segment, and a refused attend has none (n_segments = 0), so the select
-  # (one more GPU launch per layer) is not needed.
+  # else: the kernels (columns and pages) return zeros for every token outside
+  # a real segment, and a refused attend has none (n_segments = 0), so the
+  # select (one more GPU launch per layer) is not needed.
   status = jnp.where(is_prepared, jnp.int32(Status.OK), jnp.int32(Status.NOT_PREPARED))
   new_k = state.k[:layer] + (k_cache,) + state.k[layer + 1:]
   new_v = state.v[:layer] + (v_cache,) + state.v[layer + 1:]

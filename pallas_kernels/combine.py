@@ -54,10 +54,16 @@ def _is_pow2(n: int) -> bool:
   return n >= 1 and n & (n - 1) == 0
 
 
-def serves(group: int, head_dim: int) -> bool:
-  """Whether the kernel serves this layout (power-of-two block shapes) on this jax."""
-  return (pl_triton is not None and _load is not None and _is_pow2(group)
-          and _is_pow2(head_dim))
+def serves(group: int, head_dim: int, *, interpret: bool = False) -> bool:
+  """Whether the kernel serves this layout (power-of-two block shapes) on this jax.
+
+  Compiled, it also needs a GPU in this process: Triton lowering reads the
+  device's compute capability, so lowering for CUDA on a GPU-less host (the CPU
+  tests that inspect the Mosaic GPU call) takes the XLA epilogue.
+  """
+  if pl_triton is None or _load is None or not (_is_pow2(group) and _is_pow2(head_dim)):
+    return False
+  return interpret or jax.default_backend() == "gpu"
 
 
 def _kernel(table_ref, o_ref, lse_ref, out_ref, *, group: int, max_splits: int,
@@ -117,7 +123,7 @@ def combine(table, o_part, lse_part, *, group: int, max_splits: int, out_dtype,
   """
   num_items, num_kv_heads, _, head_dim = o_part.shape
   num_tokens = table.shape[0]
-  if not serves(group, head_dim):
+  if not serves(group, head_dim, interpret=interpret):
     raise NotImplementedError(f"combine kernel needs power-of-two G and head_dim; got G={group}, "
                               f"head_dim={head_dim}")
   kernel = functools.partial(_kernel, group=group, max_splits=max_splits, num_items=num_items)

@@ -143,9 +143,8 @@ def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, sca
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(items, qt, pool_view(k_pool), pool_view(v_pool), page_table.reshape(-1))
-  return column._combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
-                         block_q=block_q, max_splits=config.max_splits,
-                         max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
+  return column.epilogue(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
+                         config=config, out_dtype=q.dtype, interpret=interpret)
 
 
 def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale,
@@ -167,7 +166,8 @@ def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segme
       the Mosaic GPU interpreter.
 
   Returns:
-    `[T, H_q, D]` in q's dtype; rows of padding tokens are unspecified.
+    `[T, H_q, D]` in q's dtype; rows of tokens outside the real segments are zeros
+    (`jaxkv.pure.attend` relies on it).
 
   Raises:
     NotImplementedError: a valid request this kernel cannot serve (the column

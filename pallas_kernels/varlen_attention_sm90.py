@@ -640,16 +640,27 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_compat.resolve_interpret(interpret),
   )(items, qt, k_cache, v_cache)
-  if combine.serves(group, head_dim):
+  return epilogue(o_part, lse_part, seg, num_tokens=num_tokens, group=group, config=config,
+                  out_dtype=q.dtype, interpret=interpret)
+
+
+def epilogue(o_part, lse_part, seg, *, num_tokens, group, config, out_dtype, interpret):
+  """The kernels' partials as `[T, H_q, D]` in `out_dtype`, zeros outside real segments.
+
+  One Pallas kernel (`combine`) where it serves the layout, else the XLA ops of
+  `_combine`. `interpret` is the resolved interpreter parameter (None compiles).
+  """
+  head_dim = o_part.shape[-1]
+  if combine.serves(group, head_dim, interpret=interpret is not None):
     is_token, item_base, row_block, splits = _token_fields(
-        seg, num_tokens=num_tokens, group=group, block_q=block_q)
+        seg, num_tokens=num_tokens, group=group, block_q=config.block_q)
     table = combine.token_table(item_base=item_base, splits=splits, row_block=row_block,
                                 is_token=is_token, group=group)
     return combine.combine(table, o_part, lse_part, group=group, max_splits=config.max_splits,
-                           out_dtype=q.dtype, interpret=interpret is not None)
-  return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
-                  max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
-                  out_dtype=q.dtype)
+                           out_dtype=out_dtype, interpret=interpret is not None)
+  return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
+                  block_q=config.block_q, max_splits=config.max_splits,
+                  max_split_tokens=config.max_split_tokens, out_dtype=out_dtype)
 
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,

@@ -73,8 +73,8 @@ def test_combine_kernel_merges_partials_and_zeroes_padding(group, head_dim, out_
 
 
 def test_combine_kernel_refuses_layouts_it_does_not_serve():
-  assert combine.serves(4, 64) and combine.serves(1, 128)
-  assert not combine.serves(3, 64) and not combine.serves(4, 80)
+  assert combine.serves(4, 64, interpret=True) and combine.serves(1, 128, interpret=True)
+  assert not combine.serves(3, 64, interpret=True) and not combine.serves(4, 80, interpret=True)
   table, o, lse = _case(np.random.default_rng(0), group=2, head_dim=64)
   with pytest.raises(NotImplementedError, match="power-of-two"):
     combine.combine(jnp.asarray(table), jnp.asarray(o[..., :48]), jnp.asarray(lse), group=2,
