@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from jaxkv import demo
+import jaxkv
+from jaxkv import _implementation, demo
 
 
 def test_demo_serves_and_checks(capsys):
@@ -18,6 +19,17 @@ def test_demo_serves_and_checks(capsys):
   assert code == 0
   assert len(re.findall(r"request \d+ \[", out)) == 3
   assert "generated 15 tokens" in out
+  # One line per (implementation, reason): on CPU every layer runs the reference.
+  assert re.findall(r"^attention: .*$", out, re.M) == [
+      "attention: reference on layers 0-2 (3 of 3): the default device (cpu: cpu) is not an "
+      "NVIDIA GPU of compute capability >= 9.0"]
+  compile_s, serve_s = map(float, re.search(
+      r"generated 15 tokens in [\d.]+ s: compile ([\d.]+) s .*, serving ([\d.]+) s", out).groups())
+  assert compile_s > 0 and serve_s >= 0
+  assert re.search(r"serving, compilation excluded: [\d.]+ tokens/s, [\d.]+ step tokens/s, "
+                   r"[\d.]+ ms/step", out)
+  assert re.search(r"latency per sample, mean/max ms .*: queue [\d.]+/[\d.]+, first token "
+                   r"[\d.]+/[\d.]+, total [\d.]+/[\d.]+, inter-token [\d.]+/[\d.]+", out)
   assert re.search(r"mean batch occupancy \d+\.\d+ sequences", out)
   assert re.search(r"cache: peak \d+ rows in use", out)
   assert out.count(": OK") == 3
@@ -79,3 +91,51 @@ def test_demo_parallel_samples_fill_every_column(capsys):
                     "--max-tokens", "3", "--layers", "1", "--quiet"])
   out = capsys.readouterr().out
   assert code == 0 and "generated 30 tokens" in out
+
+
+class _Device:
+  """A stand-in for `jax.devices()[0]`: only what the default selection and sizing read."""
+
+  def __init__(self, platform, kind, capability):
+    self.platform, self.device_kind, self.compute_capability = platform, kind, capability
+    self.id = 0
+
+  def memory_stats(self):
+    return {"bytes_limit": 80 * 2**30, "bytes_in_use": 0}
+
+
+@pytest.mark.parametrize("device, dtype, head_dim, runs", [
+    (_Device("gpu", "NVIDIA H200", "9.0"), "bfloat16", 64, "mosaic_gpu"),
+    (_Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), "float32", 16, "reference"),
+    (None, "float32", 16, "reference"),   # this machine's CPU
+])
+def test_demo_defaults_to_what_the_kernels_serve_on_hopper(monkeypatch, device, dtype, head_dim,
+                                                           runs):
+  """On a Hopper GPU the demo's random model is bf16 with head_dim 64, and every layer is then
+  planned onto the compiled kernels; elsewhere it keeps the small float32 model."""
+  if device is not None:
+    monkeypatch.setattr(_implementation.jax, "devices", lambda *a: [device])
+  _, args = demo._parse_args(["--requests", "2"])
+  assert (args.dtype, args.head_dim) == (dtype, head_dim)
+  config = demo._model_config(args, args.layers)
+  cache = config.cache_config(capacity=args.capacity, max_seqs=args.max_seqs,
+                              max_write=args.max_write, kv_dtype=demo._DTYPES[args.dtype])
+  assert {r.implementation for r in jaxkv.implementation_plan(cache, config.num_heads)} == {runs}
+  if device is not None and runs == "mosaic_gpu":
+    # The old defaults (float32, head_dim 16) would silently run the reference there.
+    _, old = demo._parse_args(["--requests", "2", "--dtype", "float32", "--head-dim", "16"])
+    config = demo._model_config(old, old.layers)
+    cache = config.cache_config(capacity=old.capacity, max_seqs=old.max_seqs,
+                                max_write=old.max_write, kv_dtype=demo._DTYPES[old.dtype])
+    assert {r.implementation for r in jaxkv.implementation_plan(cache, config.num_heads)} == {
+        "reference"}
+    # An explicit reference run keeps the small float32 model.
+    _, ref = demo._parse_args(["--requests", "2", "--implementation", "reference"])
+    assert (ref.dtype, ref.head_dim) == ("float32", 16)
+
+
+def test_head_dim_is_for_the_random_model_only(capsys):
+  fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "hf_llama"
+  with pytest.raises(SystemExit, match="2"):
+    demo.main(["--checkpoint", str(fixture), "--head-dim", "64"])
+  assert "--head-dim applies to the random model only" in capsys.readouterr().err
