@@ -123,8 +123,10 @@ def serve(args) -> int:
   from jaxkv.serve.report import implementation_lines   # pylint: disable=g-import-not-at-top
   for line in implementation_lines(engine.implementations):
     print(f"jaxkv serve: {line}", flush=True)
-  print(f"jaxkv serve: compiled the serving loop in {warm_up(engine):.2f} s (a warm-up "
-        "request, before the first client)", flush=True)
+  # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
+  print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
+  print(f"jaxkv serve: compiled the serving loop in {warm_up(engine):.2f} s (before the first "
+        "client)", flush=True)
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   app = create_app(engine, tokenizer, model_name=name, interval=args.interval)
   warm = dataclasses.replace(engine.stats)
