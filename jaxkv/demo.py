@@ -116,9 +116,9 @@ def _parse_args(argv=None):
   return p, args
 
 
-def _max_stop(config) -> int:
-  """Stop-token slots: `_MAX_STOP`, or more when the model has more eos ids (none is dropped)."""
-  return max(_MAX_STOP, len(config.eos_token_ids))
+def _max_stop(requests) -> int:
+  """Stop-token slots: `_MAX_STOP`, or more when a request has more stop ids (none is dropped)."""
+  return max([_MAX_STOP] + [len(r.params.stop_tokens) for r in requests])
 
 
 def kernels_serve(implementation: str | None) -> bool:
@@ -190,10 +190,25 @@ def _build(args):
   return model, config, None
 
 
+def _stop_ids(args, config) -> tuple[int, ...]:
+  """The stop ids: generation_config.json's when the checkpoint names them (as `transformers`'
+  `generate` does), else config.json's `eos_token_id`."""
+  if args.checkpoint:
+    from jaxkv.server.text import generation_eos_ids   # pylint: disable=g-import-not-at-top
+    ids = generation_eos_ids(args.checkpoint)
+    if ids:
+      bad = [t for t in ids if t >= config.vocab_size]
+      if bad:
+        raise ValueError(f"{args.checkpoint}/generation_config.json: eos_token_id {bad[0]} must "
+                         f"be < vocab_size={config.vocab_size}")
+      return ids
+  return config.eos_token_ids
+
+
 def _requests(args, config, tokenizer):
   params = serve.SamplingParams(
       max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=config.eos_token_ids)
+      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=_stop_ids(args, config))
   if args.prompt:
     if tokenizer is None:
       raise SystemExit("--prompt needs a --checkpoint with tokenizer.json (and `tokenizers`)")
@@ -255,8 +270,8 @@ def _prepare(p, args):
     for r in requests:
       serve.check_request(r, vocab_size=config.vocab_size, max_len=max_len,
                           max_seqs=cache.max_seqs, capacity=cache.capacity,
-                          max_stop_tokens=_max_stop(config))
-    serve.check_engine_fits(cache, max_len, _max_stop(config))
+                          max_stop_tokens=_max_stop(requests))
+    serve.check_engine_fits(cache, max_len, _max_stop(requests))
   except ValueError as e:
     p.error(str(e))
   return model, config, tokenizer, requests, max_len
@@ -269,7 +284,7 @@ def main(argv=None) -> int:
   cache = model.cache_config
   # The loop returns to the host every 16 steps so the progress bar moves (a whole queue
   # would otherwise be served in one loop entry); `--quiet` serves it in one.
-  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_max_stop(config),
+  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_max_stop(requests),
                         max_steps=1 << 20 if args.quiet else 16)
   rings = sum(layer.policy.is_ring for layer in cache.layers)
   device = jax.devices()[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
@@ -139,3 +140,31 @@ def test_head_dim_is_for_the_random_model_only(capsys):
   with pytest.raises(SystemExit, match="2"):
     demo.main(["--checkpoint", str(fixture), "--head-dim", "64"])
   assert "--head-dim applies to the random model only" in capsys.readouterr().err
+
+
+def test_demo_stops_at_every_generation_config_id(tmp_path, capsys):
+  """A checkpoint's generation_config.json names the stop ids (as transformers' generate reads
+  them), here more than the 8 default slots: every one ends a sample, none is dropped."""
+  fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "hf_llama"
+  for name in ("config.json", "model.safetensors"):
+    (tmp_path / name).write_bytes((fixture / name).read_bytes())
+  ids = list(range(20, 128, 9))   # 12 ids, none of them config.json's eos_token_id (2)
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+  argv = ["--checkpoint", str(tmp_path), "--requests", "4", "--max-tokens", "6", "--prompt-max",
+          "10", "--max-write", "8", "--temperature", "1.0"]
+  _, args = demo._parse_args(argv)
+  model, config, tokenizer = demo._build(args)
+  requests = demo._requests(args, config, tokenizer)
+  assert all(r.params.stop_tokens == tuple(ids) for r in requests)
+  assert demo._max_stop(requests) == len(ids)
+  assert demo.main(argv) == 0
+  rows = re.findall(r"request \d+ \[\s*\d+ prompt\] ([\d ]+)  \((stop|length)\)",
+                    capsys.readouterr().out)
+  assert len(rows) == 4
+  for text, reason in rows:
+    tokens = [int(t) for t in text.split()]
+    ended = [i for i, t in enumerate(tokens) if t in ids]
+    assert ended == ([len(tokens) - 1] if reason == "stop" else []), (tokens, reason)
+    assert reason == "stop" or len(tokens) == 6
+  # With these seeds a sample ends at the 9th id: one an 8-slot engine would have dropped.
+  assert any(reason == "stop" and int(text.split()[-1]) in ids[8:] for text, reason in rows)
