@@ -188,7 +188,8 @@ class Completion:
       request's was None).
     timing: the sample's `RequestTiming` (from the device's step counts, see
       there); set when `Engine.run` returns or raises, None before (in
-      `on_progress` callbacks).
+      `on_progress` callbacks). A measurement, not part of the result: two
+      completions of the same tokens compare equal whatever their timing.
   """
 
   request_id: object
@@ -197,7 +198,7 @@ class Completion:
   tokens: list[int]
   finish_reason: str
   seed: int | None = None
-  timing: RequestTiming | None = None
+  timing: RequestTiming | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass

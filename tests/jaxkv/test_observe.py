@@ -106,7 +106,7 @@ def test_compile_is_paid_once_per_shape_class(served):
   stats = engine.stats
   # Only small host-side helpers may compile now: the same queue is the same shape class.
   assert stats.compile_seconds < compiled / 4 and stats.serve_seconds > 0
-  assert [c.tokens for c in again] == [c.tokens for c in first]
+  assert again == first   # timings differ; a completion is its tokens, not its timing
   assert all(c.timing is not None for c in seen)   # the same objects, timed once run returned
 
 
