@@ -150,6 +150,7 @@ def _check_host_fits(p, args) -> None:
       params = one + (args.layers - 1) * (two - one)
       item = np.dtype(_DTYPES[args.dtype]).itemsize
       check_fits(params * item, what=f"--layers={args.layers} --hidden={args.hidden} "
+                                     f"--head-dim={args.head_dim} "
                                      f"--vocab={args.vocab} weights",
                  formula=f"{params:,} parameters x {item} bytes")
     # A random prompt token in a tuple costs at least its 8-byte pointer.
