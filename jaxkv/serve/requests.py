@@ -236,7 +236,13 @@ class EngineStats:
 
   @property
   def serve_seconds(self) -> float:
-    """Wall time spent serving, compilation excluded (`seconds - compile_seconds`)."""
+    """Wall time spent serving, compilation excluded (`seconds - compile_seconds`).
+
+    The first run of a shape class also pays first-call costs that are not
+    compilation (dispatch set-up of each jitted function: tens of milliseconds on
+    a CPU), so its serving figures are pessimistic for short runs; a warm-up run
+    of the same shape first (as `python -m jaxkv.demo` does) removes them.
+    """
     return max(self.seconds - self.compile_seconds, 0.0)
 
   @property
