@@ -28,10 +28,11 @@ class KernelFallbackWarning(UserWarning):
 
 
 class LayerImplementation(NamedTuple):
-  """One row of `implementation_plan`."""
+  """One row of `implementation_plan` (and of `jaxkv.serve.Engine.implementations`)."""
 
   layer: int
-  implementation: str      # "mosaic_gpu" or "reference"
+  implementation: str      # "mosaic_gpu" or "reference"; an engine also reports an explicit
+                           # "interpret", or "unknown" for a layer its model attends itself
   reason: str
 
 

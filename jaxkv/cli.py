@@ -1,11 +1,17 @@
 """The `jaxkv` console script: `jaxkv serve --checkpoint DIR` starts the OpenAI-compatible server.
 
 The server's packages come with the `serve` extra (`pip install "jaxkv[serve]"`).
+Before it listens, `jaxkv serve` prints which attention implementation serves
+each layer and why, and compiles the serving loop with a warm-up request (so
+the first client does not wait for the compiler) and prints how long that
+took; when it stops, it prints the tokens served and the serving tokens/s,
+compilation excluded.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -70,6 +76,32 @@ def build_server(checkpoint: str, *, max_seqs: int = 8, max_len: int | None = No
   return engine, tokenizer
 
 
+def warm_up(engine) -> float:
+  """Compiles what serving runs before the first client; returns the compile seconds.
+
+  One one-token request runs one step (the serving loop compiles) and is then
+  aborted (the abort helper compiles); nothing of it stays in the engine.
+  """
+  from jaxkv.serve import Request, SamplingParams   # pylint: disable=g-import-not-at-top
+  before = engine.stats.compile_seconds
+  rid = engine.add_request(Request((0,), SamplingParams(max_tokens=2), request_id="warm-up"))
+  engine.step(1)
+  engine.abort(rid)
+  while engine.has_unfinished():
+    engine.step(1)
+  return engine.stats.compile_seconds - before
+
+
+def summary(stats, since) -> str:
+  """The closing line: tokens served since `since` (the stats after the warm-up, an
+  `EngineStats` copy), their serving time and tokens/s, apart from compile time."""
+  tokens = stats.generated - since.generated
+  seconds = stats.serve_seconds - since.serve_seconds
+  rate = f"{tokens / seconds:.1f} tokens/s" if seconds > 0 else "no serving time"
+  return (f"jaxkv serve: generated {tokens} tokens in {seconds:.2f} s of serving ({rate}, "
+          f"compilation excluded); compile {stats.compile_seconds:.2f} s in all")
+
+
 def serve(args) -> int:
   try:
     import uvicorn   # pylint: disable=g-import-not-at-top
@@ -88,9 +120,18 @@ def serve(args) -> int:
   except (ValueError, OSError) as e:
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
+  from jaxkv.serve.report import implementation_lines   # pylint: disable=g-import-not-at-top
+  for line in implementation_lines(engine.implementations):
+    print(f"jaxkv serve: {line}", flush=True)
+  # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
+  print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
+  print(f"jaxkv serve: compiled the serving loop in {warm_up(engine):.2f} s (before the first "
+        "client)", flush=True)
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   app = create_app(engine, tokenizer, model_name=name, interval=args.interval)
+  warm = dataclasses.replace(engine.stats)
   uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+  print(summary(engine.stats, warm), flush=True)
   return 0
 
 

@@ -6,11 +6,17 @@ Hugging Face checkpoint directory (`--checkpoint`: config.json + safetensors,
 and tokenizer.json for text), and serves `--requests` prompts with
 `jaxkv.serve.Engine`: continuous batching with chunked prefill mixed into
 decode steps, the whole multi-step loop inside one `jax.jit`. It prints every
-request's tokens (text when a tokenizer exists) and a summary: tokens/s, steps,
-mean batch occupancy, and cache rows and bytes in use.
+request's tokens (text when a tokenizer exists) and a summary: which attention
+implementation serves each layer and why, compile time apart from serving time
+(a warm-up run of the queue's shape, 1-token prompts, compiles the serving loop
+first, so the run is measured warm), tokens/s, per-request latency (queue, time
+to first token, total, inter-token), steps, mean batch occupancy, and cache rows
+and bytes in use.
 
 On a Hopper GPU the attention uses the Pallas Mosaic GPU kernels
-(`--implementation` default); elsewhere the pure-jnp reference.
+(`--implementation` default) and the demo defaults to what they serve:
+bfloat16 and, for the random model, head_dim 64. Elsewhere it runs the
+pure-jnp reference in float32 with head_dim 16.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import models, serve
+from jaxkv._implementation import default_implementation
 from jaxkv._memory import check_fits
 from jaxkv.models import hf
+from jaxkv.serve.report import implementation_lines
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _INT32_LIMIT = 2**31
@@ -48,8 +56,12 @@ def _parse_args(argv=None):
   m.add_argument("--vocab", type=int, default=512, help="random model: vocabulary (default 512)")
   m.add_argument("--window", type=int, default=16,
                  help="random gemma3: sliding window of the ring layers (default 16)")
-  m.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
-                 help="parameters, activations and K/V storage (default float32)")
+  m.add_argument("--head-dim", type=int, default=None,
+                 help="random model: head dimension (default: 64 where the Mosaic GPU kernels "
+                      "serve, a Hopper GPU; else 16)")
+  m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                 help="parameters, activations and K/V storage (default: bfloat16 where the "
+                      "Mosaic GPU kernels serve, a Hopper GPU; else float32)")
   c = p.add_argument_group("cache and engine")
   c.add_argument("--max-seqs", type=int, default=8, help="sequence columns (default 8)")
   c.add_argument("--max-write", type=int, default=32,
@@ -82,7 +94,11 @@ def _parse_args(argv=None):
   o.add_argument("--quiet", action="store_true", help="no per-request lines, no progress bar")
   args = p.parse_args(argv)
   # Sizes travel as int32 through the cache and the loop: beyond 2**31 - 1 they cannot.
-  for name, lo in (("layers", 1), ("hidden", 1), ("vocab", 1), ("window", 1), ("max_seqs", 1),
+  if args.checkpoint and args.head_dim is not None:
+    p.error("--head-dim applies to the random model only (a checkpoint fixes its head_dim)")
+  _device_defaults(args)
+  for name, lo in (("layers", 1), ("hidden", 1), ("head_dim", 1), ("vocab", 1), ("window", 1),
+                   ("max_seqs", 1),
                    ("max_write", 1), ("capacity", 1), ("initial_capacity", 1), ("requests", 1),
                    ("prompt_min", 1), ("prompt_max", 1), ("max_tokens", 1), ("n", 1),
                    ("top_k", 0), ("seed", 0)):
@@ -102,6 +118,27 @@ def _parse_args(argv=None):
   return p, args
 
 
+def _max_stop(requests) -> int:
+  """Stop-token slots: `_MAX_STOP`, or more when a request has more stop ids (none is dropped)."""
+  return max([_MAX_STOP] + [len(r.params.stop_tokens) for r in requests])
+
+
+def kernels_serve(implementation: str | None) -> bool:
+  """Whether the Mosaic GPU kernels will serve: a Hopper GPU and no other choice made."""
+  return implementation in (None, "mosaic_gpu") and default_implementation() == "mosaic_gpu"
+
+
+def _device_defaults(args) -> None:
+  """Fills `--dtype` and `--head-dim` left unset: what the compiled kernels serve on a Hopper
+  GPU (bfloat16, head_dim 64; float32 storage and head_dim 16 would run the reference),
+  today's small float32 model elsewhere."""
+  kernels = kernels_serve(args.implementation)
+  if args.dtype is None:
+    args.dtype = "bfloat16" if kernels else "float32"
+  if args.head_dim is None and not args.checkpoint:
+    args.head_dim = 64 if kernels else 16
+
+
 def _check_host_fits(p, args) -> None:
   """Refuses, before building anything, random models and prompts the machine cannot hold.
 
@@ -115,6 +152,7 @@ def _check_host_fits(p, args) -> None:
       params = one + (args.layers - 1) * (two - one)
       item = np.dtype(_DTYPES[args.dtype]).itemsize
       check_fits(params * item, what=f"--layers={args.layers} --hidden={args.hidden} "
+                                     f"--head-dim={args.head_dim} "
                                      f"--vocab={args.vocab} weights",
                  formula=f"{params:,} parameters x {item} bytes")
     # A random prompt token in a tuple costs at least its 8-byte pointer.
@@ -132,7 +170,7 @@ def _model_config(args, layers: int):
   heads = max(1, args.hidden // 16)
   common = dict(vocab_size=args.vocab, hidden_size=args.hidden,
                 intermediate_size=2 * args.hidden, num_layers=layers, num_heads=heads,
-                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=16)
+                num_kv_heads=1 if heads == 1 else heads // 2, head_dim=args.head_dim)
   if args.model == "gemma3":
     types = tuple("full" if (i + 1) % 3 == 0 else "sliding" for i in range(layers))
     return models.ModelConfig.gemma3(sliding_window=args.window, layer_types=types,
@@ -155,10 +193,25 @@ def _build(args):
   return model, config, None
 
 
+def _stop_ids(args, config) -> tuple[int, ...]:
+  """The stop ids: generation_config.json's when the checkpoint names them (as `transformers`'
+  `generate` does), else config.json's `eos_token_id`."""
+  if args.checkpoint:
+    from jaxkv.server.text import generation_eos_ids   # pylint: disable=g-import-not-at-top
+    ids = generation_eos_ids(args.checkpoint)
+    if ids:
+      bad = [t for t in ids if t >= config.vocab_size]
+      if bad:
+        raise ValueError(f"{args.checkpoint}/generation_config.json: eos_token_id {bad[0]} must "
+                         f"be < vocab_size={config.vocab_size}")
+      return ids
+  return config.eos_token_ids
+
+
 def _requests(args, config, tokenizer):
   params = serve.SamplingParams(
       max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=config.eos_token_ids[:_MAX_STOP])
+      top_p=args.top_p, seed=args.seed, n=args.n, stop_tokens=_stop_ids(args, config))
   if args.prompt:
     if tokenizer is None:
       raise SystemExit("--prompt needs a --checkpoint with tokenizer.json (and `tokenizers`)")
@@ -178,6 +231,27 @@ def _show(tokens, tokenizer):
     return repr(tokenizer.decode(list(tokens)))
   text = " ".join(str(t) for t in tokens)
   return text if len(text) < 100 else text[:97] + "..."
+
+
+def _warm_up_queue(requests):
+  """The queue with every prompt cut to its first token and one new token: the same shape
+  class (queue, output rows, token buffers, stop slots), so the same compiled loop, at
+  almost no serving cost."""
+  return [serve.Request(r.prompt[:1], dataclasses.replace(r.params, max_tokens=1), r.request_id)
+          for r in requests]
+
+
+def _latency_line(results) -> str:
+  """Mean and largest per-sample latencies of a run (`Completion.timing`), in milliseconds."""
+  def figures(name, values):
+    values = [1e3 * v for v in values if v is not None]
+    return f"{name} {np.mean(values):.1f}/{max(values):.1f}" if values else f"{name} -"
+  t = [c.timing for c in results]
+  return ("latency per sample, mean/max ms (device step counts x the mean step time): "
+          + ", ".join([figures("queue", [x.queue_seconds for x in t]),
+                       figures("first token", [x.first_token_seconds for x in t]),
+                       figures("total", [x.total_seconds for x in t]),
+                       figures("inter-token", [x.inter_token_seconds for x in t])]))
 
 
 def _check(model, results) -> bool:
@@ -207,8 +281,8 @@ def _prepare(p, args):
     for r in requests:
       serve.check_request(r, vocab_size=config.vocab_size, max_len=max_len,
                           max_seqs=cache.max_seqs, capacity=cache.capacity,
-                          max_stop_tokens=_MAX_STOP)
-    serve.check_engine_fits(cache, max_len, _MAX_STOP)
+                          max_stop_tokens=_max_stop(requests))
+    serve.check_engine_fits(cache, max_len, _max_stop(requests))
   except ValueError as e:
     p.error(str(e))
   return model, config, tokenizer, requests, max_len
@@ -221,14 +295,24 @@ def main(argv=None) -> int:
   cache = model.cache_config
   # The loop returns to the host every 16 steps so the progress bar moves (a whole queue
   # would otherwise be served in one loop entry); `--quiet` serves it in one.
-  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_MAX_STOP,
+  engine = serve.Engine(model, max_len=longest, max_stop_tokens=_max_stop(requests),
                         max_steps=1 << 20 if args.quiet else 16)
   rings = sum(layer.policy.is_ring for layer in cache.layers)
-  print(f"jaxkv demo on {jax.devices()[0].platform}: {config.arch} "
+  device = jax.devices()[0]
+  print(f"jaxkv demo on {device.platform} ({device.device_kind}): {config.arch} "
         f"({'checkpoint' if args.checkpoint else 'random weights'}, {config.num_layers} layers: "
-        f"{cache.num_layers - rings} flat, {rings} ring, {config.num_params / 1e6:.2f}M params), "
+        f"{cache.num_layers - rings} flat, {rings} ring, {config.num_params / 1e6:.2f}M params, "
+        f"{config.num_heads}/{config.num_kv_heads} heads of dim {config.head_dim}, {args.dtype}), "
         f"{len(requests)} requests x n={args.n}, W={cache.step_width}, "
         f"max_seqs={cache.max_seqs}, capacity={cache.capacity}")
+  for line in implementation_lines(engine.implementations):
+    print(line)
+  # A warm-up run of the same queue shape compiles the serving loop (and pays every first
+  # call's dispatch cost, which is not compilation), so the run below is measured warm.
+  engine.run(_warm_up_queue(requests))
+  warm_compile = engine.stats.compile_seconds
+  print(f"compile: {warm_compile:.2f} s (a warm-up run of the queue's shape, 1-token prompts and "
+        f"1 new token each, compiled the serving loop)", flush=True)
 
   bar = None
   if not args.quiet:
@@ -237,11 +321,8 @@ def main(argv=None) -> int:
       bar = tqdm(total=len(requests) * args.n, unit="req", file=sys.stdout, leave=False)
     except ImportError:
       bar = None
-  first = {}
 
   def on_progress(stats, finished):
-    if not first:
-      first.update(seconds=stats.seconds, steps=stats.steps, step_tokens=stats.step_tokens)
     if bar is not None:
       bar.update(len(finished))
       bar.set_postfix(steps=stats.steps, tokens=stats.step_tokens)
@@ -258,14 +339,15 @@ def main(argv=None) -> int:
   rows = stats.peak_rows
   in_use = serve.bytes_in_use(cache, [rows])
   allocated = serve.storage_bytes(engine.state.cache)
-  warm_s = stats.seconds - first.get("seconds", 0.0)
-  warm_tokens = stats.step_tokens - first.get("step_tokens", 0)
-  print(f"generated {stats.generated} tokens in {stats.seconds:.2f} s "
-        f"({stats.generated / stats.seconds:.1f} tokens/s, {stats.step_tokens / stats.seconds:.1f}"
-        f" step tokens/s, first loop entry with compilation included)")
-  if warm_s > 0 and warm_tokens > 0:
-    print(f"after the first loop entry: {warm_tokens / warm_s:.1f} step tokens/s, "
-          f"{1e3 * warm_s / max(stats.steps - first['steps'], 1):.2f} ms/step")
+  serve_s = stats.serve_seconds
+  print(f"generated {stats.generated} tokens in {stats.seconds:.2f} s: compile "
+        f"{stats.compile_seconds:.2f} s more (the warm-up compiled the loop), serving "
+        f"{serve_s:.2f} s")
+  if serve_s > 0:
+    print(f"serving, compilation excluded: {stats.tokens_per_second:.1f} tokens/s, "
+          f"{stats.step_tokens / serve_s:.1f} step tokens/s, {1e3 * stats.step_seconds:.2f} "
+          f"ms/step")
+  print(_latency_line(results))
   print(f"steps {stats.steps}, loop entries {stats.loop_entries}, mean batch occupancy "
         f"{stats.occupancy / max(stats.steps, 1):.2f} sequences "
         f"({stats.step_tokens / max(stats.steps, 1):.1f}/{cache.step_width} tokens per step)")

@@ -31,7 +31,8 @@ the sequence verbs, one call each.
 Rooms: `requests` (what users hand in and get back), `protocol` (`StepModel`), `sampling`,
 `state` (what the loop carries, the device queue), `loop` (the jitted loop), `engine`
 (`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `live` (the incremental
-API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `runner` (`ModelRunner`),
+API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `report` (which attention
+implementation serves each layer, and why), `runner` (`ModelRunner`),
 `memory` (sizing), `decoding` (host-level feeding and
 greedy decoding over a `ModelRunner`).
 """

@@ -17,8 +17,9 @@ from jaxkv.serve.live import LiveQueue
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows, check_engine_fits
 from jaxkv.serve.protocol import check_step_model
+from jaxkv.serve.report import layer_implementations
 from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, Request,
-                                  check_request, token_logprobs)
+                                  RequestTiming, check_request, token_logprobs)
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
 
@@ -104,6 +105,14 @@ class Engine:
       smaller). It sizes the logprob
       outputs, which exist only while a request wants logprobs (`run`) or hold
       a short window per output row (incremental API).
+
+  Attributes:
+    implementations: which attention implementation serves each cache layer and
+      why (`jaxkv.serve.report.layer_implementations`; also on every `EngineStats`).
+    stats: `EngineStats` of the last `run` (or of the incremental API): counters,
+      compile time apart from serving time, tokens/s after warm-up.
+    completions: the last run's completions, also when it failed; each carries
+      its latency figures (`Completion.timing`).
   """
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
@@ -146,7 +155,8 @@ class Engine:
     # Looked up here, not at import, so a test can wrap `serve_loop` (chex.assert_max_traces).
     self._loop = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
     self.state: LoopState | None = None
-    self.stats = EngineStats()
+    self.implementations = layer_implementations(model, config)
+    self.stats = EngineStats(implementations=self.implementations)
     self.completions: list[Completion] = []   # of the last run, also when it failed
     self._live: LiveQueue | None = None
 
@@ -165,6 +175,12 @@ class Engine:
     the device and served by the jitted loop, which admits, forks and retires
     on its own: the host is visited once per `max_steps` steps (and for flat
     growth, done once up front for the whole queue).
+
+    `self.stats` reports the run (compile time apart from serving time,
+    tokens/s of serving time), and every completion its latency figures
+    (`Completion.timing`): the loop records, per sample, the step count at its
+    admission, first token and last token, which are converted to seconds with
+    the run's mean step time (`EngineStats.step_seconds`; see `RequestTiming`).
 
     Args:
       requests: the queue, admitted first come first served.
@@ -191,7 +207,7 @@ class Engine:
                          "at a time): step until has_unfinished() is False, or abort them")
     self._live = None   # its state goes with it, below
     self.completions: list[Completion] = []
-    self.stats = stats = EngineStats()
+    self.stats = EngineStats(implementations=self.implementations)
     if not requests:
       return []
     with contextlib.nullcontext() if self.device is None else jax.default_device(self.device):
@@ -221,6 +237,7 @@ class Engine:
           lp_rows[base + j] = len(lp_rows)
     collected = np.zeros((host_queue.rows,), bool)
     collected[len(owner):] = True   # padding rows
+    step_counts = []   # (completion, admitted, first token, finished) for its timing
     try:
       while True:
         self.state = None   # donated below: never left pointing at a deleted buffer
@@ -230,7 +247,8 @@ class Engine:
         stats.loop_entries += 1
         host = jax.device_get({k: getattr(ls, k) for k in (
             "out_done", "out_len", "out_stop", "steps", "step_tokens", "occupancy", "status",
-            "peak_rows", "width_steps", "active", "used")} | {"next": ls.queue.next})
+            "peak_rows", "width_steps", "active", "used", "out_admitted", "out_first",
+            "out_finished")} | {"next": ls.queue.next})
         new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
         new_results = []
         if new_rows.size:
@@ -249,6 +267,8 @@ class Engine:
                                           out[row, :n_tok].tolist(),
                                           "stop" if host["out_stop"][row] else "length",
                                           request.params.seed, logprobs=logprobs))
+            step_counts.append((new_results[-1], int(host["out_admitted"][row]),
+                                int(host["out_first"][row]), int(host["out_finished"][row])))
           collected[new_rows] = True
           self.completions.extend(new_results)
         stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
@@ -272,8 +292,12 @@ class Engine:
     except Exception as e:   # pylint: disable=broad-except  (model, device or callback failure)
       raise EngineError(f"Engine.run failed after {len(self.completions)} finished samples: "
                         f"{type(e).__name__}: {e}", self.completions) from e
-    stats.seconds = time.perf_counter() - started
-    stats.compile_seconds = compile_seconds() - compiled
+    finally:
+      stats.seconds = time.perf_counter() - started
+      stats.compile_seconds = compile_seconds() - compiled
+      for c, admitted, first, finished in step_counts:   # now that the mean step time is known
+        c.timing = RequestTiming.from_steps(admitted, first, finished, len(c.tokens),
+                                            stats.step_seconds)
     return sorted(self.completions, key=lambda c: (order[c.request_id], c.index))
 
   # ------------------------------------------------------------ incremental API (live.py)
@@ -281,7 +305,7 @@ class Engine:
   def _live_queue(self) -> LiveQueue:
     if self._live is None:
       self.state = None   # run's state goes before the persistent one is allocated
-      self.stats = EngineStats()
+      self.stats = EngineStats(implementations=self.implementations)
       self._live = LiveQueue(self)
     return self._live
 

@@ -329,7 +329,9 @@ class LiveQueue:
       self._free[t.base:t.base + t.n] = True
     now = time.perf_counter()
     since = lambda x: None if x is None else x - t.arrived
-    return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived)
+    tokens = max(t.emitted)   # the longest sample: the request's last token came with it
+    between = (now - t.first_token) / (tokens - 1) if tokens > 1 else None
+    return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
 
   def _collect(self) -> list[Delta]:
     """Reads the entry's outputs: deltas, finishes, admissions; host-side stops."""

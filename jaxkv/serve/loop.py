@@ -128,6 +128,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
   is_stop = jnp.any(ls.stop_tokens == new[:, None], axis=1)
   finished = emits & (is_stop | (length >= ls.limit))
   fin_at = jnp.where(finished, ls.out_row, rows_out)
+  first_at = jnp.where(emits & (generated == 0), ls.out_row, rows_out)   # latency bookkeeping
   fed = jnp.where(ok, ls.fed + alloc, ls.fed)
   as_int = lambda b: b.astype(jnp.int32)
   held = jnp.where(ls.used == 1, fed, 0).sum(dtype=jnp.int32)
@@ -141,6 +142,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
       out_top_logprobs=ls.out_top_logprobs.at[lp_at, lp_t].set(top_lp, mode="drop"),
       out_stop=ls.out_stop.at[fin_at].set(as_int(is_stop), mode="drop"),
       out_done=ls.out_done.at[fin_at].set(1, mode="drop"),
+      out_first=ls.out_first.at[first_at].set(ls.steps + 1, mode="drop"),
+      out_finished=ls.out_finished.at[fin_at].set(ls.steps + 1, mode="drop"),
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
       occupancy=ls.occupancy + jnp.where(ok, (alloc > 0).sum(dtype=jnp.int32), 0),
       peak_rows=jnp.maximum(ls.peak_rows, held),
@@ -205,6 +208,10 @@ def _admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
   max_len = ls.tokens.shape[1]
   sample_index = jnp.where(fork, 0, q.copies)
   put = lambda a, v: _put(a, col, v)
+  # The output rows this admission starts: all n of a forking request, else this copy's one.
+  first_row = q.out_base[i] + sample_index
+  out_rows = jnp.arange(ls.out_admitted.shape[0], dtype=jnp.int32)
+  admitted = ok & (out_rows >= first_row) & (out_rows < first_row + jnp.where(fork, n, 1))
   ls = dataclasses.replace(
       ls, cache=cache, tokens=put(ls.tokens, q.prompt[i]), prompt_len=put(ls.prompt_len, plen),
       length=put(ls.length, plen), fed=put(ls.fed, 0),
@@ -217,7 +224,8 @@ def _admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
       sample_index=put(ls.sample_index, sample_index),
       stop_tokens=put(ls.stop_tokens, q.stop_tokens[i]),
       **{f: put(getattr(ls, f), getattr(q, f)[i]) for f in _SAMPLING_EXTRAS},
-      lp_row=put(ls.lp_row, q.lp_base[i] + sample_index))
+      lp_row=put(ls.lp_row, q.lp_base[i] + sample_index),
+      out_admitted=jnp.where(admitted, ls.steps, ls.out_admitted))
   # A forking request is one admission; otherwise each of its n samples is one.
   copies = jnp.where(ok, q.copies + 1, q.copies)
   finished_request = ok & (fork | (copies >= n))

@@ -89,9 +89,11 @@ class DataParallelEngine:
 
   @staticmethod
   def _merged_stats(engines) -> EngineStats:
-    out = EngineStats()
+    # The engines run at once: wall and compile times are the slowest engine's, not sums.
+    out = EngineStats(implementations=engines[0].implementations if engines else ())
     for e in engines:
       s = e.stats
+      out.compile_seconds = max(out.compile_seconds, s.compile_seconds)
       out.steps += s.steps
       out.step_tokens += s.step_tokens
       out.generated += s.generated

@@ -280,6 +280,10 @@ class Completion:
       request's was None).
     logprobs: one `TokenLogprob` per generated token when the request asked
       (`SamplingParams.logprobs`); None otherwise.
+    timing: the sample's `RequestTiming` (from the device's step counts, see
+      there); set when `Engine.run` returns or raises, None before (in
+      `on_progress` callbacks). A measurement, not part of the result: two
+      completions of the same tokens compare equal whatever their timing.
   """
 
   request_id: object
@@ -289,11 +293,12 @@ class Completion:
   finish_reason: str
   seed: int | None = None
   logprobs: list[TokenLogprob] | None = None
+  timing: RequestTiming | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass
 class EngineStats:
-  """Counters of one `Engine.run`.
+  """Counters of one `Engine.run` (or of the incremental API since its cache was made).
 
   Attributes:
     steps: cache steps run.
@@ -301,12 +306,15 @@ class EngineStats:
     generated: tokens sampled.
     occupancy: sum over steps of sequences in the step (mean = occupancy/steps).
     loop_entries: entries into the jitted loop (host round trips).
-    seconds: wall time.
+    seconds: wall time, compilation included.
     peak_rows: most cache positions held at once (all sequences together).
     width_steps: steps run at each compiled width (`{width: steps}`).
-    compile_seconds: of `seconds`, the time spent tracing and compiling (the
-      first entry of a new shape class pays it).
+    compile_seconds: of `seconds`, the time spent tracing, lowering and
+      compiling (`jax.monitoring`'s compile events in the serving thread; the
+      first entry of a new shape class pays it, later entries reuse the code).
     aborted: samples ended by `Engine.abort` (incremental API).
+    implementations: which attention implementation serves each layer and why
+      (`Engine.implementations`: one `jaxkv.LayerImplementation` per layer).
   """
 
   steps: int = 0
@@ -319,10 +327,17 @@ class EngineStats:
   width_steps: dict = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
   aborted: int = 0
+  implementations: tuple = ()
 
   @property
   def serve_seconds(self) -> float:
-    """Wall time spent serving, compilation excluded."""
+    """Wall time spent serving, compilation excluded (`seconds - compile_seconds`).
+
+    The first run of a shape class also pays first-call costs that are not
+    compilation (dispatch set-up of each jitted function: tens of milliseconds on
+    a CPU), so its serving figures are pessimistic for short runs; a warm-up run
+    of the same shape first (as `python -m jaxkv.demo` does) removes them.
+    """
     return max(self.seconds - self.compile_seconds, 0.0)
 
   @property
@@ -330,21 +345,69 @@ class EngineStats:
     """Generated tokens per second of serving time (after warm-up: compilation excluded)."""
     return self.generated / self.serve_seconds if self.serve_seconds > 0 else 0.0
 
+  @property
+  def step_seconds(self) -> float:
+    """Mean wall time of one step, compilation excluded (`serve_seconds / steps`; 0 before any).
+
+    Host time between loop entries (reading outputs, growth, bookkeeping) is
+    spread over the steps, so step counts times this add up to the serving time.
+    """
+    return self.serve_seconds / self.steps if self.steps else 0.0
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestTiming:
-  """Latency figures of one request, measured on the host (resolution: one loop entry).
+  """Latency figures of one request (incremental API) or one sample (`Engine.run`).
+
+  Every figure counts from the request's arrival: `add_request` on the
+  incremental API, the start of the run on `Engine.run`.
+
+  **Incremental API** (`Delta.timing`): measured on the host with
+  `time.perf_counter`, to the resolution of one loop entry (`k` steps); the
+  step fields are None.
+
+  **`Engine.run`** (`Completion.timing`): the whole queue is served inside
+  jitted calls, so the host cannot time one request. The loop records, per
+  output row (one per sample), its step counter when the sample's request was
+  admitted, after the step that sampled the sample's first token and after
+  the step that sampled its last (`admitted_step`, `first_token_step`,
+  `finished_step`; every request arrives at step 0), and `Engine.run`
+  converts each count to seconds by multiplying it by the run's measured mean
+  step time, `EngineStats.step_seconds` = (wall time - compile time) / steps.
+  The seconds are estimates: every step counts as the mean step (a wide
+  prefill step costs more than a one-slot decode step), and host time between
+  loop entries is spread over the steps.
 
   Attributes:
-    queue_seconds: `add_request` until the host saw the request admitted.
-    first_token_seconds: `add_request` until its first token was reported
-      (None if it produced none).
-    total_seconds: `add_request` until it finished.
+    queue_seconds: arrival until admission into the loop (None if the request
+      was aborted before it).
+    first_token_seconds: arrival until its first token: the time to first
+      token (None if it produced none).
+    total_seconds: arrival until it finished.
+    inter_token_seconds: mean time between consecutive tokens, (last token -
+      first token) / (tokens - 1); None with fewer than two tokens.
+    admitted_step, first_token_step, finished_step: `Engine.run` only: the
+      step counts above, `admitted_step < first_token_step <= finished_step`.
   """
 
   queue_seconds: float | None
   first_token_seconds: float | None
   total_seconds: float
+  inter_token_seconds: float | None = None
+  admitted_step: int | None = None
+  first_token_step: int | None = None
+  finished_step: int | None = None
+
+  @classmethod
+  def from_steps(cls, admitted: int, first: int, finished: int, tokens: int,
+                 step_seconds: float) -> RequestTiming:
+    """The figures of one `Engine.run` sample from its step counts and the mean step time."""
+    if not 0 <= admitted < first <= finished:
+      raise ValueError(f"step counts admitted={admitted}, first={first}, finished={finished} "
+                       "must satisfy 0 <= admitted < first <= finished")
+    between = (finished - first) / (tokens - 1) * step_seconds if tokens > 1 else None
+    return cls(admitted * step_seconds, first * step_seconds, finished * step_seconds, between,
+               admitted, first, finished)
 
 
 @dataclasses.dataclass(frozen=True)

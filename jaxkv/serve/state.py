@@ -103,6 +103,11 @@ class LoopState:
     out_logprob: `float32[RL, T]` each generated token's logprob, out_top_ids:
       `int32[RL, T, NL]` and out_top_logprobs: `float32[RL, T, NL]` the top
       alternatives (`sampling.sample_rows`); token `t` at `t % T`.
+    out_admitted, out_first, out_finished: `int32[R]` the `steps` counter when
+      the sample's request was admitted, after the step that sampled its first
+      token, after the step that sampled its last (-1 until then; a reused row
+      holds its last sample's values until they are set again). `Engine.run`
+      turns them into latency figures (`RequestTiming`).
     steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
       most positions held at once, and the first non-OK cache status.
     width_steps: `int32[len(widths)]` steps run at each compiled width.
@@ -141,6 +146,9 @@ class LoopState:
   out_logprob: jax.Array
   out_top_ids: jax.Array
   out_top_logprobs: jax.Array
+  out_admitted: jax.Array
+  out_first: jax.Array
+  out_finished: jax.Array
   steps: jax.Array
   step_tokens: jax.Array
   occupancy: jax.Array
@@ -222,6 +230,7 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
   max_len, max_stop = host_queue.arrays["prompt"].shape[1], host_queue.arrays["stop_tokens"].shape[1]
   zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
   scalar = lambda v=0: jnp.asarray(v, jnp.int32)
+  unset = lambda n: jnp.full((n,), -1, jnp.int32)
   queue = Queue(**{k: jnp.asarray(v) for k, v in host_queue.arrays.items()},
                 next=scalar(), copies=scalar(), count=scalar(host_queue.count))
   rows, m = host_queue.rows, host_queue.max_new
@@ -243,6 +252,7 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
       out_top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
       out_tokens=jnp.zeros((rows, m), jnp.int32), out_len=jnp.zeros((rows,), jnp.int32),
       out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
+      out_admitted=unset(rows), out_first=unset(rows), out_finished=unset(rows),
       steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
       status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32))
   if mesh is not None:

@@ -16,8 +16,8 @@ class Metrics:
 
   Time to first token, inter-token latency, queue time and end-to-end latency
   are histograms (seconds, measured on the server around each request); K/V
-  use, running/waiting requests and tokens/s are gauges refreshed after every
-  engine step; token and request counters carry the totals.
+  use, running/waiting requests, tokens/s and compile time are gauges refreshed
+  after every engine step; token and request counters carry the totals.
   """
 
   def __init__(self, capacity: int):
@@ -37,6 +37,9 @@ class Metrics:
     self.tokens_per_second = Gauge(
         "jaxkv_generation_tokens_per_second",
         "Tokens generated per second over the last engine step (compilation excluded)", registry=r)
+    self.compile_seconds = Gauge(
+        "jaxkv_compile_seconds", "Seconds the engine spent tracing and compiling since its cache "
+        "was made (apart from serving time)", registry=r)
     self.prompt_tokens = Counter("jaxkv_prompt_tokens", "Prompt tokens of accepted requests",
                                  registry=r)
     self.generation_tokens = Counter("jaxkv_generation_tokens", "Tokens generated", registry=r)
@@ -56,6 +59,7 @@ class Metrics:
     self.waiting.set(waiting)
     self.kv_usage.set(live.held / self.capacity)
     stats = engine.stats
+    self.compile_seconds.set(stats.compile_seconds)
     new = sum(len(d.tokens) for d in deltas)
     self.generation_tokens.inc(new)
     _, last_serve, _ = self._last

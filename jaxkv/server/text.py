@@ -50,6 +50,19 @@ def _ids(value, where: str) -> tuple[int, ...]:
   return tuple(ids)
 
 
+def generation_eos_ids(checkpoint: str) -> tuple[int, ...]:
+  """The stop ids of `generation_config.json` (its `eos_token_id`, one id or a list); () without.
+
+  `transformers`' `generate` stops at these, not at config.json's `eos_token_id`,
+  when the file names them (instruct models often list several).
+
+  Raises:
+    ValueError: the file is not valid JSON, or an id is not a non-negative int.
+  """
+  path = os.path.join(checkpoint, "generation_config.json")
+  return _ids(_read_json(path).get("eos_token_id"), path)
+
+
 class Tokenizer:
   """A checkpoint's tokenizer, chat template and default stop ids.
 
@@ -90,9 +103,7 @@ class Tokenizer:
     except Exception as e:   # pylint: disable=broad-except  (the library raises plain Exception)
       raise ValueError(f"{path}: not a tokenizers file: {e}") from e
     config = _read_json(os.path.join(checkpoint, "tokenizer_config.json"))
-    gen_path = os.path.join(checkpoint, "generation_config.json")
-    eos = _ids(_read_json(gen_path).get("eos_token_id"), gen_path)
-    return cls(tok, config, eos)
+    return cls(tok, config, generation_eos_ids(checkpoint))
 
   @property
   def vocab_size(self) -> int:

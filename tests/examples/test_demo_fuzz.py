@@ -13,9 +13,9 @@ from jaxkv import demo
 
 BASE = ["--requests", "2", "--max-tokens", "2", "--layers", "2", "--prompt-max", "6",
         "--max-write", "4", "--capacity", "64", "--quiet"]
-INT_FLAGS = ["--layers", "--hidden", "--vocab", "--window", "--max-seqs", "--max-write",
-             "--capacity", "--initial-capacity", "--requests", "--prompt-min", "--prompt-max",
-             "--max-tokens", "--n", "--top-k", "--seed"]
+INT_FLAGS = ["--layers", "--hidden", "--head-dim", "--vocab", "--window", "--max-seqs",
+             "--max-write", "--capacity", "--initial-capacity", "--requests", "--prompt-min",
+             "--prompt-max", "--max-tokens", "--n", "--top-k", "--seed"]
 FLOAT_FLAGS = ["--temperature", "--top-p"]
 # Every value below is refused for every flag it is drawn for, except the few a flag
 # accepts (0 for --top-k/--seed, 2**31 - 1 for --top-k/--seed/--initial-capacity), which

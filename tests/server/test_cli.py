@@ -25,3 +25,33 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["serve"])   # --checkpoint is required
   assert "--checkpoint" in capsys.readouterr().err
+
+
+def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch, capsys):
+  """Before it listens: one line per (implementation, reason) and the warm-up's compile time;
+  when it stops: the tokens served after the warm-up and their tokens/s."""
+  import uvicorn   # pylint: disable=g-import-not-at-top
+  ran = {}
+
+  def fake_run(app, **kwargs):   # the server "serves" one request while it runs
+    engine = app.state.engine
+    ran["compile_before"] = engine.stats.compile_seconds
+    assert not engine.has_unfinished()   # the warm-up left nothing behind
+    from jaxkv import serve   # pylint: disable=g-import-not-at-top
+    engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=4)))
+    ran["tokens"] = sum(len(d.tokens) for d in engine.stream(8))
+    ran["compile_after"] = engine.stats.compile_seconds
+
+  monkeypatch.setattr(uvicorn, "run", fake_run)
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == ("jaxkv serve: attention: reference on layers 0-1 (2 of 2): the default "
+                    "device (cpu: cpu) is not an NVIDIA GPU of compute capability >= 9.0")
+  assert out[1] == "jaxkv serve: compiling the serving loop with a warm-up request ..."
+  compiled = float(out[2].split("compiled the serving loop in ")[1].split(" s")[0])
+  # The engine's first compile was the warm-up's (printed to 2 decimals).
+  assert compiled > 0 and compiled == pytest.approx(ran["compile_before"], abs=0.006)
+  # The warm-up compiled the loop: serving the request compiled (almost) nothing more.
+  assert ran["compile_after"] - ran["compile_before"] < compiled / 4
+  assert out[-1].startswith(f"jaxkv serve: generated {ran['tokens']} tokens in ")
+  assert "tokens/s, compilation excluded" in out[-1]

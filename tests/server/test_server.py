@@ -96,8 +96,18 @@ def test_models_health_and_metrics(server, client):
   text = httpx.get(url + "/metrics").text
   for name in ("jaxkv_time_to_first_token_seconds", "jaxkv_inter_token_latency_seconds",
                "jaxkv_queue_time_seconds", "jaxkv_kv_cache_usage_ratio",
-               "jaxkv_generation_tokens_per_second"):
+               "jaxkv_generation_tokens_per_second", "jaxkv_compile_seconds"):
     assert name in text
+
+
+def test_metrics_report_compile_time_apart_from_serving(server, client):
+  client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+  text = httpx.get(server[0] + "/metrics").text
+  value = lambda name: float(next(line.split()[1] for line in text.splitlines()
+                                  if line.startswith(name + " ")))
+  # The app's engine compiled its loop for the first request it served.
+  assert value("jaxkv_compile_seconds") == pytest.approx(server[1].stats.compile_seconds)
+  assert value("jaxkv_compile_seconds") > 0
 
 
 def test_completion_and_its_stream_match_the_engine(client, oracle):
