@@ -40,7 +40,7 @@ from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.memory import (ROW_MULTIPLE, bytes_in_use, check_engine_fits, loop_buffer_bytes,
-                                storage_bytes)
+                                paged_cache_config, storage_bytes)
 from jaxkv.serve.protocol import StepModel, check_step_model
 from jaxkv.serve.requests import (Completion, Delta, EngineStats, Request, RequestTiming,
                                   SamplingParams, check_request)
@@ -52,4 +52,5 @@ __all__ = ["ROW_MULTIPLE", "AsyncEngine", "Completion", "DataParallelEngine", "D
            "EngineError", "EngineStats", "LoopState", "ModelRunner", "Queue", "Request",
            "RequestTiming", "SamplingParams", "StepModel", "bytes_in_use", "check_engine_fits",
            "check_request", "check_step_model", "default_widths", "init_loop_state",
-           "loop_buffer_bytes", "pack_queue", "sample", "serve_loop", "storage_bytes"]
+           "loop_buffer_bytes", "pack_queue", "paged_cache_config", "sample", "serve_loop",
+           "storage_bytes"]

@@ -212,6 +212,11 @@ class EngineStats:
     compile_seconds: of `seconds`, the time spent tracing and compiling (the
       first entry of a new shape class pays it).
     aborted: samples ended by `Engine.abort` (incremental API).
+    preemptions: paged storage: sequences preempted (pages dropped, tokens
+      recomputed later) because a step or fork would pass `capacity`.
+    evictions: prefix caching: retained prefixes evicted for room or columns.
+    cached_tokens: prefix caching: prompt tokens adopted from cached pages
+      instead of computed (`step_tokens` counts only the computed ones).
   """
 
   steps: int = 0
@@ -224,6 +229,9 @@ class EngineStats:
   width_steps: dict = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
   aborted: int = 0
+  preemptions: int = 0
+  evictions: int = 0
+  cached_tokens: int = 0
 
   @property
   def serve_seconds(self) -> float:
@@ -234,6 +242,16 @@ class EngineStats:
   def tokens_per_second(self) -> float:
     """Generated tokens per second of serving time (after warm-up: compilation excluded)."""
     return self.generated / self.serve_seconds if self.serve_seconds > 0 else 0.0
+
+
+# Loop counters (`LoopState` scalars) copied into `EngineStats` after each loop entry.
+PAGED_COUNTERS = ("preemptions", "evictions", "cached_tokens")
+
+
+def read_paged_counters(stats: EngineStats, host: dict) -> None:
+  """Copies the paged loop's counters from a host copy of the loop state into `stats`."""
+  for name in PAGED_COUNTERS:
+    setattr(stats, name, int(host[name]))
 
 
 @dataclasses.dataclass(frozen=True)
