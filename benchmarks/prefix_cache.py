@@ -113,10 +113,13 @@ def main():
   parser.add_argument("--flight-columns", type=int, default=4)
   parser.add_argument("--flight-paged-seqs", type=int, default=32)
   parser.add_argument("--skip-flight", action="store_true")
+  parser.add_argument("--skip-prefix", action="store_true")
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   result = {"machine": platform.processor() or platform.machine(), "date": time.strftime(
-      "%Y-%m-%d"), "prefix": prefix_case(args, rng)}
+      "%Y-%m-%d")}
+  if not args.skip_prefix:
+    result["prefix"] = prefix_case(args, rng)
   if not args.skip_flight:
     result["in_flight"] = in_flight_case(args, rng)
   print(json.dumps(result, indent=1))

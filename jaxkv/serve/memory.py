@@ -35,8 +35,11 @@ def storage_bytes(cache: CacheState) -> int:
 
 
 # The loop's per-column vectors (prompt_len, length, fed, hold, limit, active, done,
-# stopped, temperature, top_k, top_p, seed, sample_index): 13 x 4 bytes per column.
-_PER_COLUMN_BYTES = 13 * 4
+# stopped, temperature, top_k, top_p, seed, sample_index, and the paged loop's
+# parked, stamp, cached, last_use): 17 x 4 bytes per column. The prefix cache's
+# page hashes (`uint32[S, max_len / page_size]`) are at most a quarter of the
+# token buffer with pages of 4 or more and are left out.
+_PER_COLUMN_BYTES = 17 * 4
 
 
 def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int) -> tuple[int, str]:
