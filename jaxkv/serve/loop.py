@@ -17,6 +17,11 @@ One `jax.jit` of `serve_loop` serves a whole queue (`LoopState.queue`):
   loop acts on it), when the wanted width changes, after the step budget, or on
   a non-OK status.
 
+Over paged storage (`config.page_size` set) the retire / admit / fork block is
+`paged_admit.outer_body` instead: admission by claims, preemption of the latest
+admitted sequence when a step would pass `capacity`, and the prefix cache
+(`paged_loop.py`); the step loops also stop when the next step does not fit.
+
 No width is chosen by recompiling and no `lax.cond` wraps the model, so a
 decode-only step pays for `w` rows, not `W`. The loop returns to the host
 only when the queue is served, the step budget is spent, or a status is not OK.

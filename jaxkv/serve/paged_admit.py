@@ -44,8 +44,8 @@ def _head(config: CacheConfig, ls: LoopState):
   hashes, cap = ls.page_hash[p], jnp.int32(0)
   if num_hash:
     hashes = jnp.where(any_parked, hashes, pl.page_hashes(q.prompt[i], num_hash, config.page_size))
-    cap = jnp.where(any_parked, pl._cap_pages(config, ls.prompt_len[p], ls.length[p], num_hash),   # pylint: disable=protected-access
-                    pl._cap_pages(config, plen, plen, num_hash))   # pylint: disable=protected-access
+    cap = jnp.where(any_parked, pl.cap_pages(config, ls.prompt_len[p], ls.length[p], num_hash),
+                    pl.cap_pages(config, plen, plen, num_hash))
   return waiting, any_parked, p, cols, claim, hashes, tokens, cap
 
 
@@ -60,13 +60,13 @@ def _admission(config: CacheConfig, ls: LoopState):
   waiting, any_parked, p, cols, claim, hashes, tokens, cap = _head(config, ls)
   running = (ls.used == 1) & (ls.parked == 0)
   watermark = (running & (ls.active == 1)).sum(dtype=jnp.int32)
-  base = pl.claims(ls) - pl._prefix_positions(ls) + watermark + claim   # pylint: disable=protected-access
-  prefixes = pl._prefix_positions(ls)   # pylint: disable=protected-access
+  base = pl.claims(ls) - pl.prefix_positions(ls) + watermark + claim
+  prefixes = pl.prefix_positions(ls)
   cols_ok = ls.used.sum() + ls.forks.sum() + cols <= config.max_seqs
   wait = jnp.asarray([-1, 0], jnp.int32)
   if pl.has_prefix_cache(ls):
     _, _, wait = pl.best_source(config, ls, hashes, tokens, cap, jnp.where(any_parked, p, -1))
-  has_id, _ = pl._lowest_free_id(ls)   # pylint: disable=protected-access
+  has_id, _ = pl.lowest_free_id(ls)
   open_ = waiting & cols_ok & (ls.status == Status.OK) & (wait[0] < 0)
   now = open_ & (base + prefixes <= config.capacity) & has_id
   evict = open_ & ~now & (base <= config.capacity) & jnp.any(ls.cached == 1)
@@ -84,25 +84,25 @@ def _readmit_one(config: CacheConfig, ls: LoopState) -> LoopState:
   p = jnp.argmin(jnp.where(ls.parked == 1, ls.stamp, _BIG)).astype(jnp.int32)
   cache, status, new_id = pure.seq_new(config, ls.cache)
   ok = status == Status.OK
-  ls = dataclasses.replace(ls, cache=cache, status=pl._record(ls, True, status))   # pylint: disable=protected-access
+  ls = dataclasses.replace(ls, cache=cache, status=pl.record(ls, True, status))
   c = jnp.where(ok, new_id, p)
   ls = pl.swap(ls, p, c)
   ls = dataclasses.replace(ls, active=ls.active.at[c].set(jnp.where(ok, 1, ls.active[c])),
                            fed=ls.fed.at[c].set(jnp.where(ok, 0, ls.fed[c])))
-  ls = pl._stamped(ls, c, ok)   # pylint: disable=protected-access
+  ls = pl.stamped(ls, c, ok)
   return pl.adopt(config, ls, c, ok) if pl.has_prefix_cache(ls) else ls
 
 
 def _admit_queued(config: CacheConfig, ls: LoopState, admit_one) -> LoopState:
   """`admit_one` (the column loop's), then the paged bookkeeping of the new column."""
-  _, col = pl._lowest_free_id(ls)   # pylint: disable=protected-access
+  _, col = pl.lowest_free_id(ls)
   before = ls.cache.live[col]
   ls = admit_one(config, ls)
   did = (ls.cache.live[col] == 1) & (before == 0)
-  ls = pl._stamped(ls, col, did)   # pylint: disable=protected-access
+  ls = pl.stamped(ls, col, did)
   if not pl.has_prefix_cache(ls):
     return ls
-  ls = pl._hash_column(config, ls, col, did)   # pylint: disable=protected-access
+  ls = pl.hash_column(config, ls, col, did)
   return pl.adopt(config, ls, col, did)
 
 
@@ -143,8 +143,8 @@ def retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
     held, _, _ = pl.best_source(config, ls, ls.page_hash[col], ls.tokens[col], pages, col)
     keep = (aligned > 0) & (aligned >= pure.floor(config, ls.cache, col)) & (held < aligned)
   cache, status = pure.rewind(config, ls.cache, jnp.where(keep, col, -1), aligned)
-  ls = dataclasses.replace(ls, cache=cache, status=pl._record(ls, keep, status))   # pylint: disable=protected-access
-  cache, status = pl._remove(config, ls, col, ~keep)   # pylint: disable=protected-access
+  ls = dataclasses.replace(ls, cache=cache, status=pl.record(ls, keep, status))
+  cache, status = pl.remove(config, ls, col, ~keep)
   off = lambda a: a.at[col].set(0)
   ok = status == Status.OK
   return dataclasses.replace(
@@ -163,30 +163,30 @@ def forks(config: CacheConfig, ls: LoopState, fork_one, fork_ready) -> LoopState
   fits = lambda ls: ls.cache.held + ls.cache.pos[src(ls)] <= config.capacity
 
   def parked_lowest(ls):
-    exists, low = pl._lowest_free_id(ls)   # pylint: disable=protected-access
+    exists, low = pl.lowest_free_id(ls)
     return exists & (ls.parked[low] == 1)
 
   def swap_up(ls):
-    _, low = pl._lowest_free_id(ls)   # pylint: disable=protected-access
-    return pl.swap(ls, low, pl._spare(ls)[1])   # pylint: disable=protected-access
+    _, low = pl.lowest_free_id(ls)
+    return pl.swap(ls, low, pl.spare(ls)[1])
 
   def fork_paged(ls):
-    _, dst = pl._lowest_free_id(ls)   # pylint: disable=protected-access
+    _, dst = pl.lowest_free_id(ls)
     s, before = src(ls), ls.cache.live[dst]
     ls = fork_one(config, ls)
     did = (ls.cache.live[dst] == 1) & (before == 0)
-    ls = pl._stamped(ls, dst, did)   # pylint: disable=protected-access
+    ls = pl.stamped(ls, dst, did)
     return dataclasses.replace(ls, page_hash=ls.page_hash.at[dst].set(
         jnp.where(did, ls.page_hash[s], ls.page_hash[dst])))
 
   def body(ls):
-    ls = jax.lax.while_loop(lambda ls: ready(ls) & ~fits(ls) & pl._can_free(ls),   # pylint: disable=protected-access
+    ls = jax.lax.while_loop(lambda ls: ready(ls) & ~fits(ls) & pl.can_free(ls),
                             lambda ls: pl.free_one(config, ls), ls)
-    ls = jax.lax.while_loop(lambda ls: ready(ls) & ~pl._spare(ls)[0] & jnp.any(ls.cached == 1),   # pylint: disable=protected-access
+    ls = jax.lax.while_loop(lambda ls: ready(ls) & ~pl.spare(ls)[0] & jnp.any(ls.cached == 1),
                             lambda ls: pl.evict_one(config, ls), ls)
-    ls = jax.lax.while_loop(lambda ls: ready(ls) & parked_lowest(ls) & pl._spare(ls)[0],   # pylint: disable=protected-access
+    ls = jax.lax.while_loop(lambda ls: ready(ls) & parked_lowest(ls) & pl.spare(ls)[0],
                             swap_up, ls)
-    can = lambda ls: ready(ls) & fits(ls) & ~parked_lowest(ls) & pl._spare(ls)[0]   # pylint: disable=protected-access
+    can = lambda ls: ready(ls) & fits(ls) & ~parked_lowest(ls) & pl.spare(ls)[0]
     return jax.lax.while_loop(can, fork_paged, ls)
 
   return jax.lax.while_loop(ready, body, ls)

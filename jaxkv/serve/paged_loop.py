@@ -85,7 +85,7 @@ def page_hashes(tokens, num_pages: int, page_size: int):
   return _fmix(sums[page_size - 1::page_size] ^ _u32(num_pages))
 
 
-def _record(ls: LoopState, did, status) -> jax.Array:
+def record(ls: LoopState, did, status) -> jax.Array:
   """The loop status after a verb that ran only where `did`."""
   bad = did & (status != Status.OK) & (ls.status == Status.OK)
   return jnp.where(bad, status, ls.status)
@@ -95,16 +95,17 @@ def _record(ls: LoopState, did, status) -> jax.Array:
 
 
 def _running(ls: LoopState):
+  """`bool[S]`: columns holding a running sequence (not parked, not retained)."""
   return (ls.used == 1) & (ls.parked == 0)
 
 
 def claims(ls: LoopState):
   """`int32[]`: positions running columns will hold once fed and forked, plus retained ones."""
   running = jnp.where(_running(ls), ls.length * (1 + ls.forks), 0).sum(dtype=jnp.int32)
-  return running + _prefix_positions(ls)
+  return running + prefix_positions(ls)
 
 
-def _prefix_positions(ls: LoopState):
+def prefix_positions(ls: LoopState):
   return jnp.where(ls.cached == 1, ls.cache.pos, 0).sum(dtype=jnp.int32)
 
 
@@ -124,9 +125,10 @@ def room(config: CacheConfig, ls: LoopState):
   return config.capacity - ls.cache.held
 
 
-def _remove(config: CacheConfig, ls: LoopState, col, did) -> tuple:
+def remove(config: CacheConfig, ls: LoopState, col, did) -> tuple:
+  """`(cache, loop status)` after `seq_rm(col)` where `did` (a refused no-op elsewhere)."""
   cache, status = pure.seq_rm(config, ls.cache, jnp.where(did, col, -1))
-  return cache, _record(ls, did, status)
+  return cache, record(ls, did, status)
 
 
 def evict_one(config: CacheConfig, ls: LoopState, did=True) -> LoopState:
@@ -134,7 +136,7 @@ def evict_one(config: CacheConfig, ls: LoopState, did=True) -> LoopState:
   big = jnp.iinfo(jnp.int32).max
   col = jnp.argmin(jnp.where(ls.cached == 1, ls.last_use, big)).astype(jnp.int32)
   did = did & (ls.cached[col] == 1)
-  cache, status = _remove(config, ls, col, did)
+  cache, status = remove(config, ls, col, did)
   return dataclasses.replace(ls, cache=cache, status=status,
                              cached=ls.cached.at[col].set(jnp.where(did, 0, ls.cached[col])),
                              evictions=ls.evictions + did.astype(jnp.int32))
@@ -145,14 +147,14 @@ def preempt_one(config: CacheConfig, ls: LoopState, did=True) -> LoopState:
   can = _running(ls) & (ls.active == 1)
   col = jnp.argmax(jnp.where(can, ls.stamp, -1)).astype(jnp.int32)
   did = did & can[col]
-  cache, status = _remove(config, ls, col, did)
+  cache, status = remove(config, ls, col, did)
   put = lambda a, v: a.at[col].set(jnp.where(did, v, a[col]))
   return dataclasses.replace(ls, cache=cache, status=status, parked=put(ls.parked, 1),
                              active=put(ls.active, 0), fed=put(ls.fed, 0),
                              preemptions=ls.preemptions + did.astype(jnp.int32))
 
 
-def _can_free(ls: LoopState):
+def can_free(ls: LoopState):
   return jnp.any(ls.cached == 1) | jnp.any(_running(ls) & (ls.active == 1))
 
 
@@ -165,7 +167,7 @@ def free_one(config: CacheConfig, ls: LoopState) -> LoopState:
 
 def make_room(config: CacheConfig, ls: LoopState) -> LoopState:
   """Evicts and preempts until the next step's first tokens fit `capacity`."""
-  cond = lambda ls: (ls.status == Status.OK) & ~step_fits(config, ls) & _can_free(ls)
+  cond = lambda ls: (ls.status == Status.OK) & ~step_fits(config, ls) & can_free(ls)
   return jax.lax.while_loop(cond, lambda ls: free_one(config, ls), ls)
 
 
@@ -185,20 +187,20 @@ def swap(ls: LoopState, a, b) -> LoopState:
   return dataclasses.replace(ls, **out)
 
 
-def _lowest_free_id(ls: LoopState):
+def lowest_free_id(ls: LoopState):
   """`(exists, id)`: the id `seq_new`/`seq_clone` would take."""
   free = ls.cache.live == 0
   return jnp.any(free), jnp.argmax(free).astype(jnp.int32)
 
 
-def _spare(ls: LoopState):
+def spare(ls: LoopState):
   """`(exists, col)`: the highest column with neither a sequence nor parked data."""
-  spare = (ls.cache.live == 0) & (ls.used == 0)
-  s = spare.shape[0]
-  return jnp.any(spare), (s - 1 - jnp.argmax(spare[::-1])).astype(jnp.int32)
+  is_spare = (ls.cache.live == 0) & (ls.used == 0)
+  s = is_spare.shape[0]
+  return jnp.any(is_spare), (s - 1 - jnp.argmax(is_spare[::-1])).astype(jnp.int32)
 
 
-def _stamped(ls: LoopState, col, did) -> LoopState:
+def stamped(ls: LoopState, col, did) -> LoopState:
   """Marks `col` newly admitted (where `did`): running, not parked, not retained."""
   put = lambda a, v: a.at[col].set(jnp.where(did, v, a[col]))
   return dataclasses.replace(ls, stamp=put(ls.stamp, ls.clock), parked=put(ls.parked, 0),
@@ -208,18 +210,18 @@ def _stamped(ls: LoopState, col, did) -> LoopState:
 # ----------------------------------------------------------------------------- prefix match
 
 
-def _cap_pages(config: CacheConfig, prompt_len, length, num_hash: int):
+def cap_pages(config: CacheConfig, prompt_len, length, num_hash: int):
   """Pages a target may adopt: full prompt pages, leaving at least one token to feed."""
   p = config.page_size
   return jnp.minimum(jnp.minimum(prompt_len, length - 1) // p, num_hash)
 
 
-def best_source(config: CacheConfig, ls: LoopState, hashes, tokens, cap_pages, exclude):
+def best_source(config: CacheConfig, ls: LoopState, hashes, tokens, max_pages, exclude):
   """The longest adoptable prefix for a target: `(length m, source column, potential)`.
 
   Args:
     hashes: `uint32[H]` the target's page hashes; tokens: `int32[L]` its tokens.
-    cap_pages: `int32[]` most pages it may adopt; exclude: its own column (or -1).
+    max_pages: `int32[]` most pages it may adopt; exclude: its own column (or -1).
 
   Returns:
     `m` (a multiple of `page_size`, 0 for none; confirmed token by token), the
@@ -230,7 +232,7 @@ def best_source(config: CacheConfig, ls: LoopState, hashes, tokens, cap_pages, e
   s = ls.used.shape[0]
   slots = jnp.arange(num_hash, dtype=jnp.int32)
   src_pages = jnp.minimum(ls.prompt_len // p, num_hash)
-  valid = (slots[None, :] < src_pages[:, None]) & (slots[None, :] < cap_pages)
+  valid = (slots[None, :] < src_pages[:, None]) & (slots[None, :] < max_pages)
   run = jnp.cumprod((ls.page_hash == hashes[None, :]) & valid, axis=1, dtype=jnp.int32)
   match = run.sum(axis=1, dtype=jnp.int32) * p                             # [S]
   cols = jnp.arange(s, dtype=jnp.int32)
@@ -254,13 +256,13 @@ def adopt(config: CacheConfig, ls: LoopState, col, did) -> LoopState:
   Its empty sequence is removed and `seq_clone(source, m)` takes the same id
   back (the lowest free one), sharing the source's `m / page_size` full pages.
   """
-  cap = _cap_pages(config, ls.prompt_len[col], ls.length[col], ls.page_hash.shape[1])
+  cap = cap_pages(config, ls.prompt_len[col], ls.length[col], ls.page_hash.shape[1])
   m, src, _ = best_source(config, ls, ls.page_hash[col], ls.tokens[col], cap, col)
   did = did & (m > 0)
-  cache, status = _remove(config, ls, col, did)
+  cache, status = remove(config, ls, col, did)
   ls = dataclasses.replace(ls, cache=cache, status=status)
   cache, status, new_id = pure.seq_clone(config, ls.cache, jnp.where(did, src, -1), m)
-  status = _record(ls, did, status)
+  status = record(ls, did, status)
   status = jnp.where(did & (status == Status.OK) & (new_id != col), _i32(Status.NO_FREE_ID),
                      status)
   return dataclasses.replace(
@@ -269,7 +271,8 @@ def adopt(config: CacheConfig, ls: LoopState, col, did) -> LoopState:
       cached_tokens=ls.cached_tokens + jnp.where(did, m, 0))
 
 
-def _hash_column(config: CacheConfig, ls: LoopState, col, did) -> LoopState:
+def hash_column(config: CacheConfig, ls: LoopState, col, did) -> LoopState:
+  """Stores the page hashes of column `col`'s tokens (where `did`; prefix caching only)."""
   if not has_prefix_cache(ls):
     return ls
   h = page_hashes(ls.tokens[col], ls.page_hash.shape[1], config.page_size)
