@@ -75,6 +75,10 @@ def test_admission_runs_more_requests_than_reservations_allow(flat, rng):
   in 72 positions; claims admit all four at once, then preempt as they grow."""
   requests = [serve.Request(tuple(int(t) for t in rng.integers(0, 64, 6)),
                             serve.SamplingParams(max_tokens=25), request_id=i) for i in range(4)]
+  # Four one-token requests of two samples behind them: the queue then has the shapes of
+  # `_requests` (8 requests, 16 output rows), so the loop compiled above is reused.
+  requests += [serve.Request((i,), serve.SamplingParams(max_tokens=2, n=2), request_id=4 + i)
+               for i in range(4)]
   engine = serve.Engine(flat["paged"], max_steps=2, **ENGINE)
   running = []
   on_progress = lambda stats, _: running.append(int(np.asarray(engine.state.active).sum()))
