@@ -28,10 +28,11 @@ decoding, DFlash blocks, tests): jitted declare/prepare/model/commit steps and
 the sequence verbs, one call each.
 
 Rooms: `requests` (what users hand in and get back), `protocol` (`StepModel`), `sampling`,
-`state` (what the loop carries, the device queue), `loop` (the jitted loop), `engine`
+`state` (what the loop carries, the device queue), `loop` (the jitted loop), `paged_loop` and
+`paged_admit` (the loop's admission by claims, preemption and prefix cache over paged storage), `engine`
 (`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `live` (the incremental
 API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `runner` (`ModelRunner`),
-`memory` (sizing), `decoding` (host-level feeding and
+`memory` (sizing, `paged_cache_config`), `decoding` (host-level feeding and
 greedy decoding over a `ModelRunner`).
 """
 
