@@ -29,11 +29,12 @@ decoding, DFlash blocks, tests): jitted declare/prepare/model/commit steps and
 the sequence verbs, one call each.
 
 Rooms: `requests` (what users hand in and get back), `protocol` (`StepModel`), `sampling`,
-`state` (what the loop carries, the device queue), `loop` (the jitted loop), `engine`
+`state` (what the loop carries, the device queue), `loop` (the jitted loop), `paged_loop` and
+`paged_admit` (the loop's admission by claims, preemption and prefix cache over paged storage), `engine`
 (`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `live` (the incremental
 API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `report` (which attention
 implementation serves each layer, and why), `runner` (`ModelRunner`),
-`memory` (sizing), `decoding` (host-level feeding and
+`memory` (sizing, `paged_cache_config`), `decoding` (host-level feeding and
 greedy decoding over a `ModelRunner`).
 """
 
@@ -42,7 +43,7 @@ from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.memory import (ROW_MULTIPLE, bytes_in_use, check_engine_fits, loop_buffer_bytes,
-                                storage_bytes)
+                                paged_cache_config, storage_bytes)
 from jaxkv.serve.protocol import StepModel, check_step_model
 from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, Request,
                                   RequestTiming, SamplingParams, TokenLogprob, check_request)
@@ -54,5 +55,5 @@ __all__ = ["MAX_LOGPROBS", "ROW_MULTIPLE", "AsyncEngine", "Completion", "DataPar
            "Delta", "Engine", "EngineError", "EngineStats", "LoopState", "ModelRunner", "Queue",
            "Request", "RequestTiming", "RowParams", "SamplingParams", "StepModel", "TokenLogprob",
            "bytes_in_use", "check_engine_fits", "check_request", "check_step_model",
-           "default_widths", "init_loop_state", "loop_buffer_bytes", "pack_queue", "sample",
-           "sample_rows", "serve_loop", "storage_bytes"]
+           "default_widths", "init_loop_state", "loop_buffer_bytes", "pack_queue",
+           "paged_cache_config", "sample", "sample_rows", "serve_loop", "storage_bytes"]

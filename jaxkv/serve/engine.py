@@ -18,8 +18,9 @@ from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows, check_engine_fits
 from jaxkv.serve.protocol import check_step_model
 from jaxkv.serve.report import layer_implementations
-from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, Request,
-                                  RequestTiming, check_request, token_logprobs)
+from jaxkv.serve.requests import (MAX_LOGPROBS, PAGED_COUNTERS, Completion, Delta, EngineStats,
+                                  Request, RequestTiming, check_request, read_paged_counters,
+                                  token_logprobs)
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
 
@@ -105,6 +106,16 @@ class Engine:
       smaller). It sizes the logprob
       outputs, which exist only while a request wants logprobs (`run`) or hold
       a short window per output row (incremental API).
+    prefix_cache: paged storage only (`CacheConfig(page_size=...)`): full pages
+      of prompt tokens are kept after their requests finish (as retained
+      sequences, evicted least recently used) and a request whose prompt starts
+      with them adopts them instead of prefilling them (`paged_loop.py`). They
+      live as long as the loop state: one `run`, or the incremental API's cache.
+
+  Over paged storage the engine admits by claims, not by prompt + max_tokens,
+  and preempts the latest admitted sequence when a step would pass `capacity`
+  (recomputing it later, with the same tokens); size such a cache from a byte
+  budget with `jaxkv.serve.paged_cache_config`.
 
   Attributes:
     implementations: which attention implementation serves each cache layer and
@@ -117,13 +128,20 @@ class Engine:
 
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
-               kv_axis: str | None = None, device=None, max_logprobs: int | None = None):
+               kv_axis: str | None = None, device=None, max_logprobs: int | None = None,
+               prefix_cache: bool = False):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
         raise TypeError(f"{name}={value!r} must be an int")
     self.config, self.vocab_size = check_step_model(model)
     config = self.config
+    if not isinstance(prefix_cache, bool):
+      raise TypeError(f"prefix_cache={prefix_cache!r} must be a bool")
+    if prefix_cache and not config.is_paged:
+      raise ValueError("prefix_cache=True needs paged storage: the model's cache_config has "
+                       "page_size=None (see jaxkv.serve.paged_cache_config)")
+    self.prefix_cache = prefix_cache
     self.mesh, self.kv_axis = _model_mesh(model, config, mesh, kv_axis)
     self.max_len = min(config.capacity, 4096) if max_len is None else int(max_len)
     if not 2 <= self.max_len < 2**31:
@@ -225,7 +243,7 @@ class Engine:
     # One cache at a time: the previous run's state goes before the new one is allocated.
     self.state = None
     ls = init_loop_state(config, host_queue, num_widths=len(self.widths), mesh=self.mesh,
-                         kv_axis=self.kv_axis)
+                         kv_axis=self.kv_axis, prefix_cache=self.prefix_cache)
     ls = self._grow_for(ls, requests)
     self.state = ls
     owner, lp_rows = {}, {}
@@ -248,7 +266,7 @@ class Engine:
         host = jax.device_get({k: getattr(ls, k) for k in (
             "out_done", "out_len", "out_stop", "steps", "step_tokens", "occupancy", "status",
             "peak_rows", "width_steps", "active", "used", "out_admitted", "out_first",
-            "out_finished")} | {"next": ls.queue.next})
+            "out_finished", *PAGED_COUNTERS)} | {"next": ls.queue.next})
         new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
         new_results = []
         if new_rows.size:
@@ -274,6 +292,7 @@ class Engine:
         stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
         stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
         stats.width_steps = {w: int(c) for w, c in zip(self.widths, host["width_steps"])}
+        read_paged_counters(stats, host)
         stats.generated = sum(len(c.tokens) for c in self.completions)
         stats.seconds = time.perf_counter() - started
         stats.compile_seconds = compile_seconds() - compiled

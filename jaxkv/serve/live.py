@@ -48,7 +48,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxkv import Status
 from jaxkv.serve.live_ops import abort_columns, clear_rows
-from jaxkv.serve.requests import Delta, Request, RequestTiming, token_logprobs
+from jaxkv.serve.requests import (PAGED_COUNTERS, Delta, Request, RequestTiming,
+                                  read_paged_counters, token_logprobs)
 from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
                                pack_queue)
 from jaxkv.serve.timing import compile_seconds
@@ -206,7 +207,8 @@ class LiveQueue:
                            lp_rows=self.out_rows, lp_window=self.logprob_window,
                            num_logprobs=engine.max_logprobs)
     state = init_loop_state(engine.config, host_queue, num_widths=len(engine.widths),
-                            mesh=engine.mesh, kv_axis=engine.kv_axis)
+                            mesh=engine.mesh, kv_axis=engine.kv_axis,
+                            prefix_cache=engine.prefix_cache)
     # Committed from the start, as the loop's outputs are: jit keys its compiled code on
     # whether each argument is committed, so a mix would compile the loop a second time.
     engine.state = state if engine.mesh is not None else self._place(state)
@@ -339,7 +341,7 @@ class LiveQueue:
     ls = engine.state
     host = jax.device_get({k: getattr(ls, k) for k in (
         "out_done", "out_len", "out_stop", "status", "used", "out_row", "fed", "steps",
-        "step_tokens", "occupancy", "peak_rows", "width_steps")}
+        "step_tokens", "occupancy", "peak_rows", "width_steps", *PAGED_COUNTERS)}
         | {"next": ls.queue.next, "copies": ls.queue.copies})
     self._host = host
     now = time.perf_counter()
@@ -347,6 +349,7 @@ class LiveQueue:
     stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
     stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
     stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
+    read_paged_counters(stats, host)
     self.held = int(np.where(host["used"] == 1, host["fed"], 0).sum())
     if int(host["status"]) != Status.OK:
       raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")

@@ -2,7 +2,8 @@
 
 `abort_columns` (the `LoopState` donated) removes aborted requests' columns
 between loop entries: `jaxkv.pure.seq_rm` on each, and the loop's
-`used/active/done/reserve/forks/hold` cleared, so the next admission finds
+`used/active/done/reserve/forks/hold/parked` cleared (a parked column has no
+sequence to remove), so the next admission finds
 their columns and reserved room free. `clear_rows` resets output rows before
 the host hands them to a new request.
 """
@@ -24,11 +25,15 @@ def _abort_columns(config: CacheConfig, ls: LoopState, mask):
   def body(carry):
     ls, mask = carry
     col = jnp.argmax(mask & (ls.used == 1)).astype(jnp.int32)
-    cache, status = pure.seq_rm(config, ls.cache, col)
+    # A parked column (paged storage, preempted) has no sequence to remove.
+    is_parked = ls.parked[col] == 1
+    cache, status = pure.seq_rm(config, ls.cache, jnp.where(is_parked, -1, col))
+    status = jnp.where(is_parked, Status.OK, status)
     off = lambda a, v=0: a.at[col].set(v)
     ls = dataclasses.replace(
         ls, cache=cache, used=off(ls.used), active=off(ls.active), done=off(ls.done),
         reserve=off(ls.reserve), forks=off(ls.forks), hold=off(ls.hold, ls.tokens.shape[1]),
+        parked=off(ls.parked),
         status=jnp.where((status == Status.OK) | (ls.status != Status.OK), ls.status, status))
     return ls, mask.at[col].set(False)
 

@@ -17,6 +17,11 @@ One `jax.jit` of `serve_loop` serves a whole queue (`LoopState.queue`):
   loop acts on it), when the wanted width changes, after the step budget, or on
   a non-OK status.
 
+Over paged storage (`config.page_size` set) the retire / admit / fork block is
+`paged_admit.outer_body` instead: admission by claims, preemption of the latest
+admitted sequence when a step would pass `capacity`, and the prefix cache
+(`paged_loop.py`); the step loops also stop when the next step does not fit.
+
 No width is chosen by recompiling and no `lax.cond` wraps the model, so a
 decode-only step pays for `w` rows, not `W`. The loop returns to the host
 only when the queue is served, the step budget is spent, or a status is not OK.
@@ -30,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve import paged_admit, paged_loop
 from jaxkv.serve.sampling import RowParams, sample_rows
 from jaxkv.serve.state import LoopState
 
@@ -59,8 +65,11 @@ def width_index(widths: tuple[int, ...], ls: LoopState):
   return index
 
 
-def _schedule(width: int, ls: LoopState):
+def _schedule(width: int, ls: LoopState, room=None):
   """Tokens per column this step: one per wanting column first, then prefill chunks.
+
+  With `room` (paged storage: `capacity - held`), the prefill chunks are cut so
+  the step carries at most `room` tokens (the loop ensures the first ones fit).
 
   Returns:
     `(alloc int32[S], start int32[S])`: tokens each column carries and where
@@ -70,7 +79,7 @@ def _schedule(width: int, ls: LoopState):
   one = jnp.minimum(want, 1)
   first = jnp.where(jnp.cumsum(one) <= width, one, 0)
   rest = want - first
-  budget = width - first.sum()
+  budget = (width if room is None else jnp.minimum(width, room)) - first.sum()
   more = jnp.clip(budget - (jnp.cumsum(rest) - rest), 0, rest)
   alloc = (first + more).astype(jnp.int32)
   start = (jnp.cumsum(alloc) - alloc).astype(jnp.int32)
@@ -97,7 +106,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
   """One step at width `widths[which]`: plan, model, commit, sample, record."""
   width = widths[which]
   s = config.max_seqs
-  alloc, start = _schedule(width, ls)
+  alloc, start = _schedule(width, ls, paged_loop.room(config, ls) if config.is_paged else None)
   seq_ids, tokens, n = _step_tokens(config, width, ls, alloc, start)
   blocks = jnp.zeros((config.step_width, 2), jnp.int32)
   cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
@@ -301,25 +310,38 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
   first_step = ls.steps
   ok = lambda ls: (ls.status == Status.OK) & (ls.steps - first_step < max_steps)
 
+  paged = config.is_paged
+  can_admit = (lambda ls: paged_admit.can_admit(config, ls)) if paged else (
+      lambda ls: _can_admit(config, ls))
+
   def phase(which):
     def cond(ls):
+      may_run = paged_admit.step_may_run(config, ls) if paged else True
       return (ok(ls) & jnp.any(ls.active == 1) & ~jnp.any(ls.done == 1)
-              & ~jnp.any(_fork_ready(ls)) & (width_index(widths, ls) == which))
+              & ~jnp.any(_fork_ready(ls)) & (width_index(widths, ls) == which) & may_run)
     return lambda ls: jax.lax.while_loop(cond, lambda ls: _step(config, model, widths, which, ls),
                                          ls)
 
-  def body(ls):
+  def columns(ls):
+    """Retire, admit and fork (column storage: admission reserves prompt + max_tokens)."""
     ls = jax.lax.while_loop(lambda ls: jnp.any(ls.done == 1) & (ls.status == Status.OK),
                             lambda ls: _retire_one(config, ls), ls)
     ls = jax.lax.while_loop(lambda ls: _can_admit(config, ls),
                             lambda ls: _admit_one(config, ls), ls)
-    ls = jax.lax.while_loop(lambda ls: jnp.any(_fork_ready(ls)) & (ls.status == Status.OK),
-                            lambda ls: _fork_one(config, ls), ls)
+    return jax.lax.while_loop(lambda ls: jnp.any(_fork_ready(ls)) & (ls.status == Status.OK),
+                              lambda ls: _fork_one(config, ls), ls)
+
+  def body(ls):
+    if paged:   # claims, preemption and the prefix cache (paged_loop.py)
+      ls = paged_admit.outer_body(config, ls, admit_one=_admit_one, fork_one=_fork_one,
+                                  fork_ready=_fork_ready)
+    else:
+      ls = columns(ls)
     for which in range(len(widths)):
       ls = phase(which)(ls)
     return ls
 
   def cond(ls):
-    return ok(ls) & (jnp.any(ls.active == 1) | jnp.any(ls.done == 1) | _can_admit(config, ls))
+    return ok(ls) & (jnp.any(ls.active == 1) | jnp.any(ls.done == 1) | can_admit(ls))
 
   return jax.lax.while_loop(cond, body, ls)

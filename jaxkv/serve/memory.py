@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -35,8 +36,10 @@ def storage_bytes(cache: CacheState) -> int:
 
 # The loop's per-column vectors (prompt_len, length, fed, hold, limit, active, done,
 # stopped, temperature, top_k, top_p, seed, sample_index, min_p, the three penalties,
-# logprobs, lp_row): 19 x 4 bytes per column.
-_PER_COLUMN_BYTES = 19 * 4
+# logprobs, lp_row, and the paged loop's parked, stamp, cached, last_use): 23 x 4 bytes
+# per column. The prefix cache's page hashes (`uint32[S, max_len / page_size]`) are at
+# most a quarter of the token buffer with pages of 4 or more and are left out.
+_PER_COLUMN_BYTES = 23 * 4
 
 
 def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int) -> tuple[int, str]:
@@ -69,3 +72,53 @@ def check_engine_fits(config: CacheConfig, max_len: int, max_stop: int, *, mesh=
   _memory.check_fits(total, what=f"an engine with max_len={max_len} on this cache",
                      formula=f"K/V {kv_text} + {control} control bytes + loop {loop_text}",
                      device=device)
+
+
+def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
+                       page_size: int | None = None) -> CacheConfig:
+  """The paged `CacheConfig` with the largest `capacity` whose K/V fit `kv_budget_bytes`.
+
+  Layers, `max_seqs`, `max_write` and `kv_dtype` come from `config`; the pool
+  then holds `ceil(capacity / page_size) + max_seqs + 1` pages per flat layer
+  (CONTRACT §3.1), so K/V bytes are `num_pages x page bytes` over the flat
+  layers plus the ring layers' fixed columns. `capacity` is a multiple of
+  `page_size`. Build the model on the result (`Decoder(model_config, result)`)
+  and serve it with `Engine`: admission follows claims and preemption, so the
+  budget, not the longest request, sets how many requests run at once.
+
+  Args:
+    config: a `CacheConfig` giving the geometry (its capacity is ignored).
+    kv_budget_bytes: bytes for K and V storage of all layers.
+    page_size: positions per page (default `config.page_size`, else 16).
+
+  Raises:
+    TypeError: a non-int budget or page size.
+    ValueError: a budget too small for one page per sequence beyond the scratch
+      page (the message gives the byte formula of the smallest pool).
+  """
+  if not isinstance(config, CacheConfig):
+    raise TypeError(f"config={config!r} must be a CacheConfig")
+  page = (config.page_size or 16) if page_size is None else page_size
+  for name, value in (("kv_budget_bytes", kv_budget_bytes), ("page_size", page)):
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"{name}={value!r} must be an int")
+  if page < 1:
+    raise ValueError(f"page_size={page} must be >= 1")
+  if not config.has_flat:
+    raise ValueError("paged storage needs a flat layer; every layer of config is a ring")
+  sized = lambda pages: dataclasses.replace(config, capacity=pages * page, page_size=page,
+                                            initial_capacity=min(config.initial_capacity,
+                                                                 pages * page))
+  cost = lambda pages: _memory.kv_formula(sized(pages), 0)
+  smallest, formula = cost(1)
+  if smallest > kv_budget_bytes:
+    raise ValueError(f"kv_budget_bytes={kv_budget_bytes:,} is below the smallest paged cache "
+                     f"(capacity = page_size = {page}): {smallest:,} bytes = {formula}")
+  lo, hi = 1, max(2, (2**31 - 1) // page)   # K/V bytes grow with pages: bisect
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if cost(mid)[0] <= kv_budget_bytes:
+      lo = mid
+    else:
+      hi = mid - 1
+  return sized(lo)

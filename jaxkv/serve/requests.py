@@ -315,6 +315,11 @@ class EngineStats:
     aborted: samples ended by `Engine.abort` (incremental API).
     implementations: which attention implementation serves each layer and why
       (`Engine.implementations`: one `jaxkv.LayerImplementation` per layer).
+    preemptions: paged storage: sequences preempted (pages dropped, tokens
+      recomputed later) because a step or fork would pass `capacity`.
+    evictions: prefix caching: retained prefixes evicted for room or columns.
+    cached_tokens: prefix caching: prompt tokens adopted from cached pages
+      instead of computed (`step_tokens` counts only the computed ones).
   """
 
   steps: int = 0
@@ -328,6 +333,9 @@ class EngineStats:
   compile_seconds: float = 0.0
   aborted: int = 0
   implementations: tuple = ()
+  preemptions: int = 0
+  evictions: int = 0
+  cached_tokens: int = 0
 
   @property
   def serve_seconds(self) -> float:
@@ -353,6 +361,16 @@ class EngineStats:
     spread over the steps, so step counts times this add up to the serving time.
     """
     return self.serve_seconds / self.steps if self.steps else 0.0
+
+
+# Loop counters (`LoopState` scalars) copied into `EngineStats` after each loop entry.
+PAGED_COUNTERS = ("preemptions", "evictions", "cached_tokens")
+
+
+def read_paged_counters(stats: EngineStats, host: dict) -> None:
+  """Copies the paged loop's counters from a host copy of the loop state into `stats`."""
+  for name in PAGED_COUNTERS:
+    setattr(stats, name, int(host[name]))
 
 
 @dataclasses.dataclass(frozen=True)

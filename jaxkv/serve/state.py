@@ -111,6 +111,21 @@ class LoopState:
     steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
       most positions held at once, and the first non-OK cache status.
     width_steps: `int32[len(widths)]` steps run at each compiled width.
+    parked: `int32[S]` paged storage: 1 while the column's sequence is
+      preempted (its pages dropped, its tokens kept here to be recomputed).
+    stamp: `int32[S]` admission order (the latest admitted is preempted first;
+      parked columns come back oldest first). clock: `int32[]` the next stamp.
+    cached: `int32[S]` prefix caching: 1 while the column is a retained prefix
+      (a live sequence holding prompt pages, `used = 0`); last_use: `int32[S]`
+      its clock at creation or last adoption (the least recently used goes first).
+    page_hash: `uint32[S, H]` prefix caching: the chained hash of each full
+      prompt page of the column's tokens (`H = max_len // page_size`; `H = 0`
+      turns prefix caching off).
+    preemptions, evictions, cached_tokens: `int32[]` sequences preempted,
+      retained prefixes evicted, prompt tokens adopted instead of computed.
+    adopt_wait: `int32[2]` prefix caching: `(column, length)` when the queue's
+      head waits for a running column to prefill `length` prompt tokens it
+      shares (the step loops stop then, to admit it); `(-1, 0)` otherwise.
   """
 
   cache: CacheState
@@ -155,6 +170,25 @@ class LoopState:
   peak_rows: jax.Array
   status: jax.Array
   width_steps: jax.Array
+  parked: jax.Array
+  stamp: jax.Array
+  clock: jax.Array
+  cached: jax.Array
+  last_use: jax.Array
+  page_hash: jax.Array
+  preemptions: jax.Array
+  evictions: jax.Array
+  cached_tokens: jax.Array
+  adopt_wait: jax.Array
+
+
+# Fields of `LoopState` that are not per-column `[S, ...]` arrays: everything else
+# moves with its column when the paged loop swaps two columns (`paged_loop.swap`).
+NON_COLUMN_FIELDS = frozenset((
+    "cache", "queue", "out_tokens", "out_len", "out_stop", "out_done", "steps", "step_tokens",
+    "occupancy", "peak_rows", "status", "width_steps", "clock", "preemptions", "evictions",
+    "cached_tokens", "adopt_wait", "out_logprob", "out_top_ids", "out_top_logprobs",
+    "out_admitted", "out_first", "out_finished"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,12 +254,15 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
 
 
 def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: int,
-                    mesh=None, kv_axis: str = "tp") -> LoopState:
+                    mesh=None, kv_axis: str = "tp", prefix_cache: bool = False) -> LoopState:
   """A loop state with an empty cache, no column in use and `host_queue` waiting.
 
   With `mesh`, the cache's K/V are split over their heads along `kv_axis` and
-  everything else is replicated on the mesh.
+  everything else is replicated on the mesh. `prefix_cache` (paged storage
+  only) sizes `page_hash` for every full page of `max_len` tokens.
   """
+  if prefix_cache and not config.is_paged:
+    raise ValueError("prefix_cache=True needs paged storage: CacheConfig(page_size=...)")
   s = config.max_seqs
   max_len, max_stop = host_queue.arrays["prompt"].shape[1], host_queue.arrays["stop_tokens"].shape[1]
   zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
@@ -254,7 +291,11 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
       out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
       out_admitted=unset(rows), out_first=unset(rows), out_finished=unset(rows),
       steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
-      status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32))
+      status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32),
+      parked=zeros(), stamp=zeros(), clock=scalar(), cached=zeros(), last_use=zeros(),
+      page_hash=jnp.zeros((s, max_len // config.page_size if prefix_cache else 0), jnp.uint32),
+      preemptions=scalar(), evictions=scalar(), cached_tokens=scalar(),
+      adopt_wait=jnp.asarray([-1, 0], jnp.int32))
   if mesh is not None:
     ls = jax.device_put(ls, NamedSharding(mesh, P()))
   return dataclasses.replace(ls, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))

@@ -1,0 +1,210 @@
+"""Admission, retirement and forks of the serving loop over paged storage (see `paged_loop`).
+
+`outer_body` replaces the column loop's retire / admit / fork block when
+`config.page_size` is set; `loop.serve_loop` passes in its own per-request
+helpers (`_admit_one`, `_fork_one`, `_fork_ready`), which these wrap, so the
+request bookkeeping stays in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve import paged_loop as pl
+from jaxkv.serve.state import LoopState
+
+_BIG = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+def _head(config: CacheConfig, ls: LoopState):
+  """The next admission: the oldest parked column, else the queue's head.
+
+  Returns:
+    `(waiting, is_parked, parked column, columns taken, claim, hashes, tokens, cap pages)`.
+  """
+  parked = ls.parked == 1
+  any_parked = jnp.any(parked)
+  p = jnp.argmin(jnp.where(parked, ls.stamp, _BIG)).astype(jnp.int32)
+  q = ls.queue
+  i = jnp.minimum(q.next, q.prompt_len.shape[0] - 1)
+  n, plen = q.n[i], q.prompt_len[i]
+  fork = (n > 1) & (plen > 1)
+  waiting = any_parked | (q.next < q.count)
+  cols = jnp.where(any_parked, 0, jnp.where(fork, n, 1))
+  claim = jnp.where(any_parked, ls.length[p] * (1 + ls.forks[p]), jnp.where(fork, n * plen, plen))
+  num_hash = ls.page_hash.shape[1]
+  tokens = jnp.where(any_parked, ls.tokens[p], q.prompt[i])
+  hashes, cap = ls.page_hash[p], jnp.int32(0)
+  if num_hash:
+    hashes = jnp.where(any_parked, hashes, pl.page_hashes(q.prompt[i], num_hash, config.page_size))
+    cap = jnp.where(any_parked, pl.cap_pages(config, ls.prompt_len[p], ls.length[p], num_hash),
+                    pl.cap_pages(config, plen, plen, num_hash))
+  return waiting, any_parked, p, cols, claim, hashes, tokens, cap
+
+
+def _admission(config: CacheConfig, ls: LoopState):
+  """`(admit now, evict first, wait)` for the head.
+
+  It fits when the claims of running columns, one more token for each of them
+  (the watermark), its own claim and the retained prefixes fit `capacity`; it
+  fits after eviction when they would without the retained prefixes. A head
+  that shares pages a running column is still prefilling waits for them.
+  """
+  waiting, any_parked, p, cols, claim, hashes, tokens, cap = _head(config, ls)
+  running = (ls.used == 1) & (ls.parked == 0)
+  watermark = (running & (ls.active == 1)).sum(dtype=jnp.int32)
+  base = pl.claims(ls) - pl.prefix_positions(ls) + watermark + claim
+  prefixes = pl.prefix_positions(ls)
+  cols_ok = ls.used.sum() + ls.forks.sum() + cols <= config.max_seqs
+  wait = jnp.asarray([-1, 0], jnp.int32)
+  if pl.has_prefix_cache(ls):
+    _, _, wait = pl.best_source(config, ls, hashes, tokens, cap, jnp.where(any_parked, p, -1))
+  has_id, _ = pl.lowest_free_id(ls)
+  open_ = waiting & cols_ok & (ls.status == Status.OK) & (wait[0] < 0)
+  now = open_ & (base + prefixes <= config.capacity) & has_id
+  evict = open_ & ~now & (base <= config.capacity) & jnp.any(ls.cached == 1)
+  return now, evict, jnp.where(waiting, wait, jnp.asarray([-1, 0], jnp.int32))
+
+
+def can_admit(config: CacheConfig, ls: LoopState):
+  """Whether the admission block would admit or evict for the head."""
+  now, evict, _ = _admission(config, ls)
+  return now | evict
+
+
+def _readmit_one(config: CacheConfig, ls: LoopState) -> LoopState:
+  """Brings the oldest parked column back: a new sequence, its tokens to be recomputed."""
+  p = jnp.argmin(jnp.where(ls.parked == 1, ls.stamp, _BIG)).astype(jnp.int32)
+  cache, status, new_id = pure.seq_new(config, ls.cache)
+  ok = status == Status.OK
+  ls = dataclasses.replace(ls, cache=cache, status=pl.record(ls, True, status))
+  c = jnp.where(ok, new_id, p)
+  ls = pl.swap(ls, p, c)
+  ls = dataclasses.replace(ls, active=ls.active.at[c].set(jnp.where(ok, 1, ls.active[c])),
+                           fed=ls.fed.at[c].set(jnp.where(ok, 0, ls.fed[c])))
+  ls = pl.stamped(ls, c, ok)
+  return pl.adopt(config, ls, c, ok) if pl.has_prefix_cache(ls) else ls
+
+
+def _admit_queued(config: CacheConfig, ls: LoopState, admit_one) -> LoopState:
+  """`admit_one` (the column loop's), then the paged bookkeeping of the new column."""
+  _, col = pl.lowest_free_id(ls)
+  before = ls.cache.live[col]
+  ls = admit_one(config, ls)
+  did = (ls.cache.live[col] == 1) & (before == 0)
+  ls = pl.stamped(ls, col, did)
+  if not pl.has_prefix_cache(ls):
+    return ls
+  ls = pl.hash_column(config, ls, col, did)
+  return pl.adopt(config, ls, col, did)
+
+
+def admit(config: CacheConfig, ls: LoopState, admit_one) -> LoopState:
+  """Admits parked columns (oldest first), then queued requests, evicting prefixes as needed."""
+  now = lambda ls: _admission(config, ls)[0]
+  evict = lambda ls: _admission(config, ls)[1]
+  any_parked = lambda ls: jnp.any(ls.parked == 1)
+
+  def body(ls):
+    ls = jax.lax.while_loop(evict, lambda ls: pl.evict_one(config, ls), ls)
+    ls = jax.lax.while_loop(lambda ls: now(ls) & any_parked(ls),
+                            lambda ls: _readmit_one(config, ls), ls)
+    return jax.lax.while_loop(lambda ls: now(ls) & ~any_parked(ls),
+                              lambda ls: _admit_queued(config, ls, admit_one), ls)
+
+  ls = jax.lax.while_loop(lambda ls: now(ls) | evict(ls), body, ls)
+  return dataclasses.replace(ls, adopt_wait=_admission(config, ls)[2])
+
+
+# ----------------------------------------------------------------------------- retirement
+
+
+def retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
+  """Retires the first finished column: kept as a retained prefix, or removed.
+
+  With prefix caching, a column whose full prompt pages no other live column
+  holds is rewound to them and kept (`cached = 1`, `used = 0`).
+  """
+  col = jnp.argmax(ls.done == 1).astype(jnp.int32)
+  p = config.page_size
+  keep = jnp.bool_(False)
+  aligned = jnp.int32(0)
+  if pl.has_prefix_cache(ls):
+    aligned = jnp.minimum(ls.prompt_len[col], ls.cache.pos[col]) // p * p
+    pages = jnp.minimum(aligned // p, ls.page_hash.shape[1])
+    aligned = pages * p
+    held, _, _ = pl.best_source(config, ls, ls.page_hash[col], ls.tokens[col], pages, col)
+    keep = (aligned > 0) & (aligned >= pure.floor(config, ls.cache, col)) & (held < aligned)
+  cache, status = pure.rewind(config, ls.cache, jnp.where(keep, col, -1), aligned)
+  ls = dataclasses.replace(ls, cache=cache, status=pl.record(ls, keep, status))
+  cache, status = pl.remove(config, ls, col, ~keep)
+  off = lambda a: a.at[col].set(0)
+  ok = status == Status.OK
+  return dataclasses.replace(
+      ls, cache=cache, status=status, done=off(ls.done), used=off(ls.used),
+      reserve=off(ls.reserve), cached=ls.cached.at[col].set(jnp.where(keep & ok, 1, 0)),
+      last_use=ls.last_use.at[col].set(ls.clock), clock=ls.clock + 1)
+
+
+# ----------------------------------------------------------------------------- forks
+
+
+def forks(config: CacheConfig, ls: LoopState, fork_one, fork_ready) -> LoopState:
+  """Forks ready prompts, first making room (evict, preempt) and a free column for each."""
+  ready = lambda ls: jnp.any(fork_ready(ls)) & (ls.status == Status.OK)
+  src = lambda ls: jnp.argmax(fork_ready(ls)).astype(jnp.int32)
+  fits = lambda ls: ls.cache.held + ls.cache.pos[src(ls)] <= config.capacity
+
+  def parked_lowest(ls):
+    exists, low = pl.lowest_free_id(ls)
+    return exists & (ls.parked[low] == 1)
+
+  def swap_up(ls):
+    _, low = pl.lowest_free_id(ls)
+    return pl.swap(ls, low, pl.spare(ls)[1])
+
+  def fork_paged(ls):
+    _, dst = pl.lowest_free_id(ls)
+    s, before = src(ls), ls.cache.live[dst]
+    ls = fork_one(config, ls)
+    did = (ls.cache.live[dst] == 1) & (before == 0)
+    ls = pl.stamped(ls, dst, did)
+    return dataclasses.replace(ls, page_hash=ls.page_hash.at[dst].set(
+        jnp.where(did, ls.page_hash[s], ls.page_hash[dst])))
+
+  def body(ls):
+    ls = jax.lax.while_loop(lambda ls: ready(ls) & ~fits(ls) & pl.can_free(ls),
+                            lambda ls: pl.free_one(config, ls), ls)
+    ls = jax.lax.while_loop(lambda ls: ready(ls) & ~pl.spare(ls)[0] & jnp.any(ls.cached == 1),
+                            lambda ls: pl.evict_one(config, ls), ls)
+    ls = jax.lax.while_loop(lambda ls: ready(ls) & parked_lowest(ls) & pl.spare(ls)[0],
+                            swap_up, ls)
+    can = lambda ls: ready(ls) & fits(ls) & ~parked_lowest(ls) & pl.spare(ls)[0]
+    return jax.lax.while_loop(can, fork_paged, ls)
+
+  return jax.lax.while_loop(ready, body, ls)
+
+
+def outer_body(config: CacheConfig, ls: LoopState, *, admit_one, fork_one,
+               fork_ready) -> LoopState:
+  """Retire, admit, fork, then make room for the next step (the paged outer loop's block)."""
+  ls = jax.lax.while_loop(lambda ls: jnp.any(ls.done == 1) & (ls.status == Status.OK),
+                          lambda ls: retire_one(config, ls), ls)
+  ls = admit(config, ls, admit_one)
+  ls = forks(config, ls, fork_one, fork_ready)
+  return pl.make_room(config, ls)
+
+
+def step_may_run(config: CacheConfig, ls: LoopState):
+  """The phase loops' extra condition: the step fits, and no waiting head can now adopt."""
+  w_col, w_len = ls.adopt_wait[0], ls.adopt_wait[1]
+  col = jnp.clip(w_col, 0, ls.fed.shape[0] - 1)
+  resumed = (w_col >= 0) & ((ls.fed[col] >= w_len) | (ls.active[col] == 0))
+  return pl.step_fits(config, ls) & ~resumed
