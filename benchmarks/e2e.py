@@ -69,6 +69,8 @@ def _args(argv=None):
                  help="also serve with jaxkv.serve.DataParallelEngine over this many devices "
                       "and report its speed-up over one device (same process)")
   p.add_argument("--small", action="store_true", help="a tiny model and workload (CPU smoke)")
+  p.add_argument("--paged", type=int, default=0, metavar="PAGE_SIZE",
+                 help="also serve jaxkv over paged storage of the same capacity (same weights)")
   p.add_argument("--skip-baseline", action="store_true")
   p.add_argument("--skip-jaxkv", action="store_true")
   p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -420,6 +422,27 @@ def main(argv=None) -> int:
       print(f"jaxkv data-parallel over {len(devices)} devices: {dp_s:.3f} s, "
             f"{dp.stats.generated / dp_s:.0f} tokens/s = {r['seconds'] / dp_s:.2f}x one device; "
             f"{same}/{len(prompts)} outputs identical to one device")
+    if args.paged:
+      # The same weights (same seed and shapes) over paged storage of the same capacity.
+      paged_cache = dataclasses.replace(cache, page_size=args.paged)
+      paged_model = Decoder(cfg, paged_cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                            implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+      kv_bytes = lambda c: sum(
+          2 * int(np.prod(c.layer_shape(l, c.initial_flat_rows))) * jnp.dtype(c.kv_dtype).itemsize
+          for l in range(c.num_layers))
+      t1 = time.perf_counter()
+      results["jaxkv_paged"], outputs["jaxkv_paged"] = run_jaxkv(paged_model, prompts, news)
+      rp = results["jaxkv_paged"]
+      same = sum(a == b for a, b in zip(outputs["jaxkv_paged"], outputs["jaxkv"]))
+      rp.update(page_size=args.paged, kv_bytes=kv_bytes(paged_cache),
+                columns_kv_bytes=kv_bytes(cache), speedup_vs_columns=r["seconds"] / rp["seconds"],
+                same_tokens_as_columns=same)
+      print(f"jaxkv paged (page_size {args.paged}): {rp['seconds']:.3f} s, {rp['steps']} steps, "
+            f"{rp['ms_per_step']:.3f} ms/step, mean occupancy {rp['mean_occupancy']:.1f} = "
+            f"{rp['speedup_vs_columns']:.2f}x the columns; K/V allocated {rp['kv_bytes'] / 1e9:.2f} GB "
+            f"vs {rp['columns_kv_bytes'] / 1e9:.2f} GB; {same}/{len(prompts)} outputs identical to "
+            f"the columns' (with warm-up {time.perf_counter() - t1:.0f} s)")
+      del paged_model
     if args.workload == "decode":
       print(f"decode step: {r['ms_per_step']:.3f} ms vs roofline {floor['decode_step_ms']:.3f} ms "
             f"= {r['ms_per_step'] / floor['decode_step_ms']:.2f}x")
