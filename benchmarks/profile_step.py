@@ -173,7 +173,7 @@ def main(argv=None) -> int:
       queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in reqs],
                                max_len=engine.max_len, max_stop=engine.max_stop)
       ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
-      text = engine._loop.lower(engine.graphdef, cache, engine.widths, engine.params, ls,   # pylint: disable=protected-access
+      text = engine._loop.lower(engine.params, ls,   # pylint: disable=protected-access
                                 jnp.int32(1)).compile().as_text()
       os.makedirs(args.out, exist_ok=True)
       with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:

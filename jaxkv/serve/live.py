@@ -195,7 +195,7 @@ class LiveQueue:
       return deltas
     ls, engine.state = engine.state, None   # donated below
     loop = engine._loop   # pylint: disable=protected-access
-    ls = loop(engine.graphdef, engine.config, engine.widths, engine.params, ls, jnp.int32(k))
+    ls = loop(engine.params, ls, jnp.int32(k))
     engine.state = ls
     engine.stats.loop_entries += 1
     return deltas + self._collect()
