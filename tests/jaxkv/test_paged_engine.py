@@ -95,11 +95,11 @@ def test_free_pages_are_never_read(flat, rng):
   engine = serve.Engine(flat["paged"], max_steps=1, **ENGINE)
   config, loop, entries = engine.config, engine._loop, []   # pylint: disable=protected-access
 
-  def poisoned_loop(graphdef, cfg, widths, params, ls, max_steps):
+  def poisoned_loop(params, ls, max_steps):
     check_page_invariants(config, ls.cache)
     entries.append(int(ls.preemptions))
     ls = dataclasses.replace(ls, cache=poison_free_storage(ls.cache, config))
-    return loop(graphdef, cfg, widths, params, ls, max_steps)
+    return loop(params, ls, max_steps)
 
   engine._loop = poisoned_loop   # pylint: disable=protected-access
   assert _tokens(engine.run(requests)) == want
