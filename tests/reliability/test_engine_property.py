@@ -1,14 +1,16 @@
 """Issue 9 item 5: the engine serves any valid request mix as if each request ran alone.
 
 Hypothesis draws a cache geometry from a small pool (so each compiles once per
-process) and a mix of requests: prompt lengths, `n`, stop tokens, `max_tokens`,
-greedy or seeded sampling with top-k/top-p. The properties:
+process; one is paged storage with prefix caching) and a mix of requests: prompt
+lengths, `n`, stop tokens, `max_tokens`, greedy or seeded sampling with
+top-k/top-p/min_p, repetition/presence/frequency penalties, logprobs. The properties:
 
 - no valid mix raises (every request passes `serve.check_request` first);
-- every completion equals the same request decoded alone: greedy ones equal
-  `greedy_generate` on a fresh `ModelRunner` (host-level steps, no engine code)
-  cut at the first stop token; sampled ones equal the request alone through
-  the engine (seeded sampling is independent of batching);
+- every completion equals the same request decoded alone: greedy ones without
+  penalties equal `greedy_generate` on a fresh `ModelRunner` (host-level steps,
+  no engine code) cut at the first stop token; sampled, penalised or logprob
+  ones equal the request alone through the engine (seeded sampling is
+  independent of batching), logprobs within 1e-4;
 - completions come back in (request, sample) order, and `finish_reason` agrees
   with the tokens (a stop token ends the completion, else `max_tokens` did);
 - the cache never holds more than its capacity: the final state satisfies the
@@ -21,6 +23,7 @@ draws fresh examples (docs/RELIABILITY.md).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -38,21 +41,26 @@ from jaxkv.serve.decoding import greedy_generate
 MODEL = ModelConfig.gemma3(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                            layer_types=("sliding", "full"), num_heads=2, num_kv_heads=1,
                            head_dim=16, sliding_window=3, query_pre_attn_scalar=16.0)
-# (max_seqs, max_write, capacity): few columns, odd and wide steps, tight and loose budgets.
-GEOMETRIES = [(2, 3, 30), (3, 8, 48), (4, 5, 64)]
-MAX_PROMPT, MAX_NEW, MAX_N, MAX_STOP = 9, 6, 3, 2
+# (max_seqs, max_write, capacity, page_size, prefix_cache): few columns, odd and wide steps,
+# tight and loose budgets; the last is paged storage (pages of 4, so prompts span several)
+# with prefix caching, whose engine admits by claims and preempts when decoding outgrows it.
+GEOMETRIES = [(2, 3, 30, None, False), (3, 8, 48, None, False), (4, 5, 64, None, False),
+              (3, 5, 48, 4, True)]
+MAX_PROMPT, MAX_NEW, MAX_N, MAX_STOP, MAX_LOGPROBS = 9, 6, 3, 2, 3
 MAX_LEN = MAX_PROMPT + MAX_NEW
 EXAMPLES = int(os.environ.get("JAXKV_RELIABILITY_ENGINE_EXAMPLES", "300"))
 
 
 @functools.cache
 def _engine(geometry: int) -> serve.Engine:
-  max_seqs, width, capacity = GEOMETRIES[geometry]
+  max_seqs, width, capacity, page_size, prefix_cache = GEOMETRIES[geometry]
   # Flat rows start at 8, so admissions grow the cache between loop entries.
-  cache = MODEL.cache_config(capacity=capacity, max_seqs=max_seqs, max_write=width,
-                             initial_capacity=8)
+  cache = dataclasses.replace(
+      MODEL.cache_config(capacity=capacity, max_seqs=max_seqs, max_write=width,
+                         initial_capacity=8), page_size=page_size)
   model = Decoder(MODEL, cache, rngs=nnx.Rngs(0))
-  return serve.Engine(model, max_len=MAX_LEN, max_stop_tokens=MAX_STOP)
+  return serve.Engine(model, max_len=MAX_LEN, max_stop_tokens=MAX_STOP,
+                      max_logprobs=MAX_LOGPROBS, prefix_cache=prefix_cache)
 
 
 @functools.cache
@@ -66,7 +74,16 @@ def _request(draw, max_seqs: int):
   prompt = tuple(draw(st.lists(st.integers(0, MODEL.vocab_size - 1), min_size=1,
                                max_size=MAX_PROMPT)))
   sampled = draw(st.booleans())
-  params = serve.SamplingParams(
+  # vLLM-style extras (issue 14): penalties and min_p change the tokens (the oracle is then
+  # the request alone through the engine); logprobs must not change them.
+  extras = {}
+  if draw(st.booleans()):
+    extras = dict(repetition_penalty=draw(st.sampled_from([1.0, 1.3])),
+                  presence_penalty=draw(st.sampled_from([0.0, 0.5])),
+                  frequency_penalty=draw(st.sampled_from([0.0, -0.4])),
+                  min_p=draw(st.sampled_from([0.0, 0.1])) if sampled else 0.0,
+                  logprobs=draw(st.sampled_from([None, 0, MAX_LOGPROBS])))
+  params = serve.SamplingParams(**extras,
       max_tokens=draw(st.integers(1, MAX_NEW)),
       n=draw(st.integers(1, min(MAX_N, max_seqs))),
       stop_tokens=tuple(draw(st.lists(st.integers(0, MODEL.vocab_size - 1),
@@ -114,22 +131,33 @@ def test_every_completion_equals_its_request_alone(mix):
   for r in requests:   # the mix is valid: each request fits this engine alone
     serve.check_request(r, vocab_size=MODEL.vocab_size, max_len=MAX_LEN,
                         max_seqs=config.max_seqs, capacity=config.capacity,
-                        max_stop_tokens=MAX_STOP)
+                        max_stop_tokens=MAX_STOP, max_logprobs=MAX_LOGPROBS)
   results = engine.run(requests)
   assert [(c.request_id, c.index) for c in results] == [
       (i, k) for i, r in enumerate(requests) for k in range(r.params.n)]
   final = engine.state.cache
   dynamic_validate_state(config, final)
-  assert not np.asarray(final.live).any(), "a finished request left its column live"
+  if not engine.prefix_cache:   # retained prefixes stay live by design
+    assert not np.asarray(final.live).any(), "a finished request left its column live"
   by_request = [[c for c in results if c.request_id == i] for i in range(len(requests))]
   for request, completions in zip(requests, by_request):
     p = request.params
     for c in completions:
       _check_completion(c, request)
       assert c.prompt == request.prompt
-    if p.temperature == 0:
+    for c in completions:
+      assert (c.logprobs is None) == (p.logprobs is None), c
+      assert c.logprobs is None or len(c.logprobs) == len(c.tokens), c
+    penalised = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != (1.0, 0.0, 0.0)
+    if p.temperature == 0 and not penalised:
       want = _cut_at_stop(_greedy(geometry, request.prompt, p.max_tokens), p.stop_tokens)
       assert all(tuple(c.tokens) == want for c in completions), (request, completions, want)
-    else:
+    if p.temperature > 0 or penalised or p.logprobs is not None:
       alone = engine.run([request])
       assert [c.tokens for c in completions] == [c.tokens for c in alone], (request, alone)
+      for c, a in zip(completions, alone):
+        if c.logprobs is not None:
+          got = [(x.token, x.logprob) for x in c.logprobs]
+          ref = [(x.token, x.logprob) for x in a.logprobs]
+          assert [t for t, _ in got] == [t for t, _ in ref], (c, a)
+          np.testing.assert_allclose([l for _, l in got], [l for _, l in ref], atol=1e-4)
