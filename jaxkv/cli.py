@@ -44,13 +44,16 @@ def _parser() -> argparse.ArgumentParser:
                  help="steps per loop entry: streaming granularity (default 8)")
   s.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
                  default=None, help="attention implementation (default: automatic)")
+  s.add_argument("--max-logprobs", type=int, default=None,
+                 help="most top logprobs a request may ask for per token (default 20, or the "
+                      "vocabulary if smaller)")
   s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
   return p
 
 
 def build_server(checkpoint: str, *, max_seqs: int = 8, max_len: int | None = None,
                  capacity: int | None = None, max_write: int = 64, dtype: str = "auto",
-                 implementation: str | None = None):
+                 implementation: str | None = None, max_logprobs: int | None = None):
   """`(engine, tokenizer)` for a checkpoint: the model loaded, the engine built, the tokenizer read.
 
   Raises:
@@ -69,7 +72,7 @@ def build_server(checkpoint: str, *, max_seqs: int = 8, max_len: int | None = No
   model, _, _ = hf.load_model(checkpoint, capacity=capacity, max_seqs=max_seqs,
                               max_write=max_write, dtype=kv, kv_dtype=kv,
                               implementation=implementation)
-  engine = Engine(model, max_len=max_len)
+  engine = Engine(model, max_len=max_len, max_logprobs=max_logprobs)
   if tokenizer.vocab_size > engine.vocab_size:
     raise ValueError(f"{checkpoint}: the tokenizer has {tokenizer.vocab_size} tokens; the model's "
                      f"vocab_size is {engine.vocab_size}")
@@ -113,10 +116,14 @@ def serve(args) -> int:
     if getattr(args, name) < 1:
       print(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
       return 2
+  if args.max_logprobs is not None and args.max_logprobs < 0:
+    print(f"--max-logprobs={args.max_logprobs} must be >= 0", file=sys.stderr)
+    return 2
   try:
     engine, tokenizer = build_server(args.checkpoint, max_seqs=args.max_seqs, max_len=args.max_len,
                                      capacity=args.capacity, max_write=args.max_write,
-                                     dtype=args.dtype, implementation=args.implementation)
+                                     dtype=args.dtype, implementation=args.implementation,
+                                     max_logprobs=args.max_logprobs)
   except (ValueError, OSError) as e:
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2

@@ -25,6 +25,16 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
   with pytest.raises(SystemExit):
     cli.main(["serve"])   # --checkpoint is required
   assert "--checkpoint" in capsys.readouterr().err
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-logprobs", "-1"]) == 2
+  assert "--max-logprobs=-1 must be >= 0" in capsys.readouterr().err
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2",
+                   "--max-logprobs", "100000"]) == 2
+  assert "max_logprobs=100000 must be in [0, vocab_size=" in capsys.readouterr().err
+
+
+def test_max_logprobs_reaches_the_engine():
+  engine, _ = cli.build_server(FIXTURE, max_seqs=2, max_len=64, max_logprobs=3)
+  assert engine.max_logprobs == 3
 
 
 def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch, capsys):
