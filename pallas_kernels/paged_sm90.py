@@ -143,8 +143,9 @@ def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, sca
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(items, qt, pool_view(k_pool), pool_view(v_pool), page_table.reshape(-1))
-  return column.epilogue(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
-                         config=config, out_dtype=q.dtype, interpret=interpret)
+  return column._combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
+                         block_q=block_q, max_splits=config.max_splits,
+                         max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
 
 
 def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale,

@@ -16,10 +16,8 @@ items, longest first. Each item streams the K/V tiles of its key range (the
 segment's one or two ring row runs, see `indexing.run_tiling`) through a
 `num_stages`-deep TMA pipeline, keeps an online float32 softmax in registers,
 and writes its real rows of a normalized float32 partial output plus the
-log-sum-exp (base 2). An epilogue copies each token's partial back to
-`[T, H_q, D]` in q's dtype, merging the splits of split segments: one Pallas
-kernel (`pallas_kernels.combine`) for power-of-two groups and head dims, XLA
-ops otherwise.
+log-sum-exp (base 2). A small XLA epilogue copies each token's partial back to
+`[T, H_q, D]` in q's dtype, merging the splits of split segments.
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
 K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
@@ -44,7 +42,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels import _compat
-from pallas_kernels import combine
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
 from pallas_kernels.common import MASK_VALUE
@@ -516,12 +513,15 @@ def _smem_transforms(use_wgmma, dtype, head_dim):
   return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _token_fields(seg, *, num_tokens, group, block_q):
-  """Per token: `(is_token, item_base, row_block, splits)`, each `[T]`.
+def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
+             max_split_tokens, out_dtype):
+  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`.
 
-  `item_base` is the token's first partial (its q tile's first split) and
-  `row_block` its place in the tile, in whole tokens.
+  Every token's first (often only) partial is gathered once; tokens of split
+  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
+  compacted and merged over their `max_splits` partials, then scattered back.
   """
+  num_items, num_kv_heads, _, head_dim = o_part.shape
   tokens = jnp.arange(num_tokens, dtype=jnp.int32)
   # Padded rows have q_len 0 here (`_segment_plan`), so they are not real.
   s = jnp.clip(token_segment_index(seg["q_start"], seg["q_len"] > 0, num_tokens), 0,
@@ -531,23 +531,8 @@ def _token_fields(seg, *, num_tokens, group, block_q):
   local_token = tokens - seg["q_start"][s]
   splits = seg["splits"][s]
   item_base = seg["cu_items"][s] - seg["num_items"][s] + (local_token // tile_tokens) * splits
-  return is_token, item_base, local_token % tile_tokens, splits
-
-
-def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
-             max_split_tokens, out_dtype):
-  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype` (XLA ops).
-
-  Every token's first (often only) partial is gathered once; tokens of split
-  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
-  compacted and merged over their `max_splits` partials, then scattered back.
-  `combine.combine` does the same in one kernel where it serves the layout.
-  """
-  num_items, num_kv_heads, _, head_dim = o_part.shape
-  is_token, item_base, row_block, splits = _token_fields(seg, num_tokens=num_tokens,
-                                                         group=group, block_q=block_q)
   item_base = jnp.clip(item_base, 0, num_items - 1)
-  tile_tokens = block_q // group
+  row_block = local_token % tile_tokens
   # The idle rows past the tile's whole tokens (when G does not divide block_q)
   # are dropped; the gathers below read every row through this view.
   tile_rows = tile_tokens * group
@@ -640,27 +625,9 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=_compat.resolve_interpret(interpret),
   )(items, qt, k_cache, v_cache)
-  return epilogue(o_part, lse_part, seg, num_tokens=num_tokens, group=group, config=config,
-                  out_dtype=q.dtype, interpret=interpret)
-
-
-def epilogue(o_part, lse_part, seg, *, num_tokens, group, config, out_dtype, interpret):
-  """The kernels' partials as `[T, H_q, D]` in `out_dtype`, zeros outside real segments.
-
-  One Pallas kernel (`combine`) where it serves the layout, else the XLA ops of
-  `_combine`. `interpret` is the resolved interpreter parameter (None compiles).
-  """
-  head_dim = o_part.shape[-1]
-  if combine.serves(group, head_dim, interpret=interpret is not None):
-    is_token, item_base, row_block, splits = _token_fields(
-        seg, num_tokens=num_tokens, group=group, block_q=config.block_q)
-    table = combine.token_table(item_base=item_base, splits=splits, row_block=row_block,
-                                is_token=is_token, group=group)
-    return combine.combine(table, o_part, lse_part, group=group, max_splits=config.max_splits,
-                           out_dtype=out_dtype, interpret=interpret is not None)
-  return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
-                  block_q=config.block_q, max_splits=config.max_splits,
-                  max_split_tokens=config.max_split_tokens, out_dtype=out_dtype)
+  return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
+                  max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
+                  out_dtype=q.dtype)
 
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,

@@ -64,10 +64,3 @@ def check_family(family, rng, *, config, interpret):
       np.testing.assert_array_equal(np.asarray(none, np.float32), 0.0,
                                     err_msg=step.description)
 
-
-def attention_calls(group: int, head_dim: int) -> list[str]:
-  """Custom calls one compiled attention lowers to: the Mosaic GPU kernel, then, where
-  `pallas_kernels.combine` serves the layout in this process (a GPU is present), its
-  Triton epilogue (`__gpu$xla.gpu.triton`)."""
-  from pallas_kernels import combine   # pylint: disable=g-import-not-at-top
-  return ["mosaic_gpu_v2"] + (["__gpu"] if combine.serves(group, head_dim) else [])
