@@ -24,7 +24,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
@@ -107,45 +106,21 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
 def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale, config,
                      interpret):
   # pylint: disable=protected-access
-  num_tokens, num_q_heads, head_dim = q.shape
+  num_q_heads = q.shape[1]
   page_size, num_kv_heads = k_pool.shape[1:3]
   pages_per_col = page_table.shape[1]
   num_rows = pages_per_col * page_size        # logical rows (positions) of a column
   group = num_q_heads // num_kv_heads
-  dtype = k_pool.dtype
-  block_q, block_k = config.block_q, config.block_k
-  tile_rows = column.q_tile_rows(block_q, group)
+  block_k = config.block_k
+  tile_rows = column.q_tile_rows(config.block_q, group)
   seg = column._segment_plan(seq_info, n_segments, num_rows=num_rows, window=None,
                              group=group, tile_rows=tile_rows, block_k=block_k,
                              align=column.ROW_ALIGN, config=config)
-  max_items = column._cdiv(num_tokens * group, tile_rows) + num_tokens + config.split_budget
-  items = column._item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
-                             block_k=block_k, window=None, sort_items=config.sort_items)
-  # As in the column wrapper: q rows per KV head, pre-scaled for exp2, padded for TMA.
-  qt = (q.astype(jnp.float32) * (scale * column.LOG2E)).astype(dtype)
-  qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-  qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
-  qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0)))
-  num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
-  kernel = functools.partial(
-      _paged_kernel, page_size=page_size, pages_per_col=pages_per_col, group=group,
-      block_q=block_q, block_k=block_k, num_stages=config.num_stages, cache_rows=num_rows,
-      window=None, use_wgmma=config.use_wgmma,
-      transforms=column._smem_transforms(config.use_wgmma, dtype, head_dim),
-      num_workers=num_workers)
-  o_part, lse_part = plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
-      scratch_types=[plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()],
-      grid=(num_workers, num_kv_heads),
-      grid_names=("worker", "head"),
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret,
-  )(items, qt, pool_view(k_pool), pool_view(v_pool), page_table.reshape(-1))
-  return column._combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group,
-                         block_q=block_q, max_splits=config.max_splits,
-                         max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
+  kernel = functools.partial(_paged_kernel, page_size=page_size, pages_per_col=pages_per_col)
+  return column.run_items(kernel, q, seg, (pool_view(k_pool), pool_view(v_pool),
+                                           page_table.reshape(-1)),
+                          group=group, block_k=block_k, cache_rows=num_rows, window=None,
+                          scale=scale, config=config, interpret=interpret)
 
 
 def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale,

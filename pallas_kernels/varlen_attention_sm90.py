@@ -589,17 +589,34 @@ def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
 @functools.partial(jax.jit, static_argnames=("window", "scale", "config", "interpret"))
 def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale, config,
                       interpret):
-  num_tokens, num_q_heads, head_dim = q.shape
+  _, num_q_heads, head_dim = q.shape
   num_rows, _, num_kv_heads, _ = k_cache.shape
   group = num_q_heads // num_kv_heads
-  dtype = k_cache.dtype
-  block_q = config.block_q
-  tile_rows = q_tile_rows(block_q, group)
+  tile_rows = q_tile_rows(config.block_q, group)
   block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
   k_cache, v_cache, seq_info = _padded_caches(k_cache, v_cache, seq_info,
                                               padded_rows=padded_rows)
   seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
                       tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
+  return run_items(_attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
+                   cache_rows=padded_rows, window=window, scale=scale, config=config,
+                   interpret=_compat.resolve_interpret(interpret))
+
+
+def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, scale, config,
+              interpret):
+  """The item table, q's layout, the Mosaic GPU call and the epilogue for a segment plan.
+
+  Shared by this module's wrapper and the paged one (`paged_sm90`): `kernel` is
+  `_attention_kernel` or a variant that takes more inputs after V (the page
+  table), and `kv_inputs` are the arrays it reads after q (K, V, ...).
+  `interpret` is resolved (`_compat.resolve_interpret`).
+  """
+  num_tokens, num_q_heads, head_dim = q.shape
+  num_kv_heads = num_q_heads // group
+  dtype = kv_inputs[0].dtype
+  block_q = config.block_q
+  tile_rows = q_tile_rows(block_q, group)
   max_items = _cdiv(num_tokens * group, tile_rows) + num_tokens + config.split_budget
   items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)
@@ -612,8 +629,8 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   transforms = _smem_transforms(config.use_wgmma, dtype, head_dim)
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(
-      _attention_kernel, group=group, block_q=block_q, block_k=block_k,
-      num_stages=config.num_stages, cache_rows=padded_rows, window=window,
+      kernel, group=group, block_q=block_q, block_k=block_k,
+      num_stages=config.num_stages, cache_rows=cache_rows, window=window,
       use_wgmma=config.use_wgmma, transforms=transforms, num_workers=num_workers)
   o_part, lse_part = plgpu.kernel(
       kernel,
@@ -623,8 +640,8 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
       grid=(num_workers, num_kv_heads),
       grid_names=("worker", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=_compat.resolve_interpret(interpret),
-  )(items, qt, k_cache, v_cache)
+      interpret=interpret,
+  )(items, qt, *kv_inputs)
   return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
                   max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
                   out_dtype=q.dtype)
