@@ -321,3 +321,24 @@ class PureCache:
   def commit_step(self) -> None:
     self.state, status = self._commit(self.config, self.state)
     assert self._ok(status, "commit_step"), f"commit_step: {jaxkv.Status(int(status)).name}"
+
+
+def assert_serve_loop_in_place(graphdef, config, widths, params, ls) -> None:
+  """The serving loop, compiled with `ls` donated, copies no K/V-sized buffer and aliases
+  at least every K/V byte (the cache is updated in place across the whole loop)."""
+  import re   # pylint: disable=g-import-not-at-top
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  kv_shapes = {tuple(a.shape) for a in ls.cache.k}
+  compiled = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+      graphdef, config, widths, params, ls, jnp.int32(8)).compile()
+  instruction = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w\-]+)\(")
+  copies = []
+  for line in compiled.as_text().splitlines():
+    match = instruction.match(line)
+    if match and match["op"] in ("copy", "copy-start"):
+      for dims in re.findall(r"\b\w+\[([\d,]*)\]", match["shape"]):
+        if tuple(int(d) for d in dims.split(",") if d) in kv_shapes:
+          copies.append(line.strip())
+  assert not copies, copies[:3]
+  kv_bytes = sum(a.nbytes for a in ls.cache.k + ls.cache.v)
+  assert compiled.memory_analysis().alias_size_in_bytes >= kv_bytes

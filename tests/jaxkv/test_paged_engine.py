@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from drivers import check_page_invariants, poison_free_storage
+from drivers import assert_serve_loop_in_place, check_page_invariants, poison_free_storage
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy, init_state, serve
 from jaxkv.models import Decoder, ModelConfig
 
@@ -209,25 +209,10 @@ def test_paged_cache_config_refuses_a_budget_below_one_page():
 def test_paged_loop_updates_the_pool_in_place(flat):
   """Preemption, eviction and adoption run inside the donated loop: the compiled loop aliases
   the pool and copies no K/V-sized buffer (a refused or masked verb copies no page)."""
-  import re   # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
   model = flat["paged"]
   config = model.cache_config
   graphdef, params = nnx.split(model)
   queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=MAX_LEN,
                            max_stop=4)
   ls = serve.init_loop_state(config, queue, num_widths=1, prefix_cache=True)
-  kv_shapes = {tuple(a.shape) for a in ls.cache.k}
-  compiled = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
-      graphdef, config, (WIDTH,), params, ls, jnp.int32(8)).compile()
-  instruction = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w\-]+)\(")
-  copies = []
-  for line in compiled.as_text().splitlines():
-    match = instruction.match(line)
-    if match and match["op"] in ("copy", "copy-start"):
-      for dims in re.findall(r"\b\w+\[([\d,]*)\]", match["shape"]):
-        if tuple(int(d) for d in dims.split(",") if d) in kv_shapes:
-          copies.append(line.strip())
-  assert not copies, copies[:3]
-  assert compiled.memory_analysis().alias_size_in_bytes >= sum(
-      a.nbytes for a in ls.cache.k + ls.cache.v)
+  assert_serve_loop_in_place(graphdef, config, (WIDTH,), params, ls)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from drivers import assert_serve_loop_in_place
 from jaxkv.serve.decoding import greedy_generate
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv import serve
@@ -181,27 +182,13 @@ def test_requests_that_cannot_fit_raise(model):
 
 def test_decode_loop_updates_the_cache_in_place(model):
   """The jitted loop aliases the donated cache and copies no K/V-sized buffer."""
-  import re   # pylint: disable=g-import-not-at-top
   config = model.cache_config
   graphdef, params = nnx.split(model)
   queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=48,
                            max_stop=4)
   widths = (WIDTH, 4)
   ls = serve.init_loop_state(config, queue, num_widths=len(widths))
-  kv_shapes = {tuple(a.shape) for a in ls.cache.k}
-  compiled = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
-      graphdef, config, widths, params, ls, jnp.int32(8)).compile()
-  instruction = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w\-]+)\(")
-  copies = []
-  for line in compiled.as_text().splitlines():
-    match = instruction.match(line)
-    if match and match["op"] in ("copy", "copy-start"):
-      for dims in re.findall(r"\b\w+\[([\d,]*)\]", match["shape"]):
-        if tuple(int(d) for d in dims.split(",") if d) in kv_shapes:
-          copies.append(line.strip())
-  assert not copies, copies[:3]
-  kv_bytes = sum(a.nbytes for a in ls.cache.k + ls.cache.v)
-  assert compiled.memory_analysis().alias_size_in_bytes >= kv_bytes
+  assert_serve_loop_in_place(graphdef, config, widths, params, ls)
 
 
 @pytest.mark.parametrize("widths", [(WIDTH, 4, 2), (WIDTH, 3)])
