@@ -20,7 +20,8 @@ from jaxkv.serve.memory import _grown_rows, check_engine_fits
 from jaxkv.serve.protocol import check_step_model
 from jaxkv.serve.report import layer_implementations
 from jaxkv.serve.requests import (MAX_LOGPROBS, PAGED_COUNTERS, Completion, Delta, EngineStats,
-                                  Request, RequestTiming, check_request, read_paged_counters,
+                                  Request, RequestTiming, SamplingParams, check_request,
+                                  read_paged_counters,
                                   token_logprobs)
 from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
@@ -45,10 +46,38 @@ def _split_placed(model, mesh):
   return graphdef, (params if mesh is None else shard_state(params, mesh))
 
 
+MIN_MIDDLE_WIDTH = 128
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+  """The token is the argmax: no temperature, no penalty, no logprobs (`serve_loop(greedy=True)`)."""
+  return (params.temperature == 0 and params.repetition_penalty == 1
+          and params.presence_penalty == 0 and params.frequency_penalty == 0
+          and params.logprobs is None)
+
+
 def default_widths(config: CacheConfig) -> tuple[int, ...]:
-  """`(W, narrow)`: the full width, and one decode slot per column rounded up to 8."""
+  """`(W, W / 4, W / 16, ..., narrow)`: the full width, prefill widths a factor 4 apart, decode.
+
+  `narrow` is one decode slot per column rounded up to 8. The widths between
+  are kept while they are at least `MIN_MIDDLE_WIDTH` and twice `narrow`
+  (multiples of 8): a step that admits one prompt next to the running decodes
+  (the common step of a busy engine) then pays for a few hundred rows, not `W`.
+  Dense layers cost about the weight read up to ~200 rows on a Hopper GPU and
+  grow with the rows past that, so a 2048-wide step costs ~4x a 512-wide one
+  (docs/PERFORMANCE.md); below `MIN_MIDDLE_WIDTH` rows a width would cost its
+  compilation and save nothing.
+  """
+  width = config.step_width
   narrow = -(-config.max_seqs // 8) * 8
-  return (config.step_width,) if narrow >= config.step_width else (config.step_width, narrow)
+  if narrow >= width:
+    return (width,)
+  widths = [width]
+  middle = (width // 4) // 8 * 8
+  while middle >= max(MIN_MIDDLE_WIDTH, 2 * narrow):
+    widths.append(middle)
+    middle = (middle // 4) // 8 * 8
+  return tuple(widths) + (narrow,)
 
 
 def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
@@ -90,7 +119,8 @@ class Engine:
       `on_progress` is called after each entry).
     max_stop_tokens: most stop tokens per request.
     widths: step widths compiled into the loop, descending, the first the
-      cache's `W` (default `default_widths`: `W` and one slot per column). A
+      cache's `W` (default `default_widths`: `W`, prefill widths a factor 4
+      apart, and one slot per column). A
       step runs at the narrowest width that holds every wanted token.
     mesh: optional `jax.sharding.Mesh` for tensor parallelism; default the
       model's `mesh` attribute (`jaxkv.models.Decoder(..., mesh=)`). The
@@ -177,6 +207,10 @@ class Engine:
     # paid per `step()` of the incremental API). `self._loop(params, ls, max_steps)`.
     self._loop = jax.jit(functools.partial(serve_loop, self.graphdef, self.config, self.widths),
                          donate_argnums=1)
+    # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
+    # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
+    self._greedy_loop = jax.jit(functools.partial(serve_loop, self.graphdef, self.config,
+                                                  self.widths, greedy=True), donate_argnums=1)
     self.state: LoopState | None = None
     self.implementations = layer_implementations(model, config)
     self.stats = EngineStats(implementations=self.implementations)
@@ -258,13 +292,14 @@ class Engine:
         owner[base + j] = (r, j)
         if r.params.logprobs is not None:   # pack_queue's order: logprob rows in queue order
           lp_rows[base + j] = len(lp_rows)
+    loop = self._greedy_loop if all(plain_greedy(r.params) for r in requests) else self._loop
     collected = np.zeros((host_queue.rows,), bool)
     collected[len(owner):] = True   # padding rows
     step_counts = []   # (completion, admitted, first token, finished) for its timing
     try:
       while True:
         self.state = None   # donated below: never left pointing at a deleted buffer
-        ls = self._loop(self.params, ls, jnp.int32(self.max_steps))
+        ls = loop(self.params, ls, jnp.int32(self.max_steps))
         self.state = ls
         stats.loop_entries += 1
         host = jax.device_get({k: getattr(ls, k) for k in (

@@ -102,8 +102,13 @@ def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start):
   return seq_ids, tokens, n
 
 
-def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> LoopState:
-  """One step at width `widths[which]`: plan, model, commit, sample, record."""
+def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
+          greedy: bool = False) -> LoopState:
+  """One step at width `widths[which]`: plan, model, commit, sample, record.
+
+  `greedy` (static): every request is plain greedy (no temperature, penalty or
+  logprobs), so the token is the argmax and no sampler `lax.cond` is compiled.
+  """
   width = widths[which]
   s = config.max_seqs
   alloc, start = _schedule(width, ls, paged_loop.room(config, ls) if config.is_paged else None)
@@ -120,11 +125,18 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState) -> Loop
 
   emits = ok & (alloc > 0) & (ls.fed + alloc == ls.length)
   generated = ls.length - ls.prompt_len
-  keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
-      jax.random.fold_in(jax.random.key(seed), i), t))(ls.seed, ls.sample_index, generated)
-  new, lp, top_ids, top_lp = sample_rows(
-      logits, _row_params(ls), keys, sampling=emits, history=ls.tokens,
-      prompt_len=ls.prompt_len, length=ls.length, num_logprobs=ls.out_top_ids.shape[2])
+  num_logprobs = ls.out_top_ids.shape[2]
+  if greedy:
+    new = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lp = jnp.zeros((s,), jnp.float32)
+    top_ids = jnp.zeros((s, num_logprobs), jnp.int32)
+    top_lp = jnp.zeros((s, num_logprobs), jnp.float32)
+  else:
+    keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(seed), i), t))(ls.seed, ls.sample_index, generated)
+    new, lp, top_ids, top_lp = sample_rows(
+        logits, _row_params(ls), keys, sampling=emits, history=ls.tokens,
+        prompt_len=ls.prompt_len, length=ls.length, num_logprobs=num_logprobs)
   cols = jnp.arange(s, dtype=jnp.int32)
   max_len = ls.tokens.shape[1]
   tokens_buf = ls.tokens.at[cols, jnp.where(emits, ls.length, max_len)].set(new, mode="drop")
@@ -287,7 +299,7 @@ def _retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
 
 
 def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, ls: LoopState,
-               max_steps):
+               max_steps, *, greedy: bool = False):
   """Serves the queue in `ls` until it is done, `max_steps` more steps ran, or a status fails.
 
   Jit it with `graphdef`, `config` and `widths` static and `ls` donated
@@ -301,6 +313,10 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
     params: the model's `nnx.State`.
     ls: `LoopState`; donated.
     max_steps: `int32[]` step budget of this entry.
+    greedy: (static) every request in the queue is plain greedy (temperature 0,
+      no penalty, no logprobs): tokens are the argmax with no sampler
+      `lax.cond`, whose predicate costs a host sync per step on a GPU. Tokens are
+      the same as the general loop's for such requests; `Engine.run` picks it.
 
   Returns:
     The new `LoopState`.
@@ -319,8 +335,8 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
       may_run = paged_admit.step_may_run(config, ls) if paged else True
       return (ok(ls) & jnp.any(ls.active == 1) & ~jnp.any(ls.done == 1)
               & ~jnp.any(_fork_ready(ls)) & (width_index(widths, ls) == which) & may_run)
-    return lambda ls: jax.lax.while_loop(cond, lambda ls: _step(config, model, widths, which, ls),
-                                         ls)
+    return lambda ls: jax.lax.while_loop(
+        cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
 
   def columns(ls):
     """Retire, admit and fork (column storage: admission reserves prompt + max_tokens)."""

@@ -13,6 +13,7 @@ from drivers import assert_serve_loop_in_place
 from jaxkv.serve.decoding import greedy_generate
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv import serve
+from jaxkv import CacheConfig, LayerConfig, LayerPolicy
 import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
 
 MODEL = ModelConfig.gemma3(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -250,3 +251,19 @@ def test_paged_storage_serves_the_same_tokens(model, rng):
   got = serve.Engine(paged, max_len=48).run(requests)
   assert [(c.request_id, c.index, c.tokens) for c in got] == [
       (c.request_id, c.index, c.tokens) for c in want]
+
+
+@pytest.mark.parametrize("width, max_seqs, want", [
+    (2048, 64, (2048, 512, 128, 64)),   # the e2e shape: one prompt next to 63 decodes -> 512
+    (512, 64, (512, 128, 64)),
+    (4096, 256, (4096, 1024, 256)),     # no middle width below twice the decode width
+    (2048, 16, (2048, 512, 128, 16)),   # none below 128 rows (they cost what decode costs)
+    (256, 8, (256, 8)),
+    (64, 8, (64, 8)),
+    (8, 4, (8,)),                       # decode already fills W
+])
+def test_default_widths_add_prefill_widths_a_factor_four_apart(width, max_seqs, want):
+  from jaxkv.serve.engine import default_widths   # pylint: disable=g-import-not-at-top
+  layers = (LayerConfig(policy=LayerPolicy(), n_kv_heads=1, head_dim=8),)
+  config = CacheConfig(layers=layers, capacity=8192, max_seqs=max_seqs, max_write=width)
+  assert default_widths(config) == want
