@@ -71,6 +71,9 @@ def _args(argv=None):
   p.add_argument("--small", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--paged", type=int, default=0, metavar="PAGE_SIZE",
                  help="also serve jaxkv over paged storage of the same capacity (same weights)")
+  p.add_argument("--also-widths", default=None, metavar="W,w,...",
+                 help="also serve the workload with these compiled step widths (descending, the "
+                      "first --max-write), in this process, and compare with the default widths")
   p.add_argument("--skip-baseline", action="store_true")
   p.add_argument("--skip-jaxkv", action="store_true")
   p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -112,10 +115,11 @@ def _attention_used(cfg: ModelConfig) -> str:
 # ----------------------------------------------------------------------------- jaxkv
 
 
-def run_jaxkv(model, prompts, new_tokens):
-  """`new_tokens`: one int for every request, or one per request."""
+def run_jaxkv(model, prompts, new_tokens, widths=None):
+  """`new_tokens`: one int for every request, or one per request; `widths`: the Engine's."""
   news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
-  engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)))
+  engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)),
+                        widths=widths)
   requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
               for p, n in zip(prompts, news)]
   # Warm-up on the same shapes (the same queue: compiles the loop; queues pad to powers of two).
@@ -422,6 +426,18 @@ def main(argv=None) -> int:
       print(f"jaxkv data-parallel over {len(devices)} devices: {dp_s:.3f} s, "
             f"{dp.stats.generated / dp_s:.0f} tokens/s = {r['seconds'] / dp_s:.2f}x one device; "
             f"{same}/{len(prompts)} outputs identical to one device")
+    if args.also_widths:
+      widths = tuple(int(w) for w in args.also_widths.split(","))
+      t1 = time.perf_counter()
+      rw, out_w = run_jaxkv(model, prompts, news, widths=widths)
+      same = sum(a == b for a, b in zip(out_w, outputs["jaxkv"]))
+      rw.update(widths=list(widths), default_vs_these=rw["seconds"] / r["seconds"],
+                same_tokens_as_default=same)
+      results["jaxkv_widths"] = rw
+      print(f"jaxkv with widths {widths}: {rw['seconds']:.3f} s, {rw['steps']} steps, "
+            f"{rw['ms_per_step']:.3f} ms/step, steps per width {rw['width_steps']}; the default "
+            f"widths are {rw['default_vs_these']:.2f}x faster; {same}/{len(prompts)} outputs "
+            f"identical (with warm-up {time.perf_counter() - t1:.0f} s)")
     if args.paged:
       # The same weights (same seed and shapes) over paged storage of the same capacity.
       paged_cache = dataclasses.replace(cache, page_size=args.paged)

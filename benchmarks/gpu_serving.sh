@@ -22,6 +22,9 @@ for w in "${@:-decode uniform}"; do
     uniform2k) run e2e_uniform2k 240 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --out "$out/e2e_uniform2k.json";;
     kernels_fixed) run kernels_fixed 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_head_layouts.py tests/jaxkv/test_implementation_plan.py -k "shrinks or refuses or plan or warn";;
     mixed2k) run e2e_mixed2k 330 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;
+    mixed2k_widths) run e2e_mixed2k_widths 420 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-widths 2048,64 --out "$out/e2e_mixed2k_widths.json";;
+    uniform2k_widths) run e2e_uniform2k_widths 330 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --also-widths 2048,64 --out "$out/e2e_uniform2k_widths.json";;
+    levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;
     tp8b) run tp8b 480 python3 benchmarks/sharded.py --model --devices 2 --model-layers 32 --model-hidden 4096 --model-heads 32 --model-kv-heads 8 --model-head-dim 128 --model-intermediate 14336 --model-vocab 128256 --no-mesh-row;;
     levers) run step_levers 400 python3 benchmarks/step_levers.py;;

@@ -173,8 +173,10 @@ def main(argv=None) -> int:
       queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in reqs],
                                max_len=engine.max_len, max_stop=engine.max_stop)
       ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
-      text = engine._loop.lower(engine.params, ls,   # pylint: disable=protected-access
-                                jnp.int32(1)).compile().as_text()
+      # The loop `Engine.run` picked for these requests (greedy ones: no sampler cond).
+      greedy = all(serve.engine.plain_greedy(r.params) for r in reqs)
+      loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
+      text = loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text()
       os.makedirs(args.out, exist_ok=True)
       with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:
         f.write(text)

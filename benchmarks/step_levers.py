@@ -9,13 +9,13 @@ mean step time of one timed run.
 
 Variants:
 - `base`: the engine as shipped.
-- `no_sample_cond`: sampling is a bare argmax (the workload is greedy, so the
-  tokens are the same): measures the per-step `lax.cond` of `serve.sampling.sample_rows`,
-  a host synchronisation on GPU.
+- `sample_cond`: the engine serves the greedy queue with its general loop (the
+  sampler behind a `lax.cond`, as for a queue with any sampling request) instead
+  of its greedy loop: measures the cond's host synchronisation on GPU.
 - `no_splits`: the attention kernels never split a segment (`max_splits=1`), so
   the split merge (three XLA kernels per layer) is compiled out: measures the
   merge's cost on a workload that never splits.
-- `both`.
+- `both`: `sample_cond` and `no_splits`.
 
 Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/step_levers.py [--small]
 """
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
-from jaxkv.serve import loop as loop_module   # pylint: disable=wrong-import-position
+from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
 
 
@@ -52,13 +52,6 @@ def _patched(obj, name, value):
     setattr(obj, name, old)
 
 
-def _greedy_only(logits, p, keys, *, num_logprobs=0, **unused):   # pylint: disable=unused-argument
-  """`serve.sampling.sample_rows` without its `lax.cond`: argmax, no logprobs."""
-  s = logits.shape[0]
-  return (jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros((s,), jnp.float32),
-          jnp.zeros((s, num_logprobs), jnp.int32), jnp.zeros((s, num_logprobs), jnp.float32))
-
-
 def _no_split_default(*args, **kwargs):
   config = _DEFAULT(*args, **kwargs)
   return dataclasses.replace(config, max_splits=1, split_budget=0)
@@ -69,8 +62,8 @@ _DEFAULT = kernel_config.default_varlen_attention_config
 
 def _variant(name):
   stack = contextlib.ExitStack()
-  if name in ("no_sample_cond", "both"):
-    stack.enter_context(_patched(loop_module, "sample_rows", _greedy_only))
+  if name in ("sample_cond", "both"):
+    stack.enter_context(_patched(engine_module, "plain_greedy", lambda params: False))
   if name in ("no_splits", "both"):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
@@ -82,7 +75,7 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--small", action="store_true")
   p.add_argument("--new-tokens", type=int, default=256)
-  p.add_argument("--variants", default="base,no_sample_cond,no_splits,both")
+  p.add_argument("--variants", default="base,sample_cond,no_splits,both")
   args = p.parse_args(argv)
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
