@@ -16,6 +16,8 @@ Variants:
   the split merge (three XLA kernels per layer) is compiled out: measures the
   merge's cost on a workload that never splits.
 - `both`: `sample_cond` and `no_splits`.
+- `xla_epilogue`: the attention epilogue as XLA operations (`fused_combine=False`)
+  instead of the Mosaic GPU epilogue kernel (`combine_sm90`).
 
 Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/step_levers.py [--small]
 """
@@ -57,6 +59,10 @@ def _no_split_default(*args, **kwargs):
   return dataclasses.replace(config, max_splits=1, split_budget=0)
 
 
+def _xla_epilogue_default(*args, **kwargs):
+  return dataclasses.replace(_DEFAULT(*args, **kwargs), fused_combine=False)
+
+
 _DEFAULT = kernel_config.default_varlen_attention_config
 
 
@@ -67,6 +73,9 @@ def _variant(name):
   if name in ("no_splits", "both"):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
+  if name == "xla_epilogue":
+    stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
+                                 _xla_epilogue_default))
   return stack
 
 

@@ -37,6 +37,10 @@ class VarlenAttentionConfig:
     sort_items: hand out the items with the most K/V tiles first.
     max_programs: programs launched (over all KV heads); each loops over its
       share of the active items. A few waves of the SMs' program slots.
+    fused_combine: True runs the epilogue (each token's partial, or the merge of
+      its splits) as one Mosaic GPU kernel where it serves the head layout
+      (`combine_sm90.supported`); False, or a layout it does not serve, runs it
+      as XLA operations. Same results up to rounding.
     use_wgmma: True runs the production kernel (wgmma tensor-core matmuls on
       swizzled shared-memory tiles). False runs an otherwise identical variant
       whose matmuls are float32 `dot_general`s on plain tiles, which the Mosaic
@@ -53,12 +57,16 @@ class VarlenAttentionConfig:
   sort_items: bool = True
   max_programs: int = 1056
   use_wgmma: bool = True
+  fused_combine: bool = True
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "num_stages", "split_len", "max_splits",
                  "max_split_tokens", "max_programs"):
       value = getattr(self, name)
       _require(isinstance(value, int) and value >= 1, f"{name}={value!r} must be an int >= 1")
+    for name in ("sort_items", "use_wgmma", "fused_combine"):
+      _require(isinstance(getattr(self, name), bool),
+               f"{name}={getattr(self, name)!r} must be a bool")
     _require(isinstance(self.split_budget, int) and self.split_budget >= 0,
              f"split_budget={self.split_budget!r} must be an int >= 0")
     if self.use_wgmma:

@@ -16,8 +16,9 @@ items, longest first. Each item streams the K/V tiles of its key range (the
 segment's one or two ring row runs, see `indexing.run_tiling`) through a
 `num_stages`-deep TMA pipeline, keeps an online float32 softmax in registers,
 and writes its real rows of a normalized float32 partial output plus the
-log-sum-exp (base 2). A small XLA epilogue copies each token's partial back to
-`[T, H_q, D]` in q's dtype, merging the splits of split segments.
+log-sum-exp (base 2). The epilogue copies each token's partial back to
+`[T, H_q, D]` in q's dtype, merging the splits of split segments: one Mosaic GPU
+kernel (`combine_sm90`) where it serves the head layout, else XLA (`_combine`).
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
 K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
@@ -42,12 +43,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
 from pallas_kernels import _compat
+from pallas_kernels import combine_sm90
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
 from pallas_kernels.common import MASK_VALUE
 from pallas_kernels.common import SUPPORTED_KV_DTYPES
 from pallas_kernels.common import searchsorted_right
-from pallas_kernels.common import token_segment_index
 
 LOG2E = math.log2(math.e)
 ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
@@ -522,17 +523,9 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
   compacted and merged over their `max_splits` partials, then scattered back.
   """
   num_items, num_kv_heads, _, head_dim = o_part.shape
-  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-  # Padded rows have q_len 0 here (`_segment_plan`), so they are not real.
-  s = jnp.clip(token_segment_index(seg["q_start"], seg["q_len"] > 0, num_tokens), 0,
-               seg["q_start"].shape[0] - 1)
-  is_token = (tokens >= seg["q_start"][s]) & (tokens < seg["q_start"][s] + seg["q_len"][s])
+  is_token, item_base, splits, row_block = combine_sm90.token_items(
+      seg, num_tokens=num_tokens, group=group, block_q=block_q, num_items=num_items)
   tile_tokens = block_q // group                          # see `q_tile_rows`
-  local_token = tokens - seg["q_start"][s]
-  splits = seg["splits"][s]
-  item_base = seg["cu_items"][s] - seg["num_items"][s] + (local_token // tile_tokens) * splits
-  item_base = jnp.clip(item_base, 0, num_items - 1)
-  row_block = local_token % tile_tokens
   # The idle rows past the tile's whole tokens (when G does not divide block_q)
   # are dropped; the gathers below read every row through this view.
   tile_rows = tile_tokens * group
@@ -642,6 +635,10 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(items, qt, *kv_inputs)
+  if config.fused_combine and combine_sm90.supported(group=group, head_dim=head_dim):
+    return combine_sm90.combine_sm90(
+        o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
+        max_splits=config.max_splits, interpret=interpret).astype(q.dtype)
   return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
                   max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
                   out_dtype=q.dtype)

@@ -15,6 +15,7 @@ from kernel_cases import queries
 from kernel_cases import random_step
 from kernel_cases import resident_storage
 import pallas_kernels
+from pallas_kernels import combine_sm90
 
 requires_hopper = pytest.mark.skipif(
     not has_hopper_gpu(), reason="needs an NVIDIA Hopper GPU (compute capability >= 9.0) "
@@ -64,3 +65,11 @@ def check_family(family, rng, *, config, interpret):
       np.testing.assert_array_equal(np.asarray(none, np.float32), 0.0,
                                     err_msg=step.description)
 
+
+
+def attention_calls(group: int, head_dim: int, config=None) -> list[str]:
+  """The custom calls one lowered attention makes: the kernel, then the epilogue kernel
+  where `combine_sm90` serves the head layout (else the epilogue is XLA)."""
+  fused = (config is None or config.fused_combine) and combine_sm90.supported(
+      group=group, head_dim=head_dim)
+  return ["mosaic_gpu_v2"] * (2 if fused else 1)
