@@ -24,7 +24,7 @@ for w in "${@:-decode uniform}"; do
     mixed2k) run e2e_mixed2k 330 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;
     mixed2k_widths) run e2e_mixed2k_widths 420 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-widths 2048,64 --out "$out/e2e_mixed2k_widths.json";;
     uniform2k_widths) run e2e_uniform2k_widths 330 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --also-widths 2048,64 --out "$out/e2e_uniform2k_widths.json";;
-    levers_epilogue) run step_levers_epilogue 240 python3 benchmarks/step_levers.py --variants base,xla_epilogue,no_splits;;
+    levers_epilogue) run step_levers_epilogue 240 python3 benchmarks/step_levers.py --variants base,kernel_epilogue,no_splits;;
     combine_kernels) run combine_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_combine.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled or lowers";;
     levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;

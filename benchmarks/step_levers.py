@@ -16,8 +16,8 @@ Variants:
   the split merge (three XLA kernels per layer) is compiled out: measures the
   merge's cost on a workload that never splits.
 - `both`: `sample_cond` and `no_splits`.
-- `xla_epilogue`: the attention epilogue as XLA operations (`fused_combine=False`)
-  instead of the Mosaic GPU epilogue kernel (`combine_sm90`).
+- `kernel_epilogue`: the attention epilogue as the Mosaic GPU kernel
+  (`fused_combine=True`, `combine_sm90`) instead of XLA operations (the default).
 
 Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/step_levers.py [--small]
 """
@@ -59,8 +59,8 @@ def _no_split_default(*args, **kwargs):
   return dataclasses.replace(config, max_splits=1, split_budget=0)
 
 
-def _xla_epilogue_default(*args, **kwargs):
-  return dataclasses.replace(_DEFAULT(*args, **kwargs), fused_combine=False)
+def _kernel_epilogue_default(*args, **kwargs):
+  return dataclasses.replace(_DEFAULT(*args, **kwargs), fused_combine=True)
 
 
 _DEFAULT = kernel_config.default_varlen_attention_config
@@ -73,9 +73,9 @@ def _variant(name):
   if name in ("no_splits", "both"):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
-  if name == "xla_epilogue":
+  if name == "kernel_epilogue":
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
-                                 _xla_epilogue_default))
+                                 _kernel_epilogue_default))
   return stack
 
 

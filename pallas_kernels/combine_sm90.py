@@ -74,8 +74,9 @@ def _plan(lse_part, seg, *, num_tokens, group, block_q, max_splits):
   """`(weights float32[J, K, T' * G], info int32[3 * T' + blocks])` for `T'` padded tokens.
 
   `T'` rounds `num_tokens` up to whole blocks of `ROWS / G` tokens; the extra
-  tokens are padding (no split, weight 0). `info` holds each token's first item,
-  split count and row block, then each block's largest split count.
+  tokens are padding (no split, weight 0). `info` has a row per block: its
+  tokens' first items, split counts and row blocks, then the block's largest
+  split count (`[blocks, info_width]`; one TMA brings it into shared memory).
   """
   num_items, num_kv_heads, _ = lse_part.shape
   tokens_per_block = ROWS // group
@@ -97,23 +98,37 @@ def _plan(lse_part, seg, *, num_tokens, group, block_q, max_splits):
   weight = jnp.where(exists, jnp.exp2(lse - lse.max(axis=0, keepdims=True)), 0.0)
   total = weight.sum(axis=0, keepdims=True)
   weight = weight / jnp.where(total > 0, total, 1.0)
-  block_splits = splits.reshape(blocks, tokens_per_block).max(axis=1)
-  info = jnp.concatenate([item_base, splits, row_block, block_splits]).astype(jnp.int32)
-  return weight.reshape(max_splits, num_kv_heads, padded * group), info
+  by_block = lambda x: x.reshape(blocks, tokens_per_block)
+  info = jnp.concatenate([by_block(item_base), by_block(splits), by_block(row_block),
+                          by_block(splits).max(axis=1, keepdims=True)], axis=1)
+  info = jnp.pad(info, ((0, 0), (0, info_width(group) - info.shape[1])))
+  return weight.reshape(max_splits, num_kv_heads, padded * group), info.astype(jnp.int32)
+
+
+def info_width(group: int) -> int:
+  """Int32 fields of a block's row of the token table: 3 per token and the largest split
+  count, padded to whole 128-byte TMA units."""
+  fields = 3 * (ROWS // group) + 1
+  unit = _TMA_UNIT // 4
+  return -(-fields // unit) * unit
 
 
 def _combine_kernel(info_ref, weight_ref, o_ref,          # Inputs
                     out_ref,                              # Output
-                    o_smem, w_smem, out_smem, o_bars, w_bar,   # Scratch
-                    *, group, num_tokens, padded_tokens, use_layouts):
+                    info_smem, o_smem, w_smem, out_smem, info_bar, o_bars, w_bar,   # Scratch
+                    *, group, num_tokens, use_layouts):
   """Program (token block, KV head): `out[t, head * G + g] = sum_j w[j, row] * o_j[row]`."""
   block, head = lax.axis_index("block"), lax.axis_index("head")
   tokens_per_block = ROWS // group
   t0 = block * tokens_per_block
   rows = pl.ds(t0 * group, ROWS)
-  item_of = lambda t: info_ref[t]
-  splits_of = lambda t: info_ref[padded_tokens + t]
-  row_block_of = lambda t: info_ref[2 * padded_tokens + t]
+  # The block's token table in shared memory: its scalar reads are then short, where
+  # dependent reads from global memory would serialise ~1 us each.
+  plgpu.copy_gmem_to_smem(info_ref.at[block], info_smem, info_bar)
+  plgpu.barrier_wait(info_bar)
+  item_of = lambda i: info_smem[i]
+  splits_of = lambda i: info_smem[tokens_per_block + i]
+  row_block_of = lambda i: info_smem[2 * tokens_per_block + i]
   if use_layouts:
     layout = plgpu.Layout.WGMMA
     load = lambda ref: plgpu.load(ref, layout=layout)
@@ -133,14 +148,13 @@ def _combine_kernel(info_ref, weight_ref, o_ref,          # Inputs
     for first in range(0, tokens_per_block, num_bars):
       chunk = range(first, min(first + num_bars, tokens_per_block))
       for i in chunk:
-        @pl.when(j < splits_of(t0 + i))
+        @pl.when(j < splits_of(i))
         def _fetch(i=i):
-          t = t0 + i
-          src = o_ref.at[item_of(t) + j, head, pl.ds(row_block_of(t) * group, group)]
+          src = o_ref.at[item_of(i) + j, head, pl.ds(row_block_of(i) * group, group)]
           plgpu.copy_gmem_to_smem(src, o_smem.at[pl.ds(i * group, group)],
                                   o_bars.at[i - first])
       for i in chunk:
-        @pl.when(j < splits_of(t0 + i))
+        @pl.when(j < splits_of(i))
         def _wait(i=i):
           plgpu.barrier_wait(o_bars.at[i - first])
     plgpu.barrier_wait(w_bar)
@@ -150,7 +164,7 @@ def _combine_kernel(info_ref, weight_ref, o_ref,          # Inputs
   acc = jnp.zeros((ROWS, o_smem.shape[1]), jnp.float32)
   if use_layouts:
     acc = plgpu.layout_cast(acc, plgpu.Layout.WGMMA)
-  acc = lax.fori_loop(0, info_ref[3 * padded_tokens + block], round_, acc)
+  acc = lax.fori_loop(0, info_smem[3 * tokens_per_block], round_, acc)
   out_smem[...] = acc.astype(out_smem.dtype)
   plgpu.commit_smem()
   for i in range(tokens_per_block):
@@ -178,14 +192,15 @@ def combine_sm90(o_part, lse_part, seg, *, num_tokens, group, block_q, max_split
   tokens_per_block = ROWS // group
   blocks = -(-num_tokens // tokens_per_block)
   kernel = functools.partial(_combine_kernel, group=group, num_tokens=num_tokens,
-                             padded_tokens=blocks * tokens_per_block,
                              use_layouts=interpret is None)
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), jnp.float32),
-      scratch_types=[plgpu.SMEM((ROWS, head_dim), jnp.float32),
+      scratch_types=[plgpu.SMEM((info_width(group),), jnp.int32),
+                     plgpu.SMEM((ROWS, head_dim), jnp.float32),
                      plgpu.SMEM((ROWS,), jnp.float32),
                      plgpu.SMEM((ROWS, head_dim), jnp.float32),
+                     plgpu.Barrier(),
                      plgpu.Barrier(num_barriers=min(tokens_per_block, _MAX_BARRIERS)),
                      plgpu.Barrier()],
       grid=(blocks, num_kv_heads),

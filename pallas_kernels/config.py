@@ -39,8 +39,9 @@ class VarlenAttentionConfig:
       share of the active items. A few waves of the SMs' program slots.
     fused_combine: True runs the epilogue (each token's partial, or the merge of
       its splits) as one Mosaic GPU kernel where it serves the head layout
-      (`combine_sm90.supported`); False, or a layout it does not serve, runs it
-      as XLA operations. Same results up to rounding.
+      (`combine_sm90.supported`); False (the default: on H200 the kernel did not
+      shorten the e2e decode step, docs/PERFORMANCE.md), or a layout it does not
+      serve, runs it as XLA operations. Same results up to rounding.
     use_wgmma: True runs the production kernel (wgmma tensor-core matmuls on
       swizzled shared-memory tiles). False runs an otherwise identical variant
       whose matmuls are float32 `dot_general`s on plain tiles, which the Mosaic
@@ -57,7 +58,7 @@ class VarlenAttentionConfig:
   sort_items: bool = True
   max_programs: int = 1056
   use_wgmma: bool = True
-  fused_combine: bool = True
+  fused_combine: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "num_stages", "split_len", "max_splits",

@@ -613,12 +613,16 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   max_items = _cdiv(num_tokens * group, tile_rows) + num_tokens + config.split_budget
   items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)
-  # q rows as (token, group head) pairs per KV head, pre-scaled for exp2, padded
-  # so that every q tile's TMA stays inside the array.
+  # q rows as (token, group head) pairs per KV head, pre-scaled for exp2. The
+  # last q tile's TMA may read past the rows: the GPU zero-fills those rows (no
+  # copy), so only an array shorter than one tile is padded; the interpreter
+  # raises on such reads, so there every tile is padded in.
   qt = (q.astype(jnp.float32) * (scale * LOG2E)).astype(dtype)
   qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
   qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
-  qt = jnp.pad(qt, ((0, 0), (0, block_q), (0, 0)))
+  pad = block_q if interpret is not None else max(0, block_q - num_tokens * group)
+  if pad:
+    qt = jnp.pad(qt, ((0, 0), (0, pad), (0, 0)))
   transforms = _smem_transforms(config.use_wgmma, dtype, head_dim)
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(

@@ -69,7 +69,8 @@ def check_family(family, rng, *, config, interpret):
 
 def attention_calls(group: int, head_dim: int, config=None) -> list[str]:
   """The custom calls one lowered attention makes: the kernel, then the epilogue kernel
-  where `combine_sm90` serves the head layout (else the epilogue is XLA)."""
-  fused = (config is None or config.fused_combine) and combine_sm90.supported(
+  when the config asks for it (`fused_combine`, not the default) and `combine_sm90`
+  serves the head layout (else the epilogue is XLA)."""
+  fused = config is not None and config.fused_combine and combine_sm90.supported(
       group=group, head_dim=head_dim)
   return ["mosaic_gpu_v2"] * (2 if fused else 1)

@@ -1,9 +1,9 @@
-"""The attention epilogue kernel (`combine_sm90`) against the XLA epilogue and the reference.
+"""The attention epilogue kernel (`combine_sm90`, opt-in) against the XLA epilogue and the reference.
 
-The interpreter families of `test_varlen_attention.py` already run through the
-kernel wherever it serves the head layout (it is the default); these tests pin
-down which layouts it serves, that both epilogues give the same outputs on
-steps with splits and padding, and that the compiled path lowers to the two
+`VarlenAttentionConfig(fused_combine=True)` runs the epilogue as a Mosaic GPU
+kernel where it serves the head layout. These tests pin down which layouts it
+serves, that it matches the reference and the XLA epilogue on steps with
+splits, padding and owner blocks, and that the compiled path lowers to the two
 Mosaic GPU calls for the layouts it serves.
 """
 
@@ -30,7 +30,7 @@ from pallas_kernels import config as config_lib
 
 SPLITS = config_lib.VarlenAttentionConfig(
     block_q=8, block_k=8, num_stages=2, split_len=8, split_budget=3, max_splits=3,
-    max_split_tokens=4, sort_items=False, use_wgmma=False)
+    max_split_tokens=4, sort_items=False, use_wgmma=False, fused_combine=True)
 # G = 4 and 1 (a program of 16 and 64 tokens: two barrier chunks), head dims 64 and 32. fp16:
 # short histories give outputs near |2|, where one bf16 rounding of the output exceeds 1e-2.
 FAMILIES = [
