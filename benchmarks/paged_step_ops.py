@@ -1,0 +1,158 @@
+"""XLA work of one paged step against one column step, counted on CPU (a proxy for GPU launches).
+
+The paged engine's step costs more than the column step on the GPU (docs/PERFORMANCE.md,
+"Paged engine on the GPU"); the difference is XLA work only the paged step does: page
+bookkeeping in `prepare_step` and the pool-row lookup of the paged K/V write. This script
+counts that work without a GPU:
+
+- `prepare_step`, `commit_step` and `seq_rm` are jitted with the state donated and compiled
+  for the CPU, at an e2e-like shape (the realistic mix of `benchmarks/e2e.py --workload
+  mixed --max-write 2048 --paged 128`: 16 flat layers of 8 KV heads of 64, 64 sequences,
+  `W` 2048, capacity 131,072, pages of 128 rows). Only shapes are used: nothing is
+  allocated. Each compiled module's *kernels* are counted: the instructions of the entry
+  computation and of every while-loop body and condition, less the free ones (parameters,
+  constants, tuples, bitcasts); a fusion counts once. `[S]`, `[num_pages]` and `[S+1, M]`
+  count the kernels whose result has that many elements or more (the sizes of the
+  bookkeeping arrays: `S` sequences, `M` table slots per sequence).
+- The paged and the column K/V write are lowered for CUDA (Mosaic GPU checks the kernel
+  while lowering, on any machine) and the StableHLO ops outside the kernel call are
+  listed: what XLA runs around the write kernel.
+
+A CPU proxy: XLA:GPU fuses differently and the GPU time was measured separately (see
+docs/PERFORMANCE.md). Usage: PYTHONPATH=. python benchmarks/paged_step_ops.py [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+import pallas_kernels
+
+pure = jaxkv.pure
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "opt-barrier"}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\(")
+_CALLS = re.compile(r"(condition|body|to_apply)=%?([\w.\-]+)")
+
+
+def _computations(text: str) -> tuple[dict, str]:
+  """`({name: [(op, shape, line)]}, entry name)` of an HLO module's text."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(1)
+      comps[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    match = _INSTRUCTION.match(line)
+    if match and current is not None:
+      comps[current].append((match["op"], match["shape"], line))
+  return comps, entry
+
+
+def _elements(shape: str) -> int:
+  """The largest element count among the arrays of an HLO result shape."""
+  dims = [d for d in re.findall(r"\[([\d,]*)\]", shape)]
+  return max((int(np.prod([int(x) for x in d.split(",") if x] or [1])) for d in dims), default=1)
+
+
+def kernels(compiled_text: str) -> list[tuple[str, int, bool]]:
+  """`(op, elements, in_loop)` of every non-free instruction run outside fusions.
+
+  `in_loop`: inside a while loop's body or condition (run once per trip; the page-copy
+  loop of a paged `prepare_step` makes no trip unless a page is copied).
+  """
+  comps, entry = _computations(compiled_text)
+  out, todo, seen = [], [(entry, False)], set()
+  while todo:
+    name, in_loop = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for op, shape, line in comps[name]:
+      if op in ("while", "call"):   # loop bodies and conditions, called computations
+        todo.extend((n, in_loop or op == "while") for _, n in _CALLS.findall(line))
+      if op not in _FREE and op != "call":
+        out.append((op, _elements(shape), in_loop))
+  return out
+
+
+def summary(found, config) -> dict:
+  """Kernels run once per call (by result size), and kernels inside loops."""
+  s, m, pages = config.max_seqs, max(config.max_pages_per_seq, 1), max(config.num_pages, 1)
+  once = [(op, n) for op, n, in_loop in found if not in_loop]
+  ops = collections.Counter(op for op, _ in once)
+  out = {"kernels": len(once), f">=S={s}": sum(n >= s for _, n in once)}
+  if config.is_paged:
+    out[f">=num_pages={pages}"] = sum(n >= pages for _, n in once)
+    out[f">=(S+1)*M={(s + 1) * m}"] = sum(n >= (s + 1) * m for _, n in once)
+  out["ops"] = dict(sorted(ops.items()))
+  out["in_loops"] = sum(in_loop for _, _, in_loop in found)
+  return out
+
+
+def cache_config(*, page_size, small: bool):
+  layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 8, 64)
+  if small:
+    return jaxkv.CacheConfig([layer] * 2, capacity=4096, max_seqs=8, max_write=256,
+                             kv_dtype=jnp.bfloat16, initial_capacity=512, page_size=page_size)
+  return jaxkv.CacheConfig([layer] * 16, capacity=131_072, max_seqs=64, max_write=2048,
+                           kv_dtype=jnp.bfloat16, initial_capacity=2816, page_size=page_size)
+
+
+def verb_kernels(config, verb, *args) -> dict:
+  state = jax.eval_shape(lambda: jaxkv.init_state(config))
+  jitted = jax.jit(verb, static_argnums=0, donate_argnums=1)
+  return summary(kernels(jitted.lower(config, state, *args).compile().as_text()), config)
+
+
+def write_ops(config) -> dict:
+  """StableHLO ops around the Mosaic GPU write kernel, lowered for CUDA."""
+  layer = config.layers[0]
+  width = config.step_width
+  new = jax.ShapeDtypeStruct((width, layer.n_kv_heads, layer.head_dim), jnp.bfloat16)
+  ints = jax.ShapeDtypeStruct((width,), jnp.int32)
+  n = jax.ShapeDtypeStruct((), jnp.int32)
+  state = jax.eval_shape(lambda: jaxkv.init_state(config))
+  k = state.k[0]
+  if config.is_paged:
+    fn, extra = pallas_kernels.paged_kv_write, (state.page_table,)
+  else:
+    fn, extra = pallas_kernels.kv_write, ()
+  text = jax.jit(fn, donate_argnums=(0, 1)).trace(k, k, new, new, ints, ints, n, *extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  ops = re.findall(r"=\s*\"?(stablehlo\.[\w.]+|tpu\.\w+)", text)
+  calls = re.findall(r"custom_call @(\w+)", text)
+  return {"ops_outside_kernel": dict(collections.Counter(
+      op for op in ops if op not in ("stablehlo.custom_call",))), "kernel_calls": calls}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--small", action="store_true", help="a small shape (fast compile)")
+  args = parser.parse_args()
+  for page_size in (None, 128):
+    config = cache_config(page_size=page_size, small=args.small)
+    name = "columns" if page_size is None else f"pages of {page_size}"
+    print(f"== {name}: S={config.max_seqs} W={config.step_width} capacity={config.capacity}"
+          + (f" M={config.max_pages_per_seq} num_pages={config.num_pages}"
+             if config.is_paged else ""))
+    print("  prepare_step:", verb_kernels(config, pure.prepare_step))
+    print("  commit_step: ", verb_kernels(config, pure.commit_step))
+    print("  seq_rm:      ", verb_kernels(config, pure.seq_rm, jnp.int32(0)))
+    print("  K/V write:   ", write_ops(config))
+
+
+if __name__ == "__main__":
+  main()
