@@ -183,20 +183,28 @@ def step_slots(config: CacheConfig) -> int:
   return min(config.max_pages_per_seq, (config.step_width + 2 * p - 2) // p)
 
 
+_COMPARE_ELEMENTS = 1 << 22
+
+
 def _exclusive_counts(mask):
   """`int32[S, K]`: how many entries of `mask` come before each, in row-major order.
 
   A compare-and-sum (`[S, S]` and `[S, K, K]`), not `cumsum`: XLA lowers a
   cumsum to a chain of reduce-windows, several kernels on the GPU per call.
+  Within a row it falls back to `cumsum` when `[S, K, K]` would be large (tiny
+  pages under a wide step).
   """
   s, k = mask.shape
   counts = mask.sum(axis=1, dtype=jnp.int32)                                  # [S]
   rows = jnp.arange(s)
   before_row = jnp.where(rows[None, :] < rows[:, None], counts[None, :], 0).sum(
       axis=1, dtype=jnp.int32)
-  slots = jnp.arange(k)
-  in_row = (mask[:, None, :] & (slots[None, None, :] < slots[None, :, None])).sum(
-      axis=2, dtype=jnp.int32)
+  if s * k * k <= _COMPARE_ELEMENTS:
+    slots = jnp.arange(k)
+    in_row = (mask[:, None, :] & (slots[None, None, :] < slots[None, :, None])).sum(
+        axis=2, dtype=jnp.int32)
+  else:
+    in_row = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - mask.astype(jnp.int32)
   return before_row[:, None] + in_row
 
 

@@ -23,6 +23,7 @@ import pytest
 from drivers import check_page_invariants
 from drivers import floors
 import jaxkv
+from jaxkv import _pages
 from scenario_utils import Harness
 from scenario_utils import default_config
 
@@ -96,11 +97,22 @@ def random_ids(rng, live, room, width) -> list[int]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_verbs_match_the_whole_table_model(seed):
+  run_random_verbs(seed, small_config(), steps=60)
+
+
+def test_the_cumsum_rank_path_matches_the_model_too(monkeypatch):
+  """Wide windows rank their new pages with a cumsum instead of compare-and-sum; forced
+  here on a config of its own (so it is traced afresh with the lowered threshold)."""
+  monkeypatch.setattr(_pages, "_COMPARE_ELEMENTS", 0)
+  run_random_verbs(3, small_config(capacity=57), steps=40)
+
+
+def run_random_verbs(seed, config, *, steps):
   rng = np.random.default_rng(seed)
-  h = Harness(small_config(), driver="pure-poisoned")
+  h = Harness(config, driver="pure-poisoned")
   width, capacity = h.config.max_write, h.config.capacity
   seen = {"cow": 0, "multi": 0, "abandoned": 0}
-  for _ in range(60):
+  for _ in range(steps):
     state = h.cache.state
     live = [int(c) for c in np.nonzero(np.asarray(state.live))[0]]
     room = capacity - int(np.asarray(state.held))
@@ -207,3 +219,17 @@ def test_prepare_step_touches_no_whole_page_table():
       pool_scans.append(line.strip()[:120])
   assert len(big) == 1 and "scatter" in big[0], big
   assert not pool_scans, pool_scans
+
+
+def test_a_one_row_page_step_takes_a_page_per_token():
+  """Pages of one row under W = 8 (the window is then W + 1 slots wide): every token of a
+  step takes its own page, lowest first, as the whole-table model says."""
+  h = Harness(small_config(page_size=1, capacity=24), driver="pure-poisoned")
+  a, b = h.new(), h.new()
+  prepare_checked(h, [a] * 5 + [b] * 3)
+  h.step([a] * 5 + [b] * 3)
+  b2 = h.clone(b, 2)
+  assert h.rewind(b, 1)
+  prepare_checked(h, [b, b, b2, a])
+  h.step([b, b, b2, a])
+  check_page_invariants(h.config, h.cache.state)
