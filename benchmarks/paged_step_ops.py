@@ -11,9 +11,10 @@ counts that work without a GPU:
   `W` 2048, capacity 131,072, pages of 128 rows). Only shapes are used: nothing is
   allocated. Each compiled module's *kernels* are counted: the instructions of the entry
   computation and of every while-loop body and condition, less the free ones (parameters,
-  constants, tuples, bitcasts); a fusion counts once. `[S]`, `[num_pages]` and `[S+1, M]`
-  count the kernels whose result has that many elements or more (the sizes of the
-  bookkeeping arrays: `S` sequences, `M` table slots per sequence).
+  constants, tuples, bitcasts); a fusion counts once. Kernels inside loops (the page-copy
+  loop, which makes no trip unless a page is copied) are counted apart. `[num_pages]` and
+  `table-shaped` count the kernels whose result is the pool's page count or the page table
+  (`[S + 1, M]` or `[S, M]`: `S` sequences, `M` table slots per sequence).
 - The paged and the column K/V write are lowered for CUDA (Mosaic GPU checks the kernel
   while lowering, on any machine) and the StableHLO ops outside the kernel call are
   listed: what XLA runs around the write kernel.
@@ -61,14 +62,14 @@ def _computations(text: str) -> tuple[dict, str]:
   return comps, entry
 
 
-def _elements(shape: str) -> int:
-  """The largest element count among the arrays of an HLO result shape."""
-  dims = [d for d in re.findall(r"\[([\d,]*)\]", shape)]
-  return max((int(np.prod([int(x) for x in d.split(",") if x] or [1])) for d in dims), default=1)
+def _dims(shape: str) -> tuple[int, ...]:
+  """The dimensions of an HLO result shape's first array (`()` for a scalar or a tuple)."""
+  match = re.match(r"\w+\[([\d,]*)\]", shape.strip())
+  return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
 
 
-def kernels(compiled_text: str) -> list[tuple[str, int, bool]]:
-  """`(op, elements, in_loop)` of every non-free instruction run outside fusions.
+def kernels(compiled_text: str) -> list[tuple[str, tuple, bool]]:
+  """`(op, result dims, in_loop)` of every non-free instruction run outside fusions.
 
   `in_loop`: inside a while loop's body or condition (run once per trip; the page-copy
   loop of a paged `prepare_step` makes no trip unless a page is copied).
@@ -84,20 +85,21 @@ def kernels(compiled_text: str) -> list[tuple[str, int, bool]]:
       if op in ("while", "call"):   # loop bodies and conditions, called computations
         todo.extend((n, in_loop or op == "while") for _, n in _CALLS.findall(line))
       if op not in _FREE and op != "call":
-        out.append((op, _elements(shape), in_loop))
+        out.append((op, _dims(shape), in_loop))
   return out
 
 
 def summary(found, config) -> dict:
-  """Kernels run once per call (by result size), and kernels inside loops."""
-  s, m, pages = config.max_seqs, max(config.max_pages_per_seq, 1), max(config.num_pages, 1)
-  once = [(op, n) for op, n, in_loop in found if not in_loop]
-  ops = collections.Counter(op for op, _ in once)
-  out = {"kernels": len(once), f">=S={s}": sum(n >= s for _, n in once)}
+  """Kernels run once per call, how many have a `[num_pages]` or table-shaped result, and
+  how many sit inside loops (run once per trip)."""
+  once = [(op, dims) for op, dims, in_loop in found if not in_loop]
+  out = {"kernels": len(once)}
   if config.is_paged:
-    out[f">=num_pages={pages}"] = sum(n >= pages for _, n in once)
-    out[f">=(S+1)*M={(s + 1) * m}"] = sum(n >= (s + 1) * m for _, n in once)
-  out["ops"] = dict(sorted(ops.items()))
+    table = {(config.max_seqs + 1, config.max_pages_per_seq),
+             (config.max_seqs, config.max_pages_per_seq)}
+    out["[num_pages]"] = sum(dims == (config.num_pages,) for _, dims in once)
+    out["table-shaped"] = sum(dims in table for _, dims in once)
+  out["ops"] = dict(sorted(collections.Counter(op for op, _ in once).items()))
   out["in_loops"] = sum(in_loop for _, _, in_loop in found)
   return out
 
@@ -142,16 +144,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true", help="a small shape (fast compile)")
   args = parser.parse_args()
+  counts = {}
   for page_size in (None, 128):
     config = cache_config(page_size=page_size, small=args.small)
     name = "columns" if page_size is None else f"pages of {page_size}"
     print(f"== {name}: S={config.max_seqs} W={config.step_width} capacity={config.capacity}"
           + (f" M={config.max_pages_per_seq} num_pages={config.num_pages}"
              if config.is_paged else ""))
-    print("  prepare_step:", verb_kernels(config, pure.prepare_step))
-    print("  commit_step: ", verb_kernels(config, pure.commit_step))
-    print("  seq_rm:      ", verb_kernels(config, pure.seq_rm, jnp.int32(0)))
-    print("  K/V write:   ", write_ops(config))
+    for verb, args_ in (("prepare_step", ()), ("commit_step", ()), ("seq_rm", (jnp.int32(0),))):
+      result = verb_kernels(config, getattr(pure, verb), *args_)
+      counts[page_size, verb] = result["kernels"]
+      print(f"  {verb + ':':14}", result)
+    print(f"  {'K/V write:':14}", write_ops(config))
+  print("== paged - columns, kernels per call (outside loops):",
+        {verb: counts[128, verb] - counts[None, verb]
+         for verb in ("prepare_step", "commit_step", "seq_rm")})
 
 
 if __name__ == "__main__":

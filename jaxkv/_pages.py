@@ -94,14 +94,6 @@ def copy_pages(config: CacheConfig, pools, src, dst, count):
   return jax.lax.fori_loop(0, count, body, tuple(pools))
 
 
-def compact(mask, values, fill):
-  """`(values where mask, packed first, count)`: `values[mask]` padded to a static size."""
-  index = jnp.nonzero(mask, size=mask.shape[0], fill_value=0)[0]
-  count = mask.sum(dtype=jnp.int32)
-  packed = jnp.where(jnp.arange(mask.shape[0]) < count, values[index], fill)
-  return packed.astype(jnp.int32), count
-
-
 # --------------------------------------------------------------------------- per verb
 
 
