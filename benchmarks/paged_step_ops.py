@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 
 import jax
@@ -140,9 +141,51 @@ def write_ops(config) -> dict:
       op for op in ops if op not in ("stablehlo.custom_call",))), "kernel_calls": calls}
 
 
+def _while_loops(compiled_text: str) -> list[tuple[int, int]]:
+  """`(body kernels, condition kernels)` of every while loop, nested loops not included."""
+  comps, _ = _computations(compiled_text)
+  count = lambda name: sum(op not in _FREE and op != "call" for op, _, _ in comps.get(name, []))
+  loops = []
+  for instructions in comps.values():
+    for op, _, line in instructions:
+      if op == "while":
+        called = dict(_CALLS.findall(line))
+        loops.append((count(called["body"]), count(called["condition"])))
+  return loops
+
+
+def serving_step_kernels(page_size, *, small: bool) -> tuple[int, int]:
+  """`(body, condition)` kernels of the serving loop's widest step loop, for a tiny model.
+
+  The step loop is the while loop with the largest body (it holds the model); the
+  model (2 Llama layers of width 32) is the same for both storages, so the difference
+  is the storage's per-step work: its verbs, its K/V writes and its loop checks.
+  """
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
+  model_config = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+  s, w, capacity = (8, 64, 1024) if small else (64, 2048, 131_072)
+  cache = model_config.cache_config(capacity=capacity, max_seqs=s, max_write=w,
+                                    initial_capacity=2816 if not small else 256)
+  model = Decoder(model_config, dataclasses.replace(cache, page_size=page_size),
+                  rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  widths = (w, min(w, 64))
+  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=64,
+                           max_stop=4)
+  ls = serve.init_loop_state(model.cache_config, queue, num_widths=len(widths))
+  text = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+      graphdef, model.cache_config, widths, params, ls, jnp.int32(8)).compile().as_text()
+  return max(_while_loops(text))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--small", action="store_true", help="a small shape (fast compile)")
+  parser.add_argument("--serving", action="store_true",
+                      help="also compile the serving loop with a tiny model (slow)")
   args = parser.parse_args()
   counts = {}
   for page_size in (None, 128):
@@ -156,6 +199,11 @@ def main():
       counts[page_size, verb] = result["kernels"]
       print(f"  {verb + ':':14}", result)
     print(f"  {'K/V write:':14}", write_ops(config))
+  if args.serving:
+    for page_size in (None, 128):
+      body, cond = serving_step_kernels(page_size, small=args.small)
+      name = "columns" if page_size is None else f"pages of {page_size}"
+      print(f"== serving loop, {name}: widest step loop body {body} kernels, condition {cond}")
   print("== paged - columns, kernels per call (outside loops):",
         {verb: counts[128, verb] - counts[None, verb]
          for verb in ("prepare_step", "commit_step", "seq_rm")})
