@@ -42,7 +42,8 @@ pure = jaxkv.pure
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "opt-barrier"}
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\(")
+_INSTRUCTION = re.compile(
+    r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\(")
 _CALLS = re.compile(r"(condition|body|to_apply)=%?([\w.\-]+)")
 
 

@@ -165,11 +165,13 @@ def fitted_pages(config: CacheConfig, state: CacheState, extents) -> dict:
 def step_slots(config: CacheConfig) -> int:
   """`K`: table slots from a column's first write slot `pos // P` that a step may change.
 
-  A step adds at most `W` positions to a column, so the column holds slots below
-  `ceil((pos + W) / P) <= pos // P + ceil((P - 1 + W) / P)` once it is prepared,
-  and every verb that ends a step trims every column to `ceil(pos / P)` slots;
-  slots below `pos // P` hold full pages the step keeps. Hence every slot a
-  prepare takes, releases or copies lies in `[pos // P, pos // P + K)`.
+  No verb leaves a column holding a slot at or past `ceil((pos + W) / P)`
+  (CONTRACT §3.1): a prepared or committed step adds at most `W` positions past
+  `pos` (owner-block tokens included), and `seq_clone`, `rewind` and `seq_rm`
+  trim every column to `ceil(pos / P)` slots. That bound, and the step's own
+  end, are at most `pos // P + ceil((P - 1 + W) / P)`; slots below `pos // P`
+  hold full pages the step keeps. Hence every slot a prepare takes, releases
+  or copies lies in `[pos // P, pos // P + K)`.
   """
   p = config.page_size
   return min(config.max_pages_per_seq, (config.step_width + 2 * p - 2) // p)
