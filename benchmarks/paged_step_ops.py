@@ -5,7 +5,7 @@ The paged engine's step costs more than the column step on the GPU (docs/PERFORM
 bookkeeping in `prepare_step` and the pool-row lookup of the paged K/V write. This script
 counts that work without a GPU:
 
-- `prepare_step`, `commit_step` and `seq_rm` are jitted with the state donated and compiled
+- `prepare_step`, `commit_step`, `seq_rm` and `seq_clone` are jitted with the state donated and compiled
   for the CPU, at an e2e-like shape (the realistic mix of `benchmarks/e2e.py --workload
   mixed --max-write 2048 --paged 128`: 16 flat layers of 8 KV heads of 64, 64 sequences,
   `W` 2048, capacity 131,072, pages of 128 rows). Only shapes are used: nothing is
@@ -195,7 +195,8 @@ def main():
     print(f"== {name}: S={config.max_seqs} W={config.step_width} capacity={config.capacity}"
           + (f" M={config.max_pages_per_seq} num_pages={config.num_pages}"
              if config.is_paged else ""))
-    for verb, args_ in (("prepare_step", ()), ("commit_step", ()), ("seq_rm", (jnp.int32(0),))):
+    for verb, args_ in (("prepare_step", ()), ("commit_step", ()), ("seq_rm", (jnp.int32(0),)),
+                        ("seq_clone", (jnp.int32(0), jnp.int32(5)))):
       result = verb_kernels(config, getattr(pure, verb), *args_)
       counts[page_size, verb] = result["kernels"]
       print(f"  {verb + ':':14}", result)
@@ -207,7 +208,7 @@ def main():
       print(f"== serving loop, {name}: widest step loop body {body} kernels, condition {cond}")
   print("== paged - columns, kernels per call (outside loops):",
         {verb: counts[128, verb] - counts[None, verb]
-         for verb in ("prepare_step", "commit_step", "seq_rm")})
+         for verb in ("prepare_step", "commit_step", "seq_rm", "seq_clone")})
 
 
 if __name__ == "__main__":

@@ -33,40 +33,6 @@ def pages_for(config: CacheConfig, extent):
   return (extent + config.page_size - 1) // config.page_size
 
 
-def fit(config: CacheConfig, table, refs, extents):
-  """Makes every column hold exactly the pages covering `[0, extents[c])`.
-
-  Entries past a column's extent are released (count - 1); missing entries get
-  free pages, lowest page first, in row-major order of the table. A pass over
-  the whole table and pool: `seq_clone` uses it; a step uses `plan_step_pages`.
-
-  Args:
-    table: `int32[max_seqs + 1, M]`; refs: `int32[num_pages]`.
-    extents: `int32[max_seqs]`; 0 for a column that should hold nothing.
-
-  Returns:
-    `(table, refs, enough)`: `enough` is False when the free pages ran out (the
-    pool size makes that impossible for states the verbs produce; a caller
-    refuses then and keeps its old table and refs).
-  """
-  scratch, num_pages = config.scratch_page, config.num_pages
-  body = table[:config.max_seqs]
-  slots = jnp.arange(config.max_pages_per_seq, dtype=jnp.int32)
-  want = slots[None, :] < pages_for(config, extents)[:, None]
-  held = body != scratch
-  release = held & ~want
-  refs = refs.at[jnp.where(release, body, num_pages)].add(-1, mode="drop")
-  body = jnp.where(release, scratch, body)
-  take = want & (body == scratch)
-  free = (refs == 0).at[scratch].set(False)
-  free_list = jnp.nonzero(free, size=num_pages, fill_value=scratch)[0].astype(jnp.int32)
-  rank = jnp.cumsum(take.reshape(-1), dtype=jnp.int32).reshape(take.shape) - 1
-  body = jnp.where(take, free_list[jnp.clip(rank, 0, num_pages - 1)], body)
-  refs = refs.at[jnp.where(take, body, num_pages)].add(1, mode="drop")
-  enough = take.sum(dtype=jnp.int32) <= free.sum(dtype=jnp.int32)
-  return table.at[:config.max_seqs].set(body), refs, enough
-
-
 def share_prefix(config: CacheConfig, table, refs, src, dst, keep):
   """Column `dst` (holding nothing) shares `src`'s full pages below `keep`."""
   slots = jnp.arange(config.max_pages_per_seq, dtype=jnp.int32)
@@ -128,10 +94,17 @@ def clone_pages(config: CacheConfig, state: CacheState, src_col, dst, keep):
   live_pos = committed_extents(state)
   table, refs = release_past(config, state.page_table, state.page_refs, live_pos)
   table, refs = share_prefix(config, table, refs, src_col, dst, keep)
-  table, refs, enough = fit(config, table, refs, live_pos.at[dst].set(keep))
+  # The one page a clone takes, the lowest free one: a first-true search of the
+  # pool, not a pass that fits the whole table.
   slot = jnp.minimum(keep // config.page_size, config.max_pages_per_seq - 1)
-  copies = (keep % config.page_size != 0).astype(jnp.int32)
-  partial = (table[src_col, slot][None], table[dst, slot][None], copies)
+  is_partial = keep % config.page_size != 0
+  pages = jnp.arange(config.num_pages, dtype=jnp.int32)
+  free = (refs == 0) & (pages != config.scratch_page)
+  page = jnp.argmax(free).astype(jnp.int32)
+  enough = ~is_partial | jnp.any(free)
+  table = table.at[dst, slot].set(jnp.where(is_partial, page, table[dst, slot]))
+  refs = refs.at[jnp.where(is_partial, page, config.num_pages)].add(1, mode="drop")
+  partial = (table[src_col, slot][None], table[dst, slot][None], is_partial.astype(jnp.int32))
   return dict(page_table=table, page_refs=refs), enough, partial
 
 
