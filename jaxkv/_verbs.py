@@ -71,7 +71,9 @@ def _first_failure(checks):
 
 def _select_control(ok, new: CacheState, old: CacheState) -> CacheState:
   """`new` where `ok`, else `old`, for the control values only (K/V from `new`)."""
-  chosen = {name: jax.tree.map(lambda a, b: jnp.where(ok, a, b),
+  # A field the verb left as it was (the same array) needs no select: on the page
+  # table that would be a whole-table op in every verb that keeps it.
+  chosen = {name: jax.tree.map(lambda a, b: b if a is b else jnp.where(ok, a, b),
                                getattr(new, name), getattr(old, name))
             for name in _CONTROL_FIELDS}
   return dataclasses.replace(new, **chosen)
@@ -317,9 +319,12 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   too_few_rows = config.has_flat & (needed > flat_rows(config, state))
   step = _plan.build_step(config, state.decl_ids, state.decl_block, state.decl_n, derived)
   ends = jnp.where(is_real, derived + 1, 0)
-  pages, enough = {}, True
+  # One scatter gives each column's step end, for `hw` and for the pages.
+  step_ends = jnp.zeros_like(state.hw).at[step.seq_cols].max(ends, mode="drop")
+  plan, enough = None, True
   if config.is_paged:
-    pages, enough, copies = _pages.prepare_pages(config, state, step.seq_cols, ends)
+    plan = _pages.plan_step_pages(config, state, step_ends)
+    enough = plan["enough"]
   status = _first_failure([
       (~(is_declared | is_prepared), Status.NO_DECLARATION),
       (~jnp.asarray(positions_ok), Status.BAD_POSITIONS),
@@ -328,14 +333,19 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   ])
   ok = (status == Status.OK) & is_declared
   k, v = state.k, state.v
+  pages = {}
   if config.is_paged:
+    # The page fields get the verdict here (nothing applied on refusal), so the
+    # selection below need not touch the whole table.
+    pages = _pages.apply_step_pages(config, state, plan, ok)
     # Copy on write: shared first pages are copied before the step writes them.
-    k, v = _pages.copy_pool_pages(config, state, *copies[:2], jnp.where(ok, copies[2], 0))
+    src, dst, count = _pages.step_copies(config, plan)
+    k, v = _pages.copy_pool_pages(config, state, src, dst, jnp.where(ok, count, 0))
   new = dataclasses.replace(
       state, k=k, v=v, step=step, phase=_i32(Phase.PREPARED),
       attended=_no_layer_attended(config),
-      hw=state.hw.at[step.seq_cols].max(ends, mode="drop"), **pages)
-  return _select_control(ok, new, state), status
+      hw=jnp.maximum(state.hw, step_ends))
+  return dataclasses.replace(_select_control(ok, new, state), **pages), status
 
 
 def run_narrow(config: CacheConfig, state: CacheState, width: int, fn):

@@ -30,14 +30,22 @@ _TMA_MAX_BOX = 256
 def _kv_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,  # Inputs
                      k_cache_ref, v_cache_ref,   # Inputs, written in place (Refs)
                      k_smem, v_smem, k_bar, v_bar,   # Scratch
-                     *, block_heads):
-  """Grid axes "token" and "heads" (blocks of `block_heads` KV heads)."""
+                     *, block_heads, address=None):
+  """Grid axes "token" and "heads" (blocks of `block_heads` KV heads).
+
+  `address(token) -> (row, col)` gives a real token's cache row and column from
+  scalar reads; the default reads `rows_ref` and `seq_cols_ref`. The paged write
+  (`paged_sm90`) passes one that looks the row up in the page table instead,
+  so both layouts share this body.
+  """
+  if address is None:
+    address = lambda token: (rows_ref[token], seq_cols_ref[token])
   token = lax.axis_index("token")
   heads = pl.ds(lax.axis_index("heads") * block_heads, block_heads)
 
   @pl.when(token < n_tokens_ref[0])
   def _write():
-    row, col = rows_ref[token], seq_cols_ref[token]
+    row, col = address(token)
     plgpu.copy_gmem_to_smem(k_new_ref.at[token, heads], k_smem, k_bar)
     plgpu.copy_gmem_to_smem(v_new_ref.at[token, heads], v_smem, v_bar)
     plgpu.barrier_wait(k_bar)
@@ -72,9 +80,13 @@ def check_request(k_cache, *, config=None) -> int:
   return block_heads
 
 
-@functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
-def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block_heads,
-              interpret):
+def run_write(kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, extra=(), *,
+              block_heads, interpret):
+  """Runs a write kernel with this file's anatomy; call it under `jax.jit`.
+
+  `kernel` takes `_kv_write_kernel`'s refs with the `extra` int32 inputs between
+  `v_new_ref` and the caches (`block_heads` is bound here).
+  """
   num_tokens, num_kv_heads, head_dim = k_new.shape
   dtype = k_cache.dtype
   # The cast (round to nearest even, like the reference's astype) is a tiny XLA
@@ -84,7 +96,7 @@ def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block
   k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
   v_ref = jax.new_ref(v_cache, memory_space=plgpu.GMEM)
   plgpu.kernel(
-      functools.partial(_kv_write_kernel, block_heads=block_heads),
+      functools.partial(kernel, block_heads=block_heads),
       out_type=(),
       scratch_types=[plgpu.SMEM((block_heads, head_dim), dtype),
                      plgpu.SMEM((block_heads, head_dim), dtype),
@@ -92,9 +104,16 @@ def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block
       grid=(num_tokens, num_kv_heads // block_heads),
       grid_names=("token", "heads"),
       interpret=interpret,
-  )(seq_cols, rows, jnp.reshape(n_tokens, (1,)).astype(jnp.int32), k_new, v_new, k_ref,
+  )(seq_cols, rows, jnp.reshape(n_tokens, (1,)).astype(jnp.int32), k_new, v_new, *extra, k_ref,
     v_ref)
   return jax.freeze(k_ref), jax.freeze(v_ref)
+
+
+@functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
+def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block_heads,
+              interpret):
+  return run_write(_kv_write_kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens,
+                   block_heads=block_heads, interpret=interpret)
 
 
 def kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,

@@ -9,9 +9,10 @@ of "column 0" is offset `o` of `page`. Nothing of K/V is gathered or copied.
   entries per column); only each tile's load address is looked up in the page
   table inside the kernel (`address` below). `P` must be a multiple of the K/V
   tile `block_k`, so a tile never straddles two pages.
-- The write runs `kv_write_sm90`'s kernel with each token's pool row computed
-  from the page table by a `[T]` gather of int32 indices (`indexing.page_address`):
-  only the step's new rows move, in place when the pool is donated.
+- The write runs `kv_write_sm90`'s kernel body unchanged; each real token's
+  pool row is looked up in the page table inside the kernel from scalar reads
+  (`_paged_write_kernel`), so XLA runs nothing before it: only the step's new
+  rows move, in place when the pool is donated.
 
 The page table names pages the caller's bookkeeping owns; rows past a read
 range, free pages and the scratch page may hold NaN and are never read.
@@ -29,7 +30,6 @@ from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
 from pallas_kernels import kv_write_sm90
 from pallas_kernels import varlen_attention_sm90 as column
-from pallas_kernels.indexing import page_address
 
 _div = column._div   # pylint: disable=protected-access
 
@@ -80,6 +80,17 @@ def check_request(q, k_pool, *, config=None, interpret=False):
   return column.check_request(q, view, config=config, interpret=interpret)
 
 
+def _page_row(table_ref, col, row, *, page_size, pages_per_col):
+  """Pool-view row of logical `row` of column `col`: `page * P + row % P`, from scalar reads.
+
+  The slot is clamped into the table (as `indexing.page_address` does), so a lookup
+  stays inside the table for any row.
+  """
+  slot = jnp.minimum(_div(row, page_size), pages_per_col - 1)
+  page = table_ref[col * pages_per_col + slot]
+  return page * page_size + (row - slot * page_size)
+
+
 def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
                   o_ref, lse_ref,                             # Outputs
                   q_smem, q_bar,                              # Scratch
@@ -93,9 +104,7 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
 
   def address(col, row):
     # Clamped: a lookup issued early for an empty item must stay inside the table.
-    slot = jnp.minimum(_div(row, page_size), pages_per_col - 1)
-    page = table_ref[col * pages_per_col + slot]
-    return page * page_size + (row - slot * page_size), 0
+    return _page_row(table_ref, col, row, page_size=page_size, pages_per_col=pages_per_col), 0
 
   column._attention_kernel(   # pylint: disable=protected-access
       items_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, address=address,
@@ -162,22 +171,52 @@ def check_write_request(k_pool, *, config=None) -> None:
       config=config)
 
 
+def _paged_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,  # Inputs
+                        table_ref,                                                   # Inputs
+                        k_ref, v_ref,            # Inputs, written in place (Refs)
+                        *scratch, page_size, pages_per_col, block_heads):
+  """`kv_write_sm90._kv_write_kernel` with each token's row looked up in the page table.
+
+  `table_ref` is the page table flattened to `[C * M]` int32; the pools are
+  viewed as one column of rows (`pool_view`), so every token writes column 0.
+  """
+
+  def address(token):
+    row = _page_row(table_ref, seq_cols_ref[token], rows_ref[token], page_size=page_size,
+                    pages_per_col=pages_per_col)
+    return row, 0
+
+  kv_write_sm90._kv_write_kernel(   # pylint: disable=protected-access
+      seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref, k_ref, v_ref, *scratch,
+      block_heads=block_heads, address=address)
+
+
+@functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
+def _paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
+                    block_heads, interpret):
+  page_size, pages_per_col = k_pool.shape[1], page_table.shape[1]
+  kernel = functools.partial(_paged_write_kernel, page_size=page_size,
+                             pages_per_col=pages_per_col)
+  k_view, v_view = kv_write_sm90.run_write(
+      kernel, pool_view(k_pool), pool_view(v_pool), k_new, v_new, seq_cols, rows, n_tokens,
+      (page_table.reshape(-1),), block_heads=block_heads, interpret=interpret)
+  return k_view.reshape(k_pool.shape), v_view.reshape(v_pool.shape)
+
+
 def paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
                         config=None, interpret=False):
   """`paged_kv_write_reference` on the Mosaic GPU write kernel, in place when donated.
 
-  Each token's pool row `page * P + offset` comes from the page table (int32
-  index math on `[T]` values); the kernel then moves only the new K/V rows, and
-  skips padding tokens (`t >= n_tokens`), so no page is written but the
-  step's own.
+  The kernel looks each real token's pool row `page * P + offset` up in the page
+  table itself (no XLA work before it), moves only the new K/V rows, and skips
+  padding tokens (`t >= n_tokens`), so no page is written but the step's own.
 
   Raises:
     NotImplementedError: a dtype or head geometry TMA cannot move.
   """
-  page_size = k_pool.shape[1]
-  page, offset = page_address(page_table, seq_cols, rows, page_size)
-  k_view, v_view = kv_write_sm90.kv_write_sm90(
-      pool_view(k_pool), pool_view(v_pool), k_new, v_new, jnp.zeros_like(seq_cols),
-      page * page_size + offset, n_tokens, config=config, interpret=interpret)
-  return k_view.reshape(k_pool.shape), v_view.reshape(v_pool.shape)
-
+  view = jax.ShapeDtypeStruct((k_pool.shape[0] * k_pool.shape[1], 1) + tuple(k_pool.shape[2:]),
+                              k_pool.dtype)
+  block_heads = kv_write_sm90.check_request(view, config=config)
+  return _paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows,
+                         jnp.asarray(n_tokens, jnp.int32), page_table, block_heads=block_heads,
+                         interpret=_compat.resolve_interpret(interpret))

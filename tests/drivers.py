@@ -157,7 +157,8 @@ def check_page_invariants(config, state) -> None:
   page; `page_refs[p]` is the number of live-column entries holding `p` (the sum
   of the counts is the number of entries held); a page shared by a column lies
   at or below its first write slot `pos // page_size` (so copy on write only
-  ever concerns that page); the pages in use fit the pool.
+  ever concerns that page); no column holds a slot past `ceil((pos + W) / P)`;
+  the pages in use fit the pool.
   """
   if config.page_size is None:
     assert state.page_table is None and state.page_refs is None
@@ -178,6 +179,10 @@ def check_page_invariants(config, state) -> None:
     n = int(held.sum())
     assert held[:n].all() and not held[n:].any(), f"column {c} holds no prefix: {row}"
     assert n * size >= pos[c], f"column {c}: {n} pages cannot hold pos {pos[c]}"
+    # A step adds at most W positions, and every verb that ends one trims to `pos`: so no
+    # column holds a slot past its pos plus one step (prepare_step only looks that far).
+    assert n <= -(-(int(pos[c]) + config.max_write) // size), (
+        f"column {c} holds {n} pages, past pos {pos[c]} + W {config.max_write}")
     assert len(set(row[:n].tolist())) == n, f"column {c} holds a page twice: {row}"
     np.add.at(counts, row[:n], 1)
   assert refs[scratch] == 0 and np.array_equal(refs, counts), f"refs {refs} != {counts}"

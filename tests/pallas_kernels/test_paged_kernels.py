@@ -205,6 +205,55 @@ def test_compiled_paged_write_matches_references(family, page_size, rng):
   check_write(family, page_size, rng, interpret=False)
 
 
+@pytest.mark.parametrize("page_size", [4, 3], ids=["p4-shift", "p3-divide"])
+def test_interpreted_paged_write_looks_each_page_up_in_the_kernel(page_size, rng):
+  """Tokens of three columns span several pages each (a wide prefill crossing two page
+  boundaries, decodes at page starts and ends); padding tokens name real, held rows and
+  carry NaN. Checked against a NumPy oracle of the addressing (row `r` of column `c` at
+  `pool[table[c, r // P], r % P]`): real rows written bitwise, every other pool row,
+  the NaN-poisoned free pages included, unchanged."""
+  cols, slots, heads, dim = 3, 4, 2, 16
+  num_pages = cols * slots + 3
+  table = np.full((cols + 1, slots), num_pages - 1, np.int32)
+  table[:cols] = rng.permutation(num_pages - 1)[:cols * slots].reshape(cols, slots)
+  held = np.unique(table[:cols])
+  pool = rng.standard_normal((2, num_pages, page_size, heads, dim)).astype(np.float32)
+  pool[:, np.setdiff1d(np.arange(num_pages), held)] = np.nan   # free pages and scratch
+  # Column 0 prefills 2P + 1 rows from row 1; column 2 decodes at the last row of its
+  # second page, column 1 at the first row of its third; then 3 padding tokens that name
+  # held rows of columns 0 and 1.
+  rows0 = list(range(1, 2 * page_size + 2))
+  seq_cols = [0] * len(rows0) + [2, 1, 0, 1, cols]
+  rows = rows0 + [2 * page_size - 1, 2 * page_size, 0, page_size, 0]
+  n_tokens = len(rows0) + 2
+  new = rng.standard_normal((2, len(rows), heads, dim)).astype(np.float32)
+  new[:, n_tokens:] = np.nan
+  args = (jnp.asarray(pool[0]), jnp.asarray(pool[1]), jnp.asarray(new[0]), jnp.asarray(new[1]),
+          jnp.asarray(seq_cols, jnp.int32), jnp.asarray(rows, jnp.int32), jnp.int32(n_tokens),
+          jnp.asarray(table))
+  got = pallas_kernels.paged_kv_write(*args, interpret=True)
+  want = pool.copy()
+  for t in range(n_tokens):
+    page = table[seq_cols[t], rows[t] // page_size]
+    want[:, page, rows[t] % page_size] = new[:, t]
+  for g, w, r in zip(got, want, pallas_kernels.paged_kv_write_reference(*args)):
+    assert np.asarray(g).tobytes() == w.tobytes()
+    assert np.asarray(r).tobytes() == w.tobytes()
+
+
+def test_the_lowered_paged_write_runs_no_xla_op_but_reshapes():
+  """The page lookup happens inside the write kernel: lowered for the GPU, the only
+  StableHLO ops besides the one Mosaic GPU call are reshapes (the pool views and the
+  flattened table); no gather of the table, no index arithmetic in XLA."""
+  s = _shapes(64, 32, 200, 64, 8, 128)
+  write = jax.jit(pallas_kernels.paged_kv_write, donate_argnums=(0, 1))
+  text = write.trace(s["pool"], s["pool"], s["new"], s["new"], s["ints"], s["ints"], s["n"],
+                     s["table"]).lower(lowering_platforms=("cuda",)).as_text()
+  ops = re.findall(r"=\s*\"?(stablehlo\.[\w.]+)", text)
+  assert ops.count("stablehlo.custom_call") == 1
+  assert set(ops) == {"stablehlo.custom_call", "stablehlo.reshape"}, ops
+
+
 # --------------------------------------------------------------------------- shapes, refusals
 
 

@@ -1,0 +1,215 @@
+"""XLA work of one paged step against one column step, counted on CPU (a proxy for GPU launches).
+
+The paged engine's step costs more than the column step on the GPU (docs/PERFORMANCE.md,
+"Paged engine on the GPU"); the difference is XLA work only the paged step does: page
+bookkeeping in `prepare_step` and the pool-row lookup of the paged K/V write. This script
+counts that work without a GPU:
+
+- `prepare_step`, `commit_step`, `seq_rm` and `seq_clone` are jitted with the state donated and compiled
+  for the CPU, at an e2e-like shape (the realistic mix of `benchmarks/e2e.py --workload
+  mixed --max-write 2048 --paged 128`: 16 flat layers of 8 KV heads of 64, 64 sequences,
+  `W` 2048, capacity 131,072, pages of 128 rows). Only shapes are used: nothing is
+  allocated. Each compiled module's *kernels* are counted: the instructions of the entry
+  computation and of every while-loop body and condition, less the free ones (parameters,
+  constants, tuples, bitcasts); a fusion counts once. Kernels inside loops (the page-copy
+  loop, which makes no trip unless a page is copied) are counted apart. `[num_pages]` and
+  `table-shaped` count the kernels whose result is the pool's page count or the page table
+  (`[S + 1, M]` or `[S, M]`: `S` sequences, `M` table slots per sequence).
+- The paged and the column K/V write are lowered for CUDA (Mosaic GPU checks the kernel
+  while lowering, on any machine) and the StableHLO ops outside the kernel call are
+  listed: what XLA runs around the write kernel.
+
+A CPU proxy: XLA:GPU fuses differently and the GPU time was measured separately (see
+docs/PERFORMANCE.md). Usage: PYTHONPATH=. python benchmarks/paged_step_ops.py [--small]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+import pallas_kernels
+
+pure = jaxkv.pure
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "opt-barrier"}
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(
+    r"^\s+(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.*?)\s(?P<op>[a-z][\w\-]*)\(")
+_CALLS = re.compile(r"(condition|body|to_apply)=%?([\w.\-]+)")
+
+
+def _computations(text: str) -> tuple[dict, str]:
+  """`({name: [(op, shape, line)]}, entry name)` of an HLO module's text."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header:
+      current = header.group(1)
+      comps[current] = []
+      if line.startswith("ENTRY"):
+        entry = current
+      continue
+    match = _INSTRUCTION.match(line)
+    if match and current is not None:
+      comps[current].append((match["op"], match["shape"], line))
+  return comps, entry
+
+
+def _dims(shape: str) -> tuple[int, ...]:
+  """The dimensions of an HLO result shape's first array (`()` for a scalar or a tuple)."""
+  match = re.match(r"\w+\[([\d,]*)\]", shape.strip())
+  return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
+
+
+def kernels(compiled_text: str) -> list[tuple[str, tuple, bool]]:
+  """`(op, result dims, in_loop)` of every non-free instruction run outside fusions.
+
+  `in_loop`: inside a while loop's body or condition (run once per trip; the page-copy
+  loop of a paged `prepare_step` makes no trip unless a page is copied).
+  """
+  comps, entry = _computations(compiled_text)
+  out, todo, seen = [], [(entry, False)], set()
+  while todo:
+    name, in_loop = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for op, shape, line in comps[name]:
+      if op in ("while", "call"):   # loop bodies and conditions, called computations
+        todo.extend((n, in_loop or op == "while") for _, n in _CALLS.findall(line))
+      if op not in _FREE and op != "call":
+        out.append((op, _dims(shape), in_loop))
+  return out
+
+
+def summary(found, config) -> dict:
+  """Kernels run once per call, how many have a `[num_pages]` or table-shaped result, and
+  how many sit inside loops (run once per trip)."""
+  once = [(op, dims) for op, dims, in_loop in found if not in_loop]
+  out = {"kernels": len(once)}
+  if config.is_paged:
+    table = {(config.max_seqs + 1, config.max_pages_per_seq),
+             (config.max_seqs, config.max_pages_per_seq)}
+    out["[num_pages]"] = sum(dims == (config.num_pages,) for _, dims in once)
+    out["table-shaped"] = sum(dims in table for _, dims in once)
+  out["ops"] = dict(sorted(collections.Counter(op for op, _ in once).items()))
+  out["in_loops"] = sum(in_loop for _, _, in_loop in found)
+  return out
+
+
+def cache_config(*, page_size, small: bool):
+  layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 8, 64)
+  if small:
+    return jaxkv.CacheConfig([layer] * 2, capacity=4096, max_seqs=8, max_write=256,
+                             kv_dtype=jnp.bfloat16, initial_capacity=512, page_size=page_size)
+  return jaxkv.CacheConfig([layer] * 16, capacity=131_072, max_seqs=64, max_write=2048,
+                           kv_dtype=jnp.bfloat16, initial_capacity=2816, page_size=page_size)
+
+
+def verb_kernels(config, verb, *args) -> dict:
+  state = jax.eval_shape(lambda: jaxkv.init_state(config))
+  jitted = jax.jit(verb, static_argnums=0, donate_argnums=1)
+  return summary(kernels(jitted.lower(config, state, *args).compile().as_text()), config)
+
+
+def write_ops(config) -> dict:
+  """StableHLO ops around the Mosaic GPU write kernel, lowered for CUDA."""
+  layer = config.layers[0]
+  width = config.step_width
+  new = jax.ShapeDtypeStruct((width, layer.n_kv_heads, layer.head_dim), jnp.bfloat16)
+  ints = jax.ShapeDtypeStruct((width,), jnp.int32)
+  n = jax.ShapeDtypeStruct((), jnp.int32)
+  state = jax.eval_shape(lambda: jaxkv.init_state(config))
+  k = state.k[0]
+  if config.is_paged:
+    fn, extra = pallas_kernels.paged_kv_write, (state.page_table,)
+  else:
+    fn, extra = pallas_kernels.kv_write, ()
+  text = jax.jit(fn, donate_argnums=(0, 1)).trace(k, k, new, new, ints, ints, n, *extra).lower(
+      lowering_platforms=("cuda",)).as_text()
+  ops = re.findall(r"=\s*\"?(stablehlo\.[\w.]+|tpu\.\w+)", text)
+  calls = re.findall(r"custom_call @(\w+)", text)
+  return {"ops_outside_kernel": dict(collections.Counter(
+      op for op in ops if op not in ("stablehlo.custom_call",))), "kernel_calls": calls}
+
+
+def _while_loops(compiled_text: str) -> list[tuple[int, int]]:
+  """`(body kernels, condition kernels)` of every while loop, nested loops not included."""
+  comps, _ = _computations(compiled_text)
+  count = lambda name: sum(op not in _FREE and op != "call" for op, _, _ in comps.get(name, []))
+  loops = []
+  for instructions in comps.values():
+    for op, _, line in instructions:
+      if op == "while":
+        called = dict(_CALLS.findall(line))
+        loops.append((count(called["body"]), count(called["condition"])))
+  return loops
+
+
+def serving_step_kernels(page_size, *, small: bool) -> tuple[int, int]:
+  """`(body, condition)` kernels of the serving loop's widest step loop, for a tiny model.
+
+  The step loop is the while loop with the largest body (it holds the model); the
+  model (2 Llama layers of width 32) is the same for both storages, so the difference
+  is the storage's per-step work: its verbs, its K/V writes and its loop checks.
+  """
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
+  model_config = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+  s, w, capacity = (8, 64, 1024) if small else (64, 2048, 131_072)
+  cache = model_config.cache_config(capacity=capacity, max_seqs=s, max_write=w,
+                                    initial_capacity=2816 if not small else 256)
+  model = Decoder(model_config, dataclasses.replace(cache, page_size=page_size),
+                  rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  widths = (w, min(w, 64))
+  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=64,
+                           max_stop=4)
+  ls = serve.init_loop_state(model.cache_config, queue, num_widths=len(widths))
+  text = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+      graphdef, model.cache_config, widths, params, ls, jnp.int32(8)).compile().as_text()
+  return max(_while_loops(text))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--small", action="store_true", help="a small shape (fast compile)")
+  parser.add_argument("--serving", action="store_true",
+                      help="also compile the serving loop with a tiny model (slow)")
+  args = parser.parse_args()
+  counts = {}
+  for page_size in (None, 128):
+    config = cache_config(page_size=page_size, small=args.small)
+    name = "columns" if page_size is None else f"pages of {page_size}"
+    print(f"== {name}: S={config.max_seqs} W={config.step_width} capacity={config.capacity}"
+          + (f" M={config.max_pages_per_seq} num_pages={config.num_pages}"
+             if config.is_paged else ""))
+    for verb, args_ in (("prepare_step", ()), ("commit_step", ()), ("seq_rm", (jnp.int32(0),)),
+                        ("seq_clone", (jnp.int32(0), jnp.int32(5)))):
+      result = verb_kernels(config, getattr(pure, verb), *args_)
+      counts[page_size, verb] = result["kernels"]
+      print(f"  {verb + ':':14}", result)
+    print(f"  {'K/V write:':14}", write_ops(config))
+  if args.serving:
+    for page_size in (None, 128):
+      body, cond = serving_step_kernels(page_size, small=args.small)
+      name = "columns" if page_size is None else f"pages of {page_size}"
+      print(f"== serving loop, {name}: widest step loop body {body} kernels, condition {cond}")
+  print("== paged - columns, kernels per call (outside loops):",
+        {verb: counts[128, verb] - counts[None, verb]
+         for verb in ("prepare_step", "commit_step", "seq_rm", "seq_clone")})
+
+
+if __name__ == "__main__":
+  main()
