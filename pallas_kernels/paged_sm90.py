@@ -75,9 +75,8 @@ def check_request(q, k_pool, *, config=None, interpret=False):
   elif page_size % config.block_k:
     raise NotImplementedError(f"{page_size=} must be a multiple of {config.block_k=} (a K/V "
                               "tile must not straddle two pages)")
-  view = jax.ShapeDtypeStruct((k_pool.shape[0] * page_size, 1, num_kv_heads, head_dim),
-                              k_pool.dtype)
-  return column.check_request(q, view, config=config, interpret=interpret)
+  return column.check_request(q, jax.eval_shape(pool_view, k_pool), config=config,
+                              interpret=interpret)
 
 
 def _page_row(table_ref, col, row, *, page_size, pages_per_col):
@@ -164,11 +163,12 @@ def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segme
                           config=config, interpret=_compat.resolve_interpret(interpret))
 
 
-def check_write_request(k_pool, *, config=None) -> None:
-  """Raises NotImplementedError iff `paged_kv_write_sm90` would refuse this pool."""
-  kv_write_sm90.check_request(jax.ShapeDtypeStruct(
-      (k_pool.shape[0] * k_pool.shape[1], 1) + tuple(k_pool.shape[2:]), k_pool.dtype),
-      config=config)
+def check_write_request(k_pool, *, config=None) -> int:
+  """Raises NotImplementedError iff `paged_kv_write_sm90` would refuse this pool.
+
+  Returns the write's `block_heads` (`kv_write_sm90.check_request` on the pool's view).
+  """
+  return kv_write_sm90.check_request(jax.eval_shape(pool_view, k_pool), config=config)
 
 
 def _paged_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,  # Inputs
@@ -214,9 +214,7 @@ def paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, 
   Raises:
     NotImplementedError: a dtype or head geometry TMA cannot move.
   """
-  view = jax.ShapeDtypeStruct((k_pool.shape[0] * k_pool.shape[1], 1) + tuple(k_pool.shape[2:]),
-                              k_pool.dtype)
-  block_heads = kv_write_sm90.check_request(view, config=config)
+  block_heads = check_write_request(k_pool, config=config)
   return _paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows,
                          jnp.asarray(n_tokens, jnp.int32), page_table, block_heads=block_heads,
                          interpret=_compat.resolve_interpret(interpret))
