@@ -71,7 +71,7 @@ def token_items(seg, *, num_tokens: int, group: int, block_q: int, num_items: in
 
 
 def _plan(lse_part, seg, *, num_tokens, group, block_q, max_splits):
-  """`(weights float32[J, K, T' * G], info int32[3 * T' + blocks])` for `T'` padded tokens.
+  """`(weights float32[J, K, T' * G], info int32[blocks, info_width])` for `T'` padded tokens.
 
   `T'` rounds `num_tokens` up to whole blocks of `ROWS / G` tokens; the extra
   tokens are padding (no split, weight 0). `info` has a row per block: its

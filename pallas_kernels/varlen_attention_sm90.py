@@ -17,8 +17,9 @@ segment's one or two ring row runs, see `indexing.run_tiling`) through a
 `num_stages`-deep TMA pipeline, keeps an online float32 softmax in registers,
 and writes its real rows of a normalized float32 partial output plus the
 log-sum-exp (base 2). The epilogue copies each token's partial back to
-`[T, H_q, D]` in q's dtype, merging the splits of split segments: one Mosaic GPU
-kernel (`combine_sm90`) where it serves the head layout, else XLA (`_combine`).
+`[T, H_q, D]` in q's dtype, merging the splits of split segments: XLA operations
+(`_combine`), or, with `fused_combine=True` and a head layout it serves, one Mosaic
+GPU kernel (`combine_sm90`).
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
 K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
