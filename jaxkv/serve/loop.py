@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve import paged_admit, paged_loop
-from jaxkv.serve.sampling import RowParams, sample_rows
+from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
 from jaxkv.serve.state import LoopState
 
 
@@ -127,10 +127,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   generated = ls.length - ls.prompt_len
   num_logprobs = ls.out_top_ids.shape[2]
   if greedy:
-    new = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    lp = jnp.zeros((s,), jnp.float32)
-    top_ids = jnp.zeros((s, num_logprobs), jnp.int32)
-    top_lp = jnp.zeros((s, num_logprobs), jnp.float32)
+    new, lp, top_ids, top_lp = greedy_rows(logits, num_logprobs)
   else:
     keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(seed), i), t))(ls.seed, ls.sample_index, generated)

@@ -243,10 +243,15 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     return (tokens,) + jax.lax.cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
         s, num_logprobs))
 
-  def greedy():
-    return (jnp.argmax(logits, axis=-1).astype(jnp.int32),) + _no_logprobs(s, num_logprobs)
+  return jax.lax.cond(jnp.any(has_pen | random | wants_lp), special,
+                      lambda: greedy_rows(logits, num_logprobs))
 
-  return jax.lax.cond(jnp.any(has_pen | random | wants_lp), special, greedy)
+
+def greedy_rows(logits, num_logprobs: int):
+  """`sample_rows`' result when no row samples, is penalised or wants logprobs:
+  the argmax, and zero logprob fields."""
+  return ((jnp.argmax(logits, axis=-1).astype(jnp.int32),)
+          + _no_logprobs(logits.shape[0], num_logprobs))
 
 
 def _no_logprobs(s: int, num_logprobs: int):
