@@ -201,30 +201,36 @@ def run_mixed(rows, configs):
       rows.append(Row(label, f"jaxkv {cname}", None, note=f"{type(e).__name__}: {e}"[:200]))
 
 
-def run_prefill(rows, configs, length=16384):
-  num_kv_heads, num_q_heads, head_dim = 8, 32, 128
-  flops = 4.0 * num_q_heads * head_dim * length * (length + 1) / 2
-  label = f"causal prefill 1x{length} GQA 32/8 D128 ({flops / 1e12:.2f} TFLOP)"
-  k_cache, v_cache = build_cache(jax.random.key(9), np.array([length]), num_kv_heads, head_dim)
-  q = jax.random.normal(jax.random.key(10), (length, num_q_heads, head_dim), DTYPE)
-  seq_info = np.zeros((length, 5), np.int32)
-  seq_info[:] = [length, 0, 1, 0, 0]
-  seq_info[0] = [0, length, 0, 0, 0]
+def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_heads=8,
+                head_dim=128, iters=3):
+  """`num_seqs` causal prompts of `length` tokens from position 0, one varlen call."""
+  flops = num_seqs * 4.0 * num_q_heads * head_dim * length * (length + 1) / 2
+  label = (f"causal prefill {num_seqs}x{length} {num_q_heads}/{num_kv_heads} D{head_dim} "
+           f"({flops / 1e12:.2f} TFLOP)")
+  k_cache, v_cache = build_cache(jax.random.key(9), np.array([length] * num_seqs), num_kv_heads,
+                                 head_dim)
+  tokens = num_seqs * length
+  q = jax.random.normal(jax.random.key(10), (tokens, num_q_heads, head_dim), DTYPE)
+  seq_info = np.zeros((tokens, 5), np.int32)
+  seq_info[:] = [tokens, 0, num_seqs, 0, 0]
+  for i in range(num_seqs):
+    seq_info[i] = [i * length, length, i, 0, 0]
   for cname, cfg in configs.items():
     fn = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                    scale=head_dim ** -0.5, config=cfg))
     try:
-      ms = bench(fn, q, k_cache, v_cache, jnp.asarray(seq_info), jnp.int32(1), iters=3, reps=3)
+      ms = bench(fn, q, k_cache, v_cache, jnp.asarray(seq_info), jnp.int32(num_seqs),
+                 iters=iters, reps=3)
       rows.append(Row(label, f"jaxkv {cname}", ms, tflops=flops / ms / 1e9))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(Row(label, f"jaxkv {cname}", None, note=f"{type(e).__name__}: {e}"[:200]))
   del k_cache, v_cache
-  kq = q[None]
-  kk = jax.random.normal(jax.random.key(11), (1, length, num_kv_heads, head_dim), DTYPE)
+  kq = q.reshape(num_seqs, length, num_q_heads, head_dim)
+  kk = jax.random.normal(jax.random.key(11), (num_seqs, length, num_kv_heads, head_dim), DTYPE)
   try:
     fn = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True,
                                                               implementation="cudnn"))
-    ms = bench(fn, kq, kk, kk, iters=3, reps=3)
+    ms = bench(fn, kq, kk, kk, iters=iters, reps=3)
     rows.append(Row(label, "cuDNN causal", ms, tflops=flops / ms / 1e9))
   except Exception as e:  # pylint: disable=broad-except
     rows.append(Row(label, "cuDNN causal", None, note=f"{type(e).__name__}: {e}"[:200]))
@@ -269,6 +275,27 @@ def run_write(rows, steps=100):
     del caches
 
 
+def run_e2e_shapes(rows):
+  """The e2e model's attention (Llama-3.2-1B shape: 32/8 heads of 64), one layer per call.
+
+  Decode of 64 sequences at the uniform workload's contexts (prompts 128..2048
+  plus up to 256 new tokens) and at the decode workload's (8..16 + 256), one
+  2,048-token prefill chunk, and the issue's 4 x 4096 causal prefill at D128,
+  each with cuDNN in the same process.
+  """
+  copy_ceiling(rows)
+  default = {"default": None}
+  run_decode(rows, "decode 64 seqs 32/8 D64 128..2304 (uniform)", 64, 32, 8, 64, 128, 2304,
+             default, check=True)
+  run_decode(rows, "decode 64 seqs 32/8 D64 8..272 (decode workload)", 64, 32, 8, 64, 8, 272,
+             default, check=True)
+  run_decode(rows, "decode 256 seqs 32/8 D64 128..2048", 256, 32, 8, 64, 128, 2048,
+             default, check=True)
+  run_prefill(rows, default, length=2048, num_seqs=1, head_dim=64, iters=20)
+  run_prefill(rows, default, length=512, num_seqs=4, head_dim=64, iters=20)
+  run_prefill(rows, default, length=4096, num_seqs=4, head_dim=128, iters=5)
+
+
 def print_table(rows):
   print("\n| case | implementation | ms | TB/s | TFLOP/s | note |")
   print("|---|---|---|---|---|---|")
@@ -282,9 +309,18 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--quick", action="store_true", help="decode shapes and write only")
   parser.add_argument("--out", default=None, help="write the rows as JSON here")
+  parser.add_argument("--e2e", action="store_true",
+                      help="only the e2e model's shapes (32/8 heads of 64) and 4x4096 prefill")
   args = parser.parse_args()
   print(jax.devices(), jax.__version__)
   rows = []
+  if args.e2e:
+    run_e2e_shapes(rows)
+    print_table(rows)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    return
   default = kernel_config.default_varlen_attention_config(group=4, head_dim=128,
                                                           interpret=False)
   configs = {

@@ -28,7 +28,8 @@ for w in "${@:-decode uniform}"; do
     combine_kernels) run combine_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_combine.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled or lowers";;
     mixed2k_paged) run e2e_mixed2k_paged 480 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --paged 128 --out "$out/e2e_mixed2k_paged.json";;
     compiled_attention) run compiled_attention 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled_kernel_matches or compiled_kernel_serves or compiled_paged";;
-    launch_cost) run launch_cost 120 python3 benchmarks/launch_cost.py;;
+    launch_cost) TAIL=20 run launch_cost 150 python3 benchmarks/launch_cost.py;;
+    e2e_kernels) TAIL=30 run e2e_kernels 300 python3 benchmarks/decode.py --e2e --out "$out/e2e_kernels.json";;
     levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;
     tp8b) run tp8b 480 python3 benchmarks/sharded.py --model --devices 2 --model-layers 32 --model-hidden 4096 --model-heads 32 --model-kv-heads 8 --model-head-dim 128 --model-intermediate 14336 --model-vocab 128256 --no-mesh-row;;

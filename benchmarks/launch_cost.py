@@ -9,6 +9,9 @@ XLA launches. This script measures it: a jitted `fori_loop` (known trip count:
 no host sync per iteration) whose body is `n` tiny XLA fusions (kept apart by
 `optimization_barrier`) or `n` tiny Mosaic GPU kernels (one TMA in, one add, one
 TMA out, like the library's kernels), timed per iteration after a warm-up.
+A second table prices a host round trip per iteration: the same loop with a
+traced trip count (its condition is copied to the host every iteration, as in
+the serving loop's `while_loop`s), and with a `lax.cond` in the body too.
 
 Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/launch_cost.py
 """
@@ -44,26 +47,38 @@ def _xla_add_one(x):
   return jax.lax.optimization_barrier(x + 1.0)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "n", "iters"))
-def _loop(x, *, kind, n, iters):
+@functools.partial(jax.jit, static_argnames=("kind", "n", "iters", "sync"))
+def _loop(x, bound, *, kind, n, iters, sync="none"):
+  """`iters` iterations of `n` launches; `sync` adds host round trips per iteration.
+
+  sync: "none" (a static trip count: XLA launches iteration after iteration
+  without reading anything back), "while" (the trip count is the traced
+  `bound`, so every iteration's condition is copied to the host first: the
+  serving loop's phase loops), or "while+cond" (also a `lax.cond` on a traced
+  predicate in the body, whose predicate is another copy: the sampler's cond).
+  """
   op = _mosaic_add_one if kind == "mosaic" else _xla_add_one
 
   def body(_, x):
     for _ in range(n):
       x = op(x)
+    if sync == "while+cond":
+      x = jax.lax.cond(x[0] >= 0, lambda x: x + 0.0, lambda x: x - 1.0, x)
     return x
 
-  return jax.lax.fori_loop(0, iters, body, x)
+  return jax.lax.fori_loop(0, iters if sync == "none" else bound, body, x)
 
 
-def _us_per_iter(kind, n, iters, repeats=5):
+def _us_per_iter(kind, n, iters, repeats=5, sync="none"):
   x = jnp.zeros((N,), jnp.float32)
-  out = jax.block_until_ready(_loop(x, kind=kind, n=n, iters=iters))   # compile + warm-up
+  bound = jnp.int32(iters)
+  run = lambda: _loop(x, bound, kind=kind, n=n, iters=iters, sync=sync)
+  out = jax.block_until_ready(run())                                   # compile + warm-up
   assert float(out[0]) == n * iters, (kind, n, float(out[0]))          # every launch ran
   best = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(_loop(x, kind=kind, n=n, iters=iters))
+    jax.block_until_ready(run())
     best.append(time.perf_counter() - start)
   return 1e6 * sum(best) / len(best) / iters
 
@@ -81,6 +96,14 @@ def main(argv=None) -> int:
     for n, t in times.items():
       print(f"| {n} x {kind} | {t:.2f} | {slope:.2f} |" if n == 16 else
             f"| {n} x {kind} | {t:.2f} | |")
+  # What a host round trip per iteration costs: the same body with a traced trip
+  # count (the condition read back every iteration), and with a lax.cond as well.
+  print("\n| body (16 x xla) | us per iteration | extra over a static trip count |")
+  print("|---|---|---|")
+  base = _us_per_iter("xla", 16, args.iters)
+  for sync in ("none", "while", "while+cond"):
+    t = base if sync == "none" else _us_per_iter("xla", 16, args.iters, sync=sync)
+    print(f"| {sync} | {t:.2f} | {t - base:.2f} |")
   return 0
 
 
