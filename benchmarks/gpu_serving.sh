@@ -29,6 +29,8 @@ for w in "${@:-decode uniform}"; do
     mixed2k_paged) run e2e_mixed2k_paged 480 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --paged 128 --out "$out/e2e_mixed2k_paged.json";;
     compiled_attention) run compiled_attention 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled_kernel_matches or compiled_kernel_serves or compiled_paged";;
     launch_cost) TAIL=20 run launch_cost 150 python3 benchmarks/launch_cost.py;;
+    kernel_trace) TAIL=80 run kernel_trace 240 python3 benchmarks/kernel_trace.py;;
+    kernel_sweep) TAIL=40 run kernel_sweep 300 python3 benchmarks/kernel_trace.py --sweep;;
     e2e_kernels) TAIL=30 run e2e_kernels 300 python3 benchmarks/decode.py --e2e --out "$out/e2e_kernels.json";;
     levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;

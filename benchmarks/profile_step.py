@@ -86,6 +86,15 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
     else:
       cur_e = max(cur_e, e)
   busy += cur_e - cur_s
+  # Idle GPU time, charged to the kernel the gap follows (and the one it precedes):
+  # where the stream waits for the host (a predicate read back, a launch).
+  gap_after, gap_pairs = collections.Counter(), collections.Counter()
+  run_end = kernels[0][1]
+  for (s, e, n), (_, _, prev) in zip(kernels[1:], kernels[:-1]):
+    if s > run_end:
+      gap_after[prev] += s - run_end
+      gap_pairs[(prev[:40], n[:40])] += s - run_end
+    run_end = max(run_end, e)
   by_name = collections.Counter()
   count = collections.Counter()
   by_cat = collections.Counter()
@@ -101,6 +110,9 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
       "span_ms_per_step": wall / max(steps, 1),
       "idle_fraction": 1 - busy / 1e6 / wall if wall else 0.0,
       "categories_ms_per_step": {c: t / 1e6 / max(steps, 1) for c, t in by_cat.most_common()},
+      "idle_after": [(n[:90], t / 1e6 / max(steps, 1)) for n, t in gap_after.most_common(12)],
+      "idle_pairs": [(f"{a} -> {b}", t / 1e6 / max(steps, 1))
+                     for (a, b), t in gap_pairs.most_common(12)],
       "top": [(n[:90], t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
               for n, t in by_name.most_common(25)],
       "all": [(n, t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
@@ -122,6 +134,12 @@ def _print(summary: dict) -> None:
   print("  top kernels (ms/step, launches/step):")
   for n, t, k in summary["top"][:18]:
     print(f"    {t:7.3f} {k:6.1f}  {n}")
+  print("  GPU idle after (ms/step):")
+  for n, t in summary.get("idle_after", []):
+    print(f"    {t:7.3f}  {n}")
+  print("  GPU idle between (ms/step):")
+  for n, t in summary.get("idle_pairs", []):
+    print(f"    {t:7.3f}  {n}")
 
 
 def _time_and_trace(engine, requests, trace_dir: str, label: str):

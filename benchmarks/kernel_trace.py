@@ -1,0 +1,157 @@
+"""Device time of one attention call, kernel by kernel: jaxkv's varlen call against cuDNN.
+
+`decode.py` times calls from the host (mean of back-to-back calls), which for
+a ~0.1 ms call is mostly dispatch. This script traces `--calls` calls of each
+case with `jax.profiler.trace` and prints, per call, the GPU busy time and each
+kernel's time, so the attention kernel, its XLA glue (item table, q layout,
+combine) and cuDNN are compared by what they cost on the GPU, as inside the
+serving loop's command buffers. Cases: the e2e model's shapes (32/8 heads of
+64): decode of 64 sequences at the uniform workload's contexts, one 2,048-token
+causal prefill chunk, and the ANCHORS decode of 64 sequences at D128.
+
+Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/kernel_trace.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import decode as bench_decode   # pylint: disable=g-import-not-at-top,wrong-import-position
+import pallas_kernels   # pylint: disable=wrong-import-position
+
+DTYPE = jnp.bfloat16
+
+
+def trace_kernels(fn, args, calls):
+  """`(busy_us_per_call, {kernel name: (us per call, launches per call)})`."""
+  jax.block_until_ready(fn(*args))
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
+    data = jax.profiler.ProfileData.from_file(path)
+  events = []
+  for plane in data.planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      if "stream" not in line.name.lower():
+        continue
+      events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+  time_ = collections.Counter()
+  count = collections.Counter()
+  for _, dur, name in events:
+    time_[name] += dur
+    count[name] += 1
+  busy = sum(time_.values()) / 1e3 / calls
+  return busy, {n: (t / 1e3 / calls, count[n] / calls) for n, t in time_.most_common()}
+
+
+def _decode_case(num_seqs, head_dim, min_len, max_len, config=None):
+  lengths = bench_decode.decode_case(num_seqs, 32, 8, head_dim, min_len, max_len)
+  k, v = bench_decode.build_cache(jax.random.key(1), lengths, 8, head_dim)
+  q = jax.random.normal(jax.random.key(2), (num_seqs, 32, head_dim), DTYPE)
+  seq_info, n = bench_decode.decode_plan(lengths)
+  jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
+                                     scale=head_dim ** -0.5, config=config)),
+           (q, k, v, seq_info, n))
+  pad = int(k.shape[0])
+  kp = jax.random.normal(jax.random.key(3), (num_seqs, pad, 8, head_dim), DTYPE)
+  cudnn = (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
+      q_, k_, v_, key_value_seq_lengths=l_, implementation="cudnn")),
+           (q[:, None], kp, kp, jnp.asarray(lengths)))
+  return jaxkv, cudnn
+
+
+def _prefill_case(num_seqs, length, head_dim):
+  k, v = bench_decode.build_cache(jax.random.key(9), np.array([length] * num_seqs), 8, head_dim)
+  tokens = num_seqs * length
+  q = jax.random.normal(jax.random.key(10), (tokens, 32, head_dim), DTYPE)
+  info = np.zeros((tokens, 5), np.int32)
+  info[:] = [tokens, 0, num_seqs, 0, 0]
+  for i in range(num_seqs):
+    info[i] = [i * length, length, i, 0, 0]
+  jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
+                                     scale=head_dim ** -0.5)),
+           (q, k, v, jnp.asarray(info), jnp.int32(num_seqs)))
+  kk = jax.random.normal(jax.random.key(11), (num_seqs, length, 8, head_dim), DTYPE)
+  cudnn = (jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True,
+                                                                implementation="cudnn")),
+           (q.reshape(num_seqs, length, 32, head_dim), kk, kk))
+  return jaxkv, cudnn
+
+
+CASES = {
+    "decode 64 seqs 32/8 D64 128..2304": lambda: _decode_case(64, 64, 128, 2304),
+    "decode 64 seqs 32/8 D64 8..272": lambda: _decode_case(64, 64, 8, 272),
+    "prefill 1x2048 32/8 D64": lambda: _prefill_case(1, 2048, 64),
+    "prefill 4x512 32/8 D64": lambda: _prefill_case(4, 512, 64),
+    "decode 64 seqs 32/8 D128 512..8192": lambda: _decode_case(64, 128, 512, 8192),
+}
+
+
+def sweep(calls):
+  """GPU time of the decode kernel under other tile, stage, split and grid settings."""
+  from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
+  import dataclasses   # pylint: disable=g-import-not-at-top
+  for name, (seqs, d, lo, hi) in {"D64 64 seqs 128..2304": (64, 64, 128, 2304),
+                                  "D128 64 seqs 512..8192": (64, 128, 512, 8192),
+                                  "D64 256 seqs 128..2048": (256, 64, 128, 2048)}.items():
+    base = kc.default_varlen_attention_config(group=4, head_dim=d, interpret=False)
+    variants = {"default": base,
+                "stages 3": dataclasses.replace(base, num_stages=3),
+                "stages 4": dataclasses.replace(base, num_stages=4),
+                "no splits": dataclasses.replace(base, max_splits=1),
+                "split_len 1024": dataclasses.replace(base, split_len=1024),
+                "programs 528": dataclasses.replace(base, max_programs=528),
+                "programs 2112": dataclasses.replace(base, max_programs=2112)}
+    if d == 64:
+      variants["block_k 256"] = dataclasses.replace(base, block_k=256)
+      variants["block_k 256 stages 3"] = dataclasses.replace(base, block_k=256, num_stages=3)
+    for vname, cfg in variants.items():
+      try:
+        (fn, fargs), _ = _decode_case(seqs, d, lo, hi, config=cfg)
+        busy, kernels = trace_kernels(fn, fargs, calls)
+        mosaic = sum(us for k, (us, _) in kernels.items() if "mosaic" in k)
+        print(f"sweep {name} | {vname}: busy {busy:.1f} us, kernel {mosaic:.1f} us")
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"sweep {name} | {vname}: {type(e).__name__}: {str(e)[:150]}")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--calls", type=int, default=20)
+  p.add_argument("--cases", default=",".join(CASES))
+  p.add_argument("--top", type=int, default=8)
+  p.add_argument("--sweep", action="store_true", help="decode kernel settings only")
+  args = p.parse_args(argv)
+  if args.sweep:
+    sweep(args.calls)
+    return 0
+  for name in args.cases.split(","):
+    (jfn, jargs), (cfn, cargs) = CASES[name]()
+    for label, fn, fargs in (("jaxkv", jfn, jargs), ("cuDNN", cfn, cargs)):
+      busy, kernels = trace_kernels(fn, fargs, args.calls)
+      print(f"\n{name} | {label}: GPU busy {busy:.1f} us/call, "
+            f"{sum(c for _, c in kernels.values()):.0f} kernels/call")
+      for kname, (us, c) in list(kernels.items())[:args.top]:
+        print(f"   {us:8.1f} us  x{c:4.1f}  {kname[:100]}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
