@@ -208,6 +208,10 @@ def main(argv=None) -> int:
       results[f"engine_W{width}_prefill"], s = _time_and_trace(
           engine, lreqs, os.path.join(args.out, f"engine_W{width}_prefill"),
           f"engine W={width}, prefill-heavy (16 x 2000 + 4)")
+      if args.dump_hlo:
+        with open(os.path.join(args.out, f"kernels_W{width}_prefill.txt"), "w") as f:
+          for name, t, k in s.get("all", []):
+            f.write(f"{k:8.2f} {t:8.4f} {name}\n")
       results[s["label"]] = s
       _print(s)
     del engine, model
