@@ -191,11 +191,28 @@ def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheS
   check_state_fits(config, config.initial_flat_rows,
                    shards=1 if mesh is None else int(mesh.shape[kv_axis]),
                    device=None if mesh is None else mesh.devices.flat[0])
-  kv = None if mesh is None else kv_sharding(mesh, kv_axis)
+  if mesh is None:
+    # One compiled call makes every leaf: created op by op they were ~40 dispatches,
+    # each a host round of work before the serving loop could start.
+    return _fresh_state_fn(config)()
+  kv = kv_sharding(mesh, kv_axis)
+  state = _fresh_state(config, kv)
+  control = jax.device_put(dataclasses.replace(state, k=(), v=()), replicated(mesh))
+  return dataclasses.replace(control, k=state.k, v=state.v)
+
+
+@functools.lru_cache(maxsize=32)
+def _fresh_state_fn(config: CacheConfig):
+  return jax.jit(functools.partial(_fresh_state, config, None))
+
+
+def _fresh_state(config: CacheConfig, kv) -> CacheState:
+  """The empty state's leaves (jittable with `kv` None); K/V sharded by `kv` if given."""
   shapes = [config.layer_shape(l, config.initial_flat_rows) for l in range(config.num_layers)]
-  # Distinct buffers per leaf: the state is donated leaf by leaf.
+  # Distinct buffers per leaf: the state is donated leaf by leaf (XLA gives every
+  # output of a computation its own buffer, equal values included).
   zeros_i = lambda: jnp.zeros((config.max_seqs,), jnp.int32)
-  state = CacheState(
+  return CacheState(
       k=tuple(_zeros(s, config.kv_dtype, kv) for s in shapes),
       v=tuple(_zeros(s, config.kv_dtype, kv) for s in shapes),
       live=zeros_i(),
@@ -212,10 +229,6 @@ def init_state(config: CacheConfig, *, mesh=None, kv_axis: str = "tp") -> CacheS
                            config.scratch_page, jnp.int32) if config.is_paged else None),
       page_refs=jnp.zeros((config.num_pages,), jnp.int32) if config.is_paged else None,
   )
-  if mesh is None:
-    return state
-  control = jax.device_put(dataclasses.replace(state, k=(), v=()), replicated(mesh))
-  return dataclasses.replace(control, k=state.k, v=state.v)
 
 
 def flat_rows(config: CacheConfig, state: CacheState) -> int:

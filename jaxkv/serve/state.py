@@ -12,6 +12,7 @@ the same sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -263,39 +264,50 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
   """
   if prefix_cache and not config.is_paged:
     raise ValueError("prefix_cache=True needs paged storage: CacheConfig(page_size=...)")
-  s = config.max_seqs
   max_len, max_stop = host_queue.arrays["prompt"].shape[1], host_queue.arrays["stop_tokens"].shape[1]
-  zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
-  scalar = lambda v=0: jnp.asarray(v, jnp.int32)
-  unset = lambda n: jnp.full((n,), -1, jnp.int32)
-  queue = Queue(**{k: jnp.asarray(v) for k, v in host_queue.arrays.items()},
-                next=scalar(), copies=scalar(), count=scalar(host_queue.count))
-  rows, m = host_queue.rows, host_queue.max_new
-  lp_shape = (host_queue.lp_rows, host_queue.lp_window)
-  nl = host_queue.num_logprobs
-  f32 = lambda v: jnp.full((s,), v, jnp.float32)
-  ls = LoopState(
-      cache=None, queue=queue, tokens=jnp.zeros((s, max_len), jnp.int32),
-      prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
-      forks=zeros(), limit=zeros(), used=zeros(), active=zeros(), done=zeros(), reserve=zeros(),
-      out_row=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
-      top_p=jnp.ones((s,), jnp.float32), seed=zeros(), sample_index=zeros(),
-      stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
-      min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
-      frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32),
-      lp_row=jnp.full((s,), NO_ROW, jnp.int32),
-      out_logprob=jnp.zeros(lp_shape, jnp.float32),
-      out_top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
-      out_top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
-      out_tokens=jnp.zeros((rows, m), jnp.int32), out_len=jnp.zeros((rows,), jnp.int32),
-      out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
-      out_admitted=unset(rows), out_first=unset(rows), out_finished=unset(rows),
-      steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
-      status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32),
-      parked=zeros(), stamp=zeros(), clock=scalar(), cached=zeros(), last_use=zeros(),
-      page_hash=jnp.zeros((s, max_len // config.page_size if prefix_cache else 0), jnp.uint32),
-      preemptions=scalar(), evictions=scalar(), cached_tokens=scalar(),
-      adopt_wait=jnp.asarray([-1, 0], jnp.int32))
+  # One transfer of the queue and one compiled call for every other leaf: made op
+  # by op they were ~100 dispatches per `Engine.run` before the loop could start.
+  fresh = _fresh_fields_fn(config.max_seqs, max_len, max_stop, host_queue.rows, host_queue.max_new,
+                           (host_queue.lp_rows, host_queue.lp_window), host_queue.num_logprobs,
+                           num_widths, max_len // config.page_size if prefix_cache else 0)
+  fields, counters = fresh(np.int32(host_queue.count))
+  queue = Queue(**jax.device_put(host_queue.arrays), **counters)
+  ls = LoopState(cache=None, queue=queue, **fields)
   if mesh is not None:
     ls = jax.device_put(ls, NamedSharding(mesh, P()))
   return dataclasses.replace(ls, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_shape: tuple,
+                     nl: int, num_widths: int, hash_pages: int):
+  """A jitted builder of a fresh `LoopState`'s fields but the cache and the queue."""
+  def fresh(count):
+    zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
+    scalar = lambda v=0: jnp.asarray(v, jnp.int32)
+    unset = lambda n: jnp.full((n,), -1, jnp.int32)
+    f32 = lambda v: jnp.full((s,), v, jnp.float32)
+    return dict(
+        tokens=jnp.zeros((s, max_len), jnp.int32),
+        prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
+        forks=zeros(), limit=zeros(), used=zeros(), active=zeros(), done=zeros(), reserve=zeros(),
+        out_row=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
+        top_p=jnp.ones((s,), jnp.float32), seed=zeros(), sample_index=zeros(),
+        stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
+        min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
+        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32),
+        lp_row=jnp.full((s,), NO_ROW, jnp.int32),
+        out_logprob=jnp.zeros(lp_shape, jnp.float32),
+        out_top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
+        out_top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
+        out_tokens=jnp.zeros((rows, m), jnp.int32), out_len=jnp.zeros((rows,), jnp.int32),
+        out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
+        out_admitted=unset(rows), out_first=unset(rows), out_finished=unset(rows),
+        steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
+        status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32),
+        parked=zeros(), stamp=zeros(), clock=scalar(), cached=zeros(), last_use=zeros(),
+        page_hash=jnp.zeros((s, hash_pages), jnp.uint32),
+        preemptions=scalar(), evictions=scalar(), cached_tokens=scalar(),
+        adopt_wait=jnp.asarray([-1, 0], jnp.int32)), dict(next=scalar(), copies=scalar(),
+                                                          count=count.astype(jnp.int32))
+  return jax.jit(fresh)
