@@ -96,3 +96,12 @@ def test_compiled_path_lowers_to_kernel_and_epilogue(tokens, group, num_kv_heads
   text = attend.trace(*_shapes(tokens, group, num_kv_heads, head_dim)).lower(
       lowering_platforms=("cuda",)).as_text()
   assert re.findall(r"custom_call @(\w+)", text) == attention_calls(group, head_dim, config)
+
+
+@pytest.mark.parametrize("tokens", [64, 512, 2048])
+def test_step_plan_has_no_loop_up_to_the_e2e_prefill_width(tokens):
+  # A `while` in the call (searchsorted's default scan: ~12 iterations at 2,048 tokens)
+  # is walked by the host on a GPU; the plan's searches are fused compares instead.
+  attend = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None, scale=0.1))
+  text = attend.trace(*_shapes(tokens, 4, 8, 64)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "stablehlo.while" not in text
