@@ -191,10 +191,8 @@ def seq_rm(config: CacheConfig, state: CacheState, seq_id):
 def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   """Keeps positions `[0, position)` of a live sequence; `hw` is unchanged.
 
-  Paged storage (CONTRACT §3.1) releases the pages past `position` and, when
-  `position` ends inside a page another sequence shares, gives the sequence a
-  private copy of that page (copy on write), so its next writes leave the
-  sharer's rows alone.
+  Paged storage (CONTRACT §3.1) releases the pages past `position`; ending
+  inside a shared page, it copies that page into a free one (copy on write).
 
   Returns:
     `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`),
@@ -217,9 +215,7 @@ def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   ok = status == Status.OK
   k, v = state.k, state.v
   if config.is_paged:
-    # A rewind runs once per request, not per step: a static one-page copy (a
-    # no-op unless copying) costs less than a branch's host round trip.
-    k, v = _pages.copy_page(config, state, cow[0], cow[1], ok & cow[2])
+    k, v = _pages.copy_page(config, state, cow[0], cow[1], ok & cow[2])   # none on refusal
   new = _invalidated(config, state, k=k, v=v, pos=state.pos.at[col].set(position),
                      held=state.held - state.pos[col] + position, **pages)
   return _select_control(ok, new, state), status
