@@ -54,8 +54,9 @@ def copy_page(config: CacheConfig, state: CacheState, src, dst, do):
   (donated, XLA updates it in place), with no loop and no `lax.cond`, whose
   predicates a GPU would read back to the host. Where `do` is false the page
   `src` is written onto itself, which changes no byte. The verbs that copy
-  (`seq_clone`, `rewind`) run once per request, so the static copy is cheaper
-  than a branch.
+  (`seq_clone`, `rewind`) run per fork, adoption or rewind, not per step; they
+  pay these small kernels on every call where a branch would pay a host round
+  trip.
 
   Args:
     src, dst: `int32[]` page ids; do: `bool[]`.
