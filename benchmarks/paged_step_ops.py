@@ -5,14 +5,15 @@ The paged engine's step costs more than the column step on the GPU (docs/PERFORM
 bookkeeping in `prepare_step` and the pool-row lookup of the paged K/V write. This script
 counts that work without a GPU:
 
-- `prepare_step`, `commit_step`, `seq_rm` and `seq_clone` are jitted with the state donated and compiled
-  for the CPU, at an e2e-like shape (the realistic mix of `benchmarks/e2e.py --workload
-  mixed --max-write 2048 --paged 128`: 16 flat layers of 8 KV heads of 64, 64 sequences,
-  `W` 2048, capacity 131,072, pages of 128 rows). Only shapes are used: nothing is
-  allocated. Each compiled module's *kernels* are counted: the instructions of the entry
-  computation and of every while-loop body and condition, less the free ones (parameters,
-  constants, tuples, bitcasts); a fusion counts once. Kernels inside loops (the page-copy
-  loop, which makes no trip unless a page is copied) are counted apart. `[num_pages]` and
+- `prepare_step`, `commit_step`, `seq_rm`, `seq_clone` and `rewind` are jitted with the
+  state donated and compiled for the CPU, at an e2e-like shape (the realistic mix of
+  `benchmarks/e2e.py --workload mixed --max-write 2048 --paged 128`: 16 flat layers of 8 KV
+  heads of 64, 64 sequences, `W` 2048, capacity 131,072, pages of 128 rows). Only shapes are
+  used: nothing is allocated. Each compiled module's *kernels* are counted: the instructions
+  of the entry computation and of every while-loop body and condition, less the free ones
+  (parameters, constants, tuples, bitcasts); a fusion counts once. Kernels inside loops (run
+  once per trip; the page-copy loops of older versions made no trip unless a page was
+  copied, but cost a host round trip on a GPU) are counted apart. `[num_pages]` and
   `table-shaped` count the kernels whose result is the pool's page count or the page table
   (`[S + 1, M]` or `[S, M]`: `S` sequences, `M` table slots per sequence).
 - The paged and the column K/V write are lowered for CUDA (Mosaic GPU checks the kernel
@@ -73,8 +74,7 @@ def _dims(shape: str) -> tuple[int, ...]:
 def kernels(compiled_text: str) -> list[tuple[str, tuple, bool]]:
   """`(op, result dims, in_loop)` of every non-free instruction run outside fusions.
 
-  `in_loop`: inside a while loop's body or condition (run once per trip; the page-copy
-  loop of a paged `prepare_step` makes no trip unless a page is copied).
+  `in_loop`: inside a while loop's body or condition (run once per trip).
   """
   comps, entry = _computations(compiled_text)
   out, todo, seen = [], [(entry, False)], set()
@@ -196,7 +196,8 @@ def main():
           + (f" M={config.max_pages_per_seq} num_pages={config.num_pages}"
              if config.is_paged else ""))
     for verb, args_ in (("prepare_step", ()), ("commit_step", ()), ("seq_rm", (jnp.int32(0),)),
-                        ("seq_clone", (jnp.int32(0), jnp.int32(5)))):
+                        ("seq_clone", (jnp.int32(0), jnp.int32(5))),
+                        ("rewind", (jnp.int32(0), jnp.int32(5)))):
       result = verb_kernels(config, getattr(pure, verb), *args_)
       counts[page_size, verb] = result["kernels"]
       print(f"  {verb + ':':14}", result)
@@ -208,7 +209,7 @@ def main():
       print(f"== serving loop, {name}: widest step loop body {body} kernels, condition {cond}")
   print("== paged - columns, kernels per call (outside loops):",
         {verb: counts[128, verb] - counts[None, verb]
-         for verb in ("prepare_step", "commit_step", "seq_rm", "seq_clone")})
+         for verb in ("prepare_step", "commit_step", "seq_rm", "seq_clone", "rewind")})
 
 
 if __name__ == "__main__":

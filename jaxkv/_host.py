@@ -199,7 +199,8 @@ class BatchedSequenceCache:
     return self._record(status) == Status.OK
 
   def rewind(self, seq_id, position) -> bool:
-    """Keeps positions `[0, position)`; False when not live, out of range or below the floor."""
+    """Keeps positions `[0, position)`; False when not live, out of range or below the floor
+    (or, paged, with no free page for its copy on write: CONTRACT §3.1)."""
     seq_id = _clamp32(_as_int("seq_id", seq_id))
     position = _clamp32(_as_int("position", position))
     self._state, status = _rewind(self._config, self._state, jnp.int32(seq_id),

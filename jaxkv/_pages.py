@@ -4,9 +4,12 @@ A live column `c` holds exactly the pages `page_table[c, :ceil(e_c / P)]` for an
 extent `e_c` (its committed length, or the end of its prepared step); every other
 entry, and the whole scratch row, holds the scratch page. `page_refs[p]` counts
 the entries of live columns that hold page `p`; a page with count 0 is free.
-Full pages may be shared between columns (`seq_clone`); a column's shared pages
-all lie at or below its first write page `pos // P`, so copy on write only ever
-concerns that one page per column.
+Full pages may be shared between columns (`seq_clone`). Every page a column
+holds at or past its first write slot `pos // P` is its own (CONTRACT §3.1):
+`seq_clone` shares only full pages below its `keep` and copies a partial last
+page, and `rewind` copies the page it ends in when that page is shared (copy on
+write, `rewind_pages`). So a step never writes a shared page and `prepare_step`
+copies nothing.
 
 Every function here returns new `(page_table, page_refs)`; the verbs select the
 old ones on refusal (`apply_step_pages` takes the verdict and applies nothing on
@@ -16,7 +19,9 @@ refusal), so a refused verb leaves both bitwise unchanged.
 `apply_step_pages`) touches only a window of `step_slots` table slots per column
 from its first write slot `pos // P` (a `[max_seqs, K]` gather and scatter): a
 step of at most `W` tokens changes no slot outside it (see `step_slots`). The
-only pass over `[num_pages]` finds the free pages, lowest first.
+only pass over `[num_pages]` finds the free pages, lowest first. It has no loop
+and no `lax.cond`: on a GPU each loop with a traced trip count and each
+conditional reads its predicate back to the host, a round trip per step.
 """
 
 from __future__ import annotations
@@ -42,22 +47,34 @@ def share_prefix(config: CacheConfig, table, refs, src, dst, keep):
   return table.at[dst].set(row), refs
 
 
-def copy_pages(config: CacheConfig, pools, src, dst, count):
-  """Copies page `src[i]` to page `dst[i]` of every pool, for `i < count`.
+def copy_page(config: CacheConfig, state: CacheState, src, dst, do):
+  """`(k, v)` with page `src` copied onto page `dst` in every paged layer, where `do`.
 
-  A loop of `count` (usually 0) whole-page in-place updates: the pools are
-  loop carries, so XLA updates them in place under donation (no pool copy).
+  One whole-page `dynamic_slice` and in-place `dynamic_update_slice` per pool
+  (donated, XLA updates it in place), with no loop and no `lax.cond`, whose
+  predicates a GPU would read back to the host. Where `do` is false the page
+  `src` is written onto itself, which changes no byte. The verbs that copy
+  (`seq_clone`, `rewind`) run per fork, adoption or rewind, not per step; they
+  pay these small kernels on every call where a branch would pay a host round
+  trip.
 
   Args:
-    pools: tuple of `[num_pages, P, K, D]` arrays.
-    src, dst: `int32[N]` page ids; count: `int32[]`, `<= N`.
+    src, dst: `int32[]` page ids; do: `bool[]`.
   """
-  def body(i, pools):
-    def one(pool):
-      page = jax.lax.dynamic_slice_in_dim(pool, src[i], 1, axis=0)
-      return jax.lax.dynamic_update_slice_in_dim(pool, page, dst[i], axis=0)
-    return tuple(one(pool) for pool in pools)
-  return jax.lax.fori_loop(0, count, body, tuple(pools))
+  dst = jnp.where(do, dst, src)
+  k, v = list(state.k), list(state.v)
+  paged = paged_layers(config)
+  for layer in paged:
+    for arrays in (k, v):
+      page = jax.lax.dynamic_slice_in_dim(arrays[layer], src, 1, axis=0)
+      arrays[layer] = jax.lax.dynamic_update_slice_in_dim(arrays[layer], page, dst, axis=0)
+  # The barrier keeps XLA from folding a later read of a page (the next verb's copy)
+  # into a read of the pools before this update, which would keep both alive and
+  # copy a whole pool.
+  pools = jax.lax.optimization_barrier(tuple((k[l], v[l]) for l in paged))
+  for layer, (new_k, new_v) in zip(paged, pools):
+    k[layer], v[layer] = new_k, new_v
+  return tuple(k), tuple(v)
 
 
 # --------------------------------------------------------------------------- per verb
@@ -73,46 +90,76 @@ def paged_layers(config: CacheConfig) -> list[int]:
   return [l for l in range(config.num_layers) if config.is_paged_layer(l)]
 
 
-def copy_pool_pages(config: CacheConfig, state: CacheState, src, dst, count):
-  """`(k, v)` with pages `src[i] -> dst[i]` (`i < count`) copied in every paged layer."""
-  paged = paged_layers(config)
-  pools = [state.k[l] for l in paged] + [state.v[l] for l in paged]
-  pools = copy_pages(config, pools, src, dst, count)
-  k, v = list(state.k), list(state.v)
-  for i, l in enumerate(paged):
-    k[l], v[l] = pools[i], pools[len(paged) + i]
-  return tuple(k), tuple(v)
+def _take_one(config: CacheConfig, table, refs, col, slot, take):
+  """`(table, refs, enough, page)`: where `take`, entry `[col, slot]` gets a fresh page.
+
+  The fresh page is the lowest free one (a first-true search of the pool, not a
+  pass that fits the whole table); the entry's old page, if any, gives one
+  reference back. `enough` is False when `take` finds no free page (the caller
+  refuses, so the new `table`/`refs` are then never used).
+  """
+  pages = jnp.arange(config.num_pages, dtype=jnp.int32)
+  free = (refs == 0) & (pages != config.scratch_page)
+  page = jnp.argmax(free).astype(jnp.int32)
+  old = table[col, slot]
+  table = table.at[col, slot].set(jnp.where(take, page, old))
+  gone = jnp.where(take & (old != config.scratch_page), old, config.num_pages)
+  refs = refs.at[gone].add(-1, mode="drop")
+  refs = refs.at[jnp.where(take, page, config.num_pages)].add(1, mode="drop")
+  return table, refs, ~take | jnp.any(free), page
 
 
 def clone_pages(config: CacheConfig, state: CacheState, src_col, dst, keep):
-  """A clone's page tables: `(fields, enough, (src page, dst page, copies))`.
+  """A clone's page tables: `(fields, enough, (src page, dst page, copy))`.
 
   Every column is first trimmed to its committed length (an abandoned step's
   pages go back), then `dst` shares `src`'s full pages below `keep` and takes a
-  fresh page for the partial last one, whose rows are copied from `src`'s.
+  fresh page for the partial last one (`copy`: `keep % P != 0`), whose rows are
+  copied from `src`'s. The fork's page holding `keep` is thus its own, and the
+  source's is untouched (CONTRACT §3.1's invariant).
   """
   live_pos = committed_extents(state)
   table, refs = release_past(config, state.page_table, state.page_refs, live_pos)
   table, refs = share_prefix(config, table, refs, src_col, dst, keep)
-  # The one page a clone takes, the lowest free one: a first-true search of the
-  # pool, not a pass that fits the whole table.
   slot = jnp.minimum(keep // config.page_size, config.max_pages_per_seq - 1)
   is_partial = keep % config.page_size != 0
-  pages = jnp.arange(config.num_pages, dtype=jnp.int32)
-  free = (refs == 0) & (pages != config.scratch_page)
-  page = jnp.argmax(free).astype(jnp.int32)
-  enough = ~is_partial | jnp.any(free)
-  table = table.at[dst, slot].set(jnp.where(is_partial, page, table[dst, slot]))
-  refs = refs.at[jnp.where(is_partial, page, config.num_pages)].add(1, mode="drop")
-  partial = (table[src_col, slot][None], table[dst, slot][None], is_partial.astype(jnp.int32))
-  return dict(page_table=table, page_refs=refs), enough, partial
+  table, refs, enough, page = _take_one(config, table, refs, dst, slot, is_partial)
+  copy = (table[src_col, slot], page, is_partial)
+  return dict(page_table=table, page_refs=refs), enough, copy
+
+
+def rewind_pages(config: CacheConfig, state: CacheState, col, position):
+  """A rewind's page tables: `(fields, enough, (src page, dst page, copy))`.
+
+  Every column is trimmed to its committed length and `col` to `position`
+  (releases only). Copy on write (CONTRACT §3.1): when `position` ends inside a
+  page (`position % P != 0`) that another column also holds, `col` takes the
+  lowest free page for that slot, gives the shared page one reference back, and
+  the caller copies the shared page's rows into the new one (`copy`), so the
+  steps that write from `position` on never touch a page another sequence
+  reads. Only a rewind can end a column inside a shared page: every other verb
+  keeps each column's page at `pos // P` its own. `enough` is False when a copy
+  is needed and no page is free (a state no verb produces: the caller refuses
+  with NO_ROOM).
+
+  Args:
+    col: `int32[]` a column index; position: `int32[]` in `[0, pos[col]]`.
+  """
+  extents = committed_extents(state).at[col].set(position)
+  table, refs = release_past(config, state.page_table, state.page_refs, extents)
+  slot = jnp.minimum(position // config.page_size, config.max_pages_per_seq - 1)
+  shared = table[col, slot]
+  # `refs[scratch] == 0`, so an unheld slot never counts as shared.
+  is_shared = (position % config.page_size != 0) & (refs[shared] > 1)
+  table, refs, enough, page = _take_one(config, table, refs, col, slot, is_shared)
+  return dict(page_table=table, page_refs=refs), enough, (shared, page, is_shared)
 
 
 def release_past(config: CacheConfig, table, refs, extents):
   """`(table, refs)` with every column's entries at or past `ceil(extents[c] / P)` released.
 
-  For verbs that only shrink extents (`seq_rm`, `rewind`, and a clone's trim of
-  an abandoned step): no page is taken, so no free list is needed.
+  For verbs that shrink extents (`seq_rm`, `rewind`, and a clone's trim of an
+  abandoned step): no page is taken, so no free list is needed.
   """
   body = table[:config.max_seqs]
   slots = jnp.arange(config.max_pages_per_seq, dtype=jnp.int32)
@@ -126,8 +173,8 @@ def release_past(config: CacheConfig, table, refs, extents):
 def fitted_pages(config: CacheConfig, state: CacheState, extents) -> dict:
   """`page_table`/`page_refs` fitted to `extents` (releases only), or nothing unpaged.
 
-  Used by verbs that only shrink extents (`seq_rm`, `rewind`), which never take
-  a page, so the fit cannot run out.
+  Used by `seq_rm`, which only shrinks extents and never takes a page, so the
+  fit cannot run out.
   """
   if not config.is_paged:
     return {}
@@ -143,8 +190,8 @@ def step_slots(config: CacheConfig) -> int:
   `pos` (owner-block tokens included), and `seq_clone`, `rewind` and `seq_rm`
   trim every column to `ceil(pos / P)` slots. That bound, and the step's own
   end, are at most `pos // P + ceil((P - 1 + W) / P)`; slots below `pos // P`
-  hold full pages the step keeps. Hence every slot a prepare takes, releases
-  or copies lies in `[pos // P, pos // P + K)`.
+  hold full pages the step keeps. Hence every slot a prepare takes or releases
+  lies in `[pos // P, pos // P + K)`.
   """
   p = config.page_size
   return min(config.max_pages_per_seq, (config.step_width + 2 * p - 2) // p)
@@ -179,10 +226,11 @@ def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):
   """What a step's `prepare_step` does to the pages, as `[max_seqs, K]` windows.
 
   Each live column must hold exactly the slots up to the end of its step tokens
-  (pages of an abandoned earlier step past that are released); a writing
-  column whose first write page is shared takes a fresh page for it (copy on
-  write) and gives one reference back. New pages are the lowest free ones
-  (after this step's releases), handed out in row-major order of the table.
+  (pages of an abandoned earlier step past that are released). New pages are the
+  lowest free ones (after this step's releases), handed out in row-major order
+  of the table. Nothing is copied: every page a column holds from its first
+  write slot `pos // P` on is its own (CONTRACT §3.1; `rewind` copies a shared
+  page it ends in), so a step's writes never reach a page another column reads.
 
   Args:
     step_ends: `int32[max_seqs]` one past the last position each column's step
@@ -191,9 +239,8 @@ def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):
   Returns:
     A dict: `slots`, `new` (the window's new entries), `release`, `take`
     (`[max_seqs, K]`), `window` (old entries), `refs` (counts after the
-    releases), `enough` (False when the free pages ran out: the caller
-    refuses), and the copy on write pairs `cow_src`, `cow_dst`
-    (`int32[max_seqs]`, the scratch page where none).
+    releases) and `enough` (False when the free pages ran out: the caller
+    refuses).
   """
   s, m, k = config.max_seqs, config.max_pages_per_seq, step_slots(config)
   scratch, num_pages = config.scratch_page, config.num_pages
@@ -206,12 +253,8 @@ def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):
   window = state.page_table[cols, jnp.minimum(slots, m - 1)]                 # [S, K]
   held = in_table & (window != scratch)
   want = in_table & (slots < pages_for(config, extents)[:, None])
-  # Copy on write: only a writing column's first write slot (window column 0) can be shared.
-  first = window[:, 0]
-  cow = (extents > pos) & held[:, 0] & (state.page_refs[first] > 1)           # [S]
-  is_cow = cow[:, None] & (jnp.arange(k) == 0)[None, :]
-  release = held & (~want | is_cow)
-  take = want & (~held | is_cow)
+  release = held & ~want
+  take = want & ~held
   refs = state.page_refs.at[jnp.where(release, window, num_pages)].add(-1, mode="drop")
   # The free pages, lowest first: one sort of the pool's page ids (free ones keep
   # their id, the others sort last as `num_pages`), not `nonzero` (a cumsum).
@@ -223,8 +266,7 @@ def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):
   enough = ~jnp.any(take & (fresh == num_pages))
   new = jnp.where(take, fresh, jnp.where(release, scratch, window))
   return dict(slots=slots, window=window, new=new, release=release, take=take, refs=refs,
-              enough=enough, cow_src=jnp.where(cow, first, scratch),
-              cow_dst=jnp.where(cow, new[:, 0], scratch))
+              enough=enough)
 
 
 def apply_step_pages(config: CacheConfig, state: CacheState, plan, ok) -> dict:
@@ -244,17 +286,3 @@ def apply_step_pages(config: CacheConfig, state: CacheState, plan, ok) -> dict:
   refs = plan["refs"].at[jnp.concatenate([undo.reshape(-1), add.reshape(-1)])].add(
       1, mode="drop")
   return dict(page_table=table, page_refs=refs)
-
-
-def step_copies(config: CacheConfig, plan):
-  """`(src pages, dst pages, count)` of the plan's copies on write, packed first.
-
-  Packed by one sort of the column ids (copying columns keep theirs, the others
-  sort last), not `nonzero` (a cumsum).
-  """
-  s, scratch = config.max_seqs, config.scratch_page
-  is_cow = plan["cow_src"] != scratch
-  order = jnp.sort(jnp.where(is_cow, jnp.arange(s, dtype=jnp.int32), s))
-  count = is_cow.sum(dtype=jnp.int32)
-  pick = lambda pages: jnp.where(order < s, pages[jnp.minimum(order, s - 1)], scratch)
-  return pick(plan["cow_src"]), pick(plan["cow_dst"]), count

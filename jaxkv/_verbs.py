@@ -166,7 +166,7 @@ def seq_clone(config: CacheConfig, state: CacheState, src, upto=WHOLE):
   k, v = state.k, state.v
   if config.is_paged:
     # Full pages are shared; only the partial last page is copied (none on refusal).
-    k, v = _pages.copy_pool_pages(config, state, *partial[:2], jnp.where(ok, partial[2], 0))
+    k, v = _pages.copy_page(config, state, partial[0], partial[1], ok & partial[2])
   copy = lambda arrays: tuple(a if config.is_paged_layer(l) else a.at[:, target].set(a[:, src_col])
                               for l, a in enumerate(arrays))
   new = _invalidated(
@@ -191,25 +191,33 @@ def seq_rm(config: CacheConfig, state: CacheState, seq_id):
 def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   """Keeps positions `[0, position)` of a live sequence; `hw` is unchanged.
 
-  Paged storage releases the pages past `position` (CONTRACT §3.1).
+  Paged storage (CONTRACT §3.1) releases the pages past `position`; ending
+  inside a shared page, it copies that page into a free one (copy on write).
 
   Returns:
-    `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`) or
-    BELOW_FLOOR refuse, in that order.
+    `(state, status)`: NOT_LIVE, BAD_TARGET (`position < 0` or `> pos`),
+    BELOW_FLOOR or NO_ROOM (paged: no free page for the copy, which no state
+    the verbs produce allows) refuse, in that order.
   """
   _check(config, state, seq_id=(seq_id, ()), position=(position, ()))
   is_live, col = _is_live(config, state, seq_id)
   position = _i32(position)
+  kept = jnp.clip(position, 0, state.pos[col])
+  pages, enough = {}, True
+  if config.is_paged:
+    pages, enough, cow = _pages.rewind_pages(config, state, col, kept)
   status = _first_failure([
       (~is_live, Status.NOT_LIVE),
       ((position < 0) | (position > state.pos[col]), Status.BAD_TARGET),
       (position < floor(config, state, col), Status.BELOW_FLOOR),
+      (~jnp.asarray(enough), Status.NO_ROOM),
   ])
   ok = status == Status.OK
-  new = _invalidated(config, state, pos=state.pos.at[col].set(position),
-                     held=state.held - state.pos[col] + position,
-                     **_pages.fitted_pages(config, state, _pages.committed_extents(state).at[
-                         col].set(jnp.clip(position, 0, state.pos[col]))))
+  k, v = state.k, state.v
+  if config.is_paged:
+    k, v = _pages.copy_page(config, state, cow[0], cow[1], ok & cow[2])   # none on refusal
+  new = _invalidated(config, state, k=k, v=v, pos=state.pos.at[col].set(position),
+                     held=state.held - state.pos[col] + position, **pages)
   return _select_control(ok, new, state), status
 
 
@@ -303,9 +311,9 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   Returns:
     `(state, status)`: NO_DECLARATION (IDLE or COMMITTED), BAD_POSITIONS, or
     NEEDS_ROWS (flat rows too few; grow first) refuse. In PREPARED it is a no-op.
-    Paged storage (CONTRACT §3.1) takes the step's pages here and copies a
-    shared first write page (copy on write); NO_ROOM if the pool ran out, which
-    no state the verbs produce allows.
+    Paged storage (CONTRACT §3.1) takes the step's pages here (never copying
+    one: a step's write pages are never shared); NO_ROOM if the pool ran out,
+    which no state the verbs produce allows.
   """
   _check(config, state, **({} if positions is None else
                            {"positions": (positions, (config.step_width,))}))
@@ -332,17 +340,13 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
       (is_declared & ~jnp.asarray(enough), Status.NO_ROOM),
   ])
   ok = (status == Status.OK) & is_declared
-  k, v = state.k, state.v
   pages = {}
   if config.is_paged:
     # The page fields get the verdict here (nothing applied on refusal), so the
     # selection below need not touch the whole table.
     pages = _pages.apply_step_pages(config, state, plan, ok)
-    # Copy on write: shared first pages are copied before the step writes them.
-    src, dst, count = _pages.step_copies(config, plan)
-    k, v = _pages.copy_pool_pages(config, state, src, dst, jnp.where(ok, count, 0))
   new = dataclasses.replace(
-      state, k=k, v=v, step=step, phase=_i32(Phase.PREPARED),
+      state, step=step, phase=_i32(Phase.PREPARED),
       attended=_no_layer_attended(config),
       hw=jnp.maximum(state.hw, step_ends))
   return dataclasses.replace(_select_control(ok, new, state), **pages), status

@@ -136,8 +136,8 @@ def kept_page_rows(state, config) -> np.ndarray:
 
   Row `r` of page `q` is kept iff a live column `c` holds `q` at table slot `j`
   with `j * page_size + r < pos(c)`; free pages, the scratch page and every row at
-  or past its holders' lengths are not (a shared page may be full for one holder
-  and partial for another, so the union is taken).
+  or past its holders' lengths are not (the union over holders: it does not rely
+  on a shared page being full for each of them).
   """
   table = np.asarray(state.page_table)
   live, pos = np.asarray(state.live), np.asarray(state.pos)
@@ -156,9 +156,10 @@ def check_page_invariants(config, state) -> None:
   no page twice; every other entry and the whole scratch row hold the scratch
   page; `page_refs[p]` is the number of live-column entries holding `p` (the sum
   of the counts is the number of entries held); a page shared by a column lies
-  at or below its first write slot `pos // page_size` (so copy on write only
-  ever concerns that page); no column holds a slot past `ceil((pos + W) / P)`;
-  the pages in use fit the pool.
+  below its first write slot `pos // page_size`, a full page of every column
+  holding it (so no step writes a shared page: `rewind` copies a shared page it
+  ends in); no column holds a slot past `ceil((pos + W) / P)`; the pages in use
+  fit the pool.
   """
   if config.page_size is None:
     assert state.page_table is None and state.page_refs is None
@@ -191,7 +192,8 @@ def check_page_invariants(config, state) -> None:
   for c in np.nonzero(live)[0]:
     for j, page in enumerate(table[c]):
       if page != scratch and refs[page] > 1:
-        assert j <= pos[c] // size, f"column {c} shares page {page} at slot {j} > pos // P"
+        assert j < pos[c] // size, (
+            f"column {c} (pos {pos[c]}) shares page {page} at slot {j} >= pos // P")
   assert int((counts > 0).sum()) <= config.num_pages - 1
 
 

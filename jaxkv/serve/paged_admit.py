@@ -135,15 +135,17 @@ def retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
   col = jnp.argmax(ls.done == 1).astype(jnp.int32)
   p = config.page_size
   keep = jnp.bool_(False)
-  aligned = jnp.int32(0)
+  # Without prefix caching nothing is kept, so no rewind is traced: even a refused one
+  # runs its static page copy (a no-op) on every pool.
   if pl.has_prefix_cache(ls):
     aligned = jnp.minimum(ls.prompt_len[col], ls.cache.pos[col]) // p * p
     pages = jnp.minimum(aligned // p, ls.page_hash.shape[1])
     aligned = pages * p
     held, _, _ = pl.best_source(config, ls, ls.page_hash[col], ls.tokens[col], pages, col)
     keep = (aligned > 0) & (aligned >= pure.floor(config, ls.cache, col)) & (held < aligned)
-  cache, status = pure.rewind(config, ls.cache, jnp.where(keep, col, -1), aligned)
-  ls = dataclasses.replace(ls, cache=cache, status=pl.record(ls, keep, status))
+    # A page multiple: the rewind never ends inside a page, so it never copies one.
+    cache, status = pure.rewind(config, ls.cache, jnp.where(keep, col, -1), aligned)
+    ls = dataclasses.replace(ls, cache=cache, status=pl.record(ls, keep, status))
   cache, status = pl.remove(config, ls, col, ~keep)
   off = lambda a: a.at[col].set(0)
   ok = status == Status.OK

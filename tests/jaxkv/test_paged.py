@@ -138,18 +138,20 @@ def test_pages_follow_the_verbs():
   assert pages_of(state, c) == pages_of(state, a)[:2] and refs(state).sum() == 7
   a_rows = [x.copy() for x in stored_rows(state, h.config, 0, a, range(7))]
 
-  assert h.rewind(c, 4)                             # into the shared slot 1
-  state = h.cache.state
-  assert len(pages_of(state, c)) == 2 and refs(state)[pages_of(state, a)[1]] == 2
-  h.step([c, c])                                    # copy on write of slot 1
+  assert h.rewind(c, 4)                             # into the shared slot 1: copy on write
   state = h.cache.state
   assert pages_of(state, c)[0] == pages_of(state, a)[0]
   assert pages_of(state, c)[1] not in pages_of(state, a) + pages_of(state, b)
-  assert refs(state)[pages_of(state, a)[1]] == 1
+  assert refs(state)[pages_of(state, a)[1]] == 1 and refs(state).sum() == 7
+  assert (stored_rows(state, h.config, 0, c, [3])[0].tobytes()
+          == a_rows[0][3:4].tobytes())                # the copied row came along, bitwise
+  check_page_invariants(h.config, state)
+  table = np.asarray(state.page_table).copy()
+  h.step([c, c])                                    # writes c's own page: nothing copied
+  state = h.cache.state
+  assert np.array_equal(np.asarray(state.page_table)[c, :2], table[c, :2])
   for got, want in zip(stored_rows(state, h.config, 0, a, range(7)), a_rows):
     assert got.tobytes() == want.tobytes()           # the source is untouched
-  assert (stored_rows(state, h.config, 0, c, [3])[0].tobytes()
-          == a_rows[0][3:4].tobytes())                # the copied row came along
 
   shared = pages_of(state, a)[0]
   assert h.rm(a)
@@ -229,12 +231,13 @@ def test_poison_covers_every_page_row_nobody_keeps():
   h.step([a] * 4)
   h.step([a] * 2)                                   # pos 6: two full pages
   b = h.clone(a)
-  assert h.rewind(b, 4)                              # b keeps 1 row of the shared slot 1
+  assert h.rewind(b, 4)                              # b keeps 1 row of slot 1, in its own copy
   state = h.cache.state
   keep = kept_page_rows(state, h.config)
-  shared = pages_of(state, a)[1]
-  assert keep[shared].all()                          # full for a, partial for b: the union
-  assert keep.sum() == 6 and not keep[h.config.scratch_page].any()
+  assert keep[pages_of(state, a)].all()              # a's two full pages (one shared with b)
+  copied = pages_of(state, b)[1]
+  assert copied not in pages_of(state, a) and keep[copied].tolist() == [True, False, False]
+  assert keep.sum() == 7 and not keep[h.config.scratch_page].any()
   poisoned = poison_free_storage(state, h.config)
   pool = np.asarray(poisoned.k[0])
   assert np.all(np.isnan(pool[~keep])) and not np.any(np.isnan(pool[keep]))
@@ -313,7 +316,7 @@ def _copies_of(hlo_text: str, shapes) -> list[str]:
 
 
 def test_paged_jitted_loop_updates_the_pool_in_place():
-  """A donated jitted loop (clone, rewind into a shared page, decode with copy on write,
+  """A donated jitted loop (clone, rewind into a shared page with its copy on write, decode,
   removal) copies no K/V-shaped array and aliases every K/V byte."""
   config = paged_config(kv_dtype=jnp.bfloat16)
   width = config.max_write
@@ -375,9 +378,9 @@ def test_the_page_life_cycle_through_each_implementation(implementation):
   b = h.clone(a, p)                                 # shares slot 0, copies nothing
   assert pages_of(h.cache.state, b) == pages_of(h.cache.state, a)[:1]
   h.step([a, a, b, b, b])
-  assert h.rewind(b, p - 2)                         # into the shared slot 0
-  h.step([b, a, b])                                 # copy on write of slot 0 for b
-  assert pages_of(h.cache.state, b)[0] != pages_of(h.cache.state, a)[0]
+  assert h.rewind(b, p - 2)                         # into the shared slot 0: b copies it
+  assert pages_of(h.cache.state, b)[0] != pages_of(h.cache.state, a)[0]   # copy on write
+  h.step([b, a, b])
   assert h.rm(a)
   h.step([b] * 8)
   check_page_invariants(h.config, h.cache.state)

@@ -1,13 +1,14 @@
-"""The page bookkeeping of `prepare_step` (CONTRACT §3.1) against a whole-table NumPy model.
+"""The page bookkeeping of `prepare_step` and `rewind` (CONTRACT §3.1) against a NumPy model.
 
 `prepare_step` only looks at a window of table slots from each column's first write
-slot (jaxkv/_pages.py); the model here re-derives the contract's rule over the whole
+slot (jaxkv/_pages.py); the model here re-derives the contract's rules over the whole
 table with Python loops and no jaxkv code: each live column holds exactly the slots up
-to the end of its step tokens, a writing column whose first write page is shared
-takes a fresh page for it, and new pages are the lowest free ones in row-major order
-of the table. Random verb sequences (wide steps crossing several pages, abandoned
-steps, forks, rewinds into shared pages, removals) compare the two after every
-prepare, check the page invariants after every verb, and check every attention
+to the end of its step tokens, new pages are the lowest free ones in row-major order
+of the table, and a step never copies a page; a rewind that ends inside a page
+another column holds gives the rewound column the lowest free page for it (copy on
+write). Random verb sequences (wide steps crossing several pages, abandoned steps,
+forks, rewinds into shared pages, removals) compare the two after every prepare and
+every rewind, check the page invariants after every verb, and check every attention
 output against the oracle over NaN-poisoned free pages.
 """
 
@@ -44,7 +45,6 @@ def model_prepare(config, state, step_ends):
   refs = np.asarray(state.page_refs).copy()
   live, pos = np.asarray(state.live), np.asarray(state.pos)
   scratch, size = config.scratch_page, config.page_size
-  before = refs.copy()
   missing = []
   for c in range(config.max_seqs):
     extent = max(int(pos[c]), step_ends.get(c, 0)) if live[c] else 0
@@ -54,12 +54,6 @@ def model_prepare(config, state, step_ends):
       if page != scratch and j >= need:
         refs[page] -= 1
         table[c, j] = scratch
-    first = int(pos[c]) // size
-    writes = live[c] and extent > pos[c]
-    if writes and first < table.shape[1] and table[c, first] != scratch \
-        and before[table[c, first]] > 1:
-      refs[table[c, first]] -= 1
-      table[c, first] = scratch
     missing += [(c, j) for j in range(need) if table[c, j] == scratch]
   free = [p for p in range(config.num_pages - 1) if refs[p] == 0]
   assert len(missing) <= len(free)
@@ -67,6 +61,45 @@ def model_prepare(config, state, step_ends):
     table[c, j] = page
     refs[page] += 1
   return table, refs
+
+
+def model_rewind(config, state, s, position):
+  """`(table, refs)` the contract's rule gives for `rewind(s, position)` (accepted).
+
+  Every live column keeps `ceil(pos / P)` slots (`s`: `ceil(position / P)`); when
+  `position` ends inside a page that another column also holds, `s` takes the lowest
+  free page for that slot and the shared page loses `s`'s reference.
+  """
+  table = np.asarray(state.page_table).copy()
+  refs = np.asarray(state.page_refs).copy()
+  live, pos = np.asarray(state.live), np.asarray(state.pos)
+  scratch, size = config.scratch_page, config.page_size
+  for c in range(config.max_seqs):
+    keep = -(-(position if c == s else int(pos[c]) if live[c] else 0) // size)
+    for j in range(keep, table.shape[1]):
+      if table[c, j] != scratch:
+        refs[table[c, j]] -= 1
+        table[c, j] = scratch
+  slot = position // size
+  if position % size and refs[table[s, slot]] > 1:
+    page = min(p for p in range(config.num_pages - 1) if refs[p] == 0)
+    refs[table[s, slot]] -= 1
+    table[s, slot] = page
+    refs[page] += 1
+  return table, refs
+
+
+def rewind_checked(h, s, position) -> bool:
+  """`h.rewind(s, position)`, checking the pages against the model when accepted;
+  returns whether it copied a page (ended inside a shared page)."""
+  state, size = h.cache.state, h.config.page_size
+  want = model_rewind(h.config, state, s, position)
+  shared = (position % size != 0 and
+            np.asarray(state.page_refs)[np.asarray(state.page_table)[s, position // size]] > 1)
+  assert h.rewind(s, position)
+  np.testing.assert_array_equal(np.asarray(h.cache.state.page_table), want[0])
+  np.testing.assert_array_equal(np.asarray(h.cache.state.page_refs), want[1])
+  return bool(shared)
 
 
 def step_ends_of(state, ids) -> dict[int, int]:
@@ -125,10 +158,6 @@ def run_random_verbs(seed, config, *, steps):
       ends = step_ends_of(state, ids)
       pos = np.asarray(state.pos)
       seen["multi"] += any(-(-e // P) - int(pos[c]) // P > 1 for c, e in ends.items())
-      refs, table = np.asarray(state.page_refs), np.asarray(state.page_table)
-      seen["cow"] += any(refs[table[c, int(pos[c]) // P]] > 1 for c in ends
-                         if int(pos[c]) // P < table.shape[1]
-                         and table[c, int(pos[c]) // P] != h.config.scratch_page)
       prepare_checked(h, ids)
       if action == "abandon":
         seen["abandoned"] += 1
@@ -142,17 +171,17 @@ def run_random_verbs(seed, config, *, steps):
         keep = int(rng.integers(low, min(h.pos(src), room) + 1))
         dst = h.clone(src, keep)
         if dst is not None and keep // P * P > low:
-          # Into a shared full page, then write there: copy on write for that column.
+          # Into a shared full page (copy on write when it ends inside it), then write.
           s = int(rng.choice([src, dst]))
-          assert h.rewind(s, int(rng.integers(low, keep // P * P)))
+          seen["cow"] += rewind_checked(h, s, int(rng.integers(low, keep // P * P)))
           room = capacity - int(np.asarray(h.cache.state.held))
           ids = [s] * int(rng.integers(1, min(width, room) + 1))
           prepare_checked(h, ids)
           h.step(ids)
-          seen["cow"] += 1
     elif action == "rewind":
       s = int(rng.choice(live))
-      h.rewind(s, int(rng.integers(floors(h.config, state)[s], h.pos(s) + 1)))
+      seen["cow"] += rewind_checked(h, s, int(rng.integers(floors(h.config, state)[s],
+                                                           h.pos(s) + 1)))
     elif action == "rm":
       h.rm(int(rng.choice(live)))
     check_page_invariants(h.config, h.cache.state)
@@ -176,17 +205,19 @@ def test_a_wide_step_takes_several_pages_per_column_and_an_abandoned_one_gives_t
   check_page_invariants(h.config, h.cache.state)
 
 
-def test_two_sharers_rewound_into_one_page_both_copy_it():
-  """a and its fork b share pages 0 and 1; both rewind into page 1 and write in one step:
-  each gets a private copy (the shared page's last reference goes back), and both read
-  their own copied rows, over NaN-poisoned free pages."""
+def test_two_sharers_rewound_into_one_page():
+  """a and its fork b share pages 0 and 1; both rewind into page 1 and write in one step.
+  The first rewind copies (the page is still shared), the second finds itself its last
+  holder and keeps it; both read their own rows, over NaN-poisoned free pages."""
   h = Harness(small_config(), driver="pure-poisoned")
   a = h.new()
   h.step([a] * 7)                               # pos 7: slots 0..2
   b = h.clone(a, 6)                             # shares slots 0 and 1, copies nothing
   shared = int(np.asarray(h.cache.state.page_table)[a, 1])
-  assert h.rewind(a, 4) and h.rewind(b, 5)      # first write slot 1 for both, refs 2
-  assert np.asarray(h.cache.state.page_refs)[shared] == 2
+  assert rewind_checked(h, a, 4)                # a copies slot 1: the shared page keeps b only
+  assert not rewind_checked(h, b, 5)            # b's slot 1 is its own now: nothing copied
+  assert np.asarray(h.cache.state.page_refs)[shared] == 1
+  assert np.asarray(h.cache.state.page_table)[b, 1] == shared
   prepare_checked(h, [a, b, b])
   table = np.asarray(h.cache.state.page_table)
   assert table[a, 1] != table[b, 1] and table[a, 0] == table[b, 0]
@@ -197,7 +228,7 @@ def test_two_sharers_rewound_into_one_page_both_copy_it():
 
 def test_prepare_step_touches_no_whole_page_table():
   """Compiled, the paged `prepare_step` produces one array as large as the page table,
-  the in-place scatter of its window; no other instruction outside the page-copy loop is
+  the in-place scatter of its window; no other instruction is
   `[max_seqs, M]`-sized or larger, and none is a cumsum's reduce-window over the pool."""
   config = small_config(capacity=600, max_seqs=6, max_write=16, page_size=8,
                         layers=[jaxkv.LayerPolicy.flat()])
@@ -229,7 +260,7 @@ def test_a_one_row_page_step_takes_a_page_per_token():
   prepare_checked(h, [a] * 5 + [b] * 3)
   h.step([a] * 5 + [b] * 3)
   b2 = h.clone(b, 2)
-  assert h.rewind(b, 1)
+  assert not rewind_checked(h, b, 1)            # pages of one row: never ends inside one
   prepare_checked(h, [b, b, b2, a])
   h.step([b, b, b2, a])
   check_page_invariants(h.config, h.cache.state)
