@@ -90,6 +90,12 @@ def paged_layers(config: CacheConfig) -> list[int]:
   return [l for l in range(config.num_layers) if config.is_paged_layer(l)]
 
 
+def _free_pages(config: CacheConfig, refs):
+  """`bool[num_pages]`: the pages no entry holds (count 0), the scratch page never."""
+  pages = jnp.arange(config.num_pages, dtype=jnp.int32)
+  return (refs == 0) & (pages != config.scratch_page)
+
+
 def _take_one(config: CacheConfig, table, refs, col, slot, take):
   """`(table, refs, enough, page)`: where `take`, entry `[col, slot]` gets a fresh page.
 
@@ -98,8 +104,7 @@ def _take_one(config: CacheConfig, table, refs, col, slot, take):
   reference back. `enough` is False when `take` finds no free page (the caller
   refuses, so the new `table`/`refs` are then never used).
   """
-  pages = jnp.arange(config.num_pages, dtype=jnp.int32)
-  free = (refs == 0) & (pages != config.scratch_page)
+  free = _free_pages(config, refs)
   page = jnp.argmax(free).astype(jnp.int32)
   old = table[col, slot]
   table = table.at[col, slot].set(jnp.where(take, page, old))
@@ -259,7 +264,7 @@ def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):
   # The free pages, lowest first: one sort of the pool's page ids (free ones keep
   # their id, the others sort last as `num_pages`), not `nonzero` (a cumsum).
   pages = jnp.arange(num_pages, dtype=jnp.int32)
-  free_list = jnp.sort(jnp.where((refs == 0) & (pages != scratch), pages, num_pages))
+  free_list = jnp.sort(jnp.where(_free_pages(config, refs), pages, num_pages))
   free_list = jnp.pad(free_list, (0, max(s * k - num_pages, 0)), constant_values=num_pages)
   rank = _exclusive_counts(take)
   fresh = free_list[jnp.minimum(rank, s * k - 1)]
