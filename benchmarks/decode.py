@@ -102,6 +102,16 @@ def decode_plan(lengths):
   return jnp.asarray(seq_info), jnp.int32(num_seqs)
 
 
+def prefill_plan(num_seqs, length):
+  """`num_seqs` causal prompts of `length` tokens from position 0, in step order."""
+  tokens = num_seqs * length
+  seq_info = np.zeros((tokens, 5), np.int32)
+  seq_info[:] = [tokens, 0, num_seqs, 0, 0]
+  for i in range(num_seqs):
+    seq_info[i] = [i * length, length, i, 0, 0]
+  return jnp.asarray(seq_info), jnp.int32(num_seqs)
+
+
 def run_decode(rows, name, num_seqs, num_q_heads, num_kv_heads, head_dim, min_len, max_len,
                configs, check):
   lengths = decode_case(num_seqs, num_q_heads, num_kv_heads, head_dim, min_len, max_len)
@@ -209,18 +219,13 @@ def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_
            f"({flops / 1e12:.2f} TFLOP)")
   k_cache, v_cache = build_cache(jax.random.key(9), np.array([length] * num_seqs), num_kv_heads,
                                  head_dim)
-  tokens = num_seqs * length
-  q = jax.random.normal(jax.random.key(10), (tokens, num_q_heads, head_dim), DTYPE)
-  seq_info = np.zeros((tokens, 5), np.int32)
-  seq_info[:] = [tokens, 0, num_seqs, 0, 0]
-  for i in range(num_seqs):
-    seq_info[i] = [i * length, length, i, 0, 0]
+  q = jax.random.normal(jax.random.key(10), (num_seqs * length, num_q_heads, head_dim), DTYPE)
+  seq_info, n_segments = prefill_plan(num_seqs, length)
   for cname, cfg in configs.items():
     fn = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                    scale=head_dim ** -0.5, config=cfg))
     try:
-      ms = bench(fn, q, k_cache, v_cache, jnp.asarray(seq_info), jnp.int32(num_seqs),
-                 iters=iters, reps=3)
+      ms = bench(fn, q, k_cache, v_cache, seq_info, n_segments, iters=iters, reps=3)
       rows.append(Row(label, f"jaxkv {cname}", ms, tflops=flops / ms / 1e9))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(Row(label, f"jaxkv {cname}", None, note=f"{type(e).__name__}: {e}"[:200]))

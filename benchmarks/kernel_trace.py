@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
-import glob
 import os
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import decode as bench_decode   # pylint: disable=g-import-not-at-top,wrong-import-position
+import profile_step   # pylint: disable=g-import-not-at-top,wrong-import-position
 import pallas_kernels   # pylint: disable=wrong-import-position
 
 DTYPE = jnp.bfloat16
@@ -42,20 +42,11 @@ def trace_kernels(fn, args, calls):
       for _ in range(calls):
         out = fn(*args)
       jax.block_until_ready(out)
-    path = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
-    data = jax.profiler.ProfileData.from_file(path)
-  events = []
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      if "stream" not in line.name.lower():
-        continue
-      events += [(e.start_ns, e.duration_ns, e.name) for e in line.events]
+    events = profile_step.gpu_events(profile_step.newest_trace(d))
   time_ = collections.Counter()
   count = collections.Counter()
-  for _, dur, name in events:
-    time_[name] += dur
+  for start, end, name in events:
+    time_[name] += end - start
     count[name] += 1
   busy = sum(time_.values()) / 1e3 / calls
   return busy, {n: (t / 1e3 / calls, count[n] / calls) for n, t in time_.most_common()}
@@ -79,15 +70,10 @@ def _decode_case(num_seqs, head_dim, min_len, max_len, config=None):
 
 def _prefill_case(num_seqs, length, head_dim):
   k, v = bench_decode.build_cache(jax.random.key(9), np.array([length] * num_seqs), 8, head_dim)
-  tokens = num_seqs * length
-  q = jax.random.normal(jax.random.key(10), (tokens, 32, head_dim), DTYPE)
-  info = np.zeros((tokens, 5), np.int32)
-  info[:] = [tokens, 0, num_seqs, 0, 0]
-  for i in range(num_seqs):
-    info[i] = [i * length, length, i, 0, 0]
+  q = jax.random.normal(jax.random.key(10), (num_seqs * length, 32, head_dim), DTYPE)
   jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                      scale=head_dim ** -0.5)),
-           (q, k, v, jnp.asarray(info), jnp.int32(num_seqs)))
+           (q, k, v) + bench_decode.prefill_plan(num_seqs, length))
   kk = jax.random.normal(jax.random.key(11), (num_seqs, length, 8, head_dim), DTYPE)
   cudnn = (jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True,
                                                                 implementation="cudnn")),

@@ -56,23 +56,28 @@ def _category(name: str) -> str:
   return "other"
 
 
-def summarize(trace_dir: str, steps: int, label: str) -> dict:
-  """GPU kernel statistics of the newest trace under `trace_dir`."""
+def newest_trace(trace_dir: str) -> str | None:
+  """The newest `*.xplane.pb` under `trace_dir` (None if there is none)."""
   paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True),
                  key=os.path.getmtime)
-  if not paths:
+  return paths[-1] if paths else None
+
+
+def gpu_events(path: str) -> list[tuple[int, int, str]]:
+  """`(start_ns, end_ns, name)` of every event on a GPU stream line of the trace at `path`."""
+  data = jax.profiler.ProfileData.from_file(path)
+  return [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name)
+          for plane in data.planes if plane.name.startswith("/device:GPU")
+          for line in plane.lines if "stream" in line.name.lower()
+          for ev in line.events]
+
+
+def summarize(trace_dir: str, steps: int, label: str) -> dict:
+  """GPU kernel statistics of the newest trace under `trace_dir`."""
+  path = newest_trace(trace_dir)
+  if path is None:
     return {"label": label, "error": "no xplane.pb written"}
-  data = jax.profiler.ProfileData.from_file(paths[-1])
-  kernels = []   # (start_ns, end_ns, name)
-  for plane in data.planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      lname = line.name.lower()
-      if "stream" not in lname or "memcpy" in lname and False:
-        continue
-      for ev in line.events:
-        kernels.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
+  kernels = gpu_events(path)
   if not kernels:
     return {"label": label, "error": "no GPU events"}
   kernels.sort()
