@@ -74,6 +74,14 @@ def _args(argv=None):
   p.add_argument("--also-widths", default=None, metavar="W,w,...",
                  help="also serve the workload with these compiled step widths (descending, the "
                       "first --max-write), in this process, and compare with the default widths")
+  p.add_argument("--also-fcfs", action="store_true",
+                 help="also serve jaxkv with first-come-first-served admission (Engine.run's "
+                      "default admits the longest max_tokens first) in this process")
+  p.add_argument("--also-sorted-static", action="store_true",
+                 help="mixed: also time static batching over the queue sorted by output length "
+                      "(batches of similar lengths: the strongest static schedule)")
+  p.add_argument("--mixed-requests", type=int, default=256,
+                 help="mixed: number of requests (more requests: a throughput-bound queue)")
   p.add_argument("--skip-baseline", action="store_true")
   p.add_argument("--skip-jaxkv", action="store_true")
   p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -115,17 +123,18 @@ def _attention_used(cfg: ModelConfig) -> str:
 # ----------------------------------------------------------------------------- jaxkv
 
 
-def run_jaxkv(model, prompts, new_tokens, widths=None):
-  """`new_tokens`: one int for every request, or one per request; `widths`: the Engine's."""
+def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first"):
+  """`new_tokens`: one int for every request, or one per request; `widths`: the Engine's;
+  `admission`: `Engine.run`'s admission order."""
   news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
   engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)),
                         widths=widths)
   requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
               for p, n in zip(prompts, news)]
   # Warm-up on the same shapes (the same queue: compiles the loop; queues pad to powers of two).
-  engine.run(requests)
+  engine.run(requests, admission=admission)
   start = time.perf_counter()
-  results = engine.run(requests)
+  results = engine.run(requests, admission=admission)
   seconds = time.perf_counter() - start
   stats = engine.stats
   return {
@@ -352,7 +361,7 @@ def main(argv=None) -> int:
     lens = rng.integers(8, 17, size=args.requests)
     news = [args.new_tokens] * args.requests
   else:
-    count = 256 if not args.small else 12
+    count = args.mixed_requests if not args.small else 12
     cap_p, cap_o = (2048, 768) if not args.small else (40, 8)
     lens = _lengths(rng, count, 300 if not args.small else 12, cap_p, floor=4)
     news = _lengths(rng, count, 150 if not args.small else 4, cap_o)
@@ -396,6 +405,15 @@ def main(argv=None) -> int:
     print(f"{base_name} ({r['attention']}): {r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tokens/s "
           f"({floor['seconds'] / r['seconds']:.2f} of the roofline; with warm-up "
           f"{time.perf_counter() - t0:.0f} s)")
+    if args.workload == "mixed" and args.also_sorted_static:
+      t0 = time.perf_counter()
+      by_len = sorted(range(len(prompts)), key=lambda i: -news[i])
+      rs, out_s = run_static(cfg, model, [prompts[i] for i in by_len], [news[i] for i in by_len],
+                             slots)
+      results["static_sorted"] = rs
+      print(f"static, batches sorted by output length: {rs['seconds']:.3f} s, "
+            f"{rs['tokens_per_s']:.0f} tokens/s ({floor['seconds'] / rs['seconds']:.2f} of the "
+            f"roofline; with warm-up {time.perf_counter() - t0:.0f} s)")
     _save(args.out, results)
   if not args.skip_jaxkv:
     results["jaxkv_attention"] = (args.implementation if args.implementation
@@ -426,6 +444,16 @@ def main(argv=None) -> int:
       print(f"jaxkv data-parallel over {len(devices)} devices: {dp_s:.3f} s, "
             f"{dp.stats.generated / dp_s:.0f} tokens/s = {r['seconds'] / dp_s:.2f}x one device; "
             f"{same}/{len(prompts)} outputs identical to one device")
+    if args.also_fcfs:
+      t1 = time.perf_counter()
+      rf, out_f = run_jaxkv(model, prompts, news, admission="fcfs")
+      same = sum(a == b for a, b in zip(out_f, outputs["jaxkv"]))
+      rf.update(longest_first_vs_fcfs=rf["seconds"] / r["seconds"], same_tokens_as_default=same)
+      results["jaxkv_fcfs"] = rf
+      print(f"jaxkv, first come first served: {rf['seconds']:.3f} s, {rf['steps']} steps, "
+            f"{rf['ms_per_step']:.3f} ms/step; longest first is {rf['longest_first_vs_fcfs']:.2f}x "
+            f"faster; {same}/{len(prompts)} outputs identical (with warm-up "
+            f"{time.perf_counter() - t1:.0f} s)")
     if args.also_widths:
       widths = tuple(int(w) for w in args.also_widths.split(","))
       t1 = time.perf_counter()
@@ -473,6 +501,11 @@ def main(argv=None) -> int:
     print(f"speed-up jaxkv / {base_name}: {results['speedup']:.2f}x; first tokens agree for "
           f"{first_equal}/{len(prompts)} requests, all tokens for {all_equal} (bf16 near-ties "
           "may differ)")
+    if "static_sorted" in results:
+      results["speedup_vs_sorted_static"] = (results["static_sorted"]["seconds"]
+                                             / results["jaxkv"]["seconds"])
+      print(f"speed-up jaxkv / static batching sorted by length: "
+            f"{results['speedup_vs_sorted_static']:.2f}x")
   _save(args.out, results)
   return 0
 

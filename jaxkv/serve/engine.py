@@ -100,6 +100,20 @@ def queue_order(requests: Sequence[Request]) -> dict:
   return order
 
 
+ADMISSION_ORDERS = ("longest_first", "fcfs")
+
+
+def admission_order(requests: Sequence[Request], admission: str) -> list[Request]:
+  """The queue in the order `Engine.run(admission=...)` admits it (see there).
+
+  Longest first sorts by `max_tokens`, descending; the sort is stable, so
+  requests of equal budgets keep their queue order.
+  """
+  if admission == "fcfs":
+    return list(requests)
+  return sorted(requests, key=lambda r: -r.params.max_tokens)
+
+
 class EngineError(RuntimeError):
   """`Engine.run` failed; `completions` holds every sample finished before the failure."""
 
@@ -224,8 +238,8 @@ class Engine:
                   max_stop_tokens=self.max_stop, max_logprobs=self.max_logprobs)
 
   def run(self, requests: Sequence[Request], *,
-          on_progress: Callable[[EngineStats, list[Completion]], None] | None = None
-          ) -> list[Completion]:
+          on_progress: Callable[[EngineStats, list[Completion]], None] | None = None,
+          admission: str = "longest_first") -> list[Completion]:
     """Serves every request; returns completions ordered by (request order, sample index).
 
     Every request is checked before anything is served. The queue is packed on
@@ -240,9 +254,20 @@ class Engine:
     the run's mean step time (`EngineStats.step_seconds`; see `RequestTiming`).
 
     Args:
-      requests: the queue, admitted first come first served.
+      requests: the queue.
       on_progress: called after every loop entry with the running stats and the
         completions finished since the last call.
+      admission: the order in which queued requests take free columns.
+        `"longest_first"` (the default) admits the requests with the largest
+        `max_tokens` first (ties in queue order, so a queue of equal budgets,
+        e.g. one sharing a cached prefix, is served first come first served): the
+        whole queue is known up front, and a long request admitted last would
+        decode alone at the end (the makespan of a queue served on `max_seqs`
+        columns is at least its longest request; longest-first scheduling
+        keeps it near `max(longest, total tokens / columns)`).
+        `"fcfs"` admits in queue order. Completions are returned in queue order
+        either way, and the tokens of each request do not depend on the order
+        (sampling is keyed by each request's seed).
 
     Raises:
       ValueError, TypeError: a request that is malformed or can never fit
@@ -251,6 +276,8 @@ class Engine:
         raised; its `completions` (and `self.completions`) hold every sample
         finished before, the cause is chained, and the engine stays usable.
     """
+    if admission not in ADMISSION_ORDERS:
+      raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
     requests = labelled(requests)
     # A None seed is drawn here, on the host, and reported on the completions.
     requests = [r if r.params.seed is not None else dataclasses.replace(
@@ -268,7 +295,7 @@ class Engine:
     if not requests:
       return []
     with contextlib.nullcontext() if self.device is None else jax.default_device(self.device):
-      return self._run(requests, order, on_progress)
+      return self._run(admission_order(requests, admission), order, on_progress)
 
   def _run(self, requests, order, on_progress) -> list[Completion]:
     stats = self.stats

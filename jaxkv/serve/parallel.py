@@ -8,7 +8,7 @@ device works), so the devices serve at the same time.
 
 The queue is split greedily by work: requests are taken longest first
 (prompt + n x max_tokens) and each goes to the device with the least work so
-far, then each device serves its share in the original order. Completions come
+far; each device admits its share in the `admission` order of `Engine.run`. Completions come
 back in the order of the queue, exactly as one `Engine` returns them; with the
 same seeds, sampled tokens do not depend on which device served a request.
 """
@@ -20,7 +20,8 @@ from typing import Sequence
 
 import jax
 
-from jaxkv.serve.engine import Engine, EngineError, labelled, queue_order
+from jaxkv.serve.engine import (ADMISSION_ORDERS, Engine, EngineError, labelled,
+                                queue_order)
 from jaxkv.serve.requests import Completion, EngineStats, Request
 
 
@@ -48,21 +49,26 @@ class DataParallelEngine:
     self.stats = EngineStats()
     self.completions: list[Completion] = []
 
-  def run(self, requests: Sequence[Request]) -> list[Completion]:
+  def run(self, requests: Sequence[Request], *,
+          admission: str = "longest_first") -> list[Completion]:
     """Serves every request across the devices; completions in (request order, sample index).
+
+    `admission`: each engine's admission order (`Engine.run`).
 
     Raises:
       ValueError, TypeError: a request no engine can serve (nothing is served).
       EngineError: an engine failed; `completions` holds every sample finished on
         any device (the other devices finish their shares first).
     """
+    if admission not in ADMISSION_ORDERS:
+      raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
     requests = labelled(requests)
     order = queue_order(requests)
     for r in requests:
       self.engines[0].check(r)   # the engines are alike: one check refuses before any serves
     shares = self._split(requests)
     with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-      futures = [pool.submit(e.run, share) if share else None
+      futures = [pool.submit(e.run, share, admission=admission) if share else None
                  for e, share in zip(self.engines, shares)]
       errors = []
       for f in futures:

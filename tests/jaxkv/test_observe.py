@@ -49,7 +49,7 @@ def served():
   requests = _requests(np.random.default_rng(3), 9)
   # max_steps=6: several loop entries, so host time between entries is part of the run.
   engine.max_steps = 6
-  results = engine.run(requests)
+  results = engine.run(requests, admission="fcfs")   # queue order: checked below
   return engine, requests, results
 
 
