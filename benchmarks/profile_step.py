@@ -72,6 +72,33 @@ def gpu_events(path: str) -> list[tuple[int, int, str]]:
           for ev in line.events]
 
 
+def host_calls(path: str, steps: int) -> dict:
+  """Where the host's time goes per step: CUDA API calls and XLA thunks (names, ms, count).
+
+  Tells a host-bound loop (the executor launching kernels, graphs and copies one
+  by one, slower than the GPU runs them) from a GPU-bound one. Events nest, so
+  the rows overlap; compare each row with the step time.
+  """
+  data = jax.profiler.ProfileData.from_file(path)
+  api, thunks = collections.Counter(), collections.Counter()
+  api_n, thunk_n = collections.Counter(), collections.Counter()
+  for plane in data.planes:
+    if plane.name.startswith("/device:"):
+      continue
+    for line in plane.lines:
+      for ev in line.events:
+        name = ev.name
+        if name.startswith("cu") and name[2:3].isupper():   # CUDA driver/runtime API
+          api[name] += ev.duration_ns
+          api_n[name] += 1
+        elif "Thunk" in name:
+          thunks[name[:60]] += ev.duration_ns
+          thunk_n[name[:60]] += 1
+  per = lambda c, n: [(k, t / 1e6 / max(steps, 1), n[k] / max(steps, 1))
+                      for k, t in c.most_common(15)]
+  return {"cuda_api": per(api, api_n), "thunks": per(thunks, thunk_n)}
+
+
 def summarize(trace_dir: str, steps: int, label: str) -> dict:
   """GPU kernel statistics of the newest trace under `trace_dir`."""
   path = newest_trace(trace_dir)
@@ -122,6 +149,7 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
               for n, t in by_name.most_common(25)],
       "all": [(n, t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
               for n, t in by_name.most_common()],
+      "host": host_calls(path, steps),
   }
   return out
 
@@ -145,6 +173,10 @@ def _print(summary: dict) -> None:
   print("  GPU idle between (ms/step):")
   for n, t in summary.get("idle_pairs", []):
     print(f"    {t:7.3f}  {n}")
+  for kind in ("cuda_api", "thunks"):
+    print(f"  host {kind} (ms/step, calls/step; nested events overlap):")
+    for n, t, k in summary.get("host", {}).get(kind, []):
+      print(f"    {t:7.3f} {k:7.1f}  {n}")
 
 
 def _time_and_trace(engine, requests, trace_dir: str, label: str):
