@@ -42,7 +42,8 @@ for w in "${@:-decode uniform}"; do
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "(compiled or mosaic_gpu or plan or warn) and not d256";;
     paged) TAIL=40 run paged_decode 120 python3 benchmarks/paged_decode.py --out "$out/paged_decode.json";;
     paged_small) TAIL=60 run paged_decode_small 300 python3 benchmarks/paged_decode.py --page-sizes 16,32,64,128 --out "$out/paged_decode_small.json";;
-    paged_kernels) run paged_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py tests/pallas_kernels/test_paged_small_pages.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
+    paged_kernels) run paged_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
+    paged_small_kernels) run paged_small_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_small_pages.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done

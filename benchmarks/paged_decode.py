@@ -8,11 +8,11 @@ lengths. The column layout is a `[8192, 65, 8, 128]` cache; the paged layouts ar
 several pages, one TMA and one page-table lookup per page) holding the same logical
 contents, with each sequence's pages in table order ("in order") or a random permutation
 of the pool ("scattered", what a long-running server's pool looks like). Every variant
-attends over one buffer shape, so each compiles once. A row is the mean of back-to-back calls after a warm-up (the median
-of 5 such means); `paged/cols` is the paged time over the column time, and `max|diff|`
-checks the paged output against the column one (the same kernel body over the same
-logical contents: 0 expected). A 64-token K/V write (column
-`kv_write` against `paged_kv_write`) closes the table.
+attends over one buffer shape, so each compiles once. A row is the mean of back-to-back
+calls after a warm-up (the median of 5 such means); `paged/cols` is the paged time over
+the column time, and `max|diff|` checks the paged output against the column one (the
+same kernel body over the same logical contents: 0 expected). A 64-token K/V write
+(column `kv_write` against `paged_kv_write`) closes the table.
 
 Usage: PYTHONPATH=. python3 benchmarks/paged_decode.py [--iters N] [--out results.json]
        [--page-sizes 16,32,64,128]

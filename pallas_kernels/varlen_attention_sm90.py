@@ -342,8 +342,9 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
     acc, m_i, l_i = pl.run_scoped(
         stream, plgpu.SMEM(stage_shape, dtype, transforms=transforms),
         plgpu.SMEM(stage_shape, dtype, transforms=transforms),
-        # A stage's phase completes once all of its `tile_pieces` copies have arrived (each
-        # copy arrives once, with its own byte count); one copy per tile is the default.
+        # A stage's phase completes once all of its `tile_pieces` copies have arrived: each
+        # `copy_gmem_to_smem` arrives once with its own byte count (jax 0.11.2 and 0.12
+        # alike); one copy per tile is the default count.
         plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages))
 
