@@ -2,7 +2,7 @@
 # One GPU call for the serving issue: e2e workloads (decode-only, uniform, mixed) with the
 # roofline, and the decode workload again with XLA command buffers extended to WHILE and
 # CONDITIONAL (CUDA graphs across the loop); `paged` times the decode kernel through page tables
-# against the column layout (issue 13). Usage: bash benchmarks/gpu_serving.sh [which...]
+# against the column layout (issue 13; `paged_small` adds pages of 16 and 32 rows). Usage: bash benchmarks/gpu_serving.sh [which...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
@@ -43,7 +43,9 @@ for w in "${@:-decode uniform}"; do
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "(compiled or mosaic_gpu or plan or warn) and not d256";;
     paged) TAIL=40 run paged_decode 120 python3 benchmarks/paged_decode.py --out "$out/paged_decode.json";;
+    paged_small) TAIL=60 run paged_decode_small 300 python3 benchmarks/paged_decode.py --page-sizes 16,32,64,128 --out "$out/paged_decode_small.json";;
     paged_kernels) run paged_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
+    paged_small_kernels) run paged_small_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_small_pages.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done

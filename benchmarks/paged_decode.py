@@ -4,16 +4,18 @@ Issue 13's target: the paged decode kernel within 5% of the column one. One proc
 one GPU (H200 in docs/PERFORMANCE.md): 64 sequences of 32 query heads over 8 KV heads of
 128 (bf16), one decode token each, every sequence at 512 .. 8192 tokens or at mixed
 lengths. The column layout is a `[8192, 65, 8, 128]` cache; the paged layouts are pools of
-64- and 128-row pages holding the same logical contents, with each sequence's pages in
-table order ("in order") or a random permutation of the pool ("scattered", what a
-long-running server's pool looks like). Every variant attends over one buffer shape, so
-each compiles once. A row is the mean of back-to-back calls after a warm-up (the median
-of 5 such means); `paged/cols` is the paged time over the column time, and `max|diff|`
-checks the paged output against the column one (the same kernel body over the same
-logical contents: 0 expected). A 64-token K/V write (column
-`kv_write` against `paged_kv_write`) closes the table.
+64- and 128-row pages (`--page-sizes`: pages of 16 or 32 rows make each 64-row K/V tile
+several pages, one TMA and one page-table lookup per page) holding the same logical
+contents, with each sequence's pages in table order ("in order") or a random permutation
+of the pool ("scattered", what a long-running server's pool looks like). Every variant
+attends over one buffer shape, so each compiles once. A row is the mean of back-to-back
+calls after a warm-up (the median of 5 such means); `paged/cols` is the paged time over
+the column time, and `max|diff|` checks the paged output against the column one (the
+same kernel body over the same logical contents: 0 expected). A 64-token K/V write
+(column `kv_write` against `paged_kv_write`) closes the table.
 
 Usage: PYTHONPATH=. python3 benchmarks/paged_decode.py [--iters N] [--out results.json]
+       [--page-sizes 16,32,64,128]
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels import paged_sm90
 
 DTYPE = jnp.bfloat16
 NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 32, 8, 128
 CAPACITY = 8192
 LENGTHS = [512, 1024, 2048, 4096, 8192]
-PAGE_SIZES = [64, 128]
+PAGE_SIZES = [64, 128]   # the default; --page-sizes 16,32,64,128 adds pages smaller than a tile
 SCALE = 1.0 / HEAD_DIM ** 0.5
 
 
@@ -85,7 +88,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--iters", type=int, default=100, help="back-to-back calls per mean")
   parser.add_argument("--out", default=None, help="write the rows as JSON here")
+  parser.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)),
+                      help="comma-separated page sizes; pages of 8, 16 or 32 rows make each "
+                      "64-row K/V tile several pages, one TMA per page")
   args = parser.parse_args()
+  page_sizes = [int(p) for p in args.page_sizes.split(",")]
   rng = np.random.default_rng(0)
   shape = (CAPACITY, NUM_SEQS + 1, NUM_KV_HEADS, HEAD_DIM)
   k_cols = jax.random.normal(jax.random.key(1), shape, DTYPE)
@@ -95,7 +102,13 @@ def main():
   paged = jax.jit(functools.partial(pallas_kernels.paged_varlen_attention, window=None,
                                     scale=SCALE))
   layouts = {}
-  for page_size in PAGE_SIZES:
+  for page_size in page_sizes:
+    # Compiled or refused, never the reference: the paged entry point has no fallback.
+    config = paged_sm90.check_request(
+        q, jax.ShapeDtypeStruct((1, page_size, NUM_KV_HEADS, HEAD_DIM), DTYPE))
+    print(f"page {page_size}: K/V tiles of {config.block_k} rows, "
+          f"{paged_sm90.tile_pages(page_size, config.block_k)} page(s) and TMA(s) per tile "
+          "for K and for V")
     for scattered in (False, True):
       table, num_pages = page_table(page_size, scattered=scattered, rng=rng)
       name = f"page {page_size} {'scattered' if scattered else 'in order'}"

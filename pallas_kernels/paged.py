@@ -107,7 +107,8 @@ def paged_varlen_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, 
                            scale, config=None, interpret=False):
   """The Mosaic GPU attention kernel through the page table; the reference's arguments and result.
 
-  `config.block_k` must divide the page size (None picks such a config).
+  `config.block_k` must serve the page size: divide it, or be a multiple of a page
+  size that is a multiple of 8 (`paged_sm90.serves`; None picks such a config).
 
   Raises:
     ValueError: a ring `window`, or bad shapes (as the reference).

@@ -7,8 +7,13 @@ of "column 0" is offset `o` of `page`. Nothing of K/V is gathered or copied.
 - Attention runs `varlen_attention_sm90`'s kernel body unchanged on logical
   tiles (a column's logical rows are its positions, `[0, M * P)` with `M` table
   entries per column); only each tile's load address is looked up in the page
-  table inside the kernel (`address` below). `P` must be a multiple of the K/V
-  tile `block_k`, so a tile never straddles two pages.
+  table inside the kernel (`address` below). Either `P` is a multiple of the K/V
+  tile `block_k` (a tile lies in one page: one TMA per tile for K and one for
+  V, one page-table lookup) or `block_k` is a multiple of `P` and `P` one of 8
+  (pages of 8, 16, 32 rows: a tile spans `block_k // P` whole pages, one TMA
+  and one lookup per page, each into its 8-aligned row slice of the stage, all
+  on the stage's barrier). Small pages waste less of each sequence's last page
+  (issue 13's memory row) at the cost of more, smaller copies.
 - The write runs `kv_write_sm90`'s kernel body unchanged; each real token's
   pool row is looked up in the page table inside the kernel from scalar reads
   (`_paged_write_kernel`), so XLA runs nothing before it: only the step's new
@@ -47,36 +52,62 @@ def _tile_sizes(default_block_k: int, head_dim: int, *, use_wgmma: bool) -> list
   return list(range(default_block_k, 0, -1))
 
 
+def tile_pages(page_size: int, block_k: int) -> int:
+  """Pages one K/V tile reads: 1 when a tile lies in one page, else `block_k // P`."""
+  return max(1, block_k // page_size)
+
+
+def serves(page_size: int, block_k: int) -> bool:
+  """Whether tiles of `block_k` rows can stream pages of `page_size` rows.
+
+  Either every tile lies in one page (`P % block_k == 0`) or every tile is whole
+  pages whose rows start at multiples of `ROW_ALIGN` (TMA into (8, 64)-tiled
+  shared memory takes 8-aligned row slices): `block_k % P == 0`, `P % 8 == 0`.
+  """
+  return page_size % block_k == 0 or (block_k % page_size == 0
+                                      and page_size % column.ROW_ALIGN == 0)
+
+
 def check_request(q, k_pool, *, config=None, interpret=False):
   """Resolves the config and raises NotImplementedError if this paged call cannot be served.
 
   Shapes and dtypes only (arrays or `jax.ShapeDtypeStruct`s). Without a config
-  the heuristic default's K/V tile is shrunk to the largest tile the kernel may
-  use that divides the page size (the interpreter takes any tile, so it serves
-  every page size; the compiled kernel needs a multiple of 64 rows that is not
-  the head dim). An explicit config must have a `block_k` dividing the page size.
+  the heuristic default's K/V tile becomes the largest tile the kernel may use
+  that `serves` the page size: one the page is a multiple of, or one that is a
+  multiple of the page when the page is a multiple of 8 (the interpreter takes
+  any tile, so it serves every page size; the compiled kernel needs a multiple
+  of 64 rows that is not the head dim: 128 for head dim 64, 64 for 128, so it
+  serves pages of 8, 16, 32, 64 and multiples of its tile). An explicit config's
+  `block_k` must serve the page size.
 
   Returns:
     The `VarlenAttentionConfig` the call will use.
   """
   page_size, num_kv_heads, head_dim = k_pool.shape[1:]
   interpreted = _compat.resolve_interpret(interpret) is not None
+  align = column.ROW_ALIGN
   if config is None:
     default = config_lib.default_varlen_attention_config(
         group=q.shape[1] // num_kv_heads, head_dim=head_dim, interpret=interpreted)
-    sizes = [b for b in _tile_sizes(default.block_k, head_dim, use_wgmma=default.use_wgmma)
-             if page_size % b == 0]
+    tiles = _tile_sizes(default.block_k, head_dim, use_wgmma=default.use_wgmma)
+    sizes = [b for b in tiles if serves(page_size, b)]
     if not sizes:
       raise NotImplementedError(
-          f"{page_size=} is not a multiple of a K/V tile the compiled Mosaic GPU kernel can "
-          f"use for {head_dim=} (a multiple of 64 rows, at most {default.block_k}, not "
-          f"{head_dim}); use a page_size that is a multiple of {default.block_k}")
+          f"{page_size=} is served by no K/V tile the compiled Mosaic GPU kernel can use for "
+          f"{head_dim=} ({tiles} rows): a page_size must be a multiple of a tile, or a "
+          f"multiple of {align} that divides one; use e.g. {align}, {tiles[0] // 2} or "
+          f"{tiles[0]}")
     config = dataclasses.replace(default, block_k=sizes[0])
-  elif page_size % config.block_k:
-    raise NotImplementedError(f"{page_size=} must be a multiple of {config.block_k=} (a K/V "
-                              "tile must not straddle two pages)")
-  return column.check_request(q, jax.eval_shape(pool_view, k_pool), config=config,
-                              interpret=interpret)
+  elif not serves(page_size, config.block_k):
+    raise NotImplementedError(
+        f"{page_size=} must be a multiple of {config.block_k=} (a tile in one page) or a "
+        f"multiple of {align} dividing it (a tile of whole pages)")
+  # The kernel's K/V arrays are the pool's view; a pool of fewer rows than one tile still
+  # streams whole tiles (its lookups clamp into the table), so check that tile.
+  num_pages = k_pool.shape[0]
+  view = jax.ShapeDtypeStruct((max(num_pages * page_size, config.block_k), 1, num_kv_heads,
+                               head_dim), k_pool.dtype)
+  return column.check_request(q, view, config=config, interpret=interpret)
 
 
 def _page_row(table_ref, col, row, *, page_size, pages_per_col):
@@ -93,21 +124,34 @@ def _page_row(table_ref, col, row, *, page_size, pages_per_col):
 def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
                   o_ref, lse_ref,                             # Outputs
                   q_smem, q_bar,                              # Scratch
-                  *, page_size, pages_per_col, **kwargs):
+                  *, page_size, pages_per_col, block_k, **kwargs):
   """`column._attention_kernel` with each tile's rows looked up in the page table.
 
   `table_ref` is the page table flattened to `[C * M]` int32. A tile starts at a
-  logical row `r` that is a multiple of `block_k`, and `P` is one too, so its
-  rows lie in page `table[col, r // P]` from offset `r % P` on.
+  logical row `r` that is a multiple of `block_k` (the interpreter variant may
+  move the last one back to `max(M * P, block_k) - block_k`), so `r` is a
+  multiple of `min(P, block_k)`:
+  - `P >= block_k`: the tile's rows lie in page `table[col, r // P]` from offset
+    `r % P` on, one lookup;
+  - `P < block_k`: its rows are the whole pages `table[col, r // P + i]`,
+    `i < block_k // P`, one lookup each (slots past the table clamp to its last
+    entry: those rows are past every read range, masked and never summed).
   """
-
-  def address(col, row):
-    # Clamped: a lookup issued early for an empty item must stay inside the table.
-    return _page_row(table_ref, col, row, page_size=page_size, pages_per_col=pages_per_col), 0
+  pieces = tile_pages(page_size, block_k)
+  if pieces == 1:
+    def address(col, row):
+      # Clamped: a lookup issued early for an empty item must stay inside the table.
+      return [(_page_row(table_ref, col, row, page_size=page_size,
+                         pages_per_col=pages_per_col), 0)]
+  else:
+    def address(col, row):
+      slot0, base = _div(row, page_size), col * pages_per_col
+      return [(table_ref[base + jnp.minimum(slot0 + i, pages_per_col - 1)] * page_size, 0)
+              for i in range(pieces)]
 
   column._attention_kernel(   # pylint: disable=protected-access
       items_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, address=address,
-      **kwargs)
+      block_k=block_k, tile_pieces=pieces, **kwargs)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
@@ -125,10 +169,13 @@ def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, sca
                              group=group, tile_rows=tile_rows, block_k=block_k,
                              align=column.ROW_ALIGN, config=config)
   kernel = functools.partial(_paged_kernel, page_size=page_size, pages_per_col=pages_per_col)
+  # Logical rows past `M * P` map to the table's last page (see `_paged_kernel`), so a
+  # column of fewer rows than one tile still streams a whole tile: the interpreter
+  # variant's last-tile clamp (`cache_rows - block_k`) stays at row 0 or above.
   return column.run_items(kernel, q, seg, (pool_view(k_pool), pool_view(v_pool),
                                            page_table.reshape(-1)),
-                          group=group, block_k=block_k, cache_rows=num_rows, window=None,
-                          scale=scale, config=config, interpret=interpret)
+                          group=group, block_k=block_k, cache_rows=max(num_rows, block_k),
+                          window=None, scale=scale, config=config, interpret=interpret)
 
 
 def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale,
@@ -145,7 +192,8 @@ def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segme
     seq_info: `[T, 5]` int32 segment table; rows `[0, n_segments)` are real.
     n_segments: int32 scalar.
     scale: softmax scale (Python float).
-    config: a `VarlenAttentionConfig` whose `block_k` divides `P`; None picks one.
+    config: a `VarlenAttentionConfig` whose `block_k` divides `P`, or is a
+      multiple of a `P` that is a multiple of 8; None picks one.
     interpret: False compiles for the GPU; True (or `InterpretGPUParams`) runs
       the Mosaic GPU interpreter.
 
@@ -155,7 +203,7 @@ def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segme
 
   Raises:
     NotImplementedError: a valid request this kernel cannot serve (the column
-      kernel's reasons, or a page size no usable K/V tile divides).
+      kernel's reasons, or a page size no usable K/V tile serves, see `serves`).
   """
   config = check_request(q, k_pool, config=config, interpret=interpret)
   return _paged_attention(q, k_pool, v_pool, page_table, seq_info,

@@ -281,7 +281,7 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, cache_rows, window,
-                      use_wgmma, transforms, num_workers, address=None):
+                      use_wgmma, transforms, num_workers, address=None, tile_pieces=1):
   """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
   Grid axes: "worker" (`num_workers` programs per head, each looping over the
@@ -297,9 +297,12 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   buffers live in two consecutive scopes, so they share shared memory (two
   programs fit on one SM).
   `address`: None reads tile rows `[row, row + block_k)` of column `col`; a
-  function `(col, row) -> (row', col')` maps each tile's first (logical) row to
-  where the K/V arrays hold it (paged storage, `paged_sm90.py`); masks and key
-  positions keep the logical rows.
+  function `(col, row) -> [(row', col'), ...]` maps each tile's first (logical)
+  row to where the K/V arrays hold its `tile_pieces` runs of
+  `block_k // tile_pieces` consecutive rows (paged storage, `paged_sm90.py`:
+  one run per page when pages are smaller than the tile); masks and key
+  positions keep the logical rows. Each run is one TMA per K and V, all of a
+  stage's arriving on its one barrier (`num_arrivals=tile_pieces`).
   """
   head = lax.axis_index("head")
   dtype = k_ref.dtype
@@ -333,13 +336,17 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
           head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
           kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
           block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
-          address=address)
+          address=address, tile_pieces=tile_pieces)
 
     stage_shape = (num_stages, block_k, head_dim)
     acc, m_i, l_i = pl.run_scoped(
         stream, plgpu.SMEM(stage_shape, dtype, transforms=transforms),
         plgpu.SMEM(stage_shape, dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=num_stages), plgpu.Barrier(num_barriers=num_stages))
+        # A stage's phase completes once all of its `tile_pieces` copies have arrived: each
+        # `copy_gmem_to_smem` arrives once with its own byte count (jax 0.11.2 and 0.12
+        # alike); one copy per tile is the default count.
+        plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages))
 
     def store(o_smem, lse_smem):
       has_keys = l_i > 0.0
@@ -367,27 +374,44 @@ def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
 
 def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
                   head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
-                  group, block_q, block_k, num_stages, window, use_wgmma, address=None):
+                  group, block_q, block_k, num_stages, window, use_wgmma, address=None,
+                  tile_pieces=1):
   """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
 
-  `address`: see `_attention_kernel`.
+  `address`, `tile_pieces`: see `_attention_kernel`.
   """
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
+  piece_rows = block_k // tile_pieces
+  if tile_pieces > 1:   # checked by the caller (`paged_sm90.check_request`)
+    assert piece_rows * tile_pieces == block_k and piece_rows % ROW_ALIGN == 0, (
+        block_k, tile_pieces)
+
   def locate(t):
-    """Where tile `t` is stored: `(first row, column)` of the K/V arrays."""
+    """Where tile `t` is stored: one `(first row, column)` of the K/V arrays per piece."""
     load_row = span(t)[0]
-    return (load_row, col) if address is None else address(col, load_row)
+    where = [(load_row, col)] if address is None else address(col, load_row)
+    assert len(where) == tile_pieces, (len(where), tile_pieces)
+    return where
+
+  def stage_rows(smem, stage, piece):
+    # Static row slices at multiples of 8 rows: whole (8, swizzle)-tiles of the stage.
+    if tile_pieces == 1:
+      return smem.at[stage]
+    return smem.at[stage, pl.ds(piece * piece_rows, piece_rows)]
 
   def fetch(t, stage, where=None):
-    load_row, load_col = locate(t) if where is None else where
-    if use_wgmma:
-      load_row = pl.multiple_of(load_row, ROW_ALIGN)
-    rows = pl.ds(load_row, block_k)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows, load_col, head], k_smem.at[stage],
-                            k_bars.at[stage])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows, load_col, head], v_smem.at[stage],
-                            v_bars.at[stage])
+    pieces = locate(t) if where is None else where
+    loads = []
+    for load_row, load_col in pieces:
+      if use_wgmma:
+        load_row = pl.multiple_of(load_row, ROW_ALIGN)
+      loads.append((pl.ds(load_row, piece_rows), load_col))
+    # K first: its tile is waited on first.
+    for cache_ref, smem, bars in ((k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)):
+      for piece, (rows, load_col) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(cache_ref.at[rows, load_col, head],
+                                stage_rows(smem, stage, piece), bars.at[stage])
 
   # Paged storage: the first stages' page-table loads are issued together, before
   # the first TMA has to wait on one (the tile is clamped into the item's range).

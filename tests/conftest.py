@@ -38,7 +38,8 @@ def storage(request):
   Modules opt in with `pytestmark = pytest.mark.usefixtures("storage")`. Every
   implementation reads page tables: the interpreter serves any page size (its K/V
   tile shrinks to divide it), while the compiled kernels refuse page sizes that no
-  K/V tile of theirs divides (the hook below then skips that variant).
+  K/V tile of theirs serves (neither a multiple of one nor a multiple of 8 dividing
+  one; the hook below then skips that variant).
   """
   if request.param == "paged" and request.node.get_closest_marker("columns_only"):
     pytest.skip("inspects column storage; paged storage has its own tests (test_paged.py)")

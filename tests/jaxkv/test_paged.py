@@ -83,8 +83,9 @@ def test_initial_capacity_is_ignored_and_the_pool_never_grows():
 
 
 def test_implementation_plan_serves_paged_layers_with_the_paged_kernels(monkeypatch):
-  """On a Hopper default the plan runs the paged kernels' own checks: a page size that a
-  compiled K/V tile divides is served, one no tile divides falls back, with the reason."""
+  """On a Hopper default the plan runs the paged kernels' own checks: a page size that is a
+  multiple of a compiled K/V tile, or a multiple of 8 dividing one, is served; any other
+  falls back, with the reason."""
   implementation_module = jaxkv._implementation   # pylint: disable=protected-access
   monkeypatch.setattr(implementation_module, "default_implementation", lambda: "mosaic_gpu")
   layers = [jaxkv.LayerConfig(FLAT, 2, 128), jaxkv.LayerConfig(jaxkv.LayerPolicy.ring(8), 2, 128)]
@@ -94,17 +95,20 @@ def test_implementation_plan_serves_paged_layers_with_the_paged_kernels(monkeypa
   assert [p.implementation for p in plan] == ["mosaic_gpu", "mosaic_gpu"]
   assert "page table" in plan[0].reason and "page table" not in plan[1].reason
   plan = jaxkv.implementation_plan(dataclasses.replace(config, page_size=32), 8)
+  assert [p.implementation for p in plan] == ["mosaic_gpu", "mosaic_gpu"]   # 2 pages a tile
+  plan = jaxkv.implementation_plan(dataclasses.replace(config, page_size=48), 8)
   assert plan[0].implementation == "reference" and plan[1].implementation == "mosaic_gpu"
-  assert re.search(r"page_size=32 is not a multiple of a K/V tile", plan[0].reason)
+  assert re.search(r"page_size=48 is served by no K/V tile", plan[0].reason)
 
 
-def test_explicit_kernels_refuse_a_page_size_no_tile_divides():
+def test_explicit_kernels_refuse_a_page_size_no_tile_serves():
   """The compiled kernels' refusal reaches an explicit `implementation="mosaic_gpu"` (CONTRACT
   §10.7); checked on shapes, so it runs on any machine."""
   q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-  with pytest.raises(NotImplementedError, match=r"page_size=96 is not a multiple"):
+  with pytest.raises(NotImplementedError, match=r"page_size=96 is served by no K/V tile"):
     pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 96, 2, 128), jnp.bfloat16))
   pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 128, 2, 128), jnp.bfloat16))
+  pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 16, 2, 128), jnp.bfloat16))
   # The interpreter shrinks its tile to divide any page size.
   pallas_kernels.check_paged(q, jax.ShapeDtypeStruct((9, 7, 2, 128), jnp.bfloat16),
                              interpret=True)

@@ -22,11 +22,11 @@ from attention_checks import requires_hopper
 from kernel_cases import Family
 from kernel_cases import Step
 from kernel_cases import queries
-from kernel_cases import random_step
-from kernel_cases import resident_storage
 from oracle import tol
 from paged_cases import paged_copy
-from paged_cases import read_through_table
+from paged_checks import check_attention
+from paged_checks import check_write
+from paged_checks import paged_reference
 import pallas_kernels
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
@@ -57,45 +57,6 @@ GPU_CASES = [
 ]
 GPU_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
                                                    max_splits=4)
-
-
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _reference(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale):
-  return pallas_kernels.paged_varlen_attention_reference(
-      q, k_pool, v_pool, page_table, seq_info, n_segments, window=None, scale=scale)
-
-
-def check_attention(family, page_size, rng, *, config, interpret):
-  """Random steps: the paged kernel runs twice (bitwise equal), matches the paged reference
-  within the dtype's tolerance and the column kernel (same config) bitwise."""
-  scale = 1.0 / np.sqrt(family.head_dim)
-  shared = 0
-  for index in range(family.num_steps):
-    step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
-    paged = paged_copy(rng, *resident_storage(rng, family, step), step, page_size=page_size,
-                       fork=index % 2 == 1)
-    shared += paged.shared_pages
-    q = queries(rng, family, step)
-    segments = (jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
-    args = (q, paged.k_pool, paged.v_pool, paged.page_table) + segments
-    run = functools.partial(pallas_kernels.paged_varlen_attention, *args, window=None,
-                            scale=scale, config=config, interpret=interpret)
-    out, again = run(), run()
-    real = slice(0, step.n_tokens)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32),
-                                  err_msg=step.description)
-    got = np.asarray(out[real], np.float32)
-    assert np.isfinite(got).all(), step.description
-    np.testing.assert_allclose(got, np.asarray(_reference(*args, scale=scale)[real], np.float32),
-                               atol=tol(family.dtype), rtol=0, err_msg=step.description)
-    # The same kernel body over columns, with the tile the paged call chose: same sums.
-    used = paged_sm90.check_request(q, paged.k_pool, config=config, interpret=interpret)
-    columns = pallas_kernels.varlen_attention(q, paged.k_cols, paged.v_cols, *segments,
-                                              window=None, scale=scale, config=used,
-                                              interpret=interpret)
-    np.testing.assert_array_equal(got, np.asarray(columns[real], np.float32),
-                                  err_msg=step.description)
-  return shared
 
 
 @pytest.mark.parametrize("family, page_size", INTERPRET_CASES, ids=lambda x: str(x))
@@ -137,8 +98,9 @@ def test_a_fork_reads_the_shared_pages_and_its_own(rng):
       q, k_pool, *rest, window=None, scale=0.125, interpret=True), np.float32)[:5]
   out = attend(paged.k_pool)
   assert np.isfinite(out).all()
-  np.testing.assert_allclose(out, np.asarray(_reference(q, paged.k_pool, *rest, scale=0.125),
-                                             np.float32)[:5], atol=tol(jnp.bfloat16), rtol=0)
+  want = paged_reference(q, paged.k_pool, *rest, scale=0.125)
+  np.testing.assert_allclose(out, np.asarray(want, np.float32)[:5], atol=tol(jnp.bfloat16),
+                             rtol=0)
   # Poisoning the fork's own third page changes the fork's output only; poisoning a shared
   # page changes both sharers' (so the kernel really reads it through both tables).
   own = attend(paged.k_pool.at[table[2, 2]].set(jnp.nan))
@@ -161,37 +123,6 @@ def test_compiled_paged_attention_matches_reference_and_columns(family, page_siz
 
 
 # --------------------------------------------------------------------------- write
-
-
-def check_write(family, page_size, rng, *, interpret):
-  """The paged write kernel against the paged reference (pools bitwise equal, NaN included)
-  and against the column reference read back through the table in NumPy; pages nobody holds
-  (free pages, the scratch page) are never written."""
-  for index in range(family.num_steps):
-    step = random_step(rng, family, pad=index % 2 == 0, allow_blocks=False)
-    paged = paged_copy(rng, *resident_storage(rng, family, step), step, page_size=page_size,
-                       fork=False)
-    new = rng.standard_normal((2, family.width, family.num_kv_heads, family.head_dim))
-    new[:, step.n_tokens:] = np.nan                  # padded tokens must not be written
-    k_new, v_new = (jnp.asarray(x, jnp.float32) for x in new)
-    plan = (jnp.asarray(step.seq_cols), jnp.asarray(step.rows), jnp.int32(step.n_tokens))
-    args = (paged.k_pool, paged.v_pool, k_new, v_new) + plan + (paged.page_table,)
-    got = pallas_kernels.paged_kv_write(*args, interpret=interpret)
-    want = pallas_kernels.paged_kv_write_reference(*args)
-    columns = pallas_kernels.kv_write_reference(paged.k_cols, paged.v_cols, k_new, v_new, *plan)
-    table = np.asarray(paged.page_table)
-    held = np.unique(table[:family.max_seqs])
-    unheld = np.setdiff1d(np.arange(paged.k_pool.shape[0]), held)
-    for g, w, c in zip(got, want, columns):
-      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
-                                    err_msg=step.description)
-      logical = read_through_table(g, table, page_size)[:, :family.max_seqs]
-      held_rows = np.asarray(c, np.float32)[:, :family.max_seqs]
-      for col in range(family.max_seqs):     # columns with no page read the scratch page
-        if (table[col] != unheld[-1]).any():
-          np.testing.assert_array_equal(logical[:, col], held_rows[:, col],
-                                        err_msg=step.description)
-      assert np.isnan(np.asarray(g, np.float32)[unheld]).all(), step.description
 
 
 @pytest.mark.parametrize("family, page_size", INTERPRET_CASES[:2], ids=lambda x: str(x))
@@ -308,23 +239,30 @@ def test_compiled_kernels_lower_with_no_copy_of_the_pool(head_dim, page_size):
 @pytest.mark.parametrize("head_dim, page_size, interpret, want", [
     (128, 64, False, 64), (128, 128, False, 64), (128, 256, False, 64),
     (64, 128, False, 128), (64, 384, False, 128),
+    # Pages smaller than the compiled tile: a tile of whole pages (64 is square for d64).
+    (128, 8, False, 64), (128, 16, False, 64), (128, 32, False, 64),
+    (64, 16, False, 128), (64, 32, False, 128), (64, 64, False, 128),
     (64, 8, True, 8), (64, 16, True, 8), (64, 12, True, 6), (64, 3, True, 3), (64, 7, True, 7),
 ])
-def test_the_default_tile_divides_the_page(head_dim, page_size, interpret, want):
+def test_the_default_tile_serves_the_page(head_dim, page_size, interpret, want):
   s = _shapes(8, 8, 10, page_size, 2, head_dim)
   config = paged_sm90.check_request(s["q"], s["pool"], interpret=interpret)
-  assert config.block_k == want and page_size % config.block_k == 0
+  assert config.block_k == want
+  assert page_size % want == 0 or (want % page_size == 0 and page_size % 8 == 0)
 
 
 @pytest.mark.parametrize("head_dim, page_size, config, interpret, match", [
-    (128, 32, None, False, "page_size=32 is not a multiple of a K/V tile"),
-    (128, 96, None, False, "page_size=96 is not a multiple of a K/V tile"),
-    (64, 64, None, False, "page_size=64 is not a multiple of a K/V tile"),   # 64 is square
-    (128, 128, config_lib.VarlenAttentionConfig(block_k=256, num_stages=1), False,
-     r"page_size=128 must be a multiple of config.block_k=256"),
+    (128, 96, None, False, r"page_size=96 is served by no K/V tile .*head_dim=128 \(\[64\] rows\)"),
+    (64, 48, None, False, r"page_size=48 is served by no K/V tile .*head_dim=64 \(\[128\] rows\)"),
+    (128, 4, None, False, "page_size=4 is served by no K/V tile"),      # divides, not 8-aligned
+    (64, 24, None, False, "page_size=24 is served by no K/V tile"),
+    (128, 96, config_lib.VarlenAttentionConfig(block_k=64), False,
+     r"page_size=96 must be a multiple of config.block_k=64 .* or a multiple of 8 dividing it"),
+    (64, 4, config_lib.VarlenAttentionConfig(block_k=16, use_wgmma=False), True,
+     r"page_size=4 must be a multiple of config.block_k=16"),
     (64, 128, config_lib.VarlenAttentionConfig(block_k=128), True,
      "interpreter cannot run wgmma"),
-], ids=["p32", "p96", "d64-p64", "explicit", "interpret-wgmma"])
+], ids=["p96", "d64-p48", "p4", "d64-p24", "explicit", "explicit-p4", "interpret-wgmma"])
 def test_paged_kernels_refuse_what_they_cannot_serve(head_dim, page_size, config, interpret,
                                                      match):
   s = _shapes(8, 8, 10, page_size, 2, head_dim)
