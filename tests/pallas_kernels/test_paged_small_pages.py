@@ -134,7 +134,16 @@ def _count_tma_loads(lowered_text: str) -> int:
   with ir.Context() as ctx, ir.Location.unknown():
     ctx.allow_unregistered_dialects = True
     mosaic_gpu_dialect.register_dialect(ctx)
-    text = str(ir.Module.parse(bytes(data)))
+    try:
+      text = str(ir.Module.parse(bytes(data)))
+    except ir.MLIRError as e:
+      # jaxlib 0.11.2 (the H200 machine's) does not register the gpu dialect's memory
+      # spaces in a bare context (seen 2026-12-01); there the compiled tests check the
+      # kernel. jax >= 0.12 (CI's) parses it, and a failure there is a real one.
+      if jax.__version_info__ < (0, 12):
+        pytest.skip(f"jaxlib {jax.__version__} cannot parse the Mosaic GPU module back: "
+                    f"{str(e).splitlines()[0]}")
+      raise
   return len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cta\.global", text))
 
 
