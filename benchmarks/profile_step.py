@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -201,6 +202,8 @@ def main(argv=None) -> int:
   p.add_argument("--small", action="store_true")
   p.add_argument("--widths", default="512", help="engine W values to time, comma-separated")
   p.add_argument("--decode-only", action="store_true", help="skip the prefill and padded traces")
+  p.add_argument("--page-size", type=int, default=0,
+                 help="also trace each width over paged storage of this page size (same weights)")
   p.add_argument("--dump-hlo", action="store_true", help="write the loop's optimized HLO and "
                  "every kernel's launches and time per step under --out")
   args = p.parse_args(argv)
@@ -224,6 +227,22 @@ def main(argv=None) -> int:
     results[f"engine_W{width}_decode"], s = _time_and_trace(
         engine, reqs, os.path.join(args.out, f"engine_W{width}_decode"),
         f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
+    if args.page_size:
+      paged_cache = dataclasses.replace(cache, page_size=args.page_size)
+      paged = serve.Engine(e2e.Decoder(cfg, paged_cache, dtype=jnp.bfloat16,
+                                       param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+                           max_len=2048 + 256)
+      label = f"paged{args.page_size}_W{width}_decode"
+      results[label], ps = _time_and_trace(
+          paged, reqs, os.path.join(args.out, label),
+          f"engine W={width} over pages of {args.page_size}, decode-heavy (64 x 8..16 + {new})")
+      results[ps["label"]] = ps
+      _print(ps)
+      if args.dump_hlo:
+        with open(os.path.join(args.out, f"kernels_{label}.txt"), "w") as f:
+          for name, t, k in ps.get("all", []):
+            f.write(f"{k:8.2f} {t:8.4f} {name}\n")
+      del paged
     if args.dump_hlo:
       queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in reqs],
                                max_len=engine.max_len, max_stop=engine.max_stop)
