@@ -35,6 +35,7 @@ for w in "${@:-decode uniform}"; do
     levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixed2k_lpt) run e2e_mixed2k_lpt 480 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-fcfs --also-sorted-static --paged 128 --out "$out/e2e_mixed2k_lpt.json";;
     mixed2k_paged32) run e2e_mixed2k_paged32 300 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 32 --out "$out/e2e_mixed2k_paged32.json";;
+    mixed2k_halving) run e2e_mixed2k_halving 420 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-widths 2048,512,128,64 --out "$out/e2e_mixed2k_halving.json";;
     mixeddp1k) run e2e_mixed_dp1k 420 python3 benchmarks/e2e.py --workload mixed --mixed-requests 1024 --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp1k.json";;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;
     tp8b) run tp8b 480 python3 benchmarks/sharded.py --model --devices 2 --model-layers 32 --model-hidden 4096 --model-heads 32 --model-kv-heads 8 --model-head-dim 128 --model-intermediate 14336 --model-vocab 128256 --no-mesh-row;;

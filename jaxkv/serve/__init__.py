@@ -13,8 +13,8 @@ prompt + token limit reserved so no step is refused inside the loop), parallel
 sampling forks (`n > 1`: the prompt but its last token is prefilled once, then
 `jaxkv.pure.seq_clone` forks it; every sample feeds the last prompt token
 itself and samples with its own key), steps at a few compiled widths (a
-decode-only step runs on one slot per column, prefill on `W` or a width a
-factor 4 or 16 narrower, `default_widths`), sampling
+decode-only step runs on one slot per column, prefill on `W` or a narrower
+width, halving down to 512 rows, `default_widths`), sampling
 (greedy, temperature, top-k, top-p, min_p, repetition/presence/frequency penalties, logprobs,
 per-request seeds) and retirement
 (`jaxkv.pure.seq_rm`). The host is visited once per `max_steps` steps.

@@ -47,6 +47,9 @@ def _split_placed(model, mesh):
 
 
 MIN_MIDDLE_WIDTH = 128
+# Prefill widths halve down to this many rows (where dense layers are compute-bound on
+# a Hopper GPU for a 1B-8B model), then shrink by 4.
+HALVING_WIDTH = 512
 
 
 def plain_greedy(params: SamplingParams) -> bool:
@@ -57,15 +60,17 @@ def plain_greedy(params: SamplingParams) -> bool:
 
 
 def default_widths(config: CacheConfig) -> tuple[int, ...]:
-  """`(W, W / 4, W / 16, ..., narrow)`: the full width, prefill widths a factor 4 apart, decode.
+  """`(W, W / 2, ..., 512, 128, ..., narrow)`: the full width, prefill widths, decode.
 
-  `narrow` is one decode slot per column rounded up to 8. The widths between
-  are kept while they are at least `MIN_MIDDLE_WIDTH` and twice `narrow`
-  (multiples of 8): a step that admits one prompt next to the running decodes
-  (the common step of a busy engine) then pays for a few hundred rows, not `W`.
-  Dense layers cost about the weight read up to ~200 rows on a Hopper GPU and
-  grow with the rows past that, so a 2048-wide step costs ~4x a 512-wide one
-  (docs/PERFORMANCE.md); below `MIN_MIDDLE_WIDTH` rows a width would cost its
+  `narrow` is one decode slot per column rounded up to 8. Between `W` and
+  `narrow`, widths halve while they stay at least `HALVING_WIDTH` rows and then
+  shrink by 4, kept while they are at least `MIN_MIDDLE_WIDTH` and twice `narrow`
+  (multiples of 8). A step runs at the narrowest width that holds its tokens
+  (a prompt chunk next to the running decodes, the common step of a busy
+  engine), so it pays for at most twice its rows where rows cost (dense layers
+  cost about the weight read up to a few hundred rows on a Hopper GPU and grow
+  with the rows past that: a 2048-wide step costs ~4x a 512-wide one,
+  docs/PERFORMANCE.md), and below `MIN_MIDDLE_WIDTH` rows a width would cost its
   compilation and save nothing.
   """
   width = config.step_width
@@ -73,10 +78,11 @@ def default_widths(config: CacheConfig) -> tuple[int, ...]:
   if narrow >= width:
     return (width,)
   widths = [width]
-  middle = (width // 4) // 8 * 8
+  shrink = lambda w: (w // 2 if w // 2 >= HALVING_WIDTH else w // 4) // 8 * 8
+  middle = shrink(width)
   while middle >= max(MIN_MIDDLE_WIDTH, 2 * narrow):
     widths.append(middle)
-    middle = (middle // 4) // 8 * 8
+    middle = shrink(middle)
   return tuple(widths) + (narrow,)
 
 
@@ -133,8 +139,8 @@ class Engine:
       `on_progress` is called after each entry).
     max_stop_tokens: most stop tokens per request.
     widths: step widths compiled into the loop, descending, the first the
-      cache's `W` (default `default_widths`: `W`, prefill widths a factor 4
-      apart, and one slot per column). A
+      cache's `W` (default `default_widths`: `W`, prefill widths halving down
+      to 512 rows, then a factor 4 apart, and one slot per column). A
       step runs at the narrowest width that holds every wanted token.
     mesh: optional `jax.sharding.Mesh` for tensor parallelism; default the
       model's `mesh` attribute (`jaxkv.models.Decoder(..., mesh=)`). The

@@ -254,15 +254,18 @@ def test_paged_storage_serves_the_same_tokens(model, rng):
 
 
 @pytest.mark.parametrize("width, max_seqs, want", [
-    (2048, 64, (2048, 512, 128, 64)),   # the e2e shape: one prompt next to 63 decodes -> 512
+    # The e2e shape: halving down to 512 rows (a 600-token prompt next to 63 decodes runs
+    # 1024 rows, not 2048), then a factor 4.
+    (2048, 64, (2048, 1024, 512, 128, 64)),
     (512, 64, (512, 128, 64)),
-    (4096, 256, (4096, 1024, 256)),     # no middle width below twice the decode width
-    (2048, 16, (2048, 512, 128, 16)),   # none below 128 rows (they cost what decode costs)
+    (4096, 256, (4096, 2048, 1024, 512, 256)),   # no middle width below twice the decode width
+    (2048, 16, (2048, 1024, 512, 128, 16)),      # none below 128 rows (they cost what decode costs)
+    (1000, 8, (1000, 248, 8)),                   # half of 1000 is under 512 rows: a factor 4
     (256, 8, (256, 8)),
     (64, 8, (64, 8)),
-    (8, 4, (8,)),                       # decode already fills W
+    (8, 4, (8,)),                                # decode already fills W
 ])
-def test_default_widths_add_prefill_widths_a_factor_four_apart(width, max_seqs, want):
+def test_default_widths_halve_where_rows_cost_then_shrink_by_four(width, max_seqs, want):
   from jaxkv.serve.engine import default_widths   # pylint: disable=g-import-not-at-top
   layers = (LayerConfig(policy=LayerPolicy(), n_kv_heads=1, head_dim=8),)
   config = CacheConfig(layers=layers, capacity=8192, max_seqs=max_seqs, max_write=width)
