@@ -16,6 +16,9 @@ Variants:
   the split merge (three XLA kernels per layer) is compiled out: measures the
   merge's cost on a workload that never splits.
 - `both`: `sample_cond` and `no_splits`.
+- `compacted_merge`: the XLA epilogue's older form on narrow steps too (a copy of
+  every token's first partial, the split tokens compacted, merged and scattered
+  back) instead of merging every token over its splits (`DIRECT_MERGE`).
 - `kernel_epilogue`: the attention epilogue as the Mosaic GPU kernel
   (`fused_combine=True`, `combine_sm90`) instead of XLA operations (the default).
 
@@ -42,6 +45,7 @@ import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
+from pallas_kernels import varlen_attention_sm90   # pylint: disable=wrong-import-position
 
 
 @contextlib.contextmanager
@@ -73,6 +77,8 @@ def _variant(name):
   if name in ("no_splits", "both"):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
+  if name == "compacted_merge":
+    stack.enter_context(_patched(varlen_attention_sm90, "DIRECT_MERGE", False))
   if name == "kernel_epilogue":
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _kernel_epilogue_default))

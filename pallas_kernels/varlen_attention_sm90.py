@@ -558,6 +558,9 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
                                             head_dim)
   lse_part = lse_part[:, :, :tile_rows].reshape(num_items, num_kv_heads, tile_tokens, group)
   heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
+  if max_splits > 1 and num_tokens <= max_split_tokens and DIRECT_MERGE:
+    return _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block,
+                              heads=heads, max_splits=max_splits, out_dtype=out_dtype)
   out = o_part[item_base[:, None], heads, row_block[:, None]]            # [T, K, G, D]
   # Padding tokens gathered unwritten partials; give them zeros, deterministically.
   out = jnp.where(is_token[:, None, None, None], out, 0.0)
@@ -580,6 +583,38 @@ def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
     merged = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
     out = out.at[picked].set(merged, mode="drop")   # fill entries (== T) are dropped
   return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
+
+
+# Narrow steps (every token may split, `num_tokens <= max_split_tokens`) merge every
+# token over its splits in place of a first-partial copy, a compaction and a scatter:
+# two to three XLA kernels per layer instead of five. A switch for A/B timing only
+# (benchmarks/step_levers.py); both give the same result up to rounding.
+DIRECT_MERGE = True
+
+
+def _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block, *, heads,
+                       max_splits, out_dtype):
+  """`_combine` for steps whose every token may split: `[T, K, G, D]` merges, no scatter.
+
+  A token's unused split slots read its first partial again (written, and just
+  read, so cached) and are selected away; a token with one split gets its
+  partial times exactly 1. Padding tokens get zeros.
+  """
+  num_tokens = is_token.shape[0]
+  num_items = o_part.shape[0]
+  split = jnp.arange(max_splits, dtype=jnp.int32)
+  used = is_token[:, None] & (split[None, :] < splits[:, None])            # [T, J]
+  items = jnp.clip(item_base[:, None] + jnp.where(used, split[None, :], 0), 0, num_items - 1)
+  rows = row_block[:, None, None]
+  lse = lse_part[items[:, :, None], heads[None], rows]                     # [T, J, K, G]
+  used = used[:, :, None, None]
+  lse = jnp.where(used, lse, MASK_VALUE)
+  weight = jnp.where(used, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
+  # Select, never multiply: a partial of an unused slot is never summed.
+  o = jnp.where(used[..., None], o_part[items[:, :, None], heads[None], rows], 0.0)
+  denom = weight.sum(axis=1)
+  merged = (weight[..., None] * o).sum(axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
+  return merged.reshape(num_tokens, -1, merged.shape[-1]).astype(out_dtype)
 
 
 def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):

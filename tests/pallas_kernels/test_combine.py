@@ -105,3 +105,35 @@ def test_step_plan_has_no_loop_up_to_the_e2e_prefill_width(tokens):
   attend = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None, scale=0.1))
   text = attend.trace(*_shapes(tokens, 4, 8, 64)).lower(lowering_platforms=("cuda",)).as_text()
   assert "stablehlo.while" not in text
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=str)
+def test_direct_merge_of_narrow_steps_matches_reference(family, rng):
+  """Steps of at most `max_split_tokens` tokens merge every token over its splits (no
+  scatter); with splits, padding and owner blocks they match the reference."""
+  direct = dataclasses.replace(SPLITS, fused_combine=False, max_split_tokens=64)
+  assert family.width <= direct.max_split_tokens
+  check_family(family, rng, config=direct, interpret=True)
+
+
+def test_direct_and_compacted_merges_agree(rng, monkeypatch):
+  """Same partials, the two XLA epilogues (`DIRECT_MERGE`): float32 rounding apart; padding
+  tokens are zeros in both."""
+  from pallas_kernels import varlen_attention_sm90   # pylint: disable=g-import-not-at-top
+  family = FAMILIES[0]
+  config = dataclasses.replace(SPLITS, fused_combine=False, max_split_tokens=64)
+  scale = 1.0 / np.sqrt(family.head_dim)
+  for index in range(3):
+    step = random_step(rng, family, pad=index != 0, allow_blocks=index == 2)
+    k, v = resident_storage(rng, family, step)
+    q = queries(rng, family, step).astype(jnp.float32)
+    args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
+    outs = []
+    for direct in (True, False):
+      monkeypatch.setattr(varlen_attention_sm90, "DIRECT_MERGE", direct)
+      jax.clear_caches()   # the flag is read while tracing
+      outs.append(np.asarray(pallas_kernels.varlen_attention(
+          *args, window=family.window, scale=scale, config=config, interpret=True)))
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6, err_msg=step.description)
+    for out in outs:
+      np.testing.assert_array_equal(out[step.n_tokens:], 0.0)
