@@ -43,6 +43,7 @@ for w in "${@:-decode uniform}"; do
     levers) run step_levers 400 python3 benchmarks/step_levers.py;;
     profile_prefill) TAIL=70 run profile_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --dump-hlo --out "$out";;
     profile_paged) TAIL=70 run profile_paged 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 32 --dump-hlo --out "$out";;
+    profile_paged_prefill) TAIL=80 run profile_paged_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --prefill-only --page-size 128 --dump-hlo --out "$out";;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "(compiled or mosaic_gpu or plan or warn) and not d256";;

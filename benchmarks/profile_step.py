@@ -202,6 +202,8 @@ def main(argv=None) -> int:
   p.add_argument("--small", action="store_true")
   p.add_argument("--widths", default="512", help="engine W values to time, comma-separated")
   p.add_argument("--decode-only", action="store_true", help="skip the prefill and padded traces")
+  p.add_argument("--prefill-only", action="store_true",
+                 help="trace only the prefill-heavy workload (no decode or padded traces)")
   p.add_argument("--page-size", type=int, default=0,
                  help="also trace each width over paged storage of this page size (same weights)")
   p.add_argument("--dump-hlo", action="store_true", help="write the loop's optimized HLO and "
@@ -216,79 +218,69 @@ def main(argv=None) -> int:
            .astype(np.int32).tolist() for _ in range(16 if not args.small else 2)]
   results = {}
   from flax import nnx   # pylint: disable=g-import-not-at-top
+  def trace(engine, reqs, tag, label):
+    """Times and traces one workload on `engine`; prints it and keeps its kernel list."""
+    results[tag], summary = _time_and_trace(engine, reqs, os.path.join(args.out, tag), label)
+    results[summary["label"]] = summary
+    _print(summary)
+    if args.dump_hlo:
+      os.makedirs(args.out, exist_ok=True)
+      with open(os.path.join(args.out, f"kernels_{tag}.txt"), "w") as f:
+        for name, t, k in summary.get("all", []):
+          f.write(f"{k:8.2f} {t:8.4f} {name}\n")
+
+  decode_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
+  prefill_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
   for width in [int(w) for w in args.widths.split(",")]:
     rows = 2048 + 256
     cache = cfg.cache_config(capacity=64 * (2048 + 256), max_seqs=n_req, max_write=width,
                              kv_dtype=jnp.bfloat16, initial_capacity=rows)
-    model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                        rngs=nnx.Rngs(0))
-    engine = serve.Engine(model, max_len=2048 + 256)
-    reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
-    results[f"engine_W{width}_decode"], s = _time_and_trace(
-        engine, reqs, os.path.join(args.out, f"engine_W{width}_decode"),
-        f"engine W={width}, decode-heavy (64 x 8..16 + {new})")
+    storages = [("engine", "", cache)]
     if args.page_size:
-      paged_cache = dataclasses.replace(cache, page_size=args.page_size)
-      paged = serve.Engine(e2e.Decoder(cfg, paged_cache, dtype=jnp.bfloat16,
-                                       param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
-                           max_len=2048 + 256)
-      label = f"paged{args.page_size}_W{width}_decode"
-      results[label], ps = _time_and_trace(
-          paged, reqs, os.path.join(args.out, label),
-          f"engine W={width} over pages of {args.page_size}, decode-heavy (64 x 8..16 + {new})")
-      results[ps["label"]] = ps
-      _print(ps)
-      if args.dump_hlo:
-        with open(os.path.join(args.out, f"kernels_{label}.txt"), "w") as f:
-          for name, t, k in ps.get("all", []):
-            f.write(f"{k:8.2f} {t:8.4f} {name}\n")
-      del paged
-    if args.dump_hlo:
-      queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in reqs],
-                               max_len=engine.max_len, max_stop=engine.max_stop)
-      ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
-      # The loop `Engine.run` picked for these requests (greedy ones: no sampler cond).
-      greedy = all(serve.engine.plain_greedy(r.params) for r in reqs)
-      loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
-      text = loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text()
-      os.makedirs(args.out, exist_ok=True)
-      with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:
-        f.write(text)
-      with open(os.path.join(args.out, f"kernels_W{width}.txt"), "w") as f:
-        for name, t, k in s.get("all", []):
-          f.write(f"{k:8.2f} {t:8.4f} {name}\n")
-    results[s["label"]] = s
-    _print(s)
-    if width >= 512 and not args.decode_only:
-      lreqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
-      results[f"engine_W{width}_prefill"], s = _time_and_trace(
-          engine, lreqs, os.path.join(args.out, f"engine_W{width}_prefill"),
-          f"engine W={width}, prefill-heavy (16 x 2000 + 4)")
-      if args.dump_hlo:
-        with open(os.path.join(args.out, f"kernels_W{width}_prefill.txt"), "w") as f:
-          for name, t, k in s.get("all", []):
-            f.write(f"{k:8.2f} {t:8.4f} {name}\n")
-      results[s["label"]] = s
-      _print(s)
-    del engine, model
-  if args.decode_only:
-    return 0
-  # The padded loop on the decode-heavy workload.
-  cache = cfg.cache_config(capacity=64 * 512, max_seqs=n_req, max_write=64,
+      storages.append((f"paged{args.page_size}", f" over pages of {args.page_size}",
+                       dataclasses.replace(cache, page_size=args.page_size)))
+    for prefix, what, storage in storages:
+      model = e2e.Decoder(cfg, storage, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                          rngs=nnx.Rngs(0))
+      engine = serve.Engine(model, max_len=2048 + 256)
+      if not args.prefill_only:
+        trace(engine, decode_reqs, f"{prefix}_W{width}_decode",
+              f"engine W={width}{what}, decode-heavy (64 x 8..16 + {new})")
+        if args.dump_hlo and not what:
+          queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in decode_reqs],
+                                   max_len=engine.max_len, max_stop=engine.max_stop)
+          ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
+          # The loop `Engine.run` picked for these requests (greedy ones: no sampler cond).
+          greedy = all(serve.engine.plain_greedy(r.params) for r in decode_reqs)
+          loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
+          with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:
+            f.write(loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text())
+      if width >= 512 and not args.decode_only:
+        trace(engine, prefill_reqs, f"{prefix}_W{width}_prefill",
+              f"engine W={width}{what}, prefill-heavy (16 x 2000 + 4)")
+      del engine, model
+  if not (args.decode_only or args.prefill_only):
+    _trace_padded(cfg, short, new, args.out, results)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "profile.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  return 0
+
+
+def _trace_padded(cfg, short, new, out, results):
+  """The padded loop on the decode-heavy workload: timed, then traced."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  cache = cfg.cache_config(capacity=64 * 512, max_seqs=len(short), max_write=64,
                            kv_dtype=jnp.bfloat16, initial_capacity=512)
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   r, _ = e2e.run_baseline(cfg, model, short, new)
   print(f"padded decode-heavy: {r['ms_per_decode_step']:.3f} ms/decode step ({r['attention']})")
-  tdir = os.path.join(args.out, "padded_decode")
+  tdir = os.path.join(out, "padded_decode")
   with jax.profiler.trace(tdir):
     e2e.run_baseline(cfg, model, short, new)
   s = summarize(tdir, 2 * new, "padded loop, decode-heavy (warm-up + timed run traced)")
   results[s["label"]] = s
   _print(s)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "profile.json"), "w") as f:
-    json.dump(results, f, indent=1, default=str)
-  return 0
 
 
 if __name__ == "__main__":
