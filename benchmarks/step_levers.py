@@ -45,7 +45,7 @@ import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
-from pallas_kernels import varlen_attention_sm90   # pylint: disable=wrong-import-position
+from pallas_kernels import varlen_epilogue   # pylint: disable=wrong-import-position
 
 
 @contextlib.contextmanager
@@ -78,7 +78,7 @@ def _variant(name):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
   if name == "compacted_merge":
-    stack.enter_context(_patched(varlen_attention_sm90, "DIRECT_MERGE", False))
+    stack.enter_context(_patched(varlen_epilogue, "DIRECT_MERGE", False))
   if name == "kernel_epilogue":
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _kernel_epilogue_default))

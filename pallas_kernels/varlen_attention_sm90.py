@@ -18,7 +18,7 @@ segment's one or two ring row runs, see `indexing.run_tiling`) through a
 and writes its real rows of a normalized float32 partial output plus the
 log-sum-exp (base 2). The epilogue copies each token's partial back to
 `[T, H_q, D]` in q's dtype, merging the splits of split segments: XLA operations
-(`_combine`), or, with `fused_combine=True` and a head layout it serves, one Mosaic
+(`varlen_epilogue.combine`), or, with `fused_combine=True` and a head layout it serves, one Mosaic
 GPU kernel (`combine_sm90`).
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
@@ -47,6 +47,7 @@ from pallas_kernels import _compat
 from pallas_kernels import combine_sm90
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
+from pallas_kernels import varlen_epilogue
 from pallas_kernels.common import MASK_VALUE
 from pallas_kernels.common import SUPPORTED_KV_DTYPES
 from pallas_kernels.common import searchsorted_right
@@ -539,84 +540,6 @@ def _smem_transforms(use_wgmma, dtype, head_dim):
   return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def _combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
-             max_split_tokens, out_dtype):
-  """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`.
-
-  Every token's first (often only) partial is gathered once; tokens of split
-  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
-  compacted and merged over their `max_splits` partials, then scattered back.
-  """
-  num_items, num_kv_heads, _, head_dim = o_part.shape
-  is_token, item_base, splits, row_block = combine_sm90.token_items(
-      seg, num_tokens=num_tokens, group=group, block_q=block_q, num_items=num_items)
-  tile_tokens = block_q // group                          # see `q_tile_rows`
-  # The idle rows past the tile's whole tokens (when G does not divide block_q)
-  # are dropped; the gathers below read every row through this view.
-  tile_rows = tile_tokens * group
-  o_part = o_part[:, :, :tile_rows].reshape(num_items, num_kv_heads, tile_tokens, group,
-                                            head_dim)
-  lse_part = lse_part[:, :, :tile_rows].reshape(num_items, num_kv_heads, tile_tokens, group)
-  heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
-  if max_splits > 1 and num_tokens <= max_split_tokens and DIRECT_MERGE:
-    return _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block,
-                              heads=heads, max_splits=max_splits, out_dtype=out_dtype)
-  out = o_part[item_base[:, None], heads, row_block[:, None]]            # [T, K, G, D]
-  # Padding tokens gathered unwritten partials; give them zeros, deterministically.
-  out = jnp.where(is_token[:, None, None, None], out, 0.0)
-  num_split_tokens = min(num_tokens, max_split_tokens)
-  if max_splits > 1 and num_split_tokens:
-    (picked,) = jnp.nonzero(is_token & (splits > 1), size=num_split_tokens,
-                            fill_value=num_tokens)
-    safe = jnp.minimum(picked, num_tokens - 1)
-    split = jnp.arange(max_splits, dtype=jnp.int32)
-    is_split = split[None, :] < splits[safe][:, None]                    # [S, J]
-    items = jnp.clip(item_base[safe][:, None] + split[None, :], 0, num_items - 1)
-    rows = row_block[safe][:, None, None]
-    o = o_part[items[:, :, None], heads[None], rows]                     # [S, J, K, G, D]
-    lse = lse_part[items[:, :, None], heads[None], rows]                 # [S, J, K, G]
-    is_split = is_split[:, :, None, None]
-    lse = jnp.where(is_split, lse, MASK_VALUE)
-    weight = jnp.where(is_split, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
-    # Select, never multiply: an unused split's buffer was never written.
-    o = jnp.where(is_split[..., None], o, 0.0)
-    merged = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
-    out = out.at[picked].set(merged, mode="drop")   # fill entries (== T) are dropped
-  return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
-
-
-# Narrow steps (every token may split, `num_tokens <= max_split_tokens`) merge every
-# token over its splits in place of a first-partial copy, a compaction and a scatter:
-# two to three XLA kernels per layer instead of five. A switch for A/B timing only
-# (benchmarks/step_levers.py); both give the same result up to rounding.
-DIRECT_MERGE = True
-
-
-def _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block, *, heads,
-                       max_splits, out_dtype):
-  """`_combine` for steps whose every token may split: `[T, K, G, D]` merges, no scatter.
-
-  A token's unused split slots read its first partial again (written, and just
-  read, so cached) and are selected away; a token with one split gets its
-  partial times exactly 1. Padding tokens get zeros.
-  """
-  num_tokens = is_token.shape[0]
-  num_items = o_part.shape[0]
-  split = jnp.arange(max_splits, dtype=jnp.int32)
-  used = is_token[:, None] & (split[None, :] < splits[:, None])            # [T, J]
-  items = jnp.clip(item_base[:, None] + jnp.where(used, split[None, :], 0), 0, num_items - 1)
-  rows = row_block[:, None, None]
-  lse = lse_part[items[:, :, None], heads[None], rows]                     # [T, J, K, G]
-  used = used[:, :, None, None]
-  lse = jnp.where(used, lse, MASK_VALUE)
-  weight = jnp.where(used, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
-  # Select, never multiply: a partial of an unused slot is never summed.
-  o = jnp.where(used[..., None], o_part[items[:, :, None], heads[None], rows], 0.0)
-  denom = weight.sum(axis=1)
-  merged = (weight[..., None] * o).sum(axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return merged.reshape(num_tokens, -1, merged.shape[-1]).astype(out_dtype)
-
-
 def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
   """K/V arrays of `padded_rows` rows for the kernel, and the segment table to read them with.
 
@@ -703,9 +626,9 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
     return combine_sm90.combine_sm90(
         o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
         max_splits=config.max_splits, interpret=interpret).astype(q.dtype)
-  return _combine(o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
-                  max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
-                  out_dtype=q.dtype)
+  return varlen_epilogue.combine(
+      o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
+      max_splits=config.max_splits, max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
 
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,

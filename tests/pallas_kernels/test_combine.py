@@ -119,7 +119,7 @@ def test_direct_merge_of_narrow_steps_matches_reference(family, rng):
 def test_direct_and_compacted_merges_agree(rng, monkeypatch):
   """Same partials, the two XLA epilogues (`DIRECT_MERGE`): float32 rounding apart; padding
   tokens are zeros in both."""
-  from pallas_kernels import varlen_attention_sm90   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import varlen_epilogue   # pylint: disable=g-import-not-at-top
   family = FAMILIES[0]
   config = dataclasses.replace(SPLITS, fused_combine=False, max_split_tokens=64)
   scale = 1.0 / np.sqrt(family.head_dim)
@@ -130,7 +130,7 @@ def test_direct_and_compacted_merges_agree(rng, monkeypatch):
     args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
     outs = []
     for direct in (True, False):
-      monkeypatch.setattr(varlen_attention_sm90, "DIRECT_MERGE", direct)
+      monkeypatch.setattr(varlen_epilogue, "DIRECT_MERGE", direct)
       jax.clear_caches()   # the flag is read while tracing
       outs.append(np.asarray(pallas_kernels.varlen_attention(
           *args, window=family.window, scale=scale, config=config, interpret=True)))
