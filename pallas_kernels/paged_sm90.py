@@ -35,8 +35,9 @@ from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
 from pallas_kernels import kv_write_sm90
 from pallas_kernels import varlen_attention_sm90 as column
+from pallas_kernels import varlen_kernel_sm90 as kernel_body
 
-_div = column._div   # pylint: disable=protected-access
+_div = kernel_body.div
 
 
 def pool_view(pool):
@@ -125,7 +126,7 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
                   o_ref, lse_ref,                             # Outputs
                   q_smem, q_bar,                              # Scratch
                   *, page_size, pages_per_col, block_k, **kwargs):
-  """`column._attention_kernel` with each tile's rows looked up in the page table.
+  """`varlen_kernel_sm90.attention_kernel` with each tile's rows looked up in the page table.
 
   `table_ref` is the page table flattened to `[C * M]` int32. A tile starts at a
   logical row `r` that is a multiple of `block_k` (the interpreter variant may
@@ -149,7 +150,7 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
       return [(table_ref[base + jnp.minimum(slot0 + i, pages_per_col - 1)] * page_size, 0)
               for i in range(pieces)]
 
-  column._attention_kernel(   # pylint: disable=protected-access
+  kernel_body.attention_kernel(
       items_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, address=address,
       block_k=block_k, tile_pieces=pieces, **kwargs)
 

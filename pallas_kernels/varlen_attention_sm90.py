@@ -10,16 +10,18 @@ Work is cut into *items*, each served for one KV head at a time:
   over its keys (flash decoding); the number of splits is chosen on device from
   the segment lengths, within a static budget.
 
-Segments with `q_len = 0` (padded rows of the table) produce no items. A fixed
-grid of `max_programs` programs (workers x KV heads) loops over the active
-items, longest first. Each item streams the K/V tiles of its key range (the
+Segments with `q_len = 0` (padded rows of the table) produce no items. This
+module checks requests, plans the items (`_segment_plan`, `_item_table`), lays
+q out and launches the kernel body of `varlen_kernel_sm90`. A fixed grid of
+`max_programs` programs (workers x KV heads) loops over the active items,
+longest first. Each item streams the K/V tiles of its key range (the
 segment's one or two ring row runs, see `indexing.run_tiling`) through a
 `num_stages`-deep TMA pipeline, keeps an online float32 softmax in registers,
 and writes its real rows of a normalized float32 partial output plus the
 log-sum-exp (base 2). The epilogue copies each token's partial back to
-`[T, H_q, D]` in q's dtype, merging the splits of split segments: XLA operations
-(`varlen_epilogue.combine`), or, with `fused_combine=True` and a head layout it serves, one Mosaic
-GPU kernel (`combine_sm90`).
+``[T, H_q, D]` in q's dtype, merging the splits of split segments: XLA
+operations (`varlen_epilogue.combine`), or, with `fused_combine=True` and a
+head layout it serves, one Mosaic GPU kernel (`combine_sm90`).
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
 K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
@@ -34,12 +36,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
-from jax import lax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import numpy as np
 
@@ -48,25 +47,20 @@ from pallas_kernels import combine_sm90
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
 from pallas_kernels import varlen_epilogue
-from pallas_kernels.common import MASK_VALUE
 from pallas_kernels.common import SUPPORTED_KV_DTYPES
 from pallas_kernels.common import searchsorted_right
+from pallas_kernels.varlen_kernel_sm90 import LOG2E
+from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
+from pallas_kernels.varlen_kernel_sm90 import attention_kernel
+from pallas_kernels.varlen_kernel_sm90 import smem_transforms
 
-LOG2E = math.log2(math.e)
-ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
-
-# Columns of the per-item table the kernel reads.
-(IT_SLOT, IT_ACTIVE, IT_COL, IT_KIND, IT_Q_ROW0, IT_Q_TOK0, IT_POS0, IT_LO, IT_END,
- IT_FIRST_ROW, IT_FIRST_LEN, IT_SECOND_LEN, IT_TILE0_ROW, IT_NUM_FIRST, IT_T_BEGIN,
- IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS) = range(19)
-NUM_ITEM_FIELDS = 19
 
 def _cdiv(a, b):
   return (a + b - 1) // b
 
 
 # wgmma head dims: a multiple of 16 elements (32 bytes, the smallest swizzle
-# wgmma takes, see `_swizzle_bytes`) and at most 256 (wgmma's N and TMA's box).
+# wgmma takes, see `swizzle_bytes`) and at most 256 (wgmma's N and TMA's box).
 WGMMA_HEAD_DIM_MULTIPLE = 16
 WGMMA_MAX_HEAD_DIM = 256
 COMPILED_MAX_HEAD_DIM = 128   # see static_check: head_dim 256 does not lower in time
@@ -79,7 +73,7 @@ def _smem_bytes(config, head_dim: int, itemsize: int) -> int:
   """Shared memory of one program: the q tile, then K/V stages or output staging.
 
   The stages and the float32 output staging live in consecutive scopes (see
-  `_attention_kernel`), so only the larger of the two counts.
+  `attention_kernel`), so only the larger of the two counts.
   """
   stages = config.num_stages * 2 * config.block_k * head_dim * itemsize
   staging = config.block_q * (head_dim + 1) * 4
@@ -278,268 +272,6 @@ def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items
   return jnp.concatenate([cu[-1:], table.reshape(-1)])
 
 
-def _attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
-                      o_ref, lse_ref,                   # Outputs
-                      q_smem, q_bar,                    # Scratch
-                      *, group, block_q, block_k, num_stages, cache_rows, window,
-                      use_wgmma, transforms, num_workers, address=None, tile_pieces=1):
-  """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
-
-  Grid axes: "worker" (`num_workers` programs per head, each looping over the
-  active items, longest first) and "head" (KV head). A static grid sized for the
-  worst case would launch mostly empty programs, which still hold shared
-  memory while they start. Inputs: the item table (flattened, preceded by the
-  number of active items), q as `[K, rows, D]` (rows are
-  (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches
-  (`cache_rows` rows, padded per `tile_geometry`).
-  Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
-  log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
-  Scratch: the q tile and its barrier; the K/V stages and the output staging
-  buffers live in two consecutive scopes, so they share shared memory (two
-  programs fit on one SM).
-  `address`: None reads tile rows `[row, row + block_k)` of column `col`; a
-  function `(col, row) -> [(row', col'), ...]` maps each tile's first (logical)
-  row to where the K/V arrays hold its `tile_pieces` runs of
-  `block_k // tile_pieces` consecutive rows (paged storage, `paged_sm90.py`:
-  one run per page when pages are smaller than the tile); masks and key
-  positions keep the logical rows. Each run is one TMA per K and V, all of a
-  stage's arriving on its one barrier (`num_arrivals=tile_pieces`).
-  """
-  head = lax.axis_index("head")
-  dtype = k_ref.dtype
-  head_dim = k_ref.shape[-1]
-
-  @pl.loop(lax.axis_index("worker"), items_ref[0], step=num_workers)
-  def _run(item):
-    field = lambda f: items_ref[1 + item * NUM_ITEM_FIELDS + f]
-    slot = field(IT_SLOT)
-    col, kind = field(IT_COL), field(IT_KIND)
-    q_tok0, pos0, lo, end = field(IT_Q_TOK0), field(IT_POS0), field(IT_LO), field(IT_END)
-    tile_args = (lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
-                 field(IT_TILE0_ROW), field(IT_NUM_FIRST))
-    t_begin, t_end = field(IT_T_BEGIN), field(IT_T_END)
-    all_start, all_stop = field(IT_ALL_START), field(IT_ALL_STOP)
-
-    def span(t):
-      tile_row, rows_start, rows_end, key0 = indexing.tile_span(t, *tile_args, block=block_k)
-      # The production kernel loads the aligned tile (TMA zero-fills rows past
-      # the array); the interpreter raises on out-of-bounds reads, so the
-      # variant loads the last `block_k` rows instead and masks the overlap.
-      load_row = tile_row if use_wgmma else jnp.minimum(tile_row, cache_rows - block_k)
-      return load_row, rows_start, rows_end, key0
-
-    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(field(IT_Q_ROW0), block_q)], q_smem, q_bar)
-
-    def stream(k_smem, v_smem, k_bars, v_bars):
-      """Streams the item's K/V tiles; returns `(acc, m_i, l_i)`."""
-      return _stream_tiles(
-          k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, span=span, col=col,
-          head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
-          kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
-          block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
-          address=address, tile_pieces=tile_pieces)
-
-    stage_shape = (num_stages, block_k, head_dim)
-    acc, m_i, l_i = pl.run_scoped(
-        stream, plgpu.SMEM(stage_shape, dtype, transforms=transforms),
-        plgpu.SMEM(stage_shape, dtype, transforms=transforms),
-        # A stage's phase completes once all of its `tile_pieces` copies have arrived: each
-        # `copy_gmem_to_smem` arrives once with its own byte count (jax 0.11.2 and 0.12
-        # alike); one copy per tile is the default count.
-        plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages))
-
-    def store(o_smem, lse_smem):
-      has_keys = l_i > 0.0
-      l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
-      o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
-      plgpu.commit_smem()
-      # Store only the item's real rows, rounded up to 8: a decode item has G of
-      # 64. TMA sizes are static, so the count is stored as a sum of powers of two.
-      num_rows8 = (field(IT_ROWS) + 7) // 8 * 8
-      size = 1 << (block_q.bit_length() - 1)
-      while size >= 8:
-        @pl.when(num_rows8 & size != 0)
-        def _store_rows(size=size):
-          offset = num_rows8 & -(2 * size)    # the larger chunks come first
-          rows = pl.ds(offset, size)
-          plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[slot, head, rows])
-        size //= 2
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot, head])
-      plgpu.wait_smem_to_gmem(0)
-
-    pl.run_scoped(store, plgpu.SMEM((block_q, head_dim), jnp.float32),
-                  plgpu.SMEM((block_q,), jnp.float32))
-
-
-def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
-                  head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
-                  group, block_q, block_k, num_stages, window, use_wgmma, address=None,
-                  tile_pieces=1):
-  """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
-
-  `address`, `tile_pieces`: see `_attention_kernel`.
-  """
-  dtype = k_ref.dtype
-  head_dim = k_ref.shape[-1]
-  piece_rows = block_k // tile_pieces
-  if tile_pieces > 1:   # checked by the caller (`paged_sm90.check_request`)
-    assert piece_rows * tile_pieces == block_k and piece_rows % ROW_ALIGN == 0, (
-        block_k, tile_pieces)
-
-  def locate(t):
-    """Where tile `t` is stored: one `(first row, column)` of the K/V arrays per piece."""
-    load_row = span(t)[0]
-    where = [(load_row, col)] if address is None else address(col, load_row)
-    assert len(where) == tile_pieces, (len(where), tile_pieces)
-    return where
-
-  def stage_rows(smem, stage, piece):
-    # Static row slices at multiples of 8 rows: whole (8, swizzle)-tiles of the stage.
-    if tile_pieces == 1:
-      return smem.at[stage]
-    return smem.at[stage, pl.ds(piece * piece_rows, piece_rows)]
-
-  def fetch(t, stage, where=None):
-    pieces = locate(t) if where is None else where
-    loads = []
-    for load_row, load_col in pieces:
-      if use_wgmma:
-        load_row = pl.multiple_of(load_row, ROW_ALIGN)
-      loads.append((pl.ds(load_row, piece_rows), load_col))
-    # K first: its tile is waited on first.
-    for cache_ref, smem, bars in ((k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)):
-      for piece, (rows, load_col) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(cache_ref.at[rows, load_col, head],
-                                stage_rows(smem, stage, piece), bars.at[stage])
-
-  # Paged storage: the first stages' page-table loads are issued together, before
-  # the first TMA has to wait on one (the tile is clamped into the item's range).
-  first = [None] * num_stages if address is None else [
-      locate(jnp.minimum(t_begin + stage, jnp.maximum(t_end - 1, t_begin)))
-      for stage in range(num_stages)]
-  for stage in range(num_stages):
-    @pl.when(t_begin + stage < t_end)
-    def _prologue():
-      fetch(t_begin + stage, stage, first[stage])
-  plgpu.barrier_wait(q_bar)
-  q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
-
-  wgmma_layout = plgpu.Layout.WGMMA
-  row_layout = wgmma_layout.reduce(1)
-  iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
-  # Query position of each row: rows are (token, group head) pairs.
-  query_pos = pos0 + _div(q_tok0 + iota((block_q, block_k), 0), group)
-  key_col = iota((block_q, block_k), 1)
-
-  def body(t, carry):
-    acc, m_i, l_i = carry
-    stage = lax.rem(t - t_begin, jnp.int32(num_stages))
-    # Paged storage: look the refill tile's page up before this tile's math, so
-    # the page-table load's latency hides behind it (the index is clamped to
-    # the item's tiles; an unused lookup reads a valid table entry).
-    refill = None if address is None else locate(jnp.minimum(t + num_stages, t_end - 1))
-    load_row, rows_start, rows_end, key0 = span(t)
-    is_partial = (rows_start > load_row) | (rows_end < load_row + block_k)
-    plgpu.barrier_wait(k_bars.at[stage])
-    if use_wgmma:
-      def compute_qk(acc_ref):
-        plgpu.wgmma(acc_ref, q, k_smem.at[stage].transpose((1, 0)))
-        return acc_ref[...]
-      s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
-    else:
-      s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
-                          precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
-
-    def softmax_update(s, m_i, l_i, acc, *, masked):
-      if masked:
-        row = load_row + key_col
-        key_pos = key0 + (row - rows_start)
-        mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
-            key_pos, query_pos, lo, end, kind, window=window)
-        s = jnp.where(mask, s, MASK_VALUE)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      if masked:
-        p = jnp.where(mask, p, 0.0)
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return m_new, l_i, acc, p.astype(dtype)
-
-    # A tile whose rows all hold read-range keys that every query of the item
-    # sees (interior decode tiles) skips the mask arithmetic.
-    is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
-    m_new, l_i, acc, p16 = lax.cond(
-        is_full, functools.partial(softmax_update, masked=False),
-        functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
-
-    plgpu.barrier_wait(v_bars.at[stage])
-    v_tile = v_smem.at[stage]
-    v_row = load_row + iota((block_k, head_dim), 0)
-    v_valid = (v_row >= rows_start) & (v_row < rows_end)
-    if use_wgmma:
-      @pl.when(is_partial)
-      def _zero_rows_outside_read_range():
-        v = plgpu.load(v_tile, layout=wgmma_layout)
-        v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
-        plgpu.commit_smem()
-      acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
-          plgpu.ACC.init(acc))
-    else:
-      v = jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
-      acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
-                                  precision=lax.Precision.HIGHEST,
-                                  preferred_element_type=jnp.float32)
-
-    @pl.when(t + num_stages < t_end)
-    def _refill():
-      if not use_wgmma:
-        # The tiles were read by ordinary loads; order those before the TMA
-        # (async proxy) overwrites the stage. wgmma already reads through the
-        # async proxy, and the production V fix-up ends with this fence.
-        plgpu.commit_smem()
-      fetch(t + num_stages, stage, refill)
-    return acc, m_new, l_i
-
-  acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
-  m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
-  l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-  return lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
-
-
-def _div(x, divisor: int):
-  """`x // divisor` for non-negative int32 `x`; a shift for powers of two."""
-  if divisor & (divisor - 1) == 0:
-    return lax.shift_right_logical(x, jnp.int32(divisor.bit_length() - 1))
-  return lax.div(x, jnp.int32(divisor))
-
-
-def _swizzle_bytes(head_dim: int, dtype) -> int:
-  """The widest wgmma swizzle (128, 64 or 32 bytes) that divides a K/V row.
-
-  wgmma reads (8, swizzle / itemsize)-tiled shared memory, so a row must be a
-  whole number of swizzle atoms. 128 bytes serves head dims that are multiples
-  of 64 (16-bit); 96 (192 bytes) gets 64-byte and 80 (160 bytes) 32-byte atoms.
-  A narrower swizzle keeps the rows at their true width: no zero columns in
-  shared memory or in the matmuls, and the TMA boxes read only the row's bytes
-  (no cache copy, no padded head dim). The index math is the same for every
-  head dim, which is what the interpreter variant (no swizzle) checks on CPU.
-  """
-  row_bytes = head_dim * np.dtype(dtype).itemsize
-  return next(s for s in (128, 64, 32) if row_bytes % s == 0)
-
-
-def _smem_transforms(use_wgmma, dtype, head_dim):
-  if not use_wgmma:
-    return ()
-  swizzle = _swizzle_bytes(head_dim, dtype)
-  swizzle_elems = swizzle // np.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-
-
 def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
   """K/V arrays of `padded_rows` rows for the kernel, and the segment table to read them with.
 
@@ -574,7 +306,7 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
                                               padded_rows=padded_rows)
   seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
                       tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
-  return run_items(_attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
+  return run_items(attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
                    cache_rows=padded_rows, window=window, scale=scale, config=config,
                    interpret=_compat.resolve_interpret(interpret))
 
@@ -584,7 +316,7 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   """The item table, q's layout, the Mosaic GPU call and the epilogue for a segment plan.
 
   Shared by this module's wrapper and the paged one (`paged_sm90`): `kernel` is
-  `_attention_kernel` or a variant that takes more inputs after V (the page
+  `attention_kernel` or a variant that takes more inputs after V (the page
   table), and `kv_inputs` are the arrays it reads after q (K, V, ...).
   `interpret` is resolved (`_compat.resolve_interpret`).
   """
@@ -606,7 +338,7 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   pad = block_q if interpret is not None else max(0, block_q - num_tokens * group)
   if pad:
     qt = jnp.pad(qt, ((0, 0), (0, pad), (0, 0)))
-  transforms = _smem_transforms(config.use_wgmma, dtype, head_dim)
+  transforms = smem_transforms(config.use_wgmma, dtype, head_dim)
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(
       kernel, group=group, block_q=block_q, block_k=block_k,

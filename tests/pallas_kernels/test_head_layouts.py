@@ -24,6 +24,7 @@ from kernel_cases import Family
 import pallas_kernels
 from pallas_kernels import config as config_lib
 from pallas_kernels import varlen_attention_sm90
+from pallas_kernels import varlen_kernel_sm90
 
 
 def _family(group, head_dim, dtype, window, num_kv_heads, *, width, capacity, max_seqs,
@@ -119,7 +120,7 @@ def test_q_tiles_hold_whole_tokens(block_q, group, want):
     (64, jnp.bfloat16, 128), (128, jnp.float16, 128), (256, jnp.bfloat16, 128),
     (96, jnp.float16, 64), (80, jnp.bfloat16, 32), (48, jnp.bfloat16, 32)])
 def test_swizzle_fits_the_row(head_dim, dtype, want):
-  assert varlen_attention_sm90._swizzle_bytes(head_dim, dtype) == want   # pylint: disable=protected-access
+  assert varlen_kernel_sm90.swizzle_bytes(head_dim, dtype) == want
 
 
 def _shapes(num_tokens, group, num_kv_heads, num_rows, head_dim, dtype):
