@@ -46,17 +46,9 @@ def combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
                             fill_value=num_tokens)
     safe = jnp.minimum(picked, num_tokens - 1)
     split = jnp.arange(max_splits, dtype=jnp.int32)
-    is_split = split[None, :] < splits[safe][:, None]                    # [S, J]
+    used = split[None, :] < splits[safe][:, None]                        # [S, J]
     items = jnp.clip(item_base[safe][:, None] + split[None, :], 0, num_items - 1)
-    rows = row_block[safe][:, None, None]
-    o = o_part[items[:, :, None], heads[None], rows]                     # [S, J, K, G, D]
-    lse = lse_part[items[:, :, None], heads[None], rows]                 # [S, J, K, G]
-    is_split = is_split[:, :, None, None]
-    lse = jnp.where(is_split, lse, MASK_VALUE)
-    weight = jnp.where(is_split, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
-    # Select, never multiply: an unused split's buffer was never written.
-    o = jnp.where(is_split[..., None], o, 0.0)
-    merged = (weight[..., None] * o).sum(axis=1) / weight.sum(axis=1)[..., None]
+    merged = _merge_splits(o_part, lse_part, items, row_block[safe], used, heads=heads)
     out = out.at[picked].set(merged, mode="drop")   # fill entries (== T) are dropped
   return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
 
@@ -81,13 +73,23 @@ def _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block,
   split = jnp.arange(max_splits, dtype=jnp.int32)
   used = is_token[:, None] & (split[None, :] < splits[:, None])            # [T, J]
   items = jnp.clip(item_base[:, None] + jnp.where(used, split[None, :], 0), 0, num_items - 1)
+  merged = _merge_splits(o_part, lse_part, items, row_block, used, heads=heads)
+  return merged.reshape(num_tokens, -1, merged.shape[-1]).astype(out_dtype)
+
+
+def _merge_splits(o_part, lse_part, items, row_block, used, *, heads):
+  """`float32[N, K, G, D]`: for each of `N` tokens, its used partials merged by weight.
+
+  Token `n`'s partials are items `items[n, j]` at tile row block `row_block[n]`,
+  `j` where `used[n, j]`. A token with no used partial (padding, or a fill
+  entry) gets zeros.
+  """
   rows = row_block[:, None, None]
-  lse = lse_part[items[:, :, None], heads[None], rows]                     # [T, J, K, G]
+  lse = lse_part[items[:, :, None], heads[None], rows]                     # [N, J, K, G]
   used = used[:, :, None, None]
   lse = jnp.where(used, lse, MASK_VALUE)
   weight = jnp.where(used, jnp.exp2(lse - lse.max(axis=1, keepdims=True)), 0.0)
-  # Select, never multiply: a partial of an unused slot is never summed.
+  # Select, never multiply: a partial of an unused slot may be unwritten, and is never summed.
   o = jnp.where(used[..., None], o_part[items[:, :, None], heads[None], rows], 0.0)
   denom = weight.sum(axis=1)
-  merged = (weight[..., None] * o).sum(axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
-  return merged.reshape(num_tokens, -1, merged.shape[-1]).astype(out_dtype)
+  return (weight[..., None] * o).sum(axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
