@@ -109,6 +109,12 @@ def queue_order(requests: Sequence[Request]) -> dict:
 ADMISSION_ORDERS = ("longest_first", "fcfs")
 
 
+def check_admission(admission) -> None:
+  """Raises ValueError, naming the argument, unless `admission` is one of `ADMISSION_ORDERS`."""
+  if admission not in ADMISSION_ORDERS:
+    raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
+
+
 def admission_order(requests: Sequence[Request], admission: str) -> list[Request]:
   """The queue in the order `Engine.run(admission=...)` admits it (see there).
 
@@ -282,8 +288,7 @@ class Engine:
         raised; its `completions` (and `self.completions`) hold every sample
         finished before, the cause is chained, and the engine stays usable.
     """
-    if admission not in ADMISSION_ORDERS:
-      raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
+    check_admission(admission)
     requests = labelled(requests)
     # A None seed is drawn here, on the host, and reported on the completions.
     requests = [r if r.params.seed is not None else dataclasses.replace(

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import jax
 
-from jaxkv.serve.engine import (ADMISSION_ORDERS, Engine, EngineError, labelled,
+from jaxkv.serve.engine import (Engine, EngineError, check_admission, labelled,
                                 queue_order)
 from jaxkv.serve.requests import Completion, EngineStats, Request
 
@@ -60,8 +60,7 @@ class DataParallelEngine:
       EngineError: an engine failed; `completions` holds every sample finished on
         any device (the other devices finish their shares first).
     """
-    if admission not in ADMISSION_ORDERS:
-      raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
+    check_admission(admission)
     requests = labelled(requests)
     order = queue_order(requests)
     for r in requests:
