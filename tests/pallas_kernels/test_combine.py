@@ -57,18 +57,24 @@ def test_kernel_epilogue_matches_reference_with_splits(family, rng):
   check_family(family, rng, config=SPLITS, interpret=True)
 
 
-@pytest.mark.parametrize("family", FAMILIES[:1], ids=str)
-def test_both_epilogues_agree(family, rng):
-  """Same partials, two epilogues: outputs agree to float32 rounding (both merge in float32)."""
-  unfused = dataclasses.replace(SPLITS, fused_combine=False)
+def _steps(family, rng):
+  """Three random steps (plain, padded, padded with owner blocks) of `family`, each as
+  `(step, run)`: `run(config)` is the interpreted kernel's output on that step."""
   scale = 1.0 / np.sqrt(family.head_dim)
   for index in range(3):
     step = random_step(rng, family, pad=index != 0, allow_blocks=index == 2)
     k, v = resident_storage(rng, family, step)
     q = queries(rng, family, step).astype(jnp.float32)
     args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
-    run = lambda config: np.asarray(pallas_kernels.varlen_attention(
+    yield step, lambda config, args=args: np.asarray(pallas_kernels.varlen_attention(
         *args, window=family.window, scale=scale, config=config, interpret=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES[:1], ids=str)
+def test_both_epilogues_agree(family, rng):
+  """Same partials, two epilogues: outputs agree to float32 rounding (both merge in float32)."""
+  unfused = dataclasses.replace(SPLITS, fused_combine=False)
+  for step, run in _steps(family, rng):
     fused, xla = run(SPLITS), run(unfused)
     np.testing.assert_allclose(fused, xla, rtol=1e-5, atol=1e-6, err_msg=step.description)
     np.testing.assert_array_equal(fused[step.n_tokens:], 0.0)
@@ -120,20 +126,13 @@ def test_direct_and_compacted_merges_agree(rng, monkeypatch):
   """Same partials, the two XLA epilogues (`DIRECT_MERGE`): float32 rounding apart; padding
   tokens are zeros in both."""
   from pallas_kernels import varlen_epilogue   # pylint: disable=g-import-not-at-top
-  family = FAMILIES[0]
   config = dataclasses.replace(SPLITS, fused_combine=False, max_split_tokens=64)
-  scale = 1.0 / np.sqrt(family.head_dim)
-  for index in range(3):
-    step = random_step(rng, family, pad=index != 0, allow_blocks=index == 2)
-    k, v = resident_storage(rng, family, step)
-    q = queries(rng, family, step).astype(jnp.float32)
-    args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
+  for step, run in _steps(FAMILIES[0], rng):
     outs = []
     for direct in (True, False):
       monkeypatch.setattr(varlen_epilogue, "DIRECT_MERGE", direct)
       jax.clear_caches()   # the flag is read while tracing
-      outs.append(np.asarray(pallas_kernels.varlen_attention(
-          *args, window=family.window, scale=scale, config=config, interpret=True)))
+      outs.append(run(config))
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6, err_msg=step.description)
     for out in outs:
       np.testing.assert_array_equal(out[step.n_tokens:], 0.0)
