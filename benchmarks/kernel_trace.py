@@ -42,7 +42,8 @@ def trace_kernels(fn, args, calls):
       for _ in range(calls):
         out = fn(*args)
       jax.block_until_ready(out)
-    events = profile_step.gpu_events(profile_step.newest_trace(d))
+    events = profile_step.gpu_events(
+        jax.profiler.ProfileData.from_file(profile_step.newest_trace(d)))
   time_ = collections.Counter()
   count = collections.Counter()
   for start, end, name in events:

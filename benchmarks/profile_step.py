@@ -64,23 +64,23 @@ def newest_trace(trace_dir: str) -> str | None:
   return paths[-1] if paths else None
 
 
-def gpu_events(path: str) -> list[tuple[int, int, str]]:
-  """`(start_ns, end_ns, name)` of every event on a GPU stream line of the trace at `path`."""
-  data = jax.profiler.ProfileData.from_file(path)
+def gpu_events(data) -> list[tuple[int, int, str]]:
+  """`(start_ns, end_ns, name)` of every event on a GPU stream line of a read trace
+  (`jax.profiler.ProfileData`)."""
   return [(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name)
           for plane in data.planes if plane.name.startswith("/device:GPU")
           for line in plane.lines if "stream" in line.name.lower()
           for ev in line.events]
 
 
-def host_calls(path: str, steps: int) -> dict:
+def host_calls(data, steps: int) -> dict:
   """Where the host's time goes per step: CUDA API calls and XLA thunks (names, ms, count).
 
   Tells a host-bound loop (the executor launching kernels, graphs and copies one
   by one, slower than the GPU runs them) from a GPU-bound one. Events nest, so
-  the rows overlap; compare each row with the step time.
+  the rows overlap; compare each row with the step time. `data`: the trace, read
+  (`jax.profiler.ProfileData`).
   """
-  data = jax.profiler.ProfileData.from_file(path)
   api, thunks = collections.Counter(), collections.Counter()
   api_n, thunk_n = collections.Counter(), collections.Counter()
   for plane in data.planes:
@@ -105,7 +105,8 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
   path = newest_trace(trace_dir)
   if path is None:
     return {"label": label, "error": "no xplane.pb written"}
-  kernels = gpu_events(path)
+  data = jax.profiler.ProfileData.from_file(path)   # read once: GPU and host events
+  kernels = gpu_events(data)
   if not kernels:
     return {"label": label, "error": "no GPU events"}
   kernels.sort()
@@ -150,7 +151,7 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
               for n, t in by_name.most_common(25)],
       "all": [(n, t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
               for n, t in by_name.most_common()],
-      "host": host_calls(path, steps),
+      "host": host_calls(data, steps),
   }
   return out
 
