@@ -62,32 +62,40 @@ def _decode_case(num_seqs, head_dim, min_len, max_len, config=None):
                                      scale=head_dim ** -0.5, config=config)),
            (q, k, v, seq_info, n))
   pad = int(k.shape[0])
+  # Separate K and V arrays: with one array for both, V's tiles come from L2
+  # (read just before as K), which made cuDNN look faster than HBM allows.
   kp = jax.random.normal(jax.random.key(3), (num_seqs, pad, 8, head_dim), DTYPE)
+  vp = jax.random.normal(jax.random.key(4), (num_seqs, pad, 8, head_dim), DTYPE)
   cudnn = (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
       q_, k_, v_, key_value_seq_lengths=l_, implementation="cudnn")),
-           (q[:, None], kp, kp, jnp.asarray(lengths)))
+           (q[:, None], kp, vp, jnp.asarray(lengths)))
   return jaxkv, cudnn
 
 
-def _prefill_case(num_seqs, length, head_dim):
+def _prefill_case(num_seqs, length, head_dim, config=None):
   k, v = bench_decode.build_cache(jax.random.key(9), np.array([length] * num_seqs), 8, head_dim)
   q = jax.random.normal(jax.random.key(10), (num_seqs * length, 32, head_dim), DTYPE)
   jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
-                                     scale=head_dim ** -0.5)),
+                                     scale=head_dim ** -0.5, config=config)),
            (q, k, v) + bench_decode.prefill_plan(num_seqs, length))
   kk = jax.random.normal(jax.random.key(11), (num_seqs, length, 8, head_dim), DTYPE)
+  vv = jax.random.normal(jax.random.key(12), (num_seqs, length, 8, head_dim), DTYPE)
   cudnn = (jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True,
                                                                 implementation="cudnn")),
-           (q.reshape(num_seqs, length, 32, head_dim), kk, kk))
+           (q.reshape(num_seqs, length, 32, head_dim), kk, vv))
   return jaxkv, cudnn
 
 
 CASES = {
-    "decode 64 seqs 32/8 D64 128..2304": lambda: _decode_case(64, 64, 128, 2304),
-    "decode 64 seqs 32/8 D64 8..272": lambda: _decode_case(64, 64, 8, 272),
-    "prefill 1x2048 32/8 D64": lambda: _prefill_case(1, 2048, 64),
-    "prefill 4x512 32/8 D64": lambda: _prefill_case(4, 512, 64),
-    "decode 64 seqs 32/8 D128 512..8192": lambda: _decode_case(64, 128, 512, 8192),
+    "decode 64 seqs 32/8 D64 128..2304": lambda config=None: _decode_case(64, 64, 128, 2304,
+                                                                          config),
+    "decode 64 seqs 32/8 D64 8..272": lambda config=None: _decode_case(64, 64, 8, 272, config),
+    "decode 256 seqs 32/8 D64 128..2048": lambda config=None: _decode_case(256, 64, 128, 2048,
+                                                                           config),
+    "prefill 1x2048 32/8 D64": lambda config=None: _prefill_case(1, 2048, 64, config),
+    "prefill 4x512 32/8 D64": lambda config=None: _prefill_case(4, 512, 64, config),
+    "decode 64 seqs 32/8 D128 512..8192": lambda config=None: _decode_case(64, 128, 512, 8192,
+                                                                           config),
 }
 
 
@@ -119,13 +127,60 @@ def sweep(calls):
         print(f"sweep {name} | {vname}: {type(e).__name__}: {str(e)[:150]}")
 
 
+# Kernel pipeline variants (`varlen_kernel_sm90`'s switches, then config changes).
+VARIANTS = {
+    "before": dict(EARLY_K_REFILL=False),
+    "early K": dict(EARLY_K_REFILL=True),
+    "early K+stages3": dict(EARLY_K_REFILL=True, num_stages=3),
+}
+
+
+def variants(names, calls, cases):
+  """GPU time of the attention call per kernel variant, cuDNN beside each case."""
+  import dataclasses   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
+  saved = {"EARLY_K_REFILL": body.EARLY_K_REFILL}
+  for name in cases:
+    (_, _), (cfn, cargs) = CASES[name]()
+    busy, _ = trace_kernels(cfn, cargs, calls)
+    print(f"variant {name} | cuDNN: busy {busy:.1f} us")
+    for vname in names:
+      switches = dict(VARIANTS[vname])
+      stages = switches.pop("num_stages", None)
+      for k, v in switches.items():
+        setattr(body, k, v)
+      jax.clear_caches()
+      try:
+        config = None
+        if stages is not None:
+          d = 64 if "D64" in name else 128
+          config = dataclasses.replace(
+              kc.default_varlen_attention_config(group=4, head_dim=d, interpret=False),
+              num_stages=stages)
+        (fn, fargs), _ = CASES[name](config=config) if config else CASES[name]()
+        busy, kernels = trace_kernels(fn, fargs, calls)
+        mosaic = sum(us for k, (us, _) in kernels.items() if "mosaic" in k)
+        print(f"variant {name} | {vname}: busy {busy:.1f} us, kernel {mosaic:.1f} us")
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"variant {name} | {vname}: {type(e).__name__}: {str(e)[:150]}")
+      finally:
+        for k, v in saved.items():
+          setattr(body, k, v)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--cases", default=",".join(CASES))
   p.add_argument("--top", type=int, default=8)
   p.add_argument("--sweep", action="store_true", help="decode kernel settings only")
+  p.add_argument("--variants", default=None,
+                 help=f"comma-separated kernel pipeline variants of {list(VARIANTS)}")
   args = p.parse_args(argv)
+  if args.variants:
+    variants(args.variants.split(","), args.calls, args.cases.split(","))
+    return 0
   if args.sweep:
     sweep(args.calls)
     return 0

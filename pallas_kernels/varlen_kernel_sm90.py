@@ -31,6 +31,13 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
  IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS) = range(19)
 NUM_ITEM_FIELDS = 19
 
+# A switch for A/B timing only (benchmarks/kernel_trace.py --variants; read when a
+# kernel is traced, so changing it needs `jax.clear_caches()`): True refills a
+# stage's K as soon as QK^T has read it, so the copy flies during the tile's
+# softmax and P @ V; False refills K and V together after P @ V. Measured on
+# H200: -3% kernel time for 256 decode segments, level elsewhere (PERFORMANCE).
+EARLY_K_REFILL = True
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -155,7 +162,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       return smem.at[stage]
     return smem.at[stage, pl.ds(piece * piece_rows, piece_rows)]
 
-  def fetch(t, stage, where=None):
+  def fetch(t, stage, where=None, parts=("k", "v")):
     pieces = locate(t) if where is None else where
     loads = []
     for load_row, load_col in pieces:
@@ -163,7 +170,8 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         load_row = pl.multiple_of(load_row, ROW_ALIGN)
       loads.append((pl.ds(load_row, piece_rows), load_col))
     # K first: its tile is waited on first.
-    for cache_ref, smem, bars in ((k_ref, k_smem, k_bars), (v_ref, v_smem, v_bars)):
+    chosen = {"k": (k_ref, k_smem, k_bars), "v": (v_ref, v_smem, v_bars)}
+    for cache_ref, smem, bars in (chosen[part] for part in parts):
       for piece, (rows, load_col) in enumerate(loads):
         plgpu.copy_gmem_to_smem(cache_ref.at[rows, load_col, head],
                                 stage_rows(smem, stage, piece), bars.at[stage])
@@ -206,6 +214,15 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
                           precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
+
+    if EARLY_K_REFILL:
+      # The K stage is free once QK^T has read it (wgmma is awaited above): its
+      # refill flies during this tile's softmax and P @ V, not after them.
+      @pl.when(t + num_stages < t_end)
+      def _refill_k():
+        if not use_wgmma:
+          plgpu.commit_smem()   # order the ordinary loads of K before the TMA (see below)
+        fetch(t + num_stages, stage, refill, parts=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
       if masked:
@@ -255,7 +272,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         # (async proxy) overwrites the stage. wgmma already reads through the
         # async proxy, and the production V fix-up ends with this fence.
         plgpu.commit_smem()
-      fetch(t + num_stages, stage, refill)
+      fetch(t + num_stages, stage, refill, parts=("v",) if EARLY_K_REFILL else ("k", "v"))
     return acc, m_new, l_i
 
   acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
