@@ -30,6 +30,7 @@ for w in "${@:-decode uniform}"; do
     compiled_attention) run compiled_attention 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled_kernel_matches or compiled_kernel_serves or compiled_paged";;
     launch_cost) TAIL=20 run launch_cost 150 python3 benchmarks/launch_cost.py;;
     kernel_trace) TAIL=80 run kernel_trace 240 python3 benchmarks/kernel_trace.py;;
+    kernel_variants) TAIL=60 run kernel_variants 420 python3 benchmarks/kernel_trace.py --calls 20 --variants "before,early K,early K+stages3" --cases "decode 64 seqs 32/8 D64 128..2304,decode 64 seqs 32/8 D64 8..272,decode 256 seqs 32/8 D64 128..2048,decode 64 seqs 32/8 D128 512..8192,prefill 1x2048 32/8 D64";;
     kernel_sweep) TAIL=40 run kernel_sweep 300 python3 benchmarks/kernel_trace.py --sweep;;
     e2e_kernels) TAIL=30 run e2e_kernels 300 python3 benchmarks/decode.py --e2e --out "$out/e2e_kernels.json";;
     levers_merge) run step_levers_merge 300 python3 benchmarks/step_levers.py --variants base,compacted_merge,base;;
@@ -44,6 +45,7 @@ for w in "${@:-decode uniform}"; do
     profile_prefill) TAIL=70 run profile_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --dump-hlo --out "$out";;
     profile_paged) TAIL=70 run profile_paged 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 32 --dump-hlo --out "$out";;
     profile_paged_prefill) TAIL=80 run profile_paged_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --prefill-only --page-size 128 --dump-hlo --out "$out";;
+    profile_uniform) TAIL=200 run profile_uniform 420 python3 benchmarks/profile_step.py --uniform --dump-hlo --out "$out";;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "(compiled or mosaic_gpu or plan or warn) and not d256";;

@@ -205,6 +205,9 @@ def main(argv=None) -> int:
   p.add_argument("--decode-only", action="store_true", help="skip the prefill and padded traces")
   p.add_argument("--prefill-only", action="store_true",
                  help="trace only the prefill-heavy workload (no decode or padded traces)")
+  p.add_argument("--uniform", action="store_true",
+                 help="trace e2e.py's uniform workload instead (64 prompts 128..2048, W = 2048): its "
+                 "prefill phase alone (max_tokens 1), the whole run, and the padded loop's prefill")
   p.add_argument("--page-size", type=int, default=0,
                  help="also trace each width over paged storage of this page size (same weights)")
   p.add_argument("--dump-hlo", action="store_true", help="write the loop's optimized HLO and "
@@ -230,6 +233,12 @@ def main(argv=None) -> int:
         for name, t, k in summary.get("all", []):
           f.write(f"{k:8.2f} {t:8.4f} {name}\n")
 
+  if args.uniform:
+    _trace_uniform(cfg, args, trace)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+      json.dump(results, f, indent=1, default=str)
+    return 0
   decode_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
   prefill_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
   for width in [int(w) for w in args.widths.split(",")]:
@@ -266,6 +275,75 @@ def main(argv=None) -> int:
   with open(os.path.join(args.out, "profile.json"), "w") as f:
     json.dump(results, f, indent=1, default=str)
   return 0
+
+
+def _trace_uniform(cfg, args, trace):
+  """e2e.py's uniform workload (same seed, prompts and cache) on a W = 2048 engine, traced
+  twice: the prefill phase alone (every request asks for one token, so every step is a
+  prompt step) and the whole run (256 new tokens); then the padded loop's prefill, timed
+  and traced, for the same prompts."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  n, new = (64, 256) if not args.small else (6, 8)
+  lo, hi = (128, 2048) if not args.small else (4, 40)
+  lens = rng.integers(lo, hi + 1, size=n)
+  prompts = [rng.integers(0, cfg.vocab_size, size=int(k)).astype(np.int32).tolist() for k in lens]
+  rows = -(-(max(lens) + new) // 128) * 128
+  width = 2048 if not args.small else 32
+  cache = cfg.cache_config(capacity=min(int(sum(lens)) + n * new, n * rows), max_seqs=n,
+                           max_write=width, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+  model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  engine = serve.Engine(model, max_len=int(max(lens)) + new)
+  for tokens, tag in ((1, "prefill"), (new, "full")):
+    reqs = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=tokens)) for p in prompts]
+    trace(engine, reqs, f"uniform_W{width}_{tag}",
+          f"engine W={width}, uniform {tag} ({n} prompts {lo}..{hi}, max_tokens {tokens})")
+    if args.dump_hlo and tag == "full":
+      _describe_loop(engine, cache, prompts, reqs, args.out, f"kernels_uniform_W{width}_{tag}.txt")
+  tdir = os.path.join(args.out, "padded_full")
+  with jax.profiler.trace(tdir):
+    e2e.run_baseline(cfg, model, prompts, new)
+  _print(summarize(tdir, 2 * new, f"padded loop, uniform prompts + {new} tokens (warm-up + timed "
+                   "run traced; prefill kernels included)"))
+  r, _ = e2e.run_baseline(cfg, model, prompts, 1)
+  print(f"padded prefill of the same prompts: {r['prefill_seconds']:.3f} s "
+        f"({r['padded_prefill_tokens']} padded tokens, {r['attention']})")
+  tdir = os.path.join(args.out, "padded_prefill")
+  with jax.profiler.trace(tdir):
+    e2e.run_baseline(cfg, model, prompts, 1)
+  s = summarize(tdir, 2, "padded loop, prefill of the uniform prompts (warm-up + timed run traced; "
+                "'per step' = per run)")
+  _print(s)
+
+
+def _describe_loop(engine, cache, prompts, reqs, out, kernel_file, top=40):
+  """Prints what each of the traced loop's busiest XLA fusions computes (from the
+  compiled loop's HLO): its shape and the ops of its fused computation."""
+  import re   # pylint: disable=g-import-not-at-top
+  queue = serve.pack_queue([tuple(p) for p in prompts], [r.params for r in reqs],
+                           max_len=engine.max_len, max_stop=engine.max_stop)
+  ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
+  greedy = all(serve.engine.plain_greedy(r.params) for r in reqs)
+  loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
+  text = loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text()
+  comps = {}
+  for block in re.split(r"\n(?=\S)", text):
+    head = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s", block)
+    if head:
+      comps[head.group(1)] = block
+  with open(os.path.join(out, kernel_file)) as f:
+    names = [line.split(None, 2)[2].strip() for line in f][:top]
+  print("\n=== what the busiest kernels compute (compiled loop HLO)")
+  for name in names:
+    m = re.search(r"%?" + re.escape(name) + r" = (.*?) fusion\((.*?)\), kind=(\w+), "
+                  r"calls=%?([\w.\-]+)", text)
+    if not m:
+      continue
+    body = comps.get(m.group(4), "")
+    ops = re.findall(r"= (\S+) ([a-z][\w\-]*)\(", body)
+    print(f"  {name}: {m.group(1)[:80]} ({m.group(3)}) <- "
+          + ", ".join(f"{op}:{shape[:28]}" for shape, op in ops
+                      if op not in ("parameter", "constant"))[:600])
 
 
 def _trace_padded(cfg, short, new, out, results):
