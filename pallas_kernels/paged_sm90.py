@@ -166,6 +166,7 @@ def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, sca
   group = num_q_heads // num_kv_heads
   block_k = config.block_k
   tile_rows = column.q_tile_rows(config.block_q, group)
+  config = column.bounded_config(config, num_rows, block_k=block_k, window=None)
   seg = column._segment_plan(seq_info, n_segments, num_rows=num_rows, window=None,
                              group=group, tile_rows=tile_rows, block_k=block_k,
                              align=column.ROW_ALIGN, config=config)

@@ -185,6 +185,36 @@ def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
   return block_k, max(padded_rows, block_k)
 
 
+# A switch for A/B timing only (benchmarks/step_levers.py): False keeps `config.max_splits`.
+BOUND_SPLITS = True
+
+
+def split_bound(num_rows: int, *, block_k: int, window, config) -> int:
+  """The most key splits any segment of a `num_rows`-row cache can get (static).
+
+  A segment reads at most `num_rows` keys (CONTRACT §7.2): one run of rows (flat)
+  or two (a ring's wrap), each tiled from an 8-aligned row, so at most
+  `ceil((num_rows + 7) / block_k)` tiles, one more on a ring. `_segment_plan`
+  splits only segments of more than `split_len` keys' tiles, into chunks of at
+  least that many tiles, so no segment gets more than
+  `ceil(max_tiles / ceil(split_len / block_k))` splits. The epilogue merges this
+  many partials per token instead of `config.max_splits` (16): one (no merge at
+  all) for caches of up to `split_len` rows, two up to twice that. The plan
+  clips to the same bound, so plan and epilogue agree on any input.
+  """
+  max_tiles = _cdiv(num_rows + ROW_ALIGN - 1, block_k) + (0 if window is None else 1)
+  min_tiles = _cdiv(config.split_len, block_k)
+  return max(1, min(config.max_splits, _cdiv(max_tiles, min_tiles)))
+
+
+def bounded_config(config, num_rows: int, *, block_k: int, window):
+  """`config` with `max_splits` lowered to `split_bound` (when `BOUND_SPLITS`)."""
+  if not BOUND_SPLITS:
+    return config
+  bound = split_bound(num_rows, block_k=block_k, window=window, config=config)
+  return config if bound == config.max_splits else dataclasses.replace(config, max_splits=bound)
+
+
 def _segment_plan(seq_info, n_segments, *, num_rows, window, group, tile_rows, block_k,
                   align, config):
   """Per-segment fields and item counts, all `[W]` int32 (jnp, on device)."""
@@ -304,6 +334,7 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
   k_cache, v_cache, seq_info = _padded_caches(k_cache, v_cache, seq_info,
                                               padded_rows=padded_rows)
+  config = bounded_config(config, num_rows, block_k=block_k, window=window)
   seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
                       tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
   return run_items(attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
@@ -325,7 +356,10 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   dtype = kv_inputs[0].dtype
   block_q = config.block_q
   tile_rows = q_tile_rows(block_q, group)
-  max_items = _cdiv(num_tokens * group, tile_rows) + num_tokens + config.split_budget
+  # Each segment adds at most one partly filled q tile; splits add at most the budget
+  # (none when the cache is too short to split, see `split_bound`).
+  max_items = (_cdiv(num_tokens * group, tile_rows) + num_tokens
+               + (config.split_budget if config.max_splits > 1 else 0))
   items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)
   # q rows as (token, group head) pairs per KV head, pre-scaled for exp2. The
