@@ -33,6 +33,8 @@ for w in "${@:-decode uniform}"; do
     kernel_variants) TAIL=60 run kernel_variants 420 python3 benchmarks/kernel_trace.py --calls 20 --variants "before,early K,early K+stages3" --cases "decode 64 seqs 32/8 D64 128..2304,decode 64 seqs 32/8 D64 8..272,decode 256 seqs 32/8 D64 128..2048,decode 64 seqs 32/8 D128 512..8192,prefill 1x2048 32/8 D64";;
     kernel_sweep) TAIL=40 run kernel_sweep 300 python3 benchmarks/kernel_trace.py --sweep;;
     e2e_kernels) TAIL=30 run e2e_kernels 300 python3 benchmarks/decode.py --e2e --out "$out/e2e_kernels.json";;
+    levers_bound) TAIL=12 run step_levers_bound 420 python3 benchmarks/step_levers.py --uniform --variants base,unbounded_splits,base;;
+    levers_bound_decode) TAIL=12 run step_levers_bound_decode 300 python3 benchmarks/step_levers.py --variants base,unbounded_splits;;
     levers_merge) run step_levers_merge 300 python3 benchmarks/step_levers.py --variants base,compacted_merge,base;;
     levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixed2k_lpt) run e2e_mixed2k_lpt 480 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-fcfs --also-sorted-static --paged 128 --out "$out/e2e_mixed2k_lpt.json";;

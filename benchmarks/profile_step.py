@@ -208,6 +208,9 @@ def main(argv=None) -> int:
   p.add_argument("--uniform", action="store_true",
                  help="trace e2e.py's uniform workload instead (64 prompts 128..2048, W = 2048): its "
                  "prefill phase alone (max_tokens 1), the whole run, and the padded loop's prefill")
+  p.add_argument("--describe", default=None, metavar="KERNELS_TXT",
+                 help="with --uniform: only compile the loop and describe the fusions named in "
+                 "this kernel list (a kernels_*.txt of an earlier --dump-hlo run)")
   p.add_argument("--page-size", type=int, default=0,
                  help="also trace each width over paged storage of this page size (same weights)")
   p.add_argument("--dump-hlo", action="store_true", help="write the loop's optimized HLO and "
@@ -294,6 +297,11 @@ def _trace_uniform(cfg, args, trace):
                            max_write=width, kv_dtype=jnp.bfloat16, initial_capacity=rows)
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   engine = serve.Engine(model, max_len=int(max(lens)) + new)
+  if args.describe:
+    reqs = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=new)) for p in prompts]
+    _describe_loop(engine, cache, prompts, reqs, os.path.dirname(args.describe) or ".",
+                   os.path.basename(args.describe))
+    return
   for tokens, tag in ((1, "prefill"), (new, "full")):
     reqs = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=tokens)) for p in prompts]
     trace(engine, reqs, f"uniform_W{width}_{tag}",
@@ -335,8 +343,12 @@ def _describe_loop(engine, cache, prompts, reqs, out, kernel_file, top=40):
     names = [line.split(None, 2)[2].strip() for line in f][:top]
   print("\n=== what the busiest kernels compute (compiled loop HLO)")
   for name in names:
-    m = re.search(r"%?" + re.escape(name) + r" = (.*?) fusion\((.*?)\), kind=(\w+), "
-                  r"calls=%?([\w.\-]+)", text)
+    # Trace names are HLO names with the numeric suffix's "." written as "_".
+    hlo_name = re.sub(r"_(\d+)$", r".\1", name)
+    m = re.search(r"%?" + re.escape(hlo_name) + r" = (.*?) fusion\((.*?)\), kind=(\w+), "
+                  r"calls=%?([\w.\-]+)", text) or re.search(
+                      r"%?" + re.escape(name) + r" = (.*?) fusion\((.*?)\), kind=(\w+), "
+                      r"calls=%?([\w.\-]+)", text)
     if not m:
       continue
     body = comps.get(m.group(4), "")

@@ -21,6 +21,12 @@ Variants:
   back) instead of merging every token over its splits (`DIRECT_MERGE`).
 - `kernel_epilogue`: the attention epilogue as the Mosaic GPU kernel
   (`fused_combine=True`, `combine_sm90`) instead of XLA operations (the default).
+- `unbounded_splits`: the epilogue merges `max_splits` (16) partials per token
+  instead of the static bound the cache's rows allow
+  (`varlen_attention_sm90.BOUND_SPLITS`).
+
+`--uniform` times e2e.py's uniform workload instead (64 prompts of 128..2,048
+tokens, 256 new tokens, W = 2,048) and prints the whole run beside the padded loop.
 
 Usage (GPU machine, repository root): PYTHONPATH=. python3 benchmarks/step_levers.py [--small]
 """
@@ -45,6 +51,7 @@ import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
+from pallas_kernels import varlen_attention_sm90   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_epilogue   # pylint: disable=wrong-import-position
 
 
@@ -79,6 +86,8 @@ def _variant(name):
                                  _no_split_default))
   if name == "compacted_merge":
     stack.enter_context(_patched(varlen_epilogue, "DIRECT_MERGE", False))
+  if name == "unbounded_splits":
+    stack.enter_context(_patched(varlen_attention_sm90, "BOUND_SPLITS", False))
   if name == "kernel_epilogue":
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _kernel_epilogue_default))
@@ -91,23 +100,31 @@ def main(argv=None) -> int:
   p.add_argument("--small", action="store_true")
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--variants", default="base,sample_cond,no_splits,both")
+  p.add_argument("--uniform", action="store_true", help="e2e.py's uniform workload instead")
   args = p.parse_args(argv)
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
   n_req = 64 if not args.small else 4
   new = args.new_tokens if not args.small else 4
+  if args.uniform:   # as e2e.py --workload uniform --max-write 2048 draws and sizes it
+    lo, hi, width = (128, 2048, 2048) if not args.small else (4, 40, 32)
+    lens = rng.integers(lo, hi + 1, size=n_req)
+  else:
+    lens, width = rng.integers(8, 17, size=n_req), 512 if not args.small else 16
   prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist()
-             for n in rng.integers(8, 17, size=n_req)]
-  rows = -(-(16 + new) // 128) * 128
-  cache = cfg.cache_config(capacity=n_req * rows, max_seqs=n_req, max_write=512 if not args.small
-                           else 16, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+             for n in lens]
+  rows = -(-(int(max(lens)) + new) // 128) * 128
+  cache = cfg.cache_config(capacity=min(int(sum(lens)) + n_req * new, n_req * rows),
+                           max_seqs=n_req, max_write=width, kv_dtype=jnp.bfloat16,
+                           initial_capacity=rows)
   from flax import nnx   # pylint: disable=g-import-not-at-top
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   base, _ = e2e.run_baseline(cfg, model, prompts, new)
   print(f"device {jax.devices()[0].device_kind}; padded {base['attention']} loop: "
-        f"{base['ms_per_decode_step']:.3f} ms per decode step")
-  print("| variant | ms/step | steps | vs padded decode step | tokens equal to base |")
-  print("|---|---|---|---|---|")
+        f"{base['ms_per_decode_step']:.3f} ms per decode step, {base['seconds']:.3f} s in all")
+  print("| variant | ms/step | steps | vs padded decode step | seconds | padded / this | "
+        "tokens equal to base |")
+  print("|---|---|---|---|---|---|---|")
   reference = None
   for name in args.variants.split(","):
     jax.clear_caches()   # every variant traces and compiles its own loop
@@ -116,8 +133,8 @@ def main(argv=None) -> int:
     reference = tokens if reference is None else reference
     same = sum(a == b for a, b in zip(tokens, reference))
     print(f"| {name} | {result['ms_per_step']:.3f} | {result['steps']} | "
-          f"{result['ms_per_step'] / base['ms_per_decode_step']:.2f}x | {same}/{len(tokens)} |",
-          flush=True)
+          f"{result['ms_per_step'] / base['ms_per_decode_step']:.2f}x | {result['seconds']:.3f} | "
+          f"{base['seconds'] / result['seconds']:.3f}x | {same}/{len(tokens)} |", flush=True)
   return 0
 
 
