@@ -23,7 +23,7 @@ Variants:
   (`fused_combine=True`, `combine_sm90`) instead of XLA operations (the default).
 - `unbounded_splits`: the epilogue merges `max_splits` (16) partials per token
   instead of the static bound the cache's rows allow
-  (`varlen_attention_sm90.BOUND_SPLITS`).
+  (`varlen_plan.BOUND_SPLITS`).
 
 `--uniform` times e2e.py's uniform workload instead (64 prompts of 128..2,048
 tokens, 256 new tokens, W = 2,048) and prints the whole run beside the padded loop.
@@ -51,7 +51,7 @@ import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
-from pallas_kernels import varlen_attention_sm90   # pylint: disable=wrong-import-position
+from pallas_kernels import varlen_plan   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_epilogue   # pylint: disable=wrong-import-position
 
 
@@ -87,7 +87,7 @@ def _variant(name):
   if name == "compacted_merge":
     stack.enter_context(_patched(varlen_epilogue, "DIRECT_MERGE", False))
   if name == "unbounded_splits":
-    stack.enter_context(_patched(varlen_attention_sm90, "BOUND_SPLITS", False))
+    stack.enter_context(_patched(varlen_plan, "BOUND_SPLITS", False))
   if name == "kernel_epilogue":
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _kernel_epilogue_default))

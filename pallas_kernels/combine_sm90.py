@@ -183,7 +183,7 @@ def combine_sm90(o_part, lse_part, seg, *, num_tokens, group, block_q, max_split
   Args:
     o_part: `float32[items, K, block_q, D]` normalized partial outputs.
     lse_part: `float32[items, K, block_q]` their log-sum-exps (base 2).
-    seg: the segment plan (`varlen_attention_sm90._segment_plan`).
+    seg: the segment plan (`varlen_plan._segment_plan`).
     interpret: None compiles for the GPU; interpreter parameters run it on CPU.
   """
   _, num_kv_heads, _, head_dim = o_part.shape

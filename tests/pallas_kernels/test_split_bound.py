@@ -23,7 +23,7 @@ from kernel_cases import resident_storage
 import pallas_kernels
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
-from pallas_kernels import varlen_attention_sm90 as column
+from pallas_kernels import varlen_plan as column
 
 
 def _random_table(rng, *, num_rows, window, width):
