@@ -20,8 +20,15 @@ counts that work without a GPU:
   while lowering, on any machine) and the StableHLO ops outside the kernel call are
   listed: what XLA runs around the write kernel.
 
+- `--loops`: the serving loop's `while` loops that every outer iteration checks (on a GPU
+  each check is a device-to-host read of the predicate), for both storages: counted in the
+  compiled HLO and listed from the jaxpr with the source line that built each, plus the
+  loops nested in them (checked only when their parent makes a trip). See
+  `loop_predicates` for how they add up per outer iteration.
+
 A CPU proxy: XLA:GPU fuses differently and the GPU time was measured separately (see
 docs/PERFORMANCE.md). Usage: PYTHONPATH=. python benchmarks/paged_step_ops.py [--small]
+[--page-sizes 128,32] [--serving] [--loops]
 """
 
 from __future__ import annotations
@@ -162,6 +169,60 @@ def serving_step_kernels(page_size, *, small: bool) -> tuple[int, int]:
   model (2 Llama layers of width 32) is the same for both storages, so the difference
   is the storage's per-step work: its verbs, its K/V writes and its loop checks.
   """
+  fn, args = _serving_loop(page_size, small=small)
+  return max(_while_loops(fn.lower(*args).compile().as_text()))
+
+
+def _direct_whiles(comps: dict, name: str) -> list[str]:
+  """The `while` instructions reached from computation `name` without entering a while."""
+  found, todo, seen = [], [name], set()
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for op, _, line in comps[name]:
+      if op == "while":
+        found.append(line)
+      else:
+        todo.extend(_CALLEES.findall(line))
+        for group in _BRANCHES.findall(line):
+          todo.extend(n.strip().lstrip("%") for n in group.split(","))
+  return found
+
+
+_CALLEES = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def _jaxpr_whiles(jaxpr) -> list[tuple[str, list, list]]:
+  """`(label, body loops, condition loops)` of the while loops of a jaxpr, nested loops
+  inside. The label is the innermost `jaxkv/serve` frame that built the loop."""
+  out = []
+  for eqn in jaxpr.eqns:
+    subs = []
+    for value in eqn.params.values():
+      for v in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(v, "jaxpr", v)
+        if hasattr(inner, "eqns"):
+          subs.append(inner)
+    if eqn.primitive.name == "while":
+      label = "?"
+      frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", ())
+      for frame in frames:
+        if "jaxkv/serve/" in frame.file_name:
+          label = f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.line_num} {frame.function_name}"
+          break
+      out.append((label, _jaxpr_whiles(eqn.params["body_jaxpr"].jaxpr),
+                  _jaxpr_whiles(eqn.params["cond_jaxpr"].jaxpr)))
+    else:
+      for sub in subs:
+        out.extend(_jaxpr_whiles(sub))
+  return out
+
+
+def _serving_loop(page_size, *, small: bool, num_widths: int = 2):
+  """`(jitted serve_loop, its args)` for a tiny model (the same model for both storages)."""
   from flax import nnx   # pylint: disable=g-import-not-at-top
   from jaxkv import serve   # pylint: disable=g-import-not-at-top
   from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
@@ -173,13 +234,40 @@ def serving_step_kernels(page_size, *, small: bool) -> tuple[int, int]:
   model = Decoder(model_config, dataclasses.replace(cache, page_size=page_size),
                   rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
-  widths = (w, min(w, 64))
+  widths = (w, min(w, 64), 16)[:num_widths]
   queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=64,
                            max_stop=4)
   ls = serve.init_loop_state(model.cache_config, queue, num_widths=len(widths))
-  text = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
-      graphdef, model.cache_config, widths, params, ls, jnp.int32(8)).compile().as_text()
-  return max(_while_loops(text))
+  fn = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
+  return fn, (graphdef, model.cache_config, widths, params, ls, jnp.int32(8))
+
+
+def loop_predicates(page_size, *, small: bool) -> dict:
+  """The serving loop's `while` predicates per outer iteration on the common path.
+
+  Common path: nothing is evicted, parked or forked. Every loop reached from the
+  outer loop's body without entering another loop evaluates its predicate at least
+  once per outer iteration (one more per trip); the loops nested in those run only
+  when their parent trips. So an outer iteration that retires `r` columns, admits
+  `k` requests and runs `t` steps evaluates `direct + 1 + r + k + t` predicates (the
+  `+ 1`: the outer loop's own), when no loop nested in the retire and admit loops
+  runs (none does on this path). `direct` is counted twice: in the compiled HLO
+  (what runs) and in the jaxpr, whose loops carry the source line that built them.
+  """
+  fn, args = _serving_loop(page_size, small=small)
+  traced = fn.trace(*args)
+  text = traced.lower().compile().as_text()
+  comps, entry = _computations(text)
+  outer = _direct_whiles(comps, entry)
+  assert len(outer) == 1, outer
+  called = dict(_CALLS.findall(outer[0]))
+  direct_hlo = (len(_direct_whiles(comps, called["body"]))
+                + len(_direct_whiles(comps, called["condition"])))
+  (top,) = _jaxpr_whiles(traced.jaxpr.jaxpr)
+  _, body, cond = top
+  return {"direct (HLO)": direct_hlo, "direct (jaxpr)": len(body) + len(cond),
+          "loops": [label for label, _, _ in body + cond],
+          "nested in them": {label: len(b) + len(c) for label, b, c in body + cond if b or c}}
 
 
 def main():
@@ -187,9 +275,15 @@ def main():
   parser.add_argument("--small", action="store_true", help="a small shape (fast compile)")
   parser.add_argument("--serving", action="store_true",
                       help="also compile the serving loop with a tiny model (slow)")
+  parser.add_argument("--page-sizes", default="128",
+                      help="comma-separated page sizes to count the verbs at (e.g. 128,32)")
+  parser.add_argument("--loops", action="store_true",
+                      help="count the serving loop's while predicates per outer iteration "
+                      "(a tiny model, both storages)")
   args = parser.parse_args()
   counts = {}
-  for page_size in (None, 128):
+  page_sizes = [int(p) for p in args.page_sizes.split(",")]
+  for page_size in [None] + page_sizes:
     config = cache_config(page_size=page_size, small=args.small)
     name = "columns" if page_size is None else f"pages of {page_size}"
     print(f"== {name}: S={config.max_seqs} W={config.step_width} capacity={config.capacity}"
@@ -207,9 +301,21 @@ def main():
       body, cond = serving_step_kernels(page_size, small=args.small)
       name = "columns" if page_size is None else f"pages of {page_size}"
       print(f"== serving loop, {name}: widest step loop body {body} kernels, condition {cond}")
-  print("== paged - columns, kernels per call (outside loops):",
-        {verb: counts[128, verb] - counts[None, verb]
-         for verb in ("prepare_step", "commit_step", "seq_rm", "seq_clone", "rewind")})
+  if args.loops:
+    for page_size in (None, 128):
+      name = "columns" if page_size is None else f"pages of {page_size}"
+      found = loop_predicates(page_size, small=args.small)
+      print(f"== serving loop, {name}: loops evaluated once per outer iteration (beside the "
+            f"outer loop's own check): {found['direct (HLO)']} in the compiled HLO, "
+            f"{found['direct (jaxpr)']} in the jaxpr")
+      for label in found["loops"]:
+        print(f"     {label}")
+      print(f"   loops nested in them (run only when their parent trips): "
+            f"{found['nested in them']}")
+  for page_size in page_sizes:
+    print(f"== pages of {page_size} - columns, kernels per call (outside loops):",
+          {verb: counts[page_size, verb] - counts[None, verb]
+           for verb in ("prepare_step", "commit_step", "seq_rm", "seq_clone", "rewind")})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ refusal), so a refused verb leaves both bitwise unchanged.
 `apply_step_pages`) touches only a window of `step_slots` table slots per column
 from its first write slot `pos // P` (a `[max_seqs, K]` gather and scatter): a
 step of at most `W` tokens changes no slot outside it (see `step_slots`). The
-only pass over `[num_pages]` finds the free pages, lowest first. It has no loop
+only pass over `[num_pages]` finds the free pages, lowest first, without a sort
+(`lowest_free`), and keeps only as many as a step can take (`step_takes`). It has no loop
 and no `lax.cond`: on a GPU each loop with a traced trip count and each
 conditional reads its predicate back to the host, a round trip per step.
 """
@@ -202,6 +203,59 @@ def step_slots(config: CacheConfig) -> int:
   return min(config.max_pages_per_seq, (config.step_width + 2 * p - 2) // p)
 
 
+def step_takes(config: CacheConfig) -> int:
+  """The most pages one `prepare_step` takes in all: `M + (W - M) // P`, `M = min(S, W)`.
+
+  A live column holds at least the slots `[0, ceil(pos / P))` (CONTRACT §3.1), and
+  its `n_c` step tokens sit at consecutive positions from `pos` (owner blocks
+  included), so it takes at most `ceil((pos + n_c) / P) - ceil(pos / P) <=
+  ceil(n_c / P) = 1 + (n_c - 1) // P` pages. Over the `m` columns with tokens
+  (`m <= M`, `sum n_c <= W`) that is at most `m + (W - m) // P`, which grows with
+  `m`: at most `M + (W - M) // P` (reached: `M` page-aligned columns, one token each
+  and the rest on one). Below `ceil(W / P) + S`, and never more than `S * K`.
+  """
+  s, w, p = config.max_seqs, config.step_width, config.page_size
+  m = min(s, w)
+  return min(s * step_slots(config), m + (w - m) // p)
+
+
+_WORD = 32
+
+
+def lowest_free(config: CacheConfig, refs, length: int):
+  """`int32[length]`: the `length` lowest free pages in increasing order, `num_pages` past the last.
+
+  No sort of the pool (two kernels per step on a GPU for a few thousand pages). Each
+  free page's rank among the free ones, by bit counting: the free mask is packed
+  into one `uint32` word per 32 pages (a sum of distinct bits), a page's rank within
+  its word is the population count of the bits below it, and the free pages before
+  its word come from a compare-and-sum over the words' counts (not `cumsum`, which
+  XLA lowers to a chain of reduce-windows). Nothing larger than the padded pool is
+  built but that `[words, words]` compare. One scatter then puts each free page at
+  its rank, dropping ranks past `length`. The same list as sorting the free pages'
+  ids (`tests/jaxkv/test_paged_free.py`).
+  """
+  num_pages = config.num_pages
+  words = -(-num_pages // _WORD)
+  free = jnp.pad(_free_pages(config, refs), (0, words * _WORD - num_pages))
+  free = free.reshape(words, _WORD)
+  bits = jnp.left_shift(jnp.uint32(1), jnp.arange(_WORD, dtype=jnp.uint32))
+  packed = jnp.where(free, bits, jnp.uint32(0)).sum(axis=1, dtype=jnp.uint32)       # [words]
+  in_word = jax.lax.population_count(packed[:, None] & (bits - 1)[None, :]).astype(jnp.int32)
+  counts = jax.lax.population_count(packed).astype(jnp.int32)
+  if words * words <= _COMPARE_ELEMENTS:
+    index = jnp.arange(words)
+    before = jnp.where(index[None, :] < index[:, None], counts[None, :], 0).sum(
+        axis=1, dtype=jnp.int32)
+  else:   # a pool of more than 2**16 pages
+    before = jnp.cumsum(counts, dtype=jnp.int32) - counts
+  rank = before[:, None] + in_word
+  pages = jnp.arange(words * _WORD, dtype=jnp.int32).reshape(words, _WORD)
+  at = jnp.where(free & (rank < length), rank, length)
+  return jnp.full((length,), num_pages, jnp.int32).at[at.reshape(-1)].set(
+      pages.reshape(-1), mode="drop")
+
+
 _COMPARE_ELEMENTS = 1 << 22
 
 
@@ -261,14 +315,13 @@ def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):
   release = held & ~want
   take = want & ~held
   refs = state.page_refs.at[jnp.where(release, window, num_pages)].add(-1, mode="drop")
-  # The free pages, lowest first: one sort of the pool's page ids (free ones keep
-  # their id, the others sort last as `num_pages`), not `nonzero` (a cumsum).
-  pages = jnp.arange(num_pages, dtype=jnp.int32)
-  free_list = jnp.sort(jnp.where(_free_pages(config, refs), pages, num_pages))
-  free_list = jnp.pad(free_list, (0, max(s * k - num_pages, 0)), constant_values=num_pages)
+  length = step_takes(config)
+  free_list = lowest_free(config, refs, length)
   rank = _exclusive_counts(take)
-  fresh = free_list[jnp.minimum(rank, s * k - 1)]
-  enough = ~jnp.any(take & (fresh == num_pages))
+  fresh = free_list[jnp.minimum(rank, length - 1)]
+  # A take past the free pages gets `num_pages` (refused). `rank < length` always
+  # (`step_takes`); were that bound broken, the take refuses rather than share a page.
+  enough = ~jnp.any(take & ((fresh == num_pages) | (rank >= length)))
   new = jnp.where(take, fresh, jnp.where(release, scratch, window))
   return dict(slots=slots, window=window, new=new, release=release, take=take, refs=refs,
               enough=enough)

@@ -106,21 +106,53 @@ def _admit_queued(config: CacheConfig, ls: LoopState, admit_one) -> LoopState:
   return pl.adopt(config, ls, col, did)
 
 
-def admit(config: CacheConfig, ls: LoopState, admit_one) -> LoopState:
-  """Admits parked columns (oldest first), then queued requests, evicting prefixes as needed."""
+def admit_queued(config: CacheConfig, ls: LoopState, admit_one):
+  """Admits queued requests while the head fits and none is parked (the common admissions).
+
+  The admission rule is computed once per state, in the loop's carry (before the
+  loop, then after each admission), so the loop's check reads a flag and nothing
+  recomputes the rule afterwards.
+
+  Returns:
+    `(ls, rest)`: the loop state (`adopt_wait` set) and whether an eviction or a
+    parked column's return is now due (`admit_rest`).
+  """
+  def rule(ls):
+    now, evict, wait = _admission(config, ls)
+    parked = jnp.any(ls.parked == 1)
+    return now & ~parked, evict | (now & parked), wait
+
+  def body(carry):
+    ls = _admit_queued(config, carry[0], admit_one)
+    return (ls, *rule(ls))
+
+  ls, _, rest, wait = jax.lax.while_loop(lambda carry: carry[1], body, (ls, *rule(ls)))
+  return dataclasses.replace(ls, adopt_wait=wait), rest
+
+
+def admit_rest(config: CacheConfig, ls: LoopState, rest, admit_one) -> LoopState:
+  """The rest of the admissions after `admit_queued`: evictions and parked columns first.
+
+  Each state allows at most one admission action: evict (`evict`), bring a parked
+  column back (`now` with one parked) or admit the queue's head (`now` with none
+  parked); `_admission` makes `now` and `evict` exclusive. So loops that act only
+  where their action is allowed and stop only where none is take the same actions
+  in the same order as one loop around the three. Past `admit_queued` the first
+  two are the only ones left to start (`rest`, its flag), and rarely any is (a
+  preemption, retained prefixes in the way): `finish_block` runs this inside its
+  loop, whose check folds in `rest`.
+  """
   now = lambda ls: _admission(config, ls)[0]
   evict = lambda ls: _admission(config, ls)[1]
   any_parked = lambda ls: jnp.any(ls.parked == 1)
 
-  def body(ls):
-    ls = jax.lax.while_loop(evict, lambda ls: pl.evict_one(config, ls), ls)
+  def body(carry):
+    ls = jax.lax.while_loop(evict, lambda ls: pl.evict_one(config, ls), carry[0])
     ls = jax.lax.while_loop(lambda ls: now(ls) & any_parked(ls),
                             lambda ls: _readmit_one(config, ls), ls)
-    return jax.lax.while_loop(lambda ls: now(ls) & ~any_parked(ls),
-                              lambda ls: _admit_queued(config, ls, admit_one), ls)
+    return admit_queued(config, ls, admit_one)
 
-  ls = jax.lax.while_loop(lambda ls: now(ls) | evict(ls), body, ls)
-  return dataclasses.replace(ls, adopt_wait=_admission(config, ls)[2])
+  return jax.lax.while_loop(lambda carry: carry[1], body, (ls, rest))[0]
 
 
 # ----------------------------------------------------------------------------- retirement
@@ -158,11 +190,27 @@ def retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
 # ----------------------------------------------------------------------------- forks
 
 
-def forks(config: CacheConfig, ls: LoopState, fork_one, fork_ready) -> LoopState:
-  """Forks ready prompts, first making room (evict, preempt) and a free column for each."""
+def finish_block(config: CacheConfig, ls: LoopState, rest, admit_one, fork_one,
+                 fork_ready) -> LoopState:
+  """After `admit_queued`: the rare admissions, the forks, then room for the next step.
+
+  One loop (`rest | ready | room`), so an outer iteration with none of them due
+  evaluates one predicate where three loops in a row would evaluate three. The
+  actions run in the order of those three loops:
+  - the rare admissions (`admit_rest`), on the loop's first trip only and only if
+    due when it starts (`rest`, from `admit_queued`, in the carry): forks and
+    preemptions below may allow one again (a preempted column may come back),
+    which in the order kept here waits for the next outer iteration;
+  - while a fork is ready: free room for it, evict for a spare column, swap parked
+    data up, fork (each allowed only where the ones before it are not, and none
+    makes an earlier one allowed but a fork, after which the next trip starts over);
+  - once none is ready (nothing here makes one ready again): free room for the
+    step (`paged_loop.needs_room`).
+  """
   ready = lambda ls: jnp.any(fork_ready(ls)) & (ls.status == Status.OK)
   src = lambda ls: jnp.argmax(fork_ready(ls)).astype(jnp.int32)
   fits = lambda ls: ls.cache.held + ls.cache.pos[src(ls)] <= config.capacity
+  room = lambda ls: pl.needs_room(config, ls)
 
   def parked_lowest(ls):
     exists, low = pl.lowest_free_id(ls)
@@ -181,7 +229,13 @@ def forks(config: CacheConfig, ls: LoopState, fork_one, fork_ready) -> LoopState
     return dataclasses.replace(ls, page_hash=ls.page_hash.at[dst].set(
         jnp.where(did, ls.page_hash[s], ls.page_hash[dst])))
 
-  def body(ls):
+  def cond(carry):
+    ls, rest = carry
+    return rest | ready(ls) | room(ls)
+
+  def body(carry):
+    ls, rest = carry
+    ls = admit_rest(config, ls, rest, admit_one)
     ls = jax.lax.while_loop(lambda ls: ready(ls) & ~fits(ls) & pl.can_free(ls),
                             lambda ls: pl.free_one(config, ls), ls)
     ls = jax.lax.while_loop(lambda ls: ready(ls) & ~pl.spare(ls)[0] & jnp.any(ls.cached == 1),
@@ -189,19 +243,27 @@ def forks(config: CacheConfig, ls: LoopState, fork_one, fork_ready) -> LoopState
     ls = jax.lax.while_loop(lambda ls: ready(ls) & parked_lowest(ls) & pl.spare(ls)[0],
                             swap_up, ls)
     can = lambda ls: ready(ls) & fits(ls) & ~parked_lowest(ls) & pl.spare(ls)[0]
-    return jax.lax.while_loop(can, fork_paged, ls)
+    ls = jax.lax.while_loop(can, fork_paged, ls)
+    ls = jax.lax.while_loop(lambda ls: ~ready(ls) & room(ls),
+                            lambda ls: pl.free_one(config, ls), ls)
+    return ls, jnp.bool_(False)
 
-  return jax.lax.while_loop(ready, body, ls)
+  return jax.lax.while_loop(cond, body, (ls, rest))[0]
 
 
 def outer_body(config: CacheConfig, ls: LoopState, *, admit_one, fork_one,
                fork_ready) -> LoopState:
-  """Retire, admit, fork, then make room for the next step (the paged outer loop's block)."""
+  """Retire, admit, fork, then make room for the next step (the paged outer loop's block).
+
+  On the common path (nothing to evict, park or fork) that is as many loop
+  predicates as the column block: retire (`r + 1` for `r` finished columns), admit
+  (`k + 1` for `k` admitted requests), the rest (1). On a GPU each predicate is a
+  device-to-host read and a host decision.
+  """
   ls = jax.lax.while_loop(lambda ls: jnp.any(ls.done == 1) & (ls.status == Status.OK),
                           lambda ls: retire_one(config, ls), ls)
-  ls = admit(config, ls, admit_one)
-  ls = forks(config, ls, fork_one, fork_ready)
-  return pl.make_room(config, ls)
+  ls, rest = admit_queued(config, ls, admit_one)
+  return finish_block(config, ls, rest, admit_one, fork_one, fork_ready)
 
 
 def step_may_run(config: CacheConfig, ls: LoopState):

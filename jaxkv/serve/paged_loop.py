@@ -165,10 +165,13 @@ def free_one(config: CacheConfig, ls: LoopState) -> LoopState:
   return preempt_one(config, ls, ~has_prefix)
 
 
-def make_room(config: CacheConfig, ls: LoopState) -> LoopState:
-  """Evicts and preempts until the next step's first tokens fit `capacity`."""
-  cond = lambda ls: (ls.status == Status.OK) & ~step_fits(config, ls) & can_free(ls)
-  return jax.lax.while_loop(cond, lambda ls: free_one(config, ls), ls)
+def needs_room(config: CacheConfig, ls: LoopState):
+  """Whether to evict or preempt before the next step: its first tokens pass `capacity`.
+
+  `paged_admit.finish_block` frees room while this holds (and no fork is ready), in
+  the same loop as the forks, so the common outer iteration checks one predicate.
+  """
+  return (ls.status == Status.OK) & ~step_fits(config, ls) & can_free(ls)
 
 
 # ----------------------------------------------------------------------------- columns
