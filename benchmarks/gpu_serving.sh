@@ -34,7 +34,7 @@ for w in "${@:-decode uniform}"; do
     kernel_sweep) TAIL=40 run kernel_sweep 300 python3 benchmarks/kernel_trace.py --sweep;;
     e2e_kernels) TAIL=30 run e2e_kernels 300 python3 benchmarks/decode.py --e2e --out "$out/e2e_kernels.json";;
     levers_bound) TAIL=12 run step_levers_bound 420 python3 benchmarks/step_levers.py --uniform --variants base,unbounded_splits,base;;
-    levers_bound_decode) TAIL=12 run step_levers_bound_decode 300 python3 benchmarks/step_levers.py --variants base,unbounded_splits;;
+    levers_bound_decode) TAIL=12 run step_levers_bound_decode 240 python3 benchmarks/step_levers.py --variants base,unbounded_splits;;
     levers_merge) run step_levers_merge 300 python3 benchmarks/step_levers.py --variants base,compacted_merge,base;;
     levers_cond) run step_levers_cond 200 python3 benchmarks/step_levers.py --variants base,sample_cond;;
     mixed2k_lpt) run e2e_mixed2k_lpt 480 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-fcfs --also-sorted-static --paged 128 --out "$out/e2e_mixed2k_lpt.json";;
