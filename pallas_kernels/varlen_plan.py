@@ -34,8 +34,8 @@ def split_bound(num_rows: int, *, block_k: int, window, config) -> int:
   least that many tiles, so no segment gets more than
   `ceil(max_tiles / ceil(split_len / block_k))` splits. The epilogue merges this
   many partials per token instead of `config.max_splits` (16): one (no merge at
-  all) for caches of up to `split_len` rows, two up to twice that. The plan
-  clips to the same bound, so plan and epilogue agree on any input.
+  all) for flat caches of up to `split_len - 7` rows, two up to about twice that.
+  The plan clips to the same bound, so plan and epilogue agree on any input.
   """
   max_tiles = _cdiv(num_rows + ROW_ALIGN - 1, block_k) + (0 if window is None else 1)
   min_tiles = _cdiv(config.split_len, block_k)
