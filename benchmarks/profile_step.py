@@ -224,7 +224,7 @@ def main(argv=None) -> int:
   long_ = [rng.integers(0, cfg.vocab_size, size=2000 if not args.small else 40)
            .astype(np.int32).tolist() for _ in range(16 if not args.small else 2)]
   results = {}
-  from flax import nnx   # pylint: disable=g-import-not-at-top
+
   def trace(engine, reqs, tag, label):
     """Times and traces one workload on `engine`; prints it and keeps its kernel list."""
     results[tag], summary = _time_and_trace(engine, reqs, os.path.join(args.out, tag), label)
@@ -238,10 +238,18 @@ def main(argv=None) -> int:
 
   if args.uniform:
     _trace_uniform(cfg, args, trace)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile.json"), "w") as f:
-      json.dump(results, f, indent=1, default=str)
-    return 0
+  else:
+    _trace_serving(cfg, args, trace, results, short, long_, n_req, new)
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "profile.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+  return 0
+
+
+def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
+  """The decode-heavy and prefill-heavy workloads at each `--widths` (and over pages
+  with `--page-size`), then the padded loop on the decode-heavy one."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
   decode_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=new)) for q in short]
   prefill_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
   for width in [int(w) for w in args.widths.split(",")]:
@@ -260,24 +268,14 @@ def main(argv=None) -> int:
         trace(engine, decode_reqs, f"{prefix}_W{width}_decode",
               f"engine W={width}{what}, decode-heavy (64 x 8..16 + {new})")
         if args.dump_hlo and not what:
-          queue = serve.pack_queue([tuple(q) for q in short], [r.params for r in decode_reqs],
-                                   max_len=engine.max_len, max_stop=engine.max_stop)
-          ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
-          # The loop `Engine.run` picked for these requests (greedy ones: no sampler cond).
-          greedy = all(serve.engine.plain_greedy(r.params) for r in decode_reqs)
-          loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
           with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:
-            f.write(loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text())
+            f.write(_compiled_loop(engine, cache, short, decode_reqs))
       if width >= 512 and not args.decode_only:
         trace(engine, prefill_reqs, f"{prefix}_W{width}_prefill",
               f"engine W={width}{what}, prefill-heavy (16 x 2000 + 4)")
       del engine, model
   if not (args.decode_only or args.prefill_only):
     _trace_padded(cfg, short, new, args.out, results)
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "profile.json"), "w") as f:
-    json.dump(results, f, indent=1, default=str)
-  return 0
 
 
 def _trace_uniform(cfg, args, trace):
@@ -324,16 +322,22 @@ def _trace_uniform(cfg, args, trace):
   _print(s)
 
 
-def _describe_loop(engine, cache, prompts, reqs, out, kernel_file, top=40):
-  """Prints what each of the traced loop's busiest XLA fusions computes (from the
-  compiled loop's HLO): its shape and the ops of its fused computation."""
-  import re   # pylint: disable=g-import-not-at-top
+def _compiled_loop(engine, cache, prompts, reqs) -> str:
+  """The optimized HLO text of the loop `Engine.run` picks for `reqs` (greedy ones: the
+  loop without the sampler's cond), compiled for a queue of `prompts`."""
   queue = serve.pack_queue([tuple(p) for p in prompts], [r.params for r in reqs],
                            max_len=engine.max_len, max_stop=engine.max_stop)
   ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
   greedy = all(serve.engine.plain_greedy(r.params) for r in reqs)
   loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
-  text = loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text()
+  return loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text()
+
+
+def _describe_loop(engine, cache, prompts, reqs, out, kernel_file, top=40):
+  """Prints what each of the traced loop's busiest XLA fusions computes (from the
+  compiled loop's HLO): its shape and the ops of its fused computation."""
+  import re   # pylint: disable=g-import-not-at-top
+  text = _compiled_loop(engine, cache, prompts, reqs)
   comps = {}
   for block in re.split(r"\n(?=\S)", text):
     head = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s", block)
