@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from drivers import check_page_invariants
+import hlo_walk
 import jaxkv
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
@@ -196,10 +197,6 @@ def test_the_paged_engine_keeps_every_write_page_private(monkeypatch):
   assert seen["rewind", True] > 0 and seen["commit_step", True] > 0, seen
 
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLED = re.compile(r"(?:condition|body|to_apply|calls)=%?([\w.\-]+)")
-
-
 def _step_loop_whiles(hlo: str) -> list[str]:
   """The `while` instructions inside the step loops of a compiled serving loop.
 
@@ -207,35 +204,13 @@ def _step_loop_whiles(hlo: str) -> list[str]:
   through fusions and calls, not through a nested while loop (the outer loop reaches the
   model only through its step loops).
   """
-  comps, current = {}, None
-  for line in hlo.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = comps.setdefault(header.group(1), [])
-    elif current is not None and " = " in line:
-      current.append(line)
-
-  def own(name):
-    """`(lines reached from computation name without entering a while, nested whiles)`."""
-    lines, whiles, todo, seen = [], [], [name], set()
-    while todo:
-      name = todo.pop()
-      if name in seen or name not in comps:
-        continue
-      seen.add(name)
-      for line in comps[name]:
-        if " while(" in line:
-          whiles.append(line)
-          continue
-        lines.append(line)
-        todo += _CALLED.findall(line)
-    return lines, whiles
-
+  comps, _ = hlo_walk.computations(hlo)
   found = []
-  for line in (line for lines in comps.values() for line in lines if " while(" in line):
-    body_lines, nested = own(re.search(r"body=%?([\w.\-]+)", line).group(1))
-    if any(" dot(" in body_line for body_line in body_lines):
-      found += nested
+  for line in hlo_walk.whiles([line for lines in comps.values() for line in lines]):
+    # What the loop's body reaches without entering a nested while (a `while` line has no `dot`).
+    body = hlo_walk.reached(comps, hlo_walk.LOOP.search(line).group(2))
+    if any(" dot(" in body_line for body_line in body):
+      found += hlo_walk.whiles(body)
   assert found or any(" dot(" in line for lines in comps.values() for line in lines)
   return found
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -24,48 +23,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import hlo_walk
 from jaxkv import Status, serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import paged_admit as pa
 from jaxkv.serve import paged_loop as pl
 
+_LOOP = hlo_walk.LOOP
+
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=16)
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALLED = re.compile(r"(?:to_apply|calls)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_LOOP = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
-
-
-def _computations(hlo: str) -> tuple[dict, str]:
-  comps, current, entry = {}, None, None
-  for line in hlo.splitlines():
-    header = _HEADER.match(line)
-    if header:
-      current = comps.setdefault(header.group(1), [])
-      entry = header.group(1) if line.startswith("ENTRY") else entry
-    elif current is not None and " = " in line:
-      current.append(line)
-  return comps, entry
 
 
 def _loops_from(comps: dict, name: str) -> list[str]:
   """The `while` lines reached from computation `name` through calls, fusions and
   branches, not through another while."""
-  found, todo, seen = [], [name], set()
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      if " while(" in line:
-        found.append(line)
-        continue
-      todo += _CALLED.findall(line)
-      for group in _BRANCHES.findall(line):
-        todo += [n.strip().lstrip("%") for n in group.split(",")]
-  return found
+  return hlo_walk.whiles(hlo_walk.reached(comps, name, branches=True))
 
 
 @functools.cache
@@ -80,7 +53,7 @@ def _outer_loop(page_size, prefix_cache: bool):
                              prefix_cache=prefix_cache)
   hlo = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
       graphdef, model.cache_config, (16,), params, ls, jnp.int32(4)).compile().as_text()
-  comps, entry = _computations(hlo)
+  comps, entry = hlo_walk.computations(hlo)
   (outer,) = _loops_from(comps, entry)
   cond, body = _LOOP.search(outer).groups()
   return comps, _loops_from(comps, body) + _loops_from(comps, cond)
@@ -88,18 +61,8 @@ def _outer_loop(page_size, prefix_cache: bool):
 
 def _runs_the_model(comps: dict, loop: str) -> bool:
   """Whether a loop's body reaches a `dot` (a step loop: it trips once per step)."""
-  todo, seen = [_LOOP.search(loop).group(2)], set()
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for line in comps[name]:
-      if " dot(" in line:
-        return True
-      todo += _CALLED.findall(line) + list(_LOOP.search(line).groups() if " while(" in line
-                                           else ())
-  return False
+  body = _LOOP.search(loop).group(2)
+  return any(" dot(" in line for line in hlo_walk.reached(comps, body, into_loops=True))
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
