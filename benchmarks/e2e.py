@@ -345,6 +345,22 @@ def run_static(cfg, model, prompts, news, slots):
           "attention": r["attention"]}, outs
 
 
+def random_prompts(rng, cfg: ModelConfig, lens) -> list[list[int]]:
+  """One prompt of uniformly random token ids per length in `lens`."""
+  return [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist() for n in lens]
+
+
+def workload_cache(cfg: ModelConfig, prompts, news, *, slots: int, max_write: int):
+  """The cache a workload is served with: flat rows for its longest sequence (rounded up
+  to the kernels' row multiple, 128) and capacity for all of its sequences (at most
+  `slots` columns of those rows)."""
+  longest = max(len(p) + n for p, n in zip(prompts, news))
+  capacity = sum(len(p) + n for p, n in zip(prompts, news))
+  rows = -(-longest // 128) * 128
+  return cfg.cache_config(capacity=max(min(capacity, slots * rows), rows), max_seqs=slots,
+                          max_write=max_write, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+
+
 def main(argv=None) -> int:
   args = _args(argv)
   if args.small:
@@ -366,13 +382,8 @@ def main(argv=None) -> int:
     lens = _lengths(rng, count, 300 if not args.small else 12, cap_p, floor=4)
     news = _lengths(rng, count, 150 if not args.small else 4, cap_o)
     slots = args.slots
-  prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist() for n in lens]
-  longest = max(len(p) + n for p, n in zip(prompts, news))
-  capacity = sum(len(p) + n for p, n in zip(prompts, news))
-  # Flat rows: the longest sequence, rounded up to the kernels' row multiple.
-  rows = -(-longest // 128) * 128
-  cache = cfg.cache_config(capacity=max(min(capacity, slots * rows), rows), max_seqs=slots,
-                           max_write=args.max_write, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+  prompts = random_prompts(rng, cfg, lens)
+  cache = workload_cache(cfg, prompts, news, slots=slots, max_write=args.max_write)
   from flax import nnx   # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   bucket = args.bucket or None

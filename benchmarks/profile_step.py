@@ -288,11 +288,9 @@ def _trace_uniform(cfg, args, trace):
   n, new = (64, 256) if not args.small else (6, 8)
   lo, hi = (128, 2048) if not args.small else (4, 40)
   lens = rng.integers(lo, hi + 1, size=n)
-  prompts = [rng.integers(0, cfg.vocab_size, size=int(k)).astype(np.int32).tolist() for k in lens]
-  rows = -(-(max(lens) + new) // 128) * 128
+  prompts = e2e.random_prompts(rng, cfg, lens)
   width = 2048 if not args.small else 32
-  cache = cfg.cache_config(capacity=min(int(sum(lens)) + n * new, n * rows), max_seqs=n,
-                           max_write=width, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+  cache = e2e.workload_cache(cfg, prompts, [new] * n, slots=n, max_write=width)
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   engine = serve.Engine(model, max_len=int(max(lens)) + new)
   if args.describe:

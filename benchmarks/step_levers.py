@@ -111,12 +111,8 @@ def main(argv=None) -> int:
     lens = rng.integers(lo, hi + 1, size=n_req)
   else:
     lens, width = rng.integers(8, 17, size=n_req), 512 if not args.small else 16
-  prompts = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist()
-             for n in lens]
-  rows = -(-(int(max(lens)) + new) // 128) * 128
-  cache = cfg.cache_config(capacity=min(int(sum(lens)) + n_req * new, n_req * rows),
-                           max_seqs=n_req, max_write=width, kv_dtype=jnp.bfloat16,
-                           initial_capacity=rows)
+  prompts = e2e.random_prompts(rng, cfg, lens)
+  cache = e2e.workload_cache(cfg, prompts, [new] * n_req, slots=n_req, max_write=width)
   from flax import nnx   # pylint: disable=g-import-not-at-top
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   base, _ = e2e.run_baseline(cfg, model, prompts, new)
