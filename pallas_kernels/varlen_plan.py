@@ -72,6 +72,27 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, tile_rows, b
       first_row, first_len, second_len, block=block_k, align=align)
   num_tiles = num_first + num_second
   q_tiles = _cdiv(q_len * group, tile_rows)
+  splits = _split_counts(q_tiles, q_len, num_tiles, block_k=block_k, config=config)
+  tiles_per_split = jnp.maximum(_cdiv(num_tiles, splits), 1)
+  # Every split gets at least one tile: drop the empty tail of a rounded split.
+  splits = jnp.maximum(_cdiv(num_tiles, tiles_per_split), 1)
+  num_items = jnp.where(is_real, q_tiles * splits, 0)
+  return dict(q_start=q_start, q_len=q_len, col=seq_info[:, indexing.SEG_COL], pos0=pos0,
+              kind=kind, lo=lo, end=end, first_row=first_row, first_len=first_len,
+              second_len=second_len, tile0_row=tile0_row, num_first=num_first,
+              num_tiles=num_tiles, splits=splits, tiles_per_split=tiles_per_split,
+              num_items=num_items, cu_items=jnp.cumsum(num_items))
+
+
+def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
+  """Key splits per segment, before the empty tails are dropped (`_segment_plan`).
+
+  All ones, without the plan, when the cache is too short for any segment to split
+  (`config.max_splits` is then 1, see `split_bound`): the plan would compute the
+  same ones through a sort and a cumsum per call.
+  """
+  if config.max_splits == 1:
+    return jnp.ones_like(num_tiles)
   # Only segments of one q tile long enough to split may split, and only as many
   # (longest first) as keep their tokens within `max_split_tokens`: the combine
   # merges splits for that many tokens and copies every other token's one row.
@@ -87,16 +108,7 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, tile_rows, b
   chunk = jnp.maximum(min_tiles, _cdiv(split_work, max(config.split_budget, 1)))
   if config.split_budget == 0:
     chunk = jnp.maximum(chunk, jnp.max(num_tiles))
-  splits = jnp.where(splittable, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
-  tiles_per_split = jnp.maximum(_cdiv(num_tiles, splits), 1)
-  # Every split gets at least one tile: drop the empty tail of a rounded split.
-  splits = jnp.maximum(_cdiv(num_tiles, tiles_per_split), 1)
-  num_items = jnp.where(is_real, q_tiles * splits, 0)
-  return dict(q_start=q_start, q_len=q_len, col=seq_info[:, indexing.SEG_COL], pos0=pos0,
-              kind=kind, lo=lo, end=end, first_row=first_row, first_len=first_len,
-              second_len=second_len, tile0_row=tile0_row, num_first=num_first,
-              num_tiles=num_tiles, splits=splits, tiles_per_split=tiles_per_split,
-              num_items=num_items, cu_items=jnp.cumsum(num_items))
+  return jnp.where(splittable, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
 
 
 def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items):
