@@ -352,13 +352,15 @@ def random_prompts(rng, cfg: ModelConfig, lens) -> list[list[int]]:
 
 def workload_cache(cfg: ModelConfig, prompts, news, *, slots: int, max_write: int):
   """The cache a workload is served with: flat rows for its longest sequence (rounded up
-  to the kernels' row multiple, 128) and capacity for all of its sequences (at most
-  `slots` columns of those rows)."""
+  to the kernels' row multiple, 128), which is also every sequence's cap (`max_seq_len`,
+  so paged storage gets a page table of that many rows, not of `capacity`), and capacity
+  for all of its sequences (at most `slots` columns of those rows)."""
   longest = max(len(p) + n for p, n in zip(prompts, news))
   capacity = sum(len(p) + n for p, n in zip(prompts, news))
   rows = -(-longest // 128) * 128
   return cfg.cache_config(capacity=max(min(capacity, slots * rows), rows), max_seqs=slots,
-                          max_write=max_write, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+                          max_write=max_write, kv_dtype=jnp.bfloat16, initial_capacity=rows,
+                          max_seq_len=rows)
 
 
 def main(argv=None) -> int:

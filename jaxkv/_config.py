@@ -111,6 +111,13 @@ class CacheConfig:
       each flat layer as a pool of `num_pages` pages `[num_pages, page_size, H, D]`
       addressed through the state's page table (CONTRACT §3.1). It need not
       divide `capacity`. Ring layers keep their per-sequence rows either way.
+    max_seq_len: None (the default: `capacity`) or the most positions one
+      sequence may hold, `1 <= max_seq_len <= capacity`. A step that would take
+      a sequence past it is refused (TOO_LONG). It bounds the flat rows (columns
+      grow to at most `max_seq_len` rows) and sizes the page table
+      (`ceil(max_seq_len / page_size)` slots per sequence), which sizes the
+      attention kernels' key splits: a cache of long `capacity` and short
+      sequences reads and merges less per step when it says so.
   """
 
   layers: tuple[LayerConfig, ...]
@@ -120,6 +127,7 @@ class CacheConfig:
   kv_dtype: Any = jnp.bfloat16
   initial_capacity: int = 512
   page_size: int | None = None
+  max_seq_len: int | None = None
 
   def __post_init__(self):
     if isinstance(self.layers, LayerConfig) or not hasattr(self.layers, "__iter__"):
@@ -154,6 +162,11 @@ class CacheConfig:
     if dtype not in _KV_DTYPES:
       raise ValueError(f"kv_dtype={dtype} must be float32, bfloat16 or float16")
     object.__setattr__(self, "kv_dtype", dtype)
+    if self.max_seq_len is not None:
+      _require_int("max_seq_len", self.max_seq_len)
+      object.__setattr__(self, "max_seq_len", int(self.max_seq_len))
+      if not 1 <= self.max_seq_len <= self.capacity:
+        raise ValueError(f"max_seq_len={self.max_seq_len} must be in [1, capacity={self.capacity}]")
     if self.page_size is not None:
       _require_int("page_size", self.page_size)
       object.__setattr__(self, "page_size", int(self.page_size))
@@ -178,9 +191,19 @@ class CacheConfig:
     return self.max_seqs
 
   @property
+  def seq_len_limit(self) -> int:
+    """Most positions one sequence may hold: `max_seq_len`, else `capacity`."""
+    return self.capacity if self.max_seq_len is None else self.max_seq_len
+
+  @property
+  def max_flat_rows(self) -> int:
+    """The flat rows' ceiling: `seq_len_limit` (no sequence reads a row past it)."""
+    return self.seq_len_limit
+
+  @property
   def initial_flat_rows(self) -> int:
-    """Flat rows at construction: `min(initial_capacity, capacity)`."""
-    return min(self.initial_capacity, self.capacity)
+    """Flat rows at construction: `min(initial_capacity, max_flat_rows)`."""
+    return min(self.initial_capacity, self.max_flat_rows)
 
   @property
   def is_paged(self) -> bool:
@@ -189,8 +212,8 @@ class CacheConfig:
 
   @property
   def max_pages_per_seq(self) -> int:
-    """Page-table entries per sequence: `ceil(capacity / page_size)` (0 unpaged)."""
-    return -(-self.capacity // self.page_size) if self.is_paged else 0
+    """Page-table entries per sequence: `ceil(seq_len_limit / page_size)` (0 unpaged)."""
+    return -(-self.seq_len_limit // self.page_size) if self.is_paged else 0
 
   @property
   def num_pages(self) -> int:
@@ -200,7 +223,7 @@ class CacheConfig:
     is at most `capacity / P + max_seqs` pages (one partial page each); the last
     page is the scratch page. No verb can therefore be refused for want of pages.
     """
-    return self.max_pages_per_seq + self.max_seqs + 1 if self.is_paged else 0
+    return -(-self.capacity // self.page_size) + self.max_seqs + 1 if self.is_paged else 0
 
   @property
   def scratch_page(self) -> int:

@@ -44,7 +44,8 @@ def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_ar
   `[0, F)` keep their bytes exactly; new rows are zero. Not donated.
 
   Raises:
-    ValueError: no flat layer, not `F < rows <= capacity`, or the new flat
+    ValueError: no flat layer, not `F < rows <= max_flat_rows` (`capacity`, or
+      `max_seq_len` when set), or the new flat
       arrays would not fit in the device's free memory (checked before
       allocating; the message gives the byte formula).
   """
@@ -59,9 +60,10 @@ def grow(config: CacheConfig, state: CacheState, rows: int, *, allocate=grown_ar
                      "the page pool is allocated whole, for the full capacity")
   if isinstance(rows, bool) or not isinstance(rows, int):
     raise TypeError(f"rows={rows!r} must be a Python int")
-  if not current < rows <= config.capacity:
+  if not current < rows <= config.max_flat_rows:
+    bound = ("capacity" if config.max_seq_len is None else "max_seq_len")
     raise ValueError(f"rows={rows} must satisfy F={current} < rows <= "
-                     f"capacity={config.capacity}")
+                     f"{bound}={config.max_flat_rows}")
   flat = [l for l, layer in enumerate(config.layers) if not layer.policy.is_ring]
   first = state.k[flat[0]]
   # A head-split layer holds 1/shards of its heads on each device.

@@ -278,12 +278,13 @@ class BatchedSequenceCache:
     return jnp.asarray(padded)
 
   def _grow_for_declaration(self) -> None:
-    """Grows every flat layer to `min(capacity, max(required, 2F))` rounded up to
-    `row_multiple`, transactionally."""
+    """Grows every flat layer to `min(max_flat_rows, max(required, 2F))` rounded up
+    to `row_multiple`, transactionally (`max_flat_rows`: `capacity`, or
+    `max_seq_len` when set)."""
     required = int(_rows_needed(self._config, self._state))
     current = flat_rows(self._config, self._state)
     multiple = self._row_multiple
-    rows = min(self._config.capacity, -(-max(required, 2 * current) // multiple) * multiple)
+    rows = min(self._config.max_flat_rows, -(-max(required, 2 * current) // multiple) * multiple)
     # Looked up at call time, so a test that replaces `_allocate_rows` is honoured.
     self._state = _verbs.grow(self._config, self._state, rows,
                               allocate=lambda a, r: _allocate_rows(a, r))

@@ -32,6 +32,7 @@ class Status(enum.IntEnum):
   NEEDS_ROWS = 11
   NOT_PREPARED = 12
   NOT_ATTENDED = 13
+  TOO_LONG = 14
 
 
 class Phase(enum.IntEnum):
@@ -234,11 +235,12 @@ def _fresh_state(config: CacheConfig, kv) -> CacheState:
 def flat_rows(config: CacheConfig, state: CacheState) -> int:
   """`F`, the flat layers' row count (0 when every layer is a ring).
 
-  Paged flat layers address every position below `capacity` through the page
-  table, so their logical row count is `capacity` (they never grow).
+  Paged flat layers address every position below `max_flat_rows` (`capacity`,
+  or `max_seq_len` when set) through the page table, so that is their logical
+  row count (they never grow).
   """
   if config.is_paged:
-    return config.capacity
+    return config.max_flat_rows
   for l, layer in enumerate(config.layers):
     if not layer.policy.is_ring:
       return state.k[l].shape[0]

@@ -57,7 +57,7 @@ def dynamic_validate_state(config: CacheConfig, state: CacheState) -> None:
       f"non-live columns must have pos = hw = 0: {pos=}, {hw=}, {live=}")
   assert held == int(pos[live == 1].sum()), f"{held=} != sum of live pos {pos}"
   assert held <= config.capacity, f"{held=} > capacity={config.capacity}"
-  assert np.all(pos <= hw) and np.all(hw <= config.capacity), f"{pos=}, {hw=}"
+  assert np.all(pos <= hw) and np.all(hw <= config.seq_len_limit), f"{pos=}, {hw=}"
   flat = [state.k[l].shape[0] for l, c in enumerate(config.layers) if not c.policy.is_ring]
   if flat and not config.is_paged:
     assert np.all(hw <= flat[0]), f"hw {hw} exceeds flat rows {flat[0]}"
@@ -107,7 +107,7 @@ def static_validate_state(config: CacheConfig, state) -> None:
                      f"{config.num_layers}")
   flat_rows = {a.shape[0] for a, c in zip(state.k, config.layers) if not c.policy.is_ring}
   if config.is_paged:
-    flat_rows = {config.capacity}   # pools are checked by layer_shape below
+    flat_rows = {config.max_flat_rows}   # pools are checked by layer_shape below
   if len(flat_rows) > 1:
     raise ValueError(f"state's flat layers disagree on their row count: {sorted(flat_rows)}")
   rows = flat_rows.pop() if flat_rows else 0
@@ -117,8 +117,9 @@ def static_validate_state(config: CacheConfig, state) -> None:
       if a.shape != expected or a.dtype != config.kv_dtype:
         raise ValueError(f"state.{name}[{l}] is {a.dtype}{list(a.shape)}; config needs "
                          f"{config.kv_dtype}{list(expected)}")
-  if not 0 < rows <= config.capacity and config.has_flat:
-    raise ValueError(f"state's flat rows {rows} must be in [1, capacity={config.capacity}]")
+  if not 0 < rows <= config.max_flat_rows and config.has_flat:
+    raise ValueError(f"state's flat rows {rows} must be in [1, max_flat_rows="
+                     f"{config.max_flat_rows}]")
   width, seqs = config.step_width, config.max_seqs
   # The step may be a narrowed view (`narrow_step`): any width up to W, the same for every field.
   step_width = step_width_of(config, state)

@@ -257,6 +257,18 @@ def _bad_blocks(config: CacheConfig, ids, n, blocks):
   return is_bad, block_flags
 
 
+def _too_long(config: CacheConfig, state: CacheState, is_real, cols):
+  """Whether the step's tokens would take a live sequence past `max_seq_len`.
+
+  Statically False without `max_seq_len` (or with it at `capacity`): the room
+  check (`held + n <= capacity`) already bounds every sequence by `capacity`.
+  """
+  if config.seq_len_limit >= config.capacity:
+    return False
+  tokens = jnp.zeros((config.max_seqs,), jnp.int32).at[cols].add(is_real.astype(jnp.int32))
+  return jnp.any((state.live == 1) & (tokens > config.seq_len_limit - state.pos))
+
+
 def declare_step(config: CacheConfig, state: CacheState, seq_ids, n, blocks):
   """Declares the next step's tokens; a refusal leaves any earlier declaration standing.
 
@@ -266,8 +278,9 @@ def declare_step(config: CacheConfig, state: CacheState, seq_ids, n, blocks):
     blocks: `int32[W, 2]` owner blocks `(start, length)`; length 0 = unused row.
 
   Returns:
-    `(state, status)`: EMPTY, TOO_WIDE, NOT_LIVE, BAD_BLOCKS, NO_ROOM refuse,
-    checked in that order.
+    `(state, status)`: EMPTY, TOO_WIDE, NOT_LIVE, BAD_BLOCKS, NO_ROOM and
+    TOO_LONG (a sequence would pass `config.max_seq_len`) refuse, checked in
+    that order.
   """
   _check(config, state, seq_ids=(seq_ids, (config.step_width,)), n=(n, ()),
          blocks=(blocks, (config.step_width, 2)))
@@ -282,6 +295,7 @@ def declare_step(config: CacheConfig, state: CacheState, seq_ids, n, blocks):
       (jnp.any(is_real & ~token_live), Status.NOT_LIVE),
       (blocks_bad, Status.BAD_BLOCKS),
       (state.held > config.capacity - n, Status.NO_ROOM),
+      (_too_long(config, state, is_real, cols), Status.TOO_LONG),
   ])
   new = dataclasses.replace(
       state, phase=_i32(Phase.DECLARED), decl_n=n,

@@ -167,7 +167,9 @@ def check_page_invariants(config, state) -> None:
   table, refs = np.asarray(state.page_table), np.asarray(state.page_refs)
   live, pos = np.asarray(state.live), np.asarray(state.pos)
   size, scratch = config.page_size, config.num_pages - 1
-  slots = -(-config.capacity // size)
+  # One sequence holds at most max_seq_len positions (capacity when unset).
+  limit = config.capacity if config.max_seq_len is None else config.max_seq_len
+  slots = -(-limit // size)
   assert table.shape == (config.max_seqs + 1, slots) and refs.shape == (config.num_pages,)
   assert np.all(table[-1] == scratch), f"scratch row {table[-1]}"
   counts = np.zeros(config.num_pages, np.int64)
@@ -308,7 +310,8 @@ class PureCache:
       required = int(self._rows_needed(self.config, self.state))
       flat = [a.shape[0] for a, lc in zip(self.state.k, self.config.layers)
               if lc.policy.kind == "flat"]
-      rows = min(self.config.capacity, max(required, 2 * flat[0]))
+      cap = self.config.max_seq_len or self.config.capacity   # CONTRACT §3: F <= max_seq_len
+      rows = min(cap, max(required, 2 * flat[0]))
       self.state = jaxkv.pure.grow(self.config, self.state, rows)
       self.state, status = self._prepare(self.config, self.state, arr)
     assert self._ok(status, "prepare_step"), f"prepare_step: {jaxkv.Status(int(status)).name}"

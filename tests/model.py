@@ -42,6 +42,7 @@ class Status(enum.IntEnum):
   NEEDS_ROWS = 11
   NOT_PREPARED = 12
   NOT_ATTENDED = 13
+  TOO_LONG = 14
 
 
 class Phase(enum.IntEnum):
@@ -66,20 +67,23 @@ class CacheModel:
   Args:
     windows: per layer, None (flat) or the ring window w >= 1.
     capacity, max_seqs, max_write, initial_capacity: as in `CacheConfig`.
+    max_seq_len: as in `CacheConfig` (None: capacity): the most positions one
+      sequence holds, and the flat rows' ceiling.
     kv_dtype: NumPy dtype K/V are rounded to on write (float32, float16, bfloat16).
     scales: per-layer softmax scale.
   """
 
   def __init__(self, windows, *, capacity: int, max_seqs: int, max_write: int,
-               initial_capacity: int, kv_dtype, scales):
+               initial_capacity: int, kv_dtype, scales, max_seq_len: int | None = None):
     self.windows = list(windows)
     self.capacity = capacity
+    self.max_rows = capacity if max_seq_len is None else max_seq_len
     self.max_seqs = max_seqs
     self.width = max_write
     self.kv_dtype = np.dtype(kv_dtype)
     self.scales = list(scales)
     self.has_flat = any(w is None for w in self.windows)
-    self.flat_rows = min(initial_capacity, capacity) if self.has_flat else 0
+    self.flat_rows = min(initial_capacity, self.max_rows) if self.has_flat else 0
     self.live = [False] * max_seqs
     self._pos = [0] * max_seqs
     self._hw = [0] * max_seqs
@@ -93,13 +97,14 @@ class CacheModel:
   def for_config(cls, config) -> "CacheModel":
     """The model of a `jaxkv.CacheConfig`, read by attribute (nothing of jaxkv is imported)."""
     windows = [None if lc.policy.kind == "flat" else int(lc.policy.window) for lc in config.layers]
-    # Paged storage (CONTRACT §3.1) addresses every position below capacity from
-    # the start: its flat rows are `capacity` and never grow.
+    # Paged storage (CONTRACT §3.1) addresses every position a sequence may hold
+    # from the start: its flat rows are `max_seq_len` (else `capacity`), never grown.
     paged = getattr(config, "page_size", None) is not None
+    max_seq_len = getattr(config, "max_seq_len", None)
     return cls(windows, capacity=config.capacity, max_seqs=config.max_seqs,
                max_write=config.max_write,
                initial_capacity=config.capacity if paged else config.initial_capacity,
-               kv_dtype=config.kv_dtype,
+               kv_dtype=config.kv_dtype, max_seq_len=max_seq_len,
                scales=[1.0 / math.sqrt(lc.head_dim) for lc in config.layers])
 
   # ------------------------------------------------------------------ queries
@@ -242,6 +247,8 @@ class CacheModel:
       return Status.BAD_BLOCKS
     if not self._has_room(len(ids)):
       return Status.NO_ROOM
+    if any(self._pos[s] + ids.count(s) > self.max_rows for s in set(ids)):
+      return Status.TOO_LONG
     flags = [False] * len(ids)
     for start, length in blocks:
       for t in range(start, start + length):
@@ -266,12 +273,12 @@ class CacheModel:
     return max(p + 1 for p in self.derived_positions())
 
   def grow(self, rows: int) -> None:
-    assert self.has_flat and self.flat_rows < rows <= self.capacity, rows
+    assert self.has_flat and self.flat_rows < rows <= self.max_rows, rows
     self.flat_rows = rows
 
   def growth_target(self) -> int:
-    """Rows the facade grows to: min(capacity, max(required, 2F)) (CONTRACT §3)."""
-    return min(self.capacity, max(self.rows_needed(), 2 * self.flat_rows))
+    """Rows the facade grows to: min(max_seq_len or capacity, max(required, 2F)) (CONTRACT §3)."""
+    return min(self.max_rows, max(self.rows_needed(), 2 * self.flat_rows))
 
   def prepare_step(self, positions=None, *, grow: bool = True):
     """`positions`: None or the n caller positions. `grow=False` is the pure API."""

@@ -122,10 +122,11 @@ def stored_rows(state, config, layer: int, col: int, positions) -> tuple[np.ndar
 
 
 def flat_row_count(state, config) -> int:
-  """Flat rows per column as allocated: `k[flat].shape[0]`, or `capacity` when paged
-  (every position below capacity has a page-table slot; the pool never grows)."""
+  """Flat rows per column as allocated: `k[flat].shape[0]`, or `max_seq_len` (else
+  `capacity`) when paged (every position a sequence may hold has a page-table slot;
+  the pool never grows)."""
   if config.page_size is not None:
-    return config.capacity
+    return config.max_seq_len or config.capacity
   return next(a.shape[0] for a, lc in zip(state.k, config.layers) if lc.policy.kind == "flat")
 
 

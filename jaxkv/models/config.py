@@ -133,10 +133,12 @@ class ModelConfig:
     return layers
 
   def cache_config(self, *, capacity: int, max_seqs: int, max_write: int,
-                   kv_dtype=jnp.float32, initial_capacity: int | None = None
+                   kv_dtype=jnp.float32, initial_capacity: int | None = None,
+                   max_seq_len: int | None = None, page_size: int | None = None
                    ) -> jaxkv.CacheConfig:
     """The `jaxkv.CacheConfig` this model runs on (initial capacity = capacity by default)."""
     return jaxkv.CacheConfig(
         self.cache_layers(), capacity=capacity, max_seqs=max_seqs, max_write=max_write,
         kv_dtype=kv_dtype,
-        initial_capacity=capacity if initial_capacity is None else initial_capacity)
+        initial_capacity=capacity if initial_capacity is None else initial_capacity,
+        max_seq_len=max_seq_len, page_size=page_size)

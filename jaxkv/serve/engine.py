@@ -140,7 +140,9 @@ class Engine:
   Args:
     model: a `jaxkv.serve.StepModel` (checked at construction).
     max_len: longest prompt + max_tokens of any request (the per-column token
-      buffer); default `min(capacity, 4096)`.
+      buffer); default `min(seq_len_limit, 4096)` (`seq_len_limit`: the cache's
+      `max_seq_len`, else `capacity`). A sequence holds prompt + max_tokens - 1
+      positions, so `max_len - 1` must not pass `max_seq_len`.
     max_steps: most steps per loop entry (bounds the time between host visits:
       `on_progress` is called after each entry).
     max_stop_tokens: most stop tokens per request.
@@ -200,9 +202,13 @@ class Engine:
                        "page_size=None (see jaxkv.serve.paged_cache_config)")
     self.prefix_cache = prefix_cache
     self.mesh, self.kv_axis = _model_mesh(model, config, mesh, kv_axis)
-    self.max_len = min(config.capacity, 4096) if max_len is None else int(max_len)
+    self.max_len = min(config.seq_len_limit, 4096) if max_len is None else int(max_len)
     if not 2 <= self.max_len < 2**31:
       raise ValueError(f"max_len={self.max_len} must be in [2, 2**31)")
+    if config.max_seq_len is not None and self.max_len - 1 > config.max_seq_len:
+      raise ValueError(f"max_len={self.max_len} must be <= the cache's max_seq_len + 1 = "
+                       f"{config.max_seq_len + 1}: a request holds prompt + max_tokens - 1 "
+                       "positions")
     if max_steps < 1:
       raise ValueError(f"max_steps={max_steps} must be >= 1")
     if max_stop_tokens < 1:

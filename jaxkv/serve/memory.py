@@ -16,7 +16,7 @@ ROW_MULTIPLE = 128
 
 def _grown_rows(config: CacheConfig, current: int, needed: int) -> int:
   rows = max(needed, 2 * current)
-  return min(config.capacity, -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE)
+  return min(config.max_flat_rows, -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
 def bytes_in_use(config: CacheConfig, positions: Sequence[int]) -> int:
@@ -78,7 +78,9 @@ def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
                        page_size: int | None = None) -> CacheConfig:
   """The paged `CacheConfig` with the largest `capacity` whose K/V fit `kv_budget_bytes`.
 
-  Layers, `max_seqs`, `max_write` and `kv_dtype` come from `config`; the pool
+  Layers, `max_seqs`, `max_write`, `kv_dtype` and `max_seq_len` come from
+  `config` (a `max_seq_len` narrows the page table: set it to the longest
+  request the engine serves); the pool
   then holds `ceil(capacity / page_size) + max_seqs + 1` pages per flat layer
   (CONTRACT §3.1), so K/V bytes are `num_pages x page bytes` over the flat
   layers plus the ring layers' fixed columns. `capacity` is a multiple of
@@ -94,7 +96,8 @@ def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
   Raises:
     TypeError: a non-int budget or page size.
     ValueError: a budget too small for one page per sequence beyond the scratch
-      page (the message gives the byte formula of the smallest pool).
+      page (the message gives the byte formula of the smallest pool), or for
+      `config.max_seq_len` positions.
   """
   if not isinstance(config, CacheConfig):
     raise TypeError(f"config={config!r} must be a CacheConfig")
@@ -106,9 +109,12 @@ def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
     raise ValueError(f"page_size={page} must be >= 1")
   if not config.has_flat:
     raise ValueError("paged storage needs a flat layer; every layer of config is a ring")
-  sized = lambda pages: dataclasses.replace(config, capacity=pages * page, page_size=page,
-                                            initial_capacity=min(config.initial_capacity,
-                                                                 pages * page))
+  # A `max_seq_len` above a candidate's capacity is clipped while searching; the result
+  # must hold it whole (checked below).
+  sized = lambda pages: dataclasses.replace(
+      config, capacity=pages * page, page_size=page,
+      initial_capacity=min(config.initial_capacity, pages * page),
+      max_seq_len=None if config.max_seq_len is None else min(config.max_seq_len, pages * page))
   cost = lambda pages: _memory.kv_formula(sized(pages), 0)
   smallest, formula = cost(1)
   if smallest > kv_budget_bytes:
@@ -121,4 +127,8 @@ def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
       lo = mid
     else:
       hi = mid - 1
-  return sized(lo)
+  result = sized(lo)
+  if config.max_seq_len is not None and result.capacity < config.max_seq_len:
+    raise ValueError(f"kv_budget_bytes={kv_budget_bytes:,} holds capacity={result.capacity} "
+                     f"positions, below config.max_seq_len={config.max_seq_len}")
+  return result

@@ -78,6 +78,15 @@ POOL: dict[str, PoolEntry] = {
     "ring5+flat/W4/paged4": PoolEntry(_cfg(
         [(ring(5), 1, 4), (flat(), 1, 4)], capacity=24, max_seqs=3, max_write=4,
         kv_dtype=jnp.float32, page_size=4), 2, "probe"),
+    # A per-sequence cap (CONTRACT §2 `max_seq_len`) well below capacity: steps are
+    # refused with TOO_LONG, flat rows stop growing at 7; and the same cap over pages
+    # of 3 (the table has ceil(7 / 3) = 3 slots per sequence, the pool 6 + 4 + 1 pages).
+    "flat+ring3/W2/len7": PoolEntry(_cfg(
+        [(flat(), 1, 4), (ring(3), 1, 4)], capacity=24, max_seqs=3, max_write=2,
+        kv_dtype=jnp.float32, initial_capacity=2, max_seq_len=7), 2, "probe"),
+    "flat/W3/f16/gqa/paged3/len7": PoolEntry(_cfg(
+        [(flat(), 2, 4)], capacity=16, max_seqs=4, max_write=3,
+        kv_dtype=jnp.float16, page_size=3, max_seq_len=7), 4, "random"),
     # Rings only, two windows, five sequences.
     "ring7+ring2/W5": PoolEntry(_cfg(
         [(ring(7), 1, 4), (ring(2), 1, 4)], capacity=40, max_seqs=5, max_write=5,
@@ -88,9 +97,10 @@ POOL_NAMES = sorted(POOL)
 
 
 def flat_rows(config, state) -> int:
-  """F: rows of the first flat layer, 0 when every layer is a ring; capacity when paged."""
+  """F: rows of the first flat layer, 0 when every layer is a ring; max_seq_len (else
+  capacity) when paged."""
   if config.page_size is not None:
-    return config.capacity
+    return config.max_seq_len or config.capacity
   for lc, k in zip(config.layers, state.k):
     if lc.policy.kind == "flat":
       return k.shape[0]

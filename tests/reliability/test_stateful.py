@@ -382,11 +382,11 @@ class CacheMachine(RuleBasedStateMachine):
 
   def do_grow(self, data):
     model = self.model
-    if not self.PURE or not model.has_flat or model.flat_rows >= model.capacity:
+    if not self.PURE or not model.has_flat or model.flat_rows >= model.max_rows:
       return
     # A few sizes only: every new F recompiles every verb.
-    rows = self.choice(sorted({min(model.capacity, 2 * model.flat_rows),
-                                             min(model.capacity, model.flat_rows + 1)}))
+    rows = self.choice(sorted({min(model.max_rows, 2 * model.flat_rows),
+                               min(model.max_rows, model.flat_rows + 1)}))
     old_rows = model.flat_rows
     old = snapshot(self.state)
     self.state = jaxkv.pure.grow(self.config, self.state, rows)
