@@ -377,7 +377,7 @@ def test_scenario_13_public_surface():
       ("OK", 0), ("NOT_LIVE", 1), ("NO_ROOM", 2), ("NO_FREE_ID", 3), ("EMPTY", 4),
       ("TOO_WIDE", 5), ("BAD_BLOCKS", 6), ("BAD_TARGET", 7), ("BELOW_FLOOR", 8),
       ("NO_DECLARATION", 9), ("BAD_POSITIONS", 10), ("NEEDS_ROWS", 11), ("NOT_PREPARED", 12),
-      ("NOT_ATTENDED", 13)]
+      ("NOT_ATTENDED", 13), ("TOO_LONG", 14)]
   assert [(p.name, int(p)) for p in jaxkv.Phase] == [
       ("IDLE", 0), ("DECLARED", 1), ("PREPARED", 2), ("COMMITTED", 3)]
   assert jaxkv.pure.WHOLE == 2**31 - 1
