@@ -254,8 +254,9 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
   prefill_reqs = [serve.Request(tuple(q), serve.SamplingParams(max_tokens=4)) for q in long_]
   for width in [int(w) for w in args.widths.split(",")]:
     rows = 2048 + 256
+    # Every sequence is capped at the columns' rows, so pages get the same split bound.
     cache = cfg.cache_config(capacity=64 * (2048 + 256), max_seqs=n_req, max_write=width,
-                             kv_dtype=jnp.bfloat16, initial_capacity=rows)
+                             kv_dtype=jnp.bfloat16, initial_capacity=rows, max_seq_len=rows)
     storages = [("engine", "", cache)]
     if args.page_size:
       storages.append((f"paged{args.page_size}", f" over pages of {args.page_size}",

@@ -1,0 +1,112 @@
+"""Why square K/V tiles (`block_k == head_dim`) miscompute: a minimal reproduction (issue 12).
+
+`varlen_attention_sm90.static_check` refuses `block_k == head_dim` because such tiles gave
+wrong results on the H200 (jax 0.11.2). This script bypasses the refusal (it calls the
+jitted `_varlen_attention` directly) on small inputs: one segment in one column, one KV
+head shared by `G` query heads, `block_q` 64, no key splits, and compares the kernel's
+rows with float64 oracles, each written here in numpy:
+
+- `right`: softmax(q k^T) v, causal by position;
+- `k_untransposed`: the score matrix read with K's rows and columns swapped
+  (s = q @ K for the `[keys, dim]` tile taken as `[dim, keys]`), which is what a wgmma
+  B-operand descriptor that dropped the `transpose((1, 0))` of the K tile would compute;
+- `v_transposed`: P v^T (the converse mistake on the P @ V matmul);
+- both mistakes together.
+
+The swapped readings are defined for one tile only (keys = block_k). A case matches an
+oracle when its largest error is below 2e-2 (bf16 inputs). Non-square tiles (block_k 128
+at head_dim 64, 64 at 128) are the controls. Usage (GPU machine):
+`PYTHONPATH=. python3 benchmarks/square_tiles.py`
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import indexing
+from pallas_kernels import varlen_attention_sm90 as sm90
+from pallas_kernels.config import VarlenAttentionConfig
+
+
+def _oracles(q, k, v, pos0):
+  """`{name: [T, G, D]}` float64 outputs of one causal segment (one KV head, G query heads)."""
+  t, g, d = q.shape
+  keys = k.shape[0]
+  qpos = pos0 + np.arange(t)
+  mask = np.arange(keys)[None, :] <= qpos[:, None]
+  scale = 1.0 / math.sqrt(d)
+
+  def attend(kk, vv):
+    out = np.zeros((t, g, d))
+    for h in range(g):
+      s = np.where(mask, (q[:, h] @ kk) * scale, -np.inf)
+      p = np.exp(s - s.max(axis=1, keepdims=True))
+      p /= p.sum(axis=1, keepdims=True)
+      out[:, h] = p @ vv
+    return out
+
+  out = {"right": attend(k.T, v)}
+  if keys == d:   # the swapped readings exist only for one square tile
+    out["k_untransposed"] = attend(k, v)
+    out["v_transposed"] = attend(k.T, v.T)
+    out["both"] = attend(k, v.T)
+  return out
+
+
+def run_case(head_dim, block_k, tokens, keys, group=1, seed=0):
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((tokens, group, head_dim)).astype(np.float32)
+  k = rng.standard_normal((keys, 1, 1, head_dim)).astype(np.float32)
+  v = rng.standard_normal((keys, 1, 1, head_dim)).astype(np.float32)
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+  # Oracles on the bf16-rounded values.
+  qn, kn, vn = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+  pos0 = keys - tokens
+  seq_info = np.zeros((tokens, 5), np.int32)
+  seq_info[0] = (0, tokens, 0, pos0, indexing.KIND_CAUSAL)
+  config = VarlenAttentionConfig(block_q=64, block_k=block_k, num_stages=2, split_len=1 << 20,
+                                 split_budget=0, max_splits=1)
+  got = sm90._varlen_attention(q, k, v, jnp.asarray(seq_info), jnp.int32(1), window=None,
+                               scale=1.0 / math.sqrt(head_dim), config=config, interpret=None)
+  got = np.asarray(got.astype(jnp.float32), np.float64)
+  oracles = _oracles(qn, kn[:, 0, 0], vn[:, 0, 0], pos0)
+  errors = {name: float(np.max(np.abs(got - want))) for name, want in oracles.items()}
+  # Which query rows are wrong (a row = one token of one head), against the right oracle.
+  bad = np.max(np.abs(got - oracles["right"]), axis=-1) > 2e-2
+  return errors, [(int(a), int(b)) for a, b in zip(*np.nonzero(bad))]
+
+
+def main() -> int:
+  print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}")
+  cases = [
+      # (head_dim, block_k, tokens, keys, group): squares, then non-square controls
+      (64, 64, 1, 64, 1), (64, 64, 64, 64, 1), (64, 64, 8, 64, 1),
+      (128, 128, 1, 128, 1), (128, 128, 64, 128, 1),
+      (64, 64, 1, 64, 4), (64, 64, 16, 64, 4), (64, 64, 4, 64, 4), (64, 64, 16, 64, 2),
+      (64, 64, 1, 128, 1), (64, 64, 16, 128, 4), (64, 64, 64, 192, 1), (64, 64, 16, 192, 4),
+      (128, 128, 16, 128, 4), (128, 128, 1, 256, 4),
+      (64, 128, 1, 128, 1), (64, 128, 64, 128, 1), (64, 128, 16, 128, 4), (128, 64, 16, 64, 4),
+  ]
+  print(f"{'head_dim':>8} {'block_k':>7} {'tokens':>6} {'keys':>5} {'G':>2}  "
+        "max |kernel - oracle| per oracle; wrong (token, head) rows")
+  for head_dim, block_k, tokens, keys, group in cases:
+    head = f"{head_dim:>8} {block_k:>7} {tokens:>6} {keys:>5} {group:>2}"
+    try:
+      errors, bad = run_case(head_dim, block_k, tokens, keys, group)
+    except Exception as e:   # pylint: disable=broad-except
+      print(f"{head}  failed: {type(e).__name__}: {str(e)[:200]}")
+      continue
+    best = min(errors, key=errors.get)
+    text = ", ".join(f"{n} {e:.3g}" for n, e in errors.items())
+    verdict = best if errors[best] < 2e-2 else "none"
+    rows = "" if not bad else f"; {len(bad)} wrong rows, first {bad[:6]}"
+    print(f"{head}  {text}  -> matches: {verdict}{rows}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
