@@ -53,10 +53,11 @@ def trace_kernels(fn, args, calls):
   return busy, {n: (t / 1e3 / calls, count[n] / calls) for n, t in time_.most_common()}
 
 
-def _decode_case(num_seqs, head_dim, min_len, max_len, config=None):
-  lengths = bench_decode.decode_case(num_seqs, 32, 8, head_dim, min_len, max_len)
-  k, v = bench_decode.build_cache(jax.random.key(1), lengths, 8, head_dim)
-  q = jax.random.normal(jax.random.key(2), (num_seqs, 32, head_dim), DTYPE)
+def _decode_case(num_seqs, head_dim, min_len, max_len, config=None, heads=(32, 8)):
+  num_q, num_kv = heads
+  lengths = bench_decode.decode_case(num_seqs, num_q, num_kv, head_dim, min_len, max_len)
+  k, v = bench_decode.build_cache(jax.random.key(1), lengths, num_kv, head_dim)
+  q = jax.random.normal(jax.random.key(2), (num_seqs, num_q, head_dim), DTYPE)
   seq_info, n = bench_decode.decode_plan(lengths)
   jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                      scale=head_dim ** -0.5, config=config)),
@@ -64,8 +65,8 @@ def _decode_case(num_seqs, head_dim, min_len, max_len, config=None):
   pad = int(k.shape[0])
   # Separate K and V arrays: with one array for both, V's tiles come from L2
   # (read just before as K), which made cuDNN look faster than HBM allows.
-  kp = jax.random.normal(jax.random.key(3), (num_seqs, pad, 8, head_dim), DTYPE)
-  vp = jax.random.normal(jax.random.key(4), (num_seqs, pad, 8, head_dim), DTYPE)
+  kp = jax.random.normal(jax.random.key(3), (num_seqs, pad, num_kv, head_dim), DTYPE)
+  vp = jax.random.normal(jax.random.key(4), (num_seqs, pad, num_kv, head_dim), DTYPE)
   cudnn = (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
       q_, k_, v_, key_value_seq_lengths=l_, implementation="cudnn")),
            (q[:, None], kp, vp, jnp.asarray(lengths)))
@@ -96,7 +97,25 @@ CASES = {
     "prefill 4x512 32/8 D64": lambda config=None: _prefill_case(4, 512, 64, config),
     "decode 64 seqs 32/8 D128 512..8192": lambda config=None: _decode_case(64, 128, 512, 8192,
                                                                            config),
+    # Issue 12's head layouts the compiled kernel serves since the head-layout round:
+    # GQA groups that do not divide the 64-row q tile (Qwen2.5-7B: 28/4 = 7; 40/8 = 5;
+    # 24/4 = 6; 12/4 = 3) and head dims 80 and 96 (32-/64-byte swizzles), against cuDNN.
+    "decode 64 seqs 28/4 D128 512..8192 (G7)": lambda config=None: _decode_case(
+        64, 128, 512, 8192, config, heads=(28, 4)),
+    "decode 64 seqs 40/8 D128 512..8192 (G5)": lambda config=None: _decode_case(
+        64, 128, 512, 8192, config, heads=(40, 8)),
+    "decode 64 seqs 24/4 D128 512..8192 (G6)": lambda config=None: _decode_case(
+        64, 128, 512, 8192, config, heads=(24, 4)),
+    "decode 64 seqs 12/4 D128 512..8192 (G3)": lambda config=None: _decode_case(
+        64, 128, 512, 8192, config, heads=(12, 4)),
+    "decode 64 seqs 32/32 D80 512..4096": lambda config=None: _decode_case(
+        64, 80, 512, 4096, config, heads=(32, 32)),
+    "decode 64 seqs 32/32 D96 512..4096": lambda config=None: _decode_case(
+        64, 96, 512, 4096, config, heads=(32, 32)),
+    "decode 64 seqs 32/8 D96 512..8192": lambda config=None: _decode_case(
+        64, 96, 512, 8192, config, heads=(32, 8)),
 }
+LAYOUT_CASES = [name for name in CASES if "(G" in name or " D80 " in name or " D96 " in name]
 
 
 def sweep(calls):
@@ -172,7 +191,8 @@ def variants(names, calls, cases):
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--calls", type=int, default=20)
-  p.add_argument("--cases", default=",".join(CASES))
+  p.add_argument("--cases", default=",".join(CASES),
+                 help="comma-separated case names, or 'layouts' for issue 12's head layouts")
   p.add_argument("--top", type=int, default=8)
   p.add_argument("--sweep", action="store_true", help="decode kernel settings only")
   p.add_argument("--variants", default=None,
@@ -184,14 +204,37 @@ def main(argv=None) -> int:
   if args.sweep:
     sweep(args.calls)
     return 0
-  for name in args.cases.split(","):
+  names = LAYOUT_CASES if args.cases == "layouts" else args.cases.split(",")
+  summary = []
+  for name in names:
     (jfn, jargs), (cfn, cargs) = CASES[name]()
+    # K and V bytes a decode call must read: every sequence's history, all KV heads.
+    kv_bytes = None
+    if name.startswith("decode"):
+      lengths = np.asarray(cargs[3])
+      kv_bytes = 2 * int(lengths.sum()) * cargs[1].shape[2] * cargs[1].shape[3] * 2
+    row = {}
     for label, fn, fargs in (("jaxkv", jfn, jargs), ("cuDNN", cfn, cargs)):
-      busy, kernels = trace_kernels(fn, fargs, args.calls)
+      try:
+        busy, kernels = trace_kernels(fn, fargs, args.calls)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"\n{name} | {label}: {type(e).__name__}: {str(e)[:200]}")
+        continue
+      main_kernel = sum(us for k, (us, _) in kernels.items()
+                        if ("mosaic" in k if label == "jaxkv" else "sdpa" in k or "fmha" in k))
+      row[label] = (busy, main_kernel)
       print(f"\n{name} | {label}: GPU busy {busy:.1f} us/call, "
             f"{sum(c for _, c in kernels.values()):.0f} kernels/call")
       for kname, (us, c) in list(kernels.items())[:args.top]:
         print(f"   {us:8.1f} us  x{c:4.1f}  {kname[:100]}")
+    summary.append((name, row, kv_bytes))
+  print("\nsummary (GPU time per call; TB/s = K/V bytes / attention kernel time)")
+  for name, row, kv_bytes in summary:
+    parts = []
+    for label, (busy, kernel) in row.items():
+      rate = f", {kv_bytes / kernel / 1e6:.2f} TB/s" if kv_bytes and kernel else ""
+      parts.append(f"{label} kernel {kernel:.1f} us (call {busy:.1f}){rate}")
+    print(f"  {name}: " + "; ".join(parts))
   return 0
 
 
