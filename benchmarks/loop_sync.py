@@ -51,7 +51,10 @@ def build(small: bool, seqs: int, context: int):
 
 
 def step_fn(cfg, impl, w, lens):
-  """One padded decode step: `(i, (tokens, k, v)) -> (tokens, k, v)`, position `lens + i`."""
+  """One padded decode step: `(i, (tokens, k, v)) -> (tokens, k, v)`, position `lens + i`.
+
+  `w` and `lens` are the traced arguments of the jitted form (never closed-over
+  constants, which would embed the weights in the executable)."""
   b = lens.shape[0]
 
   def step(i, carry):
@@ -66,20 +69,24 @@ def step_fn(cfg, impl, w, lens):
   return step
 
 
-def forms(step, steps: int):
-  """`{name: jitted fn(tok, k, v, n) -> (tok, k, v)}` running `steps` steps (n = steps, traced)."""
-  def static(tok, k, v, n):
+def forms(cfg, impl, steps: int):
+  """`{name: jitted fn(w, lens, tok, k, v, n) -> (tok, k, v)}` running `steps` steps (n = steps, traced)."""
+  def static(w, lens, tok, k, v, n):
     del n
-    return jax.lax.fori_loop(0, steps, step, (tok, k, v))
+    return jax.lax.fori_loop(0, steps, step_fn(cfg, impl, w, lens), (tok, k, v))
 
-  def traced(tok, k, v, n):
+  def traced(w, lens, tok, k, v, n):
+    step = step_fn(cfg, impl, w, lens)
+
     def body(c):
       i, carry = c
       return i + 1, step(i, carry)
     return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), (tok, k, v)))[1]
 
   def chunks(size):
-    def run(tok, k, v, n):
+    def run(w, lens, tok, k, v, n):
+      step = step_fn(cfg, impl, w, lens)
+
       def body(c):
         i, carry = c
         carry = jax.lax.fori_loop(0, size, lambda j, cc: step(i + j, cc), carry)
@@ -87,7 +94,9 @@ def forms(step, steps: int):
       return jax.lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), (tok, k, v)))[1]
     return run
 
-  def unrolled(tok, k, v, n):
+  def unrolled(w, lens, tok, k, v, n):
+    step = step_fn(cfg, impl, w, lens)
+
     def body(c):
       i, carry = c
       return i + 2, step(i + 1, step(i, carry))
@@ -95,7 +104,7 @@ def forms(step, steps: int):
 
   out = {"static": static, "traced": traced, "chunks of 8": chunks(8),
          "chunks of 4": chunks(4), "unrolled x2": unrolled}
-  return {name: jax.jit(fn, donate_argnums=(1, 2)) for name, fn in out.items()}
+  return {name: jax.jit(fn, donate_argnums=(3, 4)) for name, fn in out.items()}
 
 
 def main(argv=None) -> int:
@@ -110,8 +119,7 @@ def main(argv=None) -> int:
   cfg, impl, w, caches = build(args.small, args.seqs, args.context)
   rng = np.random.default_rng(0)
   lens = jnp.asarray(rng.integers(8, args.context - args.steps, args.seqs), jnp.int32)
-  step = step_fn(cfg, impl, w, lens)
-  fns = forms(step, args.steps)
+  fns = forms(cfg, impl, args.steps)
   print(f"device {jax.devices()[0].device_kind}; {cfg.num_layers} layers, hidden "
         f"{cfg.hidden_size}; {args.seqs} sequences; attention {impl}; {args.steps} steps per call")
   tok0 = jnp.zeros((args.seqs,), jnp.int32)
@@ -122,10 +130,11 @@ def main(argv=None) -> int:
       k = [c.copy() for c in caches]
       v = [c.copy() for c in caches]
       if rep == 0:   # compile and warm up on a copy
-        jax.block_until_ready(fn(tok0, [c.copy() for c in caches], [c.copy() for c in caches], n))
+        jax.block_until_ready(fn(w, lens, tok0, [c.copy() for c in caches],
+                                 [c.copy() for c in caches], n))
       jax.block_until_ready((k, v))
       t0 = time.perf_counter()
-      tok, k, v = fn(tok0, k, v, n)
+      tok, k, v = fn(w, lens, tok0, k, v, n)
       tok.block_until_ready()
       results.setdefault(name, []).append(1e3 * (time.perf_counter() - t0) / args.steps)
       outputs[name] = np.asarray(tok)

@@ -57,7 +57,7 @@ def _oracles(q, k, v, pos0):
   return out
 
 
-def run_case(head_dim, block_k, tokens, keys, group=1, seed=0):
+def run_case(head_dim, block_k, tokens, keys, group=1, stages=2, seed=0):
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((tokens, group, head_dim)).astype(np.float32)
   k = rng.standard_normal((keys, 1, 1, head_dim)).astype(np.float32)
@@ -68,7 +68,7 @@ def run_case(head_dim, block_k, tokens, keys, group=1, seed=0):
   pos0 = keys - tokens
   seq_info = np.zeros((tokens, 5), np.int32)
   seq_info[0] = (0, tokens, 0, pos0, indexing.KIND_CAUSAL)
-  config = VarlenAttentionConfig(block_q=64, block_k=block_k, num_stages=2, split_len=1 << 20,
+  config = VarlenAttentionConfig(block_q=64, block_k=block_k, num_stages=stages, split_len=1 << 20,
                                  split_budget=0, max_splits=1)
   got = sm90._varlen_attention(q, k, v, jnp.asarray(seq_info), jnp.int32(1), window=None,
                                scale=1.0 / math.sqrt(head_dim), config=config, interpret=None)
@@ -90,13 +90,19 @@ def main() -> int:
       (64, 64, 1, 128, 1), (64, 64, 16, 128, 4), (64, 64, 64, 192, 1), (64, 64, 16, 192, 4),
       (128, 128, 16, 128, 4), (128, 128, 1, 256, 4),
       (64, 128, 1, 128, 1), (64, 128, 64, 128, 1), (64, 128, 16, 128, 4), (128, 64, 16, 64, 4),
+      (64, 128, 16, 384, 4), (128, 64, 16, 256, 4),
   ]
-  print(f"{'head_dim':>8} {'block_k':>7} {'tokens':>6} {'keys':>5} {'G':>2}  "
+  # Several tiles per item (the failing square cases above) with one K/V stage, so every
+  # tile lands in stage 0, and with three: which stage a tile uses, not its index.
+  cases = [c + (2,) for c in cases] + [
+      (64, 64, 1, 128, 1, 1), (64, 64, 16, 192, 4, 1), (128, 128, 1, 256, 4, 1),
+      (64, 64, 1, 128, 1, 3), (64, 64, 16, 192, 4, 3)]
+  print(f"{'head_dim':>8} {'block_k':>7} {'tokens':>6} {'keys':>5} {'G':>2} {'st':>2}  "
         "max |kernel - oracle| per oracle; wrong (token, head) rows")
-  for head_dim, block_k, tokens, keys, group in cases:
-    head = f"{head_dim:>8} {block_k:>7} {tokens:>6} {keys:>5} {group:>2}"
+  for head_dim, block_k, tokens, keys, group, stages in cases:
+    head = f"{head_dim:>8} {block_k:>7} {tokens:>6} {keys:>5} {group:>2} {stages:>2}"
     try:
-      errors, bad = run_case(head_dim, block_k, tokens, keys, group)
+      errors, bad = run_case(head_dim, block_k, tokens, keys, group, stages)
     except Exception as e:   # pylint: disable=broad-except
       print(f"{head}  failed: {type(e).__name__}: {str(e)[:200]}")
       continue
