@@ -22,6 +22,7 @@ at head_dim 64, 64 at 128) are the controls. Usage (GPU machine):
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +33,7 @@ from pallas_kernels import varlen_attention_sm90 as sm90
 from pallas_kernels.config import VarlenAttentionConfig
 
 
-def _oracles(q, k, v, pos0):
+def _oracles(q, k, v, pos0, block_k=None):
   """`{name: [T, G, D]}` float64 outputs of one causal segment (one KV head, G query heads)."""
   t, g, d = q.shape
   keys = k.shape[0]
@@ -50,6 +51,33 @@ def _oracles(q, k, v, pos0):
     return out
 
   out = {"right": attend(k.T, v)}
+  if block_k and keys > block_k:
+    # Several tiles: the results of a loop that lost what earlier tiles carried (the
+    # last tile alone), of one that read only the first tile, and of one that added
+    # the tiles' partial sums without rescaling them to a common maximum.
+    first, last = slice(0, block_k), slice(keys - block_k, keys)
+    def only(sl):
+      res = np.zeros((t, g, d))
+      for h in range(g):
+        s = np.where(mask[:, sl], (q[:, h] @ k[sl].T) * scale, -np.inf)
+        s = np.where(np.isfinite(s).any(axis=1, keepdims=True), s, 0.0)
+        p = np.exp(s - s.max(axis=1, keepdims=True)) * mask[:, sl]
+        res[:, h] = (p @ v[sl]) / np.maximum(p.sum(axis=1, keepdims=True), 1e-30)
+      return res
+    def no_rescale():
+      res = np.zeros((t, g, d))
+      for h in range(g):
+        acc, l = np.zeros((t, d)), np.zeros((t, 1))
+        for start in range(0, keys, block_k):
+          sl = slice(start, start + block_k)
+          s = np.where(mask[:, sl], (q[:, h] @ k[sl].T) * scale, -np.inf)
+          m = np.where(np.isfinite(s).any(axis=1, keepdims=True), s.max(axis=1, keepdims=True), 0.0)
+          p = np.exp(s - m) * mask[:, sl]
+          acc += p @ v[sl]
+          l += p.sum(axis=1, keepdims=True)
+        res[:, h] = acc / l
+      return res
+    out.update(first_tile_only=only(first), last_tile_only=only(last), no_rescale=no_rescale())
   if keys == d:   # the swapped readings exist only for one square tile
     out["k_untransposed"] = attend(k, v)
     out["v_transposed"] = attend(k.T, v.T)
@@ -73,7 +101,7 @@ def run_case(head_dim, block_k, tokens, keys, group=1, stages=2, seed=0):
   got = sm90._varlen_attention(q, k, v, jnp.asarray(seq_info), jnp.int32(1), window=None,
                                scale=1.0 / math.sqrt(head_dim), config=config, interpret=None)
   got = np.asarray(got.astype(jnp.float32), np.float64)
-  oracles = _oracles(qn, kn[:, 0, 0], vn[:, 0, 0], pos0)
+  oracles = _oracles(qn, kn[:, 0, 0], vn[:, 0, 0], pos0, block_k)
   errors = {name: float(np.max(np.abs(got - want))) for name, want in oracles.items()}
   # Which query rows are wrong (a row = one token of one head), against the right oracle.
   bad = np.max(np.abs(got - oracles["right"]), axis=-1) > 2e-2
@@ -81,7 +109,11 @@ def run_case(head_dim, block_k, tokens, keys, group=1, stages=2, seed=0):
 
 
 def main() -> int:
-  print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}")
+  from pallas_kernels import varlen_kernel_sm90   # pylint: disable=g-import-not-at-top
+  if os.environ.get("SQUARE_EARLY_K") == "0":   # K refilled with V, after P @ V
+    varlen_kernel_sm90.EARLY_K_REFILL = False
+  print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; "
+        f"EARLY_K_REFILL={varlen_kernel_sm90.EARLY_K_REFILL}")
   cases = [
       # (head_dim, block_k, tokens, keys, group): squares, then non-square controls
       (64, 64, 1, 64, 1), (64, 64, 64, 64, 1), (64, 64, 8, 64, 1),
@@ -94,6 +126,8 @@ def main() -> int:
   ]
   # Several tiles per item (the failing square cases above) with one K/V stage, so every
   # tile lands in stage 0, and with three: which stage a tile uses, not its index.
+  if os.environ.get("SQUARE_MULTI_ONLY"):   # the multi-tile square cases alone
+    cases = [c for c in cases if c[0] == c[1] and c[3] > c[1]]
   cases = [c + (2,) for c in cases] + [
       (64, 64, 1, 128, 1, 1), (64, 64, 16, 192, 4, 1), (128, 128, 1, 256, 4, 1),
       (64, 64, 1, 128, 1, 3), (64, 64, 16, 192, 4, 3)]
