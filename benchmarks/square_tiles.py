@@ -13,8 +13,11 @@ rows with float64 oracles, each written here in numpy:
 - `v_transposed`: P v^T (the converse mistake on the P @ V matmul);
 - both mistakes together.
 
-The swapped readings are defined for one tile only (keys = block_k). A case matches an
-oracle when its largest error is below 2e-2 (bf16 inputs). Non-square tiles (block_k 128
+The swapped readings are defined for one tile only (keys = block_k). Over several tiles
+three more oracles ask what the loop lost: the first tile alone, the last tile alone, the
+tiles' partial sums added without rescaling to a common maximum. `SQUARE_MULTI_ONLY=1`
+runs the multi-tile square cases alone; `SQUARE_EARLY_K=0` refills K with V (after P @ V)
+instead of right after QK^T. A case matches an oracle when its largest error is below 2e-2 (bf16 inputs). Non-square tiles (block_k 128
 at head_dim 64, 64 at 128) are the controls. Usage (GPU machine):
 `PYTHONPATH=. python3 benchmarks/square_tiles.py`
 """
