@@ -111,6 +111,16 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
   return jnp.where(splittable, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
 
 
+def item_capacity(num_tokens: int, *, group: int, tile_rows: int, config) -> int:
+  """Rows of the item table (static): every q tile once, plus the splits' budget.
+
+  At most one q tile per token more than the tokens' whole tiles (a tile per
+  segment boundary), and `split_budget` more items when segments may split.
+  """
+  return (_cdiv(num_tokens * group, tile_rows) + num_tokens
+          + (config.split_budget if config.max_splits > 1 else 0))
+
+
 def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items):
   """Flat int32 `[1 + max_items * NUM_ITEM_FIELDS]`: the active count, then one row per item."""
   item = jnp.arange(max_items, dtype=jnp.int32)
