@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxkv._config import CacheConfig
 from jaxkv._state import Step
 from pallas_kernels import indexing
+from pallas_kernels.common import prefix_sum
 
 
 def token_mask(config: CacheConfig, n_tokens):
@@ -69,7 +70,7 @@ def build_step(config: CacheConfig, decl_ids, decl_block, decl_n, positions) -> 
   prev_ids = jnp.roll(decl_ids, 1)
   prev_block = jnp.roll(decl_block, 1)
   is_start = is_real & ((tokens == 0) | (decl_ids != prev_ids) | (decl_block != prev_block))
-  seg_index = jnp.cumsum(is_start, dtype=jnp.int32) - 1
+  seg_index = prefix_sum(is_start) - 1   # a compare-and-sum: no reduce-window chain
   n_segments = is_start.sum(dtype=jnp.int32)
   # Out-of-range targets (`width`) are dropped by the scatters below.
   token_target = jnp.where(is_real, seg_index, width)

@@ -38,6 +38,7 @@ from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve import paged_admit, paged_loop
 from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
 from jaxkv.serve.state import LoopState
+from pallas_kernels.common import prefix_sum
 
 
 def _i32(x):
@@ -77,12 +78,14 @@ def _schedule(width: int, ls: LoopState, room=None):
   """
   want = _wanted(ls)
   one = jnp.minimum(want, 1)
-  first = jnp.where(jnp.cumsum(one) <= width, one, 0)
+  # Prefix sums over the columns as compare-and-sums (`prefix_sum`): a cumsum is
+  # a chain of reduce-windows, several GPU kernels each.
+  first = jnp.where(prefix_sum(one) <= width, one, 0)
   rest = want - first
   budget = (width if room is None else jnp.minimum(width, room)) - first.sum()
-  more = jnp.clip(budget - (jnp.cumsum(rest) - rest), 0, rest)
+  more = jnp.clip(budget - (prefix_sum(rest) - rest), 0, rest)
   alloc = (first + more).astype(jnp.int32)
-  start = (jnp.cumsum(alloc) - alloc).astype(jnp.int32)
+  start = prefix_sum(alloc) - alloc
   return alloc, start
 
 
