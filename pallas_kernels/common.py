@@ -38,10 +38,12 @@ def searchsorted_right(sorted_values, queries):
                           method="compare_all" if small else "scan")
 
 
-# The compare-and-sum forms below build one `[n, n]` array; up to this many elements
-# (a 2,048-wide step's `[W, W]`, which `derive_positions` builds anyway) they replace
-# `cumsum` and `argsort`, which XLA lowers to several kernels each (a chain of
-# reduce-windows; a sort plus its iota and gathers), one fused reduction instead.
+# The compare-and-sum forms below build one `[n, n]` array. Up to this many elements
+# (n <= 2,048: a step's columns, tokens and segments, a decode step's attention items)
+# they replace `cumsum` and `argsort`, which XLA lowers to several kernels each (a
+# chain of reduce-windows; a sort, its iota and a gather), with one fused reduction,
+# as `derive_positions` and `searchsorted_right` do; past it the quadratic work would
+# cost more than the kernels it saves (the `_pages` helpers use the same bound).
 COMPARE_ELEMENTS = 1 << 22
 
 

@@ -57,9 +57,21 @@ def _wanted(ls: LoopState):
   return jnp.where(ls.active == 1, jnp.maximum(jnp.minimum(ls.length, ls.hold) - ls.fed, 0), 0)
 
 
-def width_index(widths: tuple[int, ...], ls: LoopState):
-  """Index of the narrowest width that holds every wanted token (widest when none does)."""
-  total = _wanted(ls).sum()
+def _column_totals(*per_column):
+  """`int32[k]`: the sums over the columns of `k` per-column `[S]` values, as one reduction.
+
+  The step and its loop condition each need several such sums; XLA runs a
+  reduction per `sum` (a GPU kernel each), and one per stacked array.
+  """
+  return jnp.stack([_i32(v) for v in per_column]).sum(axis=1, dtype=jnp.int32)
+
+
+def width_index(widths: tuple[int, ...], ls: LoopState, total=None):
+  """Index of the narrowest width that holds every wanted token (widest when none does).
+
+  `total`: the wanted tokens' sum (`_wanted(ls).sum()`), when the caller has it.
+  """
+  total = _wanted(ls).sum() if total is None else total
   index = _i32(0)
   for i, w in enumerate(widths[1:], start=1):   # widths are descending
     index = jnp.where(total <= w, i, index)
@@ -89,10 +101,9 @@ def _schedule(width: int, ls: LoopState, room=None):
   return alloc, start
 
 
-def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start):
-  """`(seq_ids int32[W], tokens int32[width], n)` of the scheduled step."""
+def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start, n):
+  """`(seq_ids int32[W], tokens int32[width])` of the scheduled step of `n` tokens."""
   s = config.max_seqs
-  n = alloc.sum(dtype=jnp.int32)
   idx = jnp.arange(width, dtype=jnp.int32)
   # One fused compare: the default scan is a loop of ~7 gathers, ~16 launches a step on GPU.
   col = jnp.searchsorted(start + alloc, idx, side="right", method="compare_all").astype(jnp.int32)
@@ -102,7 +113,7 @@ def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start):
   offset = jnp.clip(ls.fed[safe] + idx - start[safe], 0, ls.tokens.shape[1] - 1)
   tokens = jnp.where(is_real, ls.tokens[safe, offset], 0)
   seq_ids = jnp.full((config.step_width,), s, jnp.int32).at[:width].set(col)
-  return seq_ids, tokens, n
+  return seq_ids, tokens
 
 
 def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
@@ -115,7 +126,11 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   width = widths[which]
   s = config.max_seqs
   alloc, start = _schedule(width, ls, paged_loop.room(config, ls) if config.is_paged else None)
-  seq_ids, tokens, n = _step_tokens(config, width, ls, alloc, start)
+  # The used columns' positions now, and the ones the step adds if it succeeds (`peak_rows`).
+  used = ls.used == 1
+  n, occupancy, held, held_added = _column_totals(
+      alloc, alloc > 0, jnp.where(used, ls.fed, 0), jnp.where(used, alloc, 0))
+  seq_ids, tokens = _step_tokens(config, width, ls, alloc, start, n)
   blocks = jnp.zeros((config.step_width, 2), jnp.int32)
   cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
   cache, st_prepare = pure.prepare_step(config, cache)
@@ -152,7 +167,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   first_at = jnp.where(emits & (generated == 0), ls.out_row, rows_out)   # latency bookkeeping
   fed = jnp.where(ok, ls.fed + alloc, ls.fed)
   as_int = lambda b: b.astype(jnp.int32)
-  held = jnp.where(ls.used == 1, fed, 0).sum(dtype=jnp.int32)
+  held = held + jnp.where(ok, held_added, 0)
   return dataclasses.replace(
       ls, cache=cache, tokens=tokens_buf, length=length, fed=fed,
       active=jnp.where(finished, 0, ls.active), done=ls.done | as_int(finished),
@@ -166,7 +181,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
       out_first=ls.out_first.at[first_at].set(ls.steps + 1, mode="drop"),
       out_finished=ls.out_finished.at[fin_at].set(ls.steps + 1, mode="drop"),
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
-      occupancy=ls.occupancy + jnp.where(ok, (alloc > 0).sum(dtype=jnp.int32), 0),
+      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
       peak_rows=jnp.maximum(ls.peak_rows, held),
       width_steps=ls.width_steps.at[which].add(as_int(ok)),
       status=jnp.where(ls.status == Status.OK, status, ls.status))
@@ -333,8 +348,10 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
   def phase(which):
     def cond(ls):
       may_run = paged_admit.step_may_run(config, ls) if paged else True
-      return (ok(ls) & jnp.any(ls.active == 1) & ~jnp.any(ls.done == 1)
-              & ~jnp.any(_fork_ready(ls)) & (width_index(widths, ls) == which) & may_run)
+      num_active, num_done, num_forking, wanted = _column_totals(
+          ls.active == 1, ls.done == 1, _fork_ready(ls), _wanted(ls))
+      return (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
+              & (width_index(widths, ls, wanted) == which) & may_run)
     return lambda ls: jax.lax.while_loop(
         cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
 
