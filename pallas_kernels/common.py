@@ -48,17 +48,18 @@ COMPARE_ELEMENTS = 1 << 22
 
 
 def prefix_sum(x, *, dtype=jnp.int32):
-  """Inclusive `jnp.cumsum(x, dtype=dtype)` of a 1-D integer or bool array.
+  """Inclusive `jnp.cumsum(x, axis=-1, dtype=dtype)` of an integer or bool array.
 
-  Up to `COMPARE_ELEMENTS` pairs a triangular compare-and-sum (one fusion),
-  beyond them `cumsum`; integer sums, so both give the same values.
+  Up to `COMPARE_ELEMENTS` compared pairs a triangular compare-and-sum (one
+  fusion, however many rows `x` has), beyond them `cumsum`; integer sums, so
+  both give the same values.
   """
-  n = x.shape[0]
-  if n * n > COMPARE_ELEMENTS:
-    return jnp.cumsum(x, dtype=dtype)
+  n = x.shape[-1]
+  if x.size * n > COMPARE_ELEMENTS:
+    return jnp.cumsum(x, axis=-1, dtype=dtype)
   i = jnp.arange(n, dtype=jnp.int32)
-  return jnp.where(i[None, :] <= i[:, None], x.astype(dtype)[None, :], 0).sum(axis=1,
-                                                                             dtype=dtype)
+  upto = (i[None, :] <= i[:, None]).reshape((1,) * (x.ndim - 1) + (n, n))   # [.., i, j]: j <= i
+  return jnp.where(upto, x.astype(dtype)[..., None, :], 0).sum(axis=-1, dtype=dtype)
 
 
 def _comes_before(keys):

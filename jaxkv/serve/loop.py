@@ -90,15 +90,19 @@ def _schedule(width: int, ls: LoopState, room=None):
   """
   want = _wanted(ls)
   one = jnp.minimum(want, 1)
-  # Prefix sums over the columns as compare-and-sums (`prefix_sum`): a cumsum is
-  # a chain of reduce-windows, several GPU kernels each.
-  first = jnp.where(prefix_sum(one) <= width, one, 0)
+  # Every prefix sum below derives from these two, taken in one compare-and-sum
+  # (`prefix_sum`; a cumsum is a chain of reduce-windows, several GPU kernels).
+  cum_one, cum_want = prefix_sum(jnp.stack([one, want]))
+  first = jnp.where(cum_one <= width, one, 0)
+  cum_first = jnp.minimum(cum_one, width)   # the ones are taken in order while they fit
   rest = want - first
-  budget = (width if room is None else jnp.minimum(width, room)) - first.sum()
-  more = jnp.clip(budget - (prefix_sum(rest) - rest), 0, rest)
+  cum_rest = cum_want - cum_first
+  budget = (width if room is None else jnp.minimum(width, room)) - cum_first[-1]
+  more = jnp.clip(budget - (cum_rest - rest), 0, rest)
   alloc = (first + more).astype(jnp.int32)
-  start = prefix_sum(alloc) - alloc
-  return alloc, start
+  # The chunks fill the budget in column order, so their prefix sums are capped by it.
+  start = cum_first + jnp.minimum(cum_rest, jnp.maximum(budget, 0)) - alloc
+  return alloc, start.astype(jnp.int32)
 
 
 def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start, n):

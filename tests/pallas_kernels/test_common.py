@@ -59,3 +59,10 @@ def test_sorted_prefix_sum_is_sort_cumsum_scatter(n, rng):
 def test_compare_paths_are_taken_up_to_the_bound():
   """The sizes above straddle the bound (else the fallback would be all that is tested)."""
   assert 2048 * 2048 <= common.COMPARE_ELEMENTS < 2049 * 2049
+
+
+def test_prefix_sum_of_rows(rng):
+  """Rows are summed independently, in one compare-and-sum or past the bound in `cumsum`."""
+  for shape in [(2, 64), (3, 5), (4, 1100)]:
+    x = rng.integers(0, 3, size=shape).astype(np.int32)
+    np.testing.assert_array_equal(common.prefix_sum(jnp.asarray(x)), np.cumsum(x, axis=-1))
