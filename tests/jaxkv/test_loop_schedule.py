@@ -51,3 +51,18 @@ def test_schedule_matches_the_cumsum_schedule(num_cols, paged, rng):
     want_alloc, want_start = _cumsum_schedule(width, want, room)
     np.testing.assert_array_equal(alloc, want_alloc, err_msg=f"{want=} {width=} {room=}")
     np.testing.assert_array_equal(start, want_start, err_msg=f"{want=} {width=} {room=}")
+
+
+def test_column_totals_are_the_separate_sums(rng):
+  """The step's and the phase condition's sums, stacked into one reduction, are the sums."""
+  want = rng.integers(0, 5, 64).astype(np.int32)
+  ls = _columns(want)
+  flags = jnp.asarray(rng.random(64) < 0.5)
+  totals = loop._column_totals(ls.active == 1, flags, want, jnp.where(flags, want, 0))   # pylint: disable=protected-access
+  np.testing.assert_array_equal(totals, [int(np.sum(np.asarray(ls.active) == 1)),
+                                         int(np.sum(np.asarray(flags))), int(want.sum()),
+                                         int(np.where(np.asarray(flags), want, 0).sum())])
+  widths = (64, 16, 8)
+  for total in (totals[2], jnp.int32(12), jnp.int32(3)):
+    ls = _columns(np.array([int(total)] + [0] * 63, np.int32))
+    assert int(loop.width_index(widths, ls, total)) == int(loop.width_index(widths, ls))
