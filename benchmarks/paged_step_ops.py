@@ -26,9 +26,15 @@ counts that work without a GPU:
   loops nested in them (checked only when their parent makes a trip). See
   `loop_predicates` for how they add up per outer iteration.
 
+- `--serving`: the serving loop's step-loop body and condition (a tiny model, both storages):
+  the widest step loop of the general loop, and every width's of the greedy loop (the
+  narrowest width's is the decode step; docs/PERFORMANCE.md, "Per-step bookkeeping kernels").
+- `--plan`: the Mosaic GPU attention's XLA plan (segment plan, item table, the epilogue's
+  token lookup), which runs once per step on the GPU only (`plan_kernels`).
+
 A CPU proxy: XLA:GPU fuses differently and the GPU time was measured separately (see
 docs/PERFORMANCE.md). Usage: PYTHONPATH=. python benchmarks/paged_step_ops.py [--small]
-[--page-sizes 128,32] [--serving] [--loops]
+[--page-sizes 128,32] [--serving] [--plan] [--loops]
 """
 
 from __future__ import annotations
