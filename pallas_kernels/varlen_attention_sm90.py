@@ -242,8 +242,6 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   dtype = kv_inputs[0].dtype
   block_q = config.block_q
   tile_rows = q_tile_rows(block_q, group)
-  # Each segment adds at most one partly filled q tile; splits add at most the budget
-  # (none when the cache is too short to split, see `split_bound`).
   max_items = item_capacity(num_tokens, group=group, tile_rows=tile_rows, config=config)
   items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)

@@ -114,11 +114,9 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
 
 
 def item_capacity(num_tokens: int, *, group: int, tile_rows: int, config) -> int:
-  """Rows of the item table (static): every q tile once, plus the splits' budget.
-
-  At most one q tile per token more than the tokens' whole tiles (a tile per
-  segment boundary), and `split_budget` more items when segments may split.
-  """
+  """Rows of the item table (static): the tokens' q tiles, one partly filled tile
+  more per segment (at most one per token), and `split_budget` more items when
+  segments may split (none when the cache is too short to, see `split_bound`)."""
   return (_cdiv(num_tokens * group, tile_rows) + num_tokens
           + (config.split_budget if config.max_splits > 1 else 0))
 

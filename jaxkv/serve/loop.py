@@ -130,7 +130,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   width = widths[which]
   s = config.max_seqs
   alloc, start = _schedule(width, ls, paged_loop.room(config, ls) if config.is_paged else None)
-  # The used columns' positions now, and the ones the step adds if it succeeds (`peak_rows`).
+  # The step's tokens and occupied columns; the used columns' positions now and the ones
+  # the step adds if it succeeds (`peak_rows`).
   used = ls.used == 1
   n, occupancy, held, held_added = _column_totals(
       alloc, alloc > 0, jnp.where(used, ls.fed, 0), jnp.where(used, alloc, 0))
