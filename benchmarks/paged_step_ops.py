@@ -26,9 +26,15 @@ counts that work without a GPU:
   loops nested in them (checked only when their parent makes a trip). See
   `loop_predicates` for how they add up per outer iteration.
 
+- `--serving`: the serving loop's step-loop body and condition (a tiny model, both storages):
+  the widest step loop of the general loop, and every width's of the greedy loop (the
+  narrowest width's is the decode step; docs/PERFORMANCE.md, "Per-step bookkeeping kernels").
+- `--plan`: the Mosaic GPU attention's XLA plan (segment plan, item table, the epilogue's
+  token lookup), which runs once per step on the GPU only (`plan_kernels`).
+
 A CPU proxy: XLA:GPU fuses differently and the GPU time was measured separately (see
 docs/PERFORMANCE.md). Usage: PYTHONPATH=. python benchmarks/paged_step_ops.py [--small]
-[--page-sizes 128,32] [--serving] [--loops]
+[--page-sizes 128,32] [--serving] [--plan] [--loops]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import re
 
 import jax
@@ -221,12 +228,72 @@ def _jaxpr_whiles(jaxpr) -> list[tuple[str, list, list]]:
   return out
 
 
-def _serving_loop(page_size, *, small: bool, num_widths: int = 2):
+def serving_width_kernels(page_size, *, small: bool, greedy: bool) -> list[tuple[int, int, int]]:
+  """`(width, body, condition)` kernels of each width's step loop, widest first.
+
+  The step loops are the last `len(widths)` loops of the outer loop's body (one
+  phase per width, each fed by the one before); each is checked to carry the
+  tiny model's `[width, hidden]` activations. The narrowest is the decode step.
+  """
+  fn, args = _serving_loop(page_size, small=small, greedy=greedy)
+  comps, entry = _computations(fn.lower(*args).compile().as_text())
+  (outer,) = [line for op, _, line in comps[entry] if op == "while"]
+  outer_body = dict(_CALLS.findall(outer))["body"]
+  widths = args[2]
+  phases = [dict(_CALLS.findall(line)) for op, _, line in comps[outer_body]
+            if op == "while"][-len(widths):]
+  count = lambda name: sum(op not in _FREE and op != "call" for op, _, _ in comps[name])
+  out = []
+  for width, called in zip(widths, phases):
+    assert any(f"f32[{width},{_HIDDEN}]" in shape for _, shape, _ in comps[called["body"]]), width
+    out.append((width, count(called["body"]), count(called["condition"])))
+  return out
+
+
+def plan_kernels(num_tokens: int, *, num_rows: int, group: int = 4, head_dim: int = 64) -> int:
+  """Kernels of the Mosaic GPU attention's XLA plan for one call, compiled for the CPU.
+
+  The plan (`varlen_plan`: segment plan, item table; `combine_sm90.token_items`,
+  the epilogue's token lookup) runs once per step on the GPU (the layers share
+  it), and only there: on the CPU the model attends with the reference, so the
+  serving-loop counts above do not hold it. A flat layer of `num_rows` rows and
+  the compiled kernels' default config (Llama 3.2 1B heads: G 4, head dim 64);
+  `num_rows` decides the split bound (one split per segment up to ~2,040 rows).
+  """
+  from pallas_kernels import combine_sm90, varlen_plan   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import varlen_attention_sm90 as sm90   # pylint: disable=g-import-not-at-top
+  config = pallas_kernels.config.default_varlen_attention_config(
+      group=group, head_dim=head_dim, interpret=False)
+  tile_rows = sm90.q_tile_rows(config.block_q, group)
+  block_k, _ = sm90.tile_geometry(num_rows, head_dim, config=config)
+  config = varlen_plan.bounded_config(config, num_rows, block_k=block_k, window=None)
+  max_items = varlen_plan.item_capacity(num_tokens, group=group, tile_rows=tile_rows,
+                                        config=config)
+
+  def plan(seq_info, n_segments):
+    seg = varlen_plan._segment_plan(   # pylint: disable=protected-access
+        seq_info, n_segments, num_rows=num_rows, window=None, group=group, tile_rows=tile_rows,
+        block_k=block_k, align=sm90.ROW_ALIGN, config=config)
+    items = varlen_plan._item_table(   # pylint: disable=protected-access
+        seg, max_items=max_items, group=group, tile_rows=tile_rows, block_k=block_k,
+        window=None, sort_items=config.sort_items)
+    return items, combine_sm90.token_items(seg, num_tokens=num_tokens, group=group,
+                                           block_q=config.block_q, num_items=max_items)
+
+  seq_info = jax.ShapeDtypeStruct((num_tokens, 5), jnp.int32)
+  n = jax.ShapeDtypeStruct((), jnp.int32)
+  return len(kernels(jax.jit(plan).lower(seq_info, n).compile().as_text()))
+
+
+_HIDDEN = 32   # the tiny serving model's hidden size
+
+
+def _serving_loop(page_size, *, small: bool, num_widths: int = 2, greedy: bool = False):
   """`(jitted serve_loop, its args)` for a tiny model (the same model for both storages)."""
   from flax import nnx   # pylint: disable=g-import-not-at-top
   from jaxkv import serve   # pylint: disable=g-import-not-at-top
   from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
-  model_config = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64,
+  model_config = ModelConfig.llama(vocab_size=64, hidden_size=_HIDDEN, intermediate_size=64,
                                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
   s, w, capacity = (8, 64, 1024) if small else (64, 2048, 131_072)
   cache = model_config.cache_config(capacity=capacity, max_seqs=s, max_write=w,
@@ -238,7 +305,8 @@ def _serving_loop(page_size, *, small: bool, num_widths: int = 2):
   queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=64,
                            max_stop=4)
   ls = serve.init_loop_state(model.cache_config, queue, num_widths=len(widths))
-  fn = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4)
+  fn = jax.jit(functools.partial(serve.serve_loop, greedy=greedy), static_argnums=(0, 1, 2),
+               donate_argnums=4)
   return fn, (graphdef, model.cache_config, widths, params, ls, jnp.int32(8))
 
 
@@ -277,6 +345,9 @@ def main():
                       help="also compile the serving loop with a tiny model (slow)")
   parser.add_argument("--page-sizes", default="128",
                       help="comma-separated page sizes to count the verbs at (e.g. 128,32)")
+  parser.add_argument("--plan", action="store_true",
+                      help="count the Mosaic GPU attention's XLA plan (item table, splits), "
+                      "which the CPU serving loop does not run")
   parser.add_argument("--loops", action="store_true",
                       help="count the serving loop's while predicates per outer iteration "
                       "(a tiny model, both storages)")
@@ -301,6 +372,14 @@ def main():
       body, cond = serving_step_kernels(page_size, small=args.small)
       name = "columns" if page_size is None else f"pages of {page_size}"
       print(f"== serving loop, {name}: widest step loop body {body} kernels, condition {cond}")
+      per_width = serving_width_kernels(page_size, small=args.small, greedy=True)
+      print(f"== serving loop, {name}, greedy: step-loop body / condition kernels per width: "
+            + ", ".join(f"{w}: {b} / {c}" for w, b, c in per_width))
+  if args.plan:
+    for num_rows in (1024, 8192):
+      print(f"== attention plan (GPU only, once per step), {num_rows} rows: kernels per call "
+            f"at 64 / 2048 tokens: {plan_kernels(64, num_rows=num_rows)} / "
+            f"{plan_kernels(2048, num_rows=num_rows)}")
   if args.loops:
     for page_size in (None, 128):
       name = "columns" if page_size is None else f"pages of {page_size}"

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxkv._config import CacheConfig
 from jaxkv._state import Step
 from pallas_kernels import indexing
+from pallas_kernels.common import prefix_sum
 
 
 def token_mask(config: CacheConfig, n_tokens):
@@ -69,17 +70,20 @@ def build_step(config: CacheConfig, decl_ids, decl_block, decl_n, positions) -> 
   prev_ids = jnp.roll(decl_ids, 1)
   prev_block = jnp.roll(decl_block, 1)
   is_start = is_real & ((tokens == 0) | (decl_ids != prev_ids) | (decl_block != prev_block))
-  seg_index = jnp.cumsum(is_start, dtype=jnp.int32) - 1
+  seg_index = prefix_sum(is_start) - 1   # a compare-and-sum: no reduce-window chain
   n_segments = is_start.sum(dtype=jnp.int32)
-  # Out-of-range targets (`width`) are dropped by the scatters below.
-  token_target = jnp.where(is_real, seg_index, width)
-  q_len = jnp.zeros((width,), jnp.int32).at[token_target].add(1, mode="drop")
   seq_cols = jnp.where(is_real, decl_ids, config.scratch_col)
-  fields = jnp.stack([tokens, q_len[jnp.clip(seg_index, 0, width - 1)], seq_cols,
-                      positions, decl_block], axis=1)
+  fields = jnp.stack([tokens, jnp.zeros_like(tokens), seq_cols, positions, decl_block], axis=1)
   pad_row = indexing.pad_segment_row(decl_n, config.scratch_col)
   seq_info = jnp.tile(pad_row[None, :], (width, 1))
+  # Out-of-range targets (`width`) are dropped.
   seq_info = seq_info.at[jnp.where(is_start, seg_index, width)].set(fields, mode="drop")
+  # Segments tile the real tokens in order and the padded rows start at `n`, so each
+  # row's length is the next row's start minus its own (0 on padded rows): no
+  # per-token count (a scatter-add) is needed.
+  q_start = seq_info[:, indexing.SEG_Q_START]
+  next_start = jnp.concatenate([q_start[1:], pad_row[indexing.SEG_Q_START][None]])
+  seq_info = seq_info.at[:, indexing.SEG_Q_LEN].set(next_start - q_start)
   return Step(
       n_tokens=jnp.asarray(decl_n, jnp.int32),
       n_segments=n_segments,

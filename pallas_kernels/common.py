@@ -38,6 +38,68 @@ def searchsorted_right(sorted_values, queries):
                           method="compare_all" if small else "scan")
 
 
+# The compare-and-sum forms below build one `[n, n]` array. Up to this many elements
+# (n <= 2,048: a step's columns, tokens and segments, a decode step's attention items)
+# they replace `cumsum` and `argsort`, which XLA lowers to several kernels each (a
+# chain of reduce-windows; a sort, its iota and a gather), with one fused reduction,
+# as `derive_positions` and `searchsorted_right` do; past it the quadratic work would
+# cost more than the kernels it saves (the `_pages` helpers use the same bound).
+COMPARE_ELEMENTS = 1 << 22
+
+
+def prefix_sum(x, *, dtype=jnp.int32):
+  """Inclusive `jnp.cumsum(x, axis=-1, dtype=dtype)` of an integer or bool array.
+
+  Up to `COMPARE_ELEMENTS` compared pairs a triangular compare-and-sum (one
+  fusion, however many rows `x` has), beyond them `cumsum`; integer sums, so
+  both give the same values.
+  """
+  n = x.shape[-1]
+  if x.size * n > COMPARE_ELEMENTS:
+    return jnp.cumsum(x, axis=-1, dtype=dtype)
+  i = jnp.arange(n, dtype=jnp.int32)
+  upto = (i[None, :] <= i[:, None]).reshape((1,) * (x.ndim - 1) + (n, n))   # [.., i, j]: j <= i
+  return jnp.where(upto, x.astype(dtype)[..., None, :], 0).sum(axis=-1, dtype=dtype)
+
+
+def _comes_before(keys):
+  """`bool[n, n]`: `[i, j]` is whether entry `j` precedes entry `i` in the stable
+  ascending order of `keys` (a smaller key, or an equal one at a lower index)."""
+  i = jnp.arange(keys.shape[0], dtype=jnp.int32)
+  return ((keys[None, :] < keys[:, None])
+          | ((keys[None, :] == keys[:, None]) & (i[None, :] < i[:, None])))
+
+
+def sort_rows(keys, rows):
+  """`rows[jnp.argsort(keys, stable=True)]`, for `keys` `[n]` and `rows` `[n, ...]`.
+
+  Up to `COMPARE_ELEMENTS` pairs each row is scattered to its rank (the count
+  of entries before it, one fused compare-and-sum): no sort. The ranks are a
+  permutation, so every row lands once and the result is the sorted one.
+  """
+  n = keys.shape[0]
+  if n * n > COMPARE_ELEMENTS:
+    return rows[jnp.argsort(keys, stable=True)]
+  rank = _comes_before(keys).sum(axis=1, dtype=jnp.int32)
+  return jnp.zeros_like(rows).at[rank].set(rows, unique_indices=True)
+
+
+def sorted_prefix_sum(keys, values):
+  """Per entry, the sum of int32 `values` over it and every entry before it in the stable
+  ascending order of `keys` (the inclusive cumsum of the sorted values, put back
+  in the original order).
+
+  Up to `COMPARE_ELEMENTS` pairs one compare-and-sum; beyond, a sort, a cumsum
+  and a scatter back.
+  """
+  n = keys.shape[0]
+  if n * n > COMPARE_ELEMENTS:
+    order = jnp.argsort(keys, stable=True)
+    return jnp.zeros_like(values).at[order].set(jnp.cumsum(values[order], dtype=values.dtype))
+  at_or_before = _comes_before(keys) | jnp.eye(n, dtype=bool)
+  return jnp.where(at_or_before, values[None, :], 0).sum(axis=1, dtype=values.dtype)
+
+
 def token_segment_index(q_start, is_real, num_tokens: int):
   """`[num_tokens]` int32 index of the last real segment row starting at or before each token.
 

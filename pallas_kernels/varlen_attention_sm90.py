@@ -55,6 +55,7 @@ from pallas_kernels.varlen_kernel_sm90 import smem_transforms
 from pallas_kernels.varlen_plan import _item_table
 from pallas_kernels.varlen_plan import _segment_plan
 from pallas_kernels.varlen_plan import bounded_config
+from pallas_kernels.varlen_plan import item_capacity
 
 
 def _cdiv(a, b):
@@ -241,10 +242,7 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   dtype = kv_inputs[0].dtype
   block_q = config.block_q
   tile_rows = q_tile_rows(block_q, group)
-  # Each segment adds at most one partly filled q tile; splits add at most the budget
-  # (none when the cache is too short to split, see `split_bound`).
-  max_items = (_cdiv(num_tokens * group, tile_rows) + num_tokens
-               + (config.split_budget if config.max_splits > 1 else 0))
+  max_items = item_capacity(num_tokens, group=group, tile_rows=tile_rows, config=config)
   items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)
   # q rows as (token, group head) pairs per KV head, pre-scaled for exp2. The

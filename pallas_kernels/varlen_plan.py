@@ -12,7 +12,10 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels import indexing
+from pallas_kernels.common import prefix_sum
 from pallas_kernels.common import searchsorted_right
+from pallas_kernels.common import sort_rows
+from pallas_kernels.common import sorted_prefix_sum
 from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
 
 
@@ -81,7 +84,7 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, tile_rows, b
               kind=kind, lo=lo, end=end, first_row=first_row, first_len=first_len,
               second_len=second_len, tile0_row=tile0_row, num_first=num_first,
               num_tiles=num_tiles, splits=splits, tiles_per_split=tiles_per_split,
-              num_items=num_items, cu_items=jnp.cumsum(num_items))
+              num_items=num_items, cu_items=prefix_sum(num_items))
 
 
 def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
@@ -89,7 +92,7 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
 
   All ones, without the plan, when the cache is too short for any segment to split
   (`config.max_splits` is then 1, see `split_bound`): the plan would compute the
-  same ones through a sort and a cumsum per call.
+  same ones through a compare-and-sum (a sort and a cumsum for wide calls) per call.
   """
   if config.max_splits == 1:
     return jnp.ones_like(num_tiles)
@@ -98,10 +101,9 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
   # merges splits for that many tokens and copies every other token's one row.
   min_tiles = _cdiv(config.split_len, block_k)
   may_split = (q_tiles == 1) & (num_tiles > min_tiles)
-  order = jnp.argsort(-jnp.where(may_split, num_tiles, -1), stable=True)
-  split_tokens = jnp.cumsum(jnp.where(may_split, q_len, 0)[order])
-  splittable = jnp.zeros_like(may_split).at[order].set(
-      may_split[order] & (split_tokens <= config.max_split_tokens))
+  split_tokens = sorted_prefix_sum(-jnp.where(may_split, num_tiles, -1),
+                                   jnp.where(may_split, q_len, 0))
+  splittable = may_split & (split_tokens <= config.max_split_tokens)
   # The split length grows with the total work so that all splits fit in the
   # static budget (sum of splits <= budget + segments).
   split_work = jnp.sum(jnp.where(splittable, num_tiles, 0))
@@ -109,6 +111,14 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
   if config.split_budget == 0:
     chunk = jnp.maximum(chunk, jnp.max(num_tiles))
   return jnp.where(splittable, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
+
+
+def item_capacity(num_tokens: int, *, group: int, tile_rows: int, config) -> int:
+  """Rows of the item table (static): the tokens' q tiles, one partly filled tile
+  more per segment (at most one per token), and `split_budget` more items when
+  segments may split (none when the cache is too short to, see `split_bound`)."""
+  return (_cdiv(num_tokens * group, tile_rows) + num_tokens
+          + (config.split_budget if config.max_splits > 1 else 0))
 
 
 def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items):
@@ -144,6 +154,5 @@ def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items
       t_begin, t_end, all_start, all_stop, rows], axis=1).astype(jnp.int32)
   if sort_items:
     # Longest first: workers take items in table order, so this shortens the tail.
-    order = jnp.argsort(jnp.where(active, -(t_end - t_begin), 1), stable=True)
-    table = table[order]   # active items stay first
+    table = sort_rows(jnp.where(active, -(t_end - t_begin), 1), table)   # active items stay first
   return jnp.concatenate([cu[-1:], table.reshape(-1)])

@@ -38,6 +38,7 @@ from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve import paged_admit, paged_loop
 from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
 from jaxkv.serve.state import LoopState
+from pallas_kernels.common import prefix_sum
 
 
 def _i32(x):
@@ -56,9 +57,21 @@ def _wanted(ls: LoopState):
   return jnp.where(ls.active == 1, jnp.maximum(jnp.minimum(ls.length, ls.hold) - ls.fed, 0), 0)
 
 
-def width_index(widths: tuple[int, ...], ls: LoopState):
-  """Index of the narrowest width that holds every wanted token (widest when none does)."""
-  total = _wanted(ls).sum()
+def _column_totals(*per_column):
+  """`int32[k]`: the sums over the columns of `k` per-column `[S]` values, as one reduction.
+
+  The step and its loop condition each need several such sums; XLA runs a
+  reduction per `sum` (a GPU kernel each), and one per stacked array.
+  """
+  return jnp.stack([_i32(v) for v in per_column]).sum(axis=1, dtype=jnp.int32)
+
+
+def width_index(widths: tuple[int, ...], ls: LoopState, total=None):
+  """Index of the narrowest width that holds every wanted token (widest when none does).
+
+  `total`: the wanted tokens' sum (`_wanted(ls).sum()`), when the caller has it.
+  """
+  total = _wanted(ls).sum() if total is None else total
   index = _i32(0)
   for i, w in enumerate(widths[1:], start=1):   # widths are descending
     index = jnp.where(total <= w, i, index)
@@ -77,19 +90,24 @@ def _schedule(width: int, ls: LoopState, room=None):
   """
   want = _wanted(ls)
   one = jnp.minimum(want, 1)
-  first = jnp.where(jnp.cumsum(one) <= width, one, 0)
+  # Every prefix sum below derives from these two, taken in one compare-and-sum
+  # (`prefix_sum`; a cumsum is a chain of reduce-windows, several GPU kernels).
+  cum_one, cum_want = prefix_sum(jnp.stack([one, want]))
+  first = jnp.where(cum_one <= width, one, 0)
+  cum_first = jnp.minimum(cum_one, width)   # the ones are taken in order while they fit
   rest = want - first
-  budget = (width if room is None else jnp.minimum(width, room)) - first.sum()
-  more = jnp.clip(budget - (jnp.cumsum(rest) - rest), 0, rest)
+  cum_rest = cum_want - cum_first
+  budget = (width if room is None else jnp.minimum(width, room)) - cum_first[-1]
+  more = jnp.clip(budget - (cum_rest - rest), 0, rest)
   alloc = (first + more).astype(jnp.int32)
-  start = (jnp.cumsum(alloc) - alloc).astype(jnp.int32)
-  return alloc, start
+  # The chunks fill the budget in column order, so their prefix sums are capped by it.
+  start = cum_first + jnp.minimum(cum_rest, jnp.maximum(budget, 0)) - alloc
+  return alloc, start.astype(jnp.int32)
 
 
-def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start):
-  """`(seq_ids int32[W], tokens int32[width], n)` of the scheduled step."""
+def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start, n):
+  """`(seq_ids int32[W], tokens int32[width])` of the scheduled step of `n` tokens."""
   s = config.max_seqs
-  n = alloc.sum(dtype=jnp.int32)
   idx = jnp.arange(width, dtype=jnp.int32)
   # One fused compare: the default scan is a loop of ~7 gathers, ~16 launches a step on GPU.
   col = jnp.searchsorted(start + alloc, idx, side="right", method="compare_all").astype(jnp.int32)
@@ -99,7 +117,7 @@ def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start):
   offset = jnp.clip(ls.fed[safe] + idx - start[safe], 0, ls.tokens.shape[1] - 1)
   tokens = jnp.where(is_real, ls.tokens[safe, offset], 0)
   seq_ids = jnp.full((config.step_width,), s, jnp.int32).at[:width].set(col)
-  return seq_ids, tokens, n
+  return seq_ids, tokens
 
 
 def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
@@ -112,7 +130,12 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   width = widths[which]
   s = config.max_seqs
   alloc, start = _schedule(width, ls, paged_loop.room(config, ls) if config.is_paged else None)
-  seq_ids, tokens, n = _step_tokens(config, width, ls, alloc, start)
+  # The step's tokens and occupied columns; the used columns' positions now and the ones
+  # the step adds if it succeeds (`peak_rows`).
+  used = ls.used == 1
+  n, occupancy, held, held_added = _column_totals(
+      alloc, alloc > 0, jnp.where(used, ls.fed, 0), jnp.where(used, alloc, 0))
+  seq_ids, tokens = _step_tokens(config, width, ls, alloc, start, n)
   blocks = jnp.zeros((config.step_width, 2), jnp.int32)
   cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
   cache, st_prepare = pure.prepare_step(config, cache)
@@ -149,7 +172,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   first_at = jnp.where(emits & (generated == 0), ls.out_row, rows_out)   # latency bookkeeping
   fed = jnp.where(ok, ls.fed + alloc, ls.fed)
   as_int = lambda b: b.astype(jnp.int32)
-  held = jnp.where(ls.used == 1, fed, 0).sum(dtype=jnp.int32)
+  held = held + jnp.where(ok, held_added, 0)
   return dataclasses.replace(
       ls, cache=cache, tokens=tokens_buf, length=length, fed=fed,
       active=jnp.where(finished, 0, ls.active), done=ls.done | as_int(finished),
@@ -163,7 +186,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
       out_first=ls.out_first.at[first_at].set(ls.steps + 1, mode="drop"),
       out_finished=ls.out_finished.at[fin_at].set(ls.steps + 1, mode="drop"),
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
-      occupancy=ls.occupancy + jnp.where(ok, (alloc > 0).sum(dtype=jnp.int32), 0),
+      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
       peak_rows=jnp.maximum(ls.peak_rows, held),
       width_steps=ls.width_steps.at[which].add(as_int(ok)),
       status=jnp.where(ls.status == Status.OK, status, ls.status))
@@ -330,8 +353,10 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
   def phase(which):
     def cond(ls):
       may_run = paged_admit.step_may_run(config, ls) if paged else True
-      return (ok(ls) & jnp.any(ls.active == 1) & ~jnp.any(ls.done == 1)
-              & ~jnp.any(_fork_ready(ls)) & (width_index(widths, ls) == which) & may_run)
+      num_active, num_done, num_forking, wanted = _column_totals(
+          ls.active == 1, ls.done == 1, _fork_ready(ls), _wanted(ls))
+      return (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
+              & (width_index(widths, ls, wanted) == which) & may_run)
     return lambda ls: jax.lax.while_loop(
         cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
 

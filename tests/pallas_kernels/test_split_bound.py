@@ -21,6 +21,7 @@ from kernel_cases import queries
 from kernel_cases import random_step
 from kernel_cases import resident_storage
 import pallas_kernels
+from pallas_kernels import common
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
 from pallas_kernels import varlen_plan as column
@@ -131,3 +132,36 @@ def test_bounded_config_keeps_other_fields():
   bounded = column.bounded_config(config, 384, block_k=128, window=None)
   assert bounded == dataclasses.replace(config, max_splits=1)
   assert column.bounded_config(config, 1 << 20, block_k=128, window=None) is config
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_without_sorts_matches_the_sorted_plan(seed, monkeypatch):
+  """The segment plan and the item table are the same built with compare-and-sums
+  (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`) as with the cumsums and
+  stable argsorts they replace (the helpers' fallback, forced by a zero bound), on
+  tables with ties in length and padded rows."""
+  rng = np.random.default_rng(seed)
+  for _ in range(20):
+    block_k = int(rng.choice([8, 16]))
+    window = None if rng.random() < 0.5 else int(rng.integers(1, 100))
+    num_rows = int(rng.integers(1, 400)) if window is None else window + int(rng.integers(0, 64))
+    config = config_lib.VarlenAttentionConfig(
+        block_q=8, block_k=block_k, split_len=block_k * int(rng.choice([1, 2])), max_splits=16,
+        split_budget=int(rng.choice([0, 4, 64])), max_split_tokens=int(rng.choice([4, 64])),
+        use_wgmma=False)
+    width = int(rng.choice([4, 16, 40]))
+    table, n = _random_table(rng, num_rows=num_rows, window=window, width=width)
+    plans = []
+    for bound in (common.COMPARE_ELEMENTS, 0):
+      monkeypatch.setattr(common, "COMPARE_ELEMENTS", bound)
+      seg = column._segment_plan(table, n, num_rows=num_rows, window=window, group=2,  # pylint: disable=protected-access
+                                 tile_rows=8, block_k=block_k, align=column.ROW_ALIGN,
+                                 config=config)
+      max_items = column.item_capacity(width, group=2, tile_rows=8, config=config)
+      items = column._item_table(seg, max_items=max_items, group=2, tile_rows=8,  # pylint: disable=protected-access
+                                 block_k=block_k, window=window, sort_items=True)
+      plans.append((seg, items))
+    (seg, items), (want_seg, want_items) = plans
+    for name in want_seg:
+      np.testing.assert_array_equal(seg[name], want_seg[name], err_msg=name)
+    np.testing.assert_array_equal(items, want_items)

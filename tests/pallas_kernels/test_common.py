@@ -1,0 +1,68 @@
+"""The compare-and-sum replacements of `cumsum` and `argsort` (`pallas_kernels.common`).
+
+Each is checked against the formulation it replaces (NumPy's cumsum and stable
+argsort) on random keys with many ties, a padding key shared by a long tail
+(as the item table's inactive rows share one), and sizes on both sides of
+`COMPARE_ELEMENTS` (past it the helpers fall back to `cumsum` / `argsort`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+
+# Both paths: the compare-and-sum (up to 2,048 entries) and the fallback past it.
+SIZES = [1, 2, 7, 64, 580, 2048, 2049]
+
+
+def _keys(rng, n):
+  """int32 keys with ties: a few distinct values, some rows sharing a padding key."""
+  keys = rng.integers(-4, 4, size=n).astype(np.int32)
+  keys[rng.random(n) < 0.3] = 1   # the padding rows' key, interleaved with real ones
+  return keys
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_prefix_sum_is_cumsum(n, rng):
+  x = rng.integers(-50, 50, size=n).astype(np.int32)
+  np.testing.assert_array_equal(common.prefix_sum(jnp.asarray(x)), np.cumsum(x))
+  mask = rng.random(n) < 0.5
+  got = common.prefix_sum(jnp.asarray(mask))
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, np.cumsum(mask))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sort_rows_is_a_stable_argsort_gather(n, rng):
+  keys = _keys(rng, n)
+  rows = rng.integers(0, 1000, size=(n, 3)).astype(np.int32)
+  rows[:, 0] = np.arange(n)   # ties must keep their index order
+  got = common.sort_rows(jnp.asarray(keys), jnp.asarray(rows))
+  np.testing.assert_array_equal(got, rows[np.argsort(keys, kind="stable")])
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_sorted_prefix_sum_is_sort_cumsum_scatter(n, rng):
+  keys = _keys(rng, n)
+  values = rng.integers(0, 9, size=n).astype(np.int32)
+  values[rng.random(n) < 0.2] = 0   # masked entries add nothing
+  order = np.argsort(keys, kind="stable")
+  want = np.zeros_like(values)
+  want[order] = np.cumsum(values[order])
+  np.testing.assert_array_equal(common.sorted_prefix_sum(jnp.asarray(keys), jnp.asarray(values)),
+                                want)
+
+
+def test_compare_paths_are_taken_up_to_the_bound():
+  """The sizes above straddle the bound (else the fallback would be all that is tested)."""
+  assert 2048 * 2048 <= common.COMPARE_ELEMENTS < 2049 * 2049
+
+
+def test_prefix_sum_of_rows(rng):
+  """Rows are summed independently, in one compare-and-sum or past the bound in `cumsum`."""
+  for shape in [(2, 64), (3, 5), (4, 1100)]:
+    x = rng.integers(0, 3, size=shape).astype(np.int32)
+    np.testing.assert_array_equal(common.prefix_sum(jnp.asarray(x)), np.cumsum(x, axis=-1))
