@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxkv._config import CacheConfig
 from jaxkv._state import CacheState
+from pallas_kernels.common import prefix_sum
 
 
 def pages_for(config: CacheConfig, extent):
@@ -243,12 +244,7 @@ def lowest_free(config: CacheConfig, refs, length: int):
   packed = jnp.where(free, bits, jnp.uint32(0)).sum(axis=1, dtype=jnp.uint32)       # [words]
   in_word = jax.lax.population_count(packed[:, None] & (bits - 1)[None, :]).astype(jnp.int32)
   counts = jax.lax.population_count(packed).astype(jnp.int32)
-  if words * words <= _COMPARE_ELEMENTS:
-    index = jnp.arange(words)
-    before = jnp.where(index[None, :] < index[:, None], counts[None, :], 0).sum(
-        axis=1, dtype=jnp.int32)
-  else:   # a pool of more than 2**16 pages
-    before = jnp.cumsum(counts, dtype=jnp.int32) - counts
+  before = prefix_sum(counts) - counts   # a compare-and-sum up to 2**16 pages
   rank = before[:, None] + in_word
   pages = jnp.arange(words * _WORD, dtype=jnp.int32).reshape(words, _WORD)
   at = jnp.where(free & (rank < length), rank, length)
@@ -256,29 +252,17 @@ def lowest_free(config: CacheConfig, refs, length: int):
       pages.reshape(-1), mode="drop")
 
 
-_COMPARE_ELEMENTS = 1 << 22
-
-
 def _exclusive_counts(mask):
   """`int32[S, K]`: how many entries of `mask` come before each, in row-major order.
 
-  A compare-and-sum (`[S, S]` and `[S, K, K]`), not `cumsum`: XLA lowers a
-  cumsum to a chain of reduce-windows, several kernels on the GPU per call.
-  Within a row it falls back to `cumsum` when `[S, K, K]` would be large (tiny
-  pages under a wide step).
+  Compare-and-sums (`prefix_sum`: `[S, S]` and `[S, K, K]`), not `cumsum`: XLA
+  lowers a cumsum to a chain of reduce-windows, several kernels on the GPU per
+  call. `prefix_sum` falls back to `cumsum` past `COMPARE_ELEMENTS` (tiny pages
+  under a wide step).
   """
-  s, k = mask.shape
   counts = mask.sum(axis=1, dtype=jnp.int32)                                  # [S]
-  rows = jnp.arange(s)
-  before_row = jnp.where(rows[None, :] < rows[:, None], counts[None, :], 0).sum(
-      axis=1, dtype=jnp.int32)
-  if s * k * k <= _COMPARE_ELEMENTS:
-    slots = jnp.arange(k)
-    in_row = (mask[:, None, :] & (slots[None, None, :] < slots[None, :, None])).sum(
-        axis=2, dtype=jnp.int32)
-  else:
-    in_row = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - mask.astype(jnp.int32)
-  return before_row[:, None] + in_row
+  mask = mask.astype(jnp.int32)
+  return (prefix_sum(counts) - counts)[:, None] + prefix_sum(mask) - mask
 
 
 def plan_step_pages(config: CacheConfig, state: CacheState, step_ends):

@@ -43,7 +43,7 @@ def searchsorted_right(sorted_values, queries):
 # they replace `cumsum` and `argsort`, which XLA lowers to several kernels each (a
 # chain of reduce-windows; a sort, its iota and a gather), with one fused reduction,
 # as `derive_positions` and `searchsorted_right` do; past it the quadratic work would
-# cost more than the kernels it saves (the `_pages` helpers use the same bound).
+# cost more than the kernels it saves (`jaxkv._pages`' page bookkeeping uses them too).
 COMPARE_ELEMENTS = 1 << 22
 
 

@@ -24,7 +24,7 @@ import pytest
 from drivers import check_page_invariants
 from drivers import floors
 import jaxkv
-from jaxkv import _pages
+import pallas_kernels.common
 from scenario_utils import Harness
 from scenario_utils import default_config
 
@@ -134,9 +134,9 @@ def test_random_verbs_match_the_whole_table_model(seed):
 
 
 def test_the_cumsum_rank_path_matches_the_model_too(monkeypatch):
-  """Wide windows rank their new pages with a cumsum instead of compare-and-sum; forced
-  here on a config of its own (so it is traced afresh with the lowered threshold)."""
-  monkeypatch.setattr(_pages, "_COMPARE_ELEMENTS", 0)
+  """Wide windows rank their new pages with a cumsum instead of compare-and-sum (past
+  `pallas_kernels.common.COMPARE_ELEMENTS`); forced here on a config of its own (so it is traced afresh with the lowered threshold)."""
+  monkeypatch.setattr(pallas_kernels.common, "COMPARE_ELEMENTS", 0)   # `prefix_sum`'s bound
   run_random_verbs(3, small_config(capacity=57), steps=40)
 
 
