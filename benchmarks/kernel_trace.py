@@ -97,25 +97,28 @@ CASES = {
     "prefill 4x512 32/8 D64": lambda config=None: _prefill_case(4, 512, 64, config),
     "decode 64 seqs 32/8 D128 512..8192": lambda config=None: _decode_case(64, 128, 512, 8192,
                                                                            config),
-    # Issue 12's head layouts the compiled kernel serves since the head-layout round:
-    # GQA groups that do not divide the 64-row q tile (Qwen2.5-7B: 28/4 = 7; 40/8 = 5;
-    # 24/4 = 6; 12/4 = 3) and head dims 80 and 96 (32-/64-byte swizzles), against cuDNN.
-    "decode 64 seqs 28/4 D128 512..8192 (G7)": lambda config=None: _decode_case(
-        64, 128, 512, 8192, config, heads=(28, 4)),
-    "decode 64 seqs 40/8 D128 512..8192 (G5)": lambda config=None: _decode_case(
-        64, 128, 512, 8192, config, heads=(40, 8)),
-    "decode 64 seqs 24/4 D128 512..8192 (G6)": lambda config=None: _decode_case(
-        64, 128, 512, 8192, config, heads=(24, 4)),
-    "decode 64 seqs 12/4 D128 512..8192 (G3)": lambda config=None: _decode_case(
-        64, 128, 512, 8192, config, heads=(12, 4)),
-    "decode 64 seqs 32/32 D80 512..4096": lambda config=None: _decode_case(
-        64, 80, 512, 4096, config, heads=(32, 32)),
-    "decode 64 seqs 32/32 D96 512..4096": lambda config=None: _decode_case(
-        64, 96, 512, 4096, config, heads=(32, 32)),
-    "decode 64 seqs 32/8 D96 512..8192": lambda config=None: _decode_case(
-        64, 96, 512, 8192, config, heads=(32, 8)),
 }
-LAYOUT_CASES = [name for name in CASES if "(G" in name or " D80 " in name or " D96 " in name]
+# Issue 12's head layouts the compiled kernel serves since the head-layout round: GQA
+# groups that do not divide the 64-row q tile (Qwen2.5-7B: 28/4 = 7; 40/8 = 5; 24/4 = 6;
+# 12/4 = 3) and head dims 80 and 96 (32-/64-byte swizzles), against cuDNN. Name:
+# (q heads, KV heads, head dim, shortest, longest history), 64 decode sequences each.
+_LAYOUTS = {
+    "decode 64 seqs 28/4 D128 512..8192 (G7)": (28, 4, 128, 512, 8192),
+    "decode 64 seqs 40/8 D128 512..8192 (G5)": (40, 8, 128, 512, 8192),
+    "decode 64 seqs 24/4 D128 512..8192 (G6)": (24, 4, 128, 512, 8192),
+    "decode 64 seqs 12/4 D128 512..8192 (G3)": (12, 4, 128, 512, 8192),
+    "decode 64 seqs 32/32 D80 512..4096": (32, 32, 80, 512, 4096),
+    "decode 64 seqs 32/32 D96 512..4096": (32, 32, 96, 512, 4096),
+    "decode 64 seqs 32/8 D96 512..8192": (32, 8, 96, 512, 8192),
+}
+
+
+def _layout_case(q_heads, kv_heads, head_dim, lo, hi):
+  return lambda config=None: _decode_case(64, head_dim, lo, hi, config, heads=(q_heads, kv_heads))
+
+
+CASES.update({name: _layout_case(*shape) for name, shape in _LAYOUTS.items()})
+LAYOUT_CASES = list(_LAYOUTS)
 
 
 def sweep(calls):
