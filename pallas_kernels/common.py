@@ -73,15 +73,22 @@ def _comes_before(keys):
 def sort_rows(keys, rows):
   """`rows[jnp.argsort(keys, stable=True)]`, for `keys` `[n]` and `rows` `[n, ...]`.
 
-  Up to `COMPARE_ELEMENTS` pairs each row is scattered to its rank (the count
-  of entries before it, one fused compare-and-sum): no sort. The ranks are a
-  permutation, so every row lands once and the result is the sorted one.
+  Up to `COMPARE_ELEMENTS` pairs no sort: each entry's rank is the count of
+  entries before it (one fused compare-and-sum); the ranks are a permutation,
+  inverted by scattering the entries' indices (`[n]` int32), and the rows are
+  gathered in that order. Scattering the rows themselves to their ranks gives
+  the same result, but XLA:GPU then fuses the rows' whole computation into the
+  scatter, which ran as slowly as the sort it replaced (12.6 us for the
+  attention plan's `[580, 19]` item table on H200; docs/PERFORMANCE.md); a
+  gather keeps that computation in an ordinary loop fusion.
   """
   n = keys.shape[0]
   if n * n > COMPARE_ELEMENTS:
     return rows[jnp.argsort(keys, stable=True)]
   rank = _comes_before(keys).sum(axis=1, dtype=jnp.int32)
-  return jnp.zeros_like(rows).at[rank].set(rows, unique_indices=True)
+  order = jnp.zeros((n,), jnp.int32).at[rank].set(
+      jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+  return rows[order]
 
 
 def sorted_prefix_sum(keys, values):
