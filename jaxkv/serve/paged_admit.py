@@ -266,9 +266,12 @@ def outer_body(config: CacheConfig, ls: LoopState, *, admit_one, fork_one,
   return finish_block(config, ls, rest, admit_one, fork_one, fork_ready)
 
 
-def step_may_run(config: CacheConfig, ls: LoopState):
-  """The phase loops' extra condition: the step fits, and no waiting head can now adopt."""
+def step_may_run(config: CacheConfig, ls: LoopState, need=None):
+  """The phase loops' extra condition: the step fits, and no waiting head can now adopt.
+
+  `need`: `paged_loop.step_need(ls)`, when the caller has it.
+  """
   w_col, w_len = ls.adopt_wait[0], ls.adopt_wait[1]
   col = jnp.clip(w_col, 0, ls.fed.shape[0] - 1)
   resumed = (w_col >= 0) & ((ls.fed[col] >= w_len) | (ls.active[col] == 0))
-  return pl.step_fits(config, ls) & ~resumed
+  return pl.step_fits(config, ls, need) & ~resumed

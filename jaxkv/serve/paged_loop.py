@@ -115,9 +115,13 @@ def step_need(ls: LoopState):
   return wants.sum(dtype=jnp.int32)
 
 
-def step_fits(config: CacheConfig, ls: LoopState):
-  """Whether the next step's first tokens fit `capacity` (the phase loops stop otherwise)."""
-  return ls.cache.held + step_need(ls) <= config.capacity
+def step_fits(config: CacheConfig, ls: LoopState, need=None):
+  """Whether the next step's first tokens fit `capacity` (the phase loops stop otherwise).
+
+  `need`: `step_need(ls)`, when the caller has it (the phase condition sums it with
+  its other column totals, in one reduction).
+  """
+  return ls.cache.held + (step_need(ls) if need is None else need) <= config.capacity
 
 
 def room(config: CacheConfig, ls: LoopState):

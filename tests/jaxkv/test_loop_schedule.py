@@ -66,3 +66,22 @@ def test_column_totals_are_the_separate_sums(rng):
   for total in (totals[2], jnp.int32(12), jnp.int32(3)):
     ls = _columns(np.array([int(total)] + [0] * 63, np.int32))
     assert int(loop.width_index(widths, ls, total)) == int(loop.width_index(widths, ls))
+
+
+@pytest.mark.parametrize("num_cols", [1, 7, 64])
+def test_the_phase_condition_counts_the_paged_step_need(num_cols, rng):
+  """The phase condition sums `wanted > 0` with its other column totals in place of
+  `paged_loop.step_need` (its own reduction): the two counts agree, with `hold`
+  below, at and above `length` and inactive columns that still have tokens to feed."""
+  from jaxkv.serve import paged_loop   # pylint: disable=g-import-not-at-top
+  for _ in range(30):
+    fed = rng.integers(0, 50, num_cols)
+    ls = types.SimpleNamespace(
+        active=jnp.asarray(rng.random(num_cols) < 0.7, jnp.int32),
+        length=jnp.asarray(fed + rng.integers(-3, 6, num_cols), jnp.int32),
+        hold=jnp.asarray(fed + rng.integers(-3, 6, num_cols), jnp.int32),
+        fed=jnp.asarray(fed, jnp.int32))
+    want = np.minimum(np.asarray(ls.length), np.asarray(ls.hold)) > fed
+    expected = int((want & (np.asarray(ls.active) == 1)).sum())
+    assert int(paged_loop.step_need(ls)) == expected
+    assert int((loop._wanted(ls) > 0).sum()) == expected   # pylint: disable=protected-access
