@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import time
 import secrets
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +170,11 @@ class Engine:
       sequences, evicted least recently used) and a request whose prompt starts
       with them adopts them instead of prefilling them (`paged_loop.py`). They
       live as long as the loop state: one `run`, or the incremental API's cache.
+    compiler_options: XLA options for compiling the serving loop (`jax.jit`'s
+      `compiler_options`: a mapping of XLA option name to value, e.g.
+      `{"xla_gpu_enable_triton_gemm": False}`); default none (XLA's defaults,
+      which served the e2e model fastest on H200: docs/PERFORMANCE.md,
+      "Serving speed" §10). An option XLA does not know fails the first `run`.
 
   Over paged storage the engine admits by claims, not by prompt + max_tokens,
   and preempts the latest admitted sequence when a step would pass `capacity`
@@ -188,7 +193,7 @@ class Engine:
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
                kv_axis: str | None = None, device=None, max_logprobs: int | None = None,
-               prefix_cache: bool = False):
+               prefix_cache: bool = False, compiler_options: Mapping[str, object] | None = None):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -230,6 +235,14 @@ class Engine:
     if device is not None and self.mesh is not None:
       raise ValueError("device= and mesh= exclude each other: a mesh places the engine already")
     self.device = device
+    compiler_options = {} if compiler_options is None else compiler_options
+    if not isinstance(compiler_options, Mapping) or not all(
+        isinstance(k, str) for k in compiler_options):
+      raise TypeError(f"compiler_options={compiler_options!r} must be a mapping of XLA option "
+                      "names (str) to values")
+    self.compiler_options = dict(compiler_options)
+    jit = functools.partial(jax.jit, donate_argnums=1,
+                            compiler_options=self.compiler_options or None)
     self.graphdef, self.params = _split_placed(model, self.mesh)
     if device is not None:
       self.params = jax.device_put(self.params, device)
@@ -237,12 +250,11 @@ class Engine:
     # The static arguments are bound once: as jit static arguments, the model's
     # GraphDef was hashed on every loop entry (~12 ms for a 16-layer model on CPU,
     # paid per `step()` of the incremental API). `self._loop(params, ls, max_steps)`.
-    self._loop = jax.jit(functools.partial(serve_loop, self.graphdef, self.config, self.widths),
-                         donate_argnums=1)
+    self._loop = jit(functools.partial(serve_loop, self.graphdef, self.config, self.widths))
     # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
-    self._greedy_loop = jax.jit(functools.partial(serve_loop, self.graphdef, self.config,
-                                                  self.widths, greedy=True), donate_argnums=1)
+    self._greedy_loop = jit(functools.partial(serve_loop, self.graphdef, self.config,
+                                              self.widths, greedy=True))
     self.state: LoopState | None = None
     self.implementations = layer_implementations(model, config)
     self.stats = EngineStats(implementations=self.implementations)

@@ -1,0 +1,94 @@
+"""The e2e model's decode GEMMs under XLA compiler options (issue 11: the decode step's matmuls).
+
+A decode step of the e2e model (Llama-3.2-1B shapes: hidden 2,048, q/k/v 3,072 outputs,
+MLP 8,192) multiplies `[M, 2048]` activations (`M` = the step's tokens, 64 in decode) by
+each layer's weights. The device trace of that step (docs/PERFORMANCE.md, "Serving speed")
+shows the q/k/v and output projections far below the copy ceiling (12.6 MB in 7.3 us and
+8.4 MB in 6.8 us: 1.2-1.7 TB/s), while the MLP's larger GEMMs reach ~3 TB/s. This script
+times the same GEMMs (each layer its own weights, so they stream from HBM, not L2: 16
+layers of one shape per call) compiled with different XLA options (`jax.jit(...,
+compiler_options=...)`, per compilation; `Engine(compiler_options=...)` passes them to its
+loop), by GPU time per kernel from a device trace, with the copy ceiling measured in the
+same process. Outputs are compared with the default compilation's (bf16 tolerance).
+
+Isolated GEMMs are not the model: on H200 cuBLAS ran these GEMMs 11-30% faster than XLA's
+Triton split-K GEMMs, yet the whole e2e step was 31% slower with Triton GEMMs off (the
+GEMM fusions' fused producers and consumers became kernels of their own;
+docs/PERFORMANCE.md, "Serving speed" §10). Check an option end to end
+(`benchmarks/e2e.py --also-compiler-options`) before adopting it.
+
+Usage (GPU machine): PYTHONPATH=. python3 benchmarks/gemm_options.py [--rows 64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kernel_trace   # pylint: disable=wrong-import-position
+
+LAYERS = 16
+HIDDEN = 2048
+SHAPES = {   # name: (in, out) of the e2e model's per-layer matmuls
+    "q/k/v 2048x3072": (HIDDEN, 3072),
+    "o 2048x2048": (HIDDEN, HIDDEN),
+    "gate+up 2048x16384": (HIDDEN, 16384),
+    "down 8192x2048": (8192, HIDDEN),
+}
+OPTIONS = {
+    "default": {},
+    "no triton gemm (cuBLAS)": {"xla_gpu_enable_triton_gemm": False},
+    "cuBLASLt": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cublaslt": True},
+}
+
+
+def _copy_tbs() -> float:
+  x = jnp.ones((1 << 28,), jnp.bfloat16)
+  busy, _ = kernel_trace.trace_kernels(jax.jit(lambda a: a + jnp.bfloat16(1)), (x,), 10)
+  return 2 * x.size * 2 / (busy * 1e-6) / 1e12
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--rows", default="64,128", help="comma-separated M (tokens per step)")
+  p.add_argument("--calls", type=int, default=10)
+  args = p.parse_args(argv)
+  print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
+        f"{_copy_tbs():.2f} TB/s (read + write)")
+  key = jax.random.key(0)
+  for name, (k_in, n_out) in SHAPES.items():
+    ws = jax.random.normal(key, (LAYERS, k_in, n_out), jnp.bfloat16) * 0.02
+    for m in (int(r) for r in args.rows.split(",")):
+      # One dot per layer, each with its own weights and activations (a Python loop: 16
+      # GEMM launches; dots sharing an operand would be merged into one by XLA).
+      x = jax.random.normal(jax.random.key(m), (LAYERS, m, k_in), jnp.bfloat16)
+      fn = lambda x, ws: [x[i] @ ws[i] for i in range(LAYERS)]
+      want = None
+      for oname, options in OPTIONS.items():
+        try:
+          jitted = jax.jit(fn, compiler_options=options or None)
+          out = jitted(x, ws)
+          busy, kernels = kernel_trace.trace_kernels(jitted, (x, ws), args.calls)
+          got = np.asarray(jnp.stack(out).astype(jnp.float32))
+          if want is None:
+            want = got
+          err = float(np.max(np.abs(got - want)))
+          per = busy / LAYERS
+          tbs = k_in * n_out * 2 / (per * 1e-6) / 1e12
+          top = ", ".join(f"{k[:40]} {us / LAYERS:.2f}us" for k, (us, _) in
+                          list(kernels.items())[:2])
+          print(f"{name:20} M={m:<5} {oname:26} {per:7.2f} us/GEMM  {tbs:5.2f} TB/s weights  "
+                f"max|diff| {err:.3g}  [{top}]")
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"{name:20} M={m:<5} {oname:26} {type(e).__name__}: {str(e)[:160]}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
