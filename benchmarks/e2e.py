@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -71,6 +72,12 @@ def _args(argv=None):
   p.add_argument("--small", action="store_true", help="a tiny model and workload (CPU smoke)")
   p.add_argument("--paged", type=int, default=0, metavar="PAGE_SIZE",
                  help="also serve jaxkv over paged storage of the same capacity (same weights)")
+  p.add_argument("--paged-slots", type=int, default=0, metavar="SLOTS",
+                 help="with --paged: also serve over pages holding the columns' K/V bytes "
+                      "(`paged_cache_config`) with SLOTS columns: requests in flight for the same memory")
+  p.add_argument("--also-compiler-options", default=None, metavar="JSON",
+                 help="also run the baseline and jaxkv compiled with these XLA options (e.g. "
+                      "'{\"xla_gpu_enable_triton_gemm\": false}'), beside XLA's defaults")
   p.add_argument("--also-widths", default=None, metavar="W,w,...",
                  help="also serve the workload with these compiled step widths (descending, the "
                       "first --max-write), in this process, and compare with the default widths")
@@ -123,12 +130,14 @@ def _attention_used(cfg: ModelConfig) -> str:
 # ----------------------------------------------------------------------------- jaxkv
 
 
-def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first"):
+def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first",
+              compiler_options=None):
   """`new_tokens`: one int for every request, or one per request; `widths`: the Engine's;
-  `admission`: `Engine.run`'s admission order."""
+  `admission`: `Engine.run`'s admission order; `compiler_options`: the Engine's (None: XLA's
+  defaults)."""
   news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
   engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)),
-                        widths=widths)
+                        widths=widths, compiler_options=compiler_options)
   requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
               for p, n in zip(prompts, news)]
   # Warm-up on the same shapes (the same queue: compiles the loop; queues pad to powers of two).
@@ -141,7 +150,7 @@ def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first"
       "seconds": seconds, "steps": stats.steps, "ms_per_step": 1e3 * seconds / stats.steps,
       "generated": stats.generated, "tokens_per_s": stats.generated / seconds,
       "step_tokens": stats.step_tokens, "loop_entries": stats.loop_entries,
-      "mean_occupancy": stats.occupancy / stats.steps,
+      "mean_occupancy": stats.occupancy / stats.steps, "preemptions": stats.preemptions,
       "width_steps": {str(k): v for k, v in stats.width_steps.items()},
   }, [r.tokens for r in results]
 
@@ -201,7 +210,7 @@ def _dense_forward(cfg, impl, w, tokens, positions, k_cache, v_cache, q_lens, kv
   return _rms(x, w["norm"], cfg.rms_eps), new_k, new_v
 
 
-def _baseline_fns(cfg, impl, new_tokens):
+def _baseline_fns(cfg, impl, new_tokens, compiler_options=None):
   def prefill(w, tokens, lens, k_cache, v_cache):
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
@@ -226,10 +235,13 @@ def _baseline_fns(cfg, impl, new_tokens):
 
     return jax.lax.fori_loop(1, new_tokens, body, (out, k_cache, v_cache))
 
-  return (jax.jit(prefill, donate_argnums=(3, 4)), jax.jit(decode, donate_argnums=(3, 4)))
+  jit = functools.partial(jax.jit, donate_argnums=(3, 4), compiler_options=compiler_options or None)
+  return jit(prefill), jit(decode)
 
 
-def run_baseline(cfg, model, prompts, new_tokens):
+def run_baseline(cfg, model, prompts, new_tokens, compiler_options=None):
+  """The padded loop; `compiler_options`: XLA options for its two jits (None: XLA's defaults,
+  what a plain `jax.jit` loop gets)."""
   impl = "cudnn"
   if jax.devices()[0].platform != "gpu":
     impl = "xla"
@@ -248,7 +260,7 @@ def run_baseline(cfg, model, prompts, new_tokens):
 
   def once(impl):
     if impl not in fns:
-      fns[impl] = _baseline_fns(cfg, impl, new_tokens)
+      fns[impl] = _baseline_fns(cfg, impl, new_tokens, compiler_options)
     prefill, decode = fns[impl]
     k_cache, v_cache = caches(), caches()
     t0 = time.perf_counter()
@@ -331,13 +343,13 @@ def _lengths(rng, n, median, cap, sigma=0.8, floor=1):
   return [int(min(cap, max(floor, round(x)))) for x in rng.lognormal(np.log(median), sigma, n)]
 
 
-def run_static(cfg, model, prompts, news, slots):
+def run_static(cfg, model, prompts, news, slots, compiler_options=None):
   """Static batching: batches of `slots` in order, each padded to its longest prompt and decoding
   until its longest request ends (compilation excluded: each batch shape is warmed up first)."""
   total, outs = 0.0, []
   for b in range(0, len(prompts), slots):
     batch, new = prompts[b:b + slots], max(news[b:b + slots])
-    r, out = run_baseline(cfg, model, batch, new)
+    r, out = run_baseline(cfg, model, batch, new, compiler_options)
     total += r["seconds"]
     outs += [o[:n] for o, n in zip(out, news[b:b + slots])]
   gen = sum(news)
@@ -410,14 +422,22 @@ def main(argv=None) -> int:
   base_name = "static" if args.workload == "mixed" else "baseline"
   if not args.skip_baseline:
     t0 = time.perf_counter()
-    if args.workload == "mixed":
-      results[base_name], outputs[base_name] = run_static(cfg, model, prompts, news, slots)
-    else:
-      results[base_name], outputs[base_name] = run_baseline(cfg, model, prompts, news[0])
-    r = results[base_name]
-    print(f"{base_name} ({r['attention']}): {r['seconds']:.3f} s, {r['tokens_per_s']:.0f} tokens/s "
-          f"({floor['seconds'] / r['seconds']:.2f} of the roofline; with warm-up "
-          f"{time.perf_counter() - t0:.0f} s)")
+    runs = [(base_name, None)]
+    if args.also_compiler_options is not None:
+      runs.append((base_name + "_other_options", json.loads(args.also_compiler_options)))
+    for name, options in runs:
+      t0 = time.perf_counter()
+      if args.workload == "mixed":
+        results[name], outputs[name] = run_static(cfg, model, prompts, news, slots, options)
+      else:
+        results[name], outputs[name] = run_baseline(cfg, model, prompts, news[0], options)
+      r = results[name]
+      r["compiler_options"] = options or {}
+      decode = (f", {r['ms_per_decode_step']:.3f} ms per decode step"
+                if "ms_per_decode_step" in r else "")
+      print(f"{name} ({r['attention']}, compiler options {options or {}}): {r['seconds']:.3f} s, "
+            f"{r['tokens_per_s']:.0f} tokens/s ({floor['seconds'] / r['seconds']:.2f} of the "
+            f"roofline{decode}; with warm-up {time.perf_counter() - t0:.0f} s)")
     if args.workload == "mixed" and args.also_sorted_static:
       t0 = time.perf_counter()
       by_len = sorted(range(len(prompts)), key=lambda i: -news[i])
@@ -457,6 +477,18 @@ def main(argv=None) -> int:
       print(f"jaxkv data-parallel over {len(devices)} devices: {dp_s:.3f} s, "
             f"{dp.stats.generated / dp_s:.0f} tokens/s = {r['seconds'] / dp_s:.2f}x one device; "
             f"{same}/{len(prompts)} outputs identical to one device")
+    if args.also_compiler_options is not None:
+      options = json.loads(args.also_compiler_options)
+      t1 = time.perf_counter()
+      ro, out_o = run_jaxkv(model, prompts, news, compiler_options=options)
+      same = sum(a == b for a, b in zip(out_o, outputs["jaxkv"]))
+      ro.update(compiler_options=options, default_vs_these=ro["seconds"] / r["seconds"],
+                same_tokens_as_default=same)
+      results["jaxkv_other_options"] = ro
+      print(f"jaxkv with compiler options {options}: {ro['seconds']:.3f} s, {ro['steps']} steps, "
+            f"{ro['ms_per_step']:.3f} ms/step; XLA's defaults are "
+            f"{ro['default_vs_these']:.2f}x faster; {same}/{len(prompts)} outputs identical "
+            f"(with warm-up {time.perf_counter() - t1:.0f} s)")
     if args.also_fcfs:
       t1 = time.perf_counter()
       rf, out_f = run_jaxkv(model, prompts, news, admission="fcfs")
@@ -500,10 +532,37 @@ def main(argv=None) -> int:
             f"vs {rp['columns_kv_bytes'] / 1e9:.2f} GB; {same}/{len(prompts)} outputs identical to "
             f"the columns' (with warm-up {time.perf_counter() - t1:.0f} s)")
       del paged_model
+      if args.paged_slots:
+        # The columns' K/V bytes again, as a page pool behind `paged_slots` columns.
+        budget = kv_bytes(cache)
+        eq_cache = serve.paged_cache_config(
+            dataclasses.replace(cache, max_seqs=args.paged_slots), budget, page_size=args.paged)
+        eq_model = Decoder(cfg, eq_cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                           implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+        t1 = time.perf_counter()
+        re_, out_e = run_jaxkv(eq_model, prompts, news)
+        same = sum(a == b for a, b in zip(out_e, outputs["jaxkv"]))
+        re_.update(page_size=args.paged, slots=args.paged_slots, capacity=eq_cache.capacity,
+                   kv_bytes=kv_bytes(eq_cache), columns_kv_bytes=budget,
+                   speedup_vs_columns=r["seconds"] / re_["seconds"], same_tokens_as_columns=same)
+        results["jaxkv_paged_same_memory"] = re_
+        print(f"jaxkv paged (page_size {args.paged}) in the columns' K/V bytes, {args.paged_slots} "
+              f"slots, capacity {eq_cache.capacity}: {re_['seconds']:.3f} s, {re_['steps']} steps, "
+              f"{re_['ms_per_step']:.3f} ms/step, mean occupancy {re_['mean_occupancy']:.1f} (columns "
+              f"{r['mean_occupancy']:.1f}), {re_['preemptions']} preemptions = "
+              f"{re_['speedup_vs_columns']:.2f}x the columns; K/V {re_['kv_bytes'] / 1e9:.2f} GB vs "
+              f"{budget / 1e9:.2f} GB; {same}/{len(prompts)} outputs identical to the columns' (with "
+              f"warm-up {time.perf_counter() - t1:.0f} s)")
+        del eq_model
     if args.workload == "decode":
       print(f"decode step: {r['ms_per_step']:.3f} ms vs roofline {floor['decode_step_ms']:.3f} ms "
             f"= {r['ms_per_step'] / floor['decode_step_ms']:.2f}x")
     _save(args.out, results)
+  if "jaxkv_other_options" in results and base_name + "_other_options" in results:
+    results["speedup_other_options"] = (results[base_name + "_other_options"]["seconds"]
+                                        / results["jaxkv_other_options"]["seconds"])
+    print(f"speed-up jaxkv / {base_name}, both compiled with the other options: "
+          f"{results['speedup_other_options']:.2f}x")
   if "jaxkv" in results and base_name in results:
     results["speedup"] = results[base_name]["seconds"] / results["jaxkv"]["seconds"]
     pairs = list(zip(outputs["jaxkv"], outputs[base_name]))

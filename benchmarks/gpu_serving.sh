@@ -55,6 +55,13 @@ for w in "${@:-decode uniform}"; do
     paged_small) TAIL=60 run paged_decode_small 300 python3 benchmarks/paged_decode.py --page-sizes 16,32,64,128 --out "$out/paged_decode_small.json";;
     paged_kernels) run paged_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
     paged_small_kernels) run paged_small_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_small_pages.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
+    square_tiles) TAIL=40 run square_tiles 200 python3 benchmarks/square_tiles.py;;
+    mixed2k_paged_memory) run e2e_mixed2k_paged_memory 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-slots 128 --out "$out/e2e_mixed2k_paged_memory.json";;
+    mixed1k_paged_memory) run e2e_mixed1k_paged_memory 420 python3 benchmarks/e2e.py --workload mixed --mixed-requests 1024 --max-write 2048 --skip-baseline --paged 128 --paged-slots 128 --out "$out/e2e_mixed1k_paged_memory.json";;
+    gemm_options) TAIL=30 run gemm_options 200 python3 benchmarks/gemm_options.py;;
+    profile_w2048) TAIL=70 run profile_w2048 300 python3 benchmarks/profile_step.py --widths 2048 --out "$out";;
+    decode_opts) run e2e_decode_opts 240 python3 benchmarks/e2e.py --workload decode --also-compiler-options '{"xla_gpu_enable_triton_gemm": false}' --out "$out/e2e_decode_opts.json";;
+    uniform2k_opts) run e2e_uniform2k_opts 300 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --also-compiler-options '{"xla_gpu_enable_triton_gemm": false}' --out "$out/e2e_uniform2k_opts.json";;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done
