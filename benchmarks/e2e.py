@@ -92,7 +92,18 @@ def _args(argv=None):
   p.add_argument("--skip-baseline", action="store_true")
   p.add_argument("--skip-jaxkv", action="store_true")
   p.add_argument("--out", default=None, help="write the results as JSON here")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  if args.paged_slots and not args.paged:
+    p.error("--paged-slots needs --paged PAGE_SIZE")
+  args.other_options = None
+  if args.also_compiler_options is not None:
+    try:
+      args.other_options = json.loads(args.also_compiler_options)
+    except json.JSONDecodeError as e:
+      p.error(f"--also-compiler-options must be a JSON object: {e}")
+    if not isinstance(args.other_options, dict):
+      p.error("--also-compiler-options must be a JSON object of XLA option names to values")
+  return args
 
 
 def _model_config(small: bool) -> ModelConfig:
@@ -401,8 +412,10 @@ def main(argv=None) -> int:
   from flax import nnx   # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   bucket = args.bucket or None
-  model = Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                  implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+  # The same weights (same seed and shapes) over every cache this run serves.
+  build = lambda c: Decoder(cfg, c, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                            implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+  model = build(cache)
   ceilings = measure_ceilings(args.small)
   floor = roofline(cfg, prompts, news, ceilings, slots=slots)
   print(f"device {jax.devices()[0].device_kind}; model {cfg.num_params / 1e9:.2f}B params "
@@ -421,10 +434,9 @@ def main(argv=None) -> int:
   outputs = {}
   base_name = "static" if args.workload == "mixed" else "baseline"
   if not args.skip_baseline:
-    t0 = time.perf_counter()
     runs = [(base_name, None)]
-    if args.also_compiler_options is not None:
-      runs.append((base_name + "_other_options", json.loads(args.also_compiler_options)))
+    if args.other_options is not None:
+      runs.append((base_name + "_other_options", args.other_options))
     for name, options in runs:
       t0 = time.perf_counter()
       if args.workload == "mixed":
@@ -477,8 +489,8 @@ def main(argv=None) -> int:
       print(f"jaxkv data-parallel over {len(devices)} devices: {dp_s:.3f} s, "
             f"{dp.stats.generated / dp_s:.0f} tokens/s = {r['seconds'] / dp_s:.2f}x one device; "
             f"{same}/{len(prompts)} outputs identical to one device")
-    if args.also_compiler_options is not None:
-      options = json.loads(args.also_compiler_options)
+    if args.other_options is not None:
+      options = args.other_options
       t1 = time.perf_counter()
       ro, out_o = run_jaxkv(model, prompts, news, compiler_options=options)
       same = sum(a == b for a, b in zip(out_o, outputs["jaxkv"]))
@@ -514,8 +526,7 @@ def main(argv=None) -> int:
     if args.paged:
       # The same weights (same seed and shapes) over paged storage of the same capacity.
       paged_cache = dataclasses.replace(cache, page_size=args.paged)
-      paged_model = Decoder(cfg, paged_cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                            implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+      paged_model = build(paged_cache)
       kv_bytes = lambda c: sum(
           2 * int(np.prod(c.layer_shape(l, c.initial_flat_rows))) * jnp.dtype(c.kv_dtype).itemsize
           for l in range(c.num_layers))
@@ -537,8 +548,7 @@ def main(argv=None) -> int:
         budget = kv_bytes(cache)
         eq_cache = serve.paged_cache_config(
             dataclasses.replace(cache, max_seqs=args.paged_slots), budget, page_size=args.paged)
-        eq_model = Decoder(cfg, eq_cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                           implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+        eq_model = build(eq_cache)
         t1 = time.perf_counter()
         re_, out_e = run_jaxkv(eq_model, prompts, news)
         same = sum(a == b for a, b in zip(out_e, outputs["jaxkv"]))

@@ -356,10 +356,10 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
       # Paged storage: the columns wanting a token (`paged_loop.step_need`) in the same sum.
       totals = _column_totals(ls.active == 1, ls.done == 1, _fork_ready(ls), wanted,
                               *((wanted > 0,) if paged else ()))
-      num_active, num_done, num_forking, wanted = totals[0], totals[1], totals[2], totals[3]
+      num_active, num_done, num_forking, num_wanted = totals[0], totals[1], totals[2], totals[3]
       may_run = paged_admit.step_may_run(config, ls, totals[4]) if paged else True
       return (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
-              & (width_index(widths, ls, wanted) == which) & may_run)
+              & (width_index(widths, ls, num_wanted) == which) & may_run)
     return lambda ls: jax.lax.while_loop(
         cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
 
