@@ -123,12 +123,20 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
   # Idle GPU time, charged to the kernel the gap follows (and the one it precedes):
   # where the stream waits for the host (a predicate read back, a launch).
   gap_after, gap_pairs = collections.Counter(), collections.Counter()
+  gaps = []   # every gap: (ns, previous kernel, next kernel)
   run_end = kernels[0][1]
   for (s, e, n), (_, _, prev) in zip(kernels[1:], kernels[:-1]):
     if s > run_end:
       gap_after[prev] += s - run_end
       gap_pairs[(prev[:40], n[:40])] += s - run_end
+      gaps.append((s - run_end, prev[:40], n[:40]))
     run_end = max(run_end, e)
+  # Gaps by size class: many short ones (launch latency inside a CUDA graph) tell a
+  # different story from a few long ones (the GPU waiting for the host).
+  classes = [(0, 2e3), (2e3, 10e3), (10e3, 100e3), (100e3, float("inf"))]
+  gap_classes = [(f"{lo / 1e3:g}-{hi / 1e3:g} us", sum(1 for g, _, _ in gaps if lo <= g < hi) / max(steps, 1),
+                  sum(g for g, _, _ in gaps if lo <= g < hi) / 1e6 / max(steps, 1))
+                 for lo, hi in classes]
   by_name = collections.Counter()
   count = collections.Counter()
   by_cat = collections.Counter()
@@ -152,6 +160,8 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
       "all": [(n, t / 1e6 / max(steps, 1), count[n] / max(steps, 1))
               for n, t in by_name.most_common()],
       "host": host_calls(data, steps),
+      "gap_classes": gap_classes,
+      "largest_gaps": [(g / 1e3, a, b) for g, a, b in sorted(gaps, reverse=True)[:15]],
   }
   return out
 
@@ -175,6 +185,12 @@ def _print(summary: dict) -> None:
   print("  GPU idle between (ms/step):")
   for n, t in summary.get("idle_pairs", []):
     print(f"    {t:7.3f}  {n}")
+  print("  GPU gaps by size (per step: count, ms):")
+  for label, k, t in summary.get("gap_classes", []):
+    print(f"    {label:16s} {k:8.1f} {t:8.3f}")
+  print("  largest single gaps (us, after -> before):")
+  for g, a, b in summary.get("largest_gaps", []):
+    print(f"    {g:9.1f}  {a} -> {b}")
   for kind in ("cuda_api", "thunks"):
     print(f"  host {kind} (ms/step, calls/step; nested events overlap):")
     for n, t, k in summary.get("host", {}).get(kind, []):

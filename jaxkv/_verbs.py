@@ -22,6 +22,7 @@ from jaxkv._grow import grow, grown_array  # pylint: disable=unused-import  (re-
 from jaxkv._state import CacheState, Phase, Status, empty_step, flat_rows
 from jaxkv._validate import static_validate_int_arg, static_validate_state
 from pallas_kernels import indexing
+from pallas_kernels.common import per_column
 
 WHOLE = 2**31 - 1
 """`upto` for `seq_clone` meaning the source's whole committed length."""
@@ -265,7 +266,7 @@ def _too_long(config: CacheConfig, state: CacheState, is_real, cols):
   """
   if config.seq_len_limit >= config.capacity:
     return False
-  tokens = jnp.zeros((config.max_seqs,), jnp.int32).at[cols].add(is_real.astype(jnp.int32))
+  tokens = per_column(cols, is_real, config.max_seqs, op="sum")
   return jnp.any((state.live == 1) & (tokens > config.seq_len_limit - state.pos))
 
 
@@ -341,8 +342,8 @@ def prepare_step(config: CacheConfig, state: CacheState, positions=None):
   too_few_rows = config.has_flat & (needed > flat_rows(config, state))
   step = _plan.build_step(config, state.decl_ids, state.decl_block, state.decl_n, derived)
   ends = jnp.where(is_real, derived + 1, 0)
-  # One scatter gives each column's step end, for `hw` and for the pages.
-  step_ends = jnp.zeros_like(state.hw).at[step.seq_cols].max(ends, mode="drop")
+  # Each column's step end, for `hw` and for the pages (padding's scratch column counts nowhere).
+  step_ends = per_column(step.seq_cols, ends, config.max_seqs, op="max")
   plan, enough = None, True
   if config.is_paged:
     plan = _pages.plan_step_pages(config, state, step_ends)
@@ -415,7 +416,7 @@ def commit_step(config: CacheConfig, state: CacheState):
   ])
   ok = status == Status.OK
   cols, ends = _plan.committed_ends(config, state.step)
-  pos = state.pos.at[cols].max(ends, mode="drop")
+  pos = jnp.maximum(state.pos, per_column(cols, ends, config.max_seqs, op="max"))
   new = dataclasses.replace(state, pos=pos, held=_held(state.live, pos),
                             phase=_i32(Phase.COMMITTED))
   return _select_control(ok, new, state), status

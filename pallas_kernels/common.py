@@ -107,6 +107,30 @@ def sorted_prefix_sum(keys, values):
   return jnp.where(at_or_before, values[None, :], 0).sum(axis=1, dtype=values.dtype)
 
 
+def per_column(cols, values, num_cols: int, *, op: str):
+  """`int32[num_cols]`: per column `c`, the sum (`op="sum"`) or max (`op="max"`) of
+  the non-negative int32 `values[j]` with `cols[j] == c`; 0 where there is none.
+
+  Entries whose column is outside `[0, num_cols)` count nowhere (a scatter's
+  `mode="drop"`). Up to `COMPARE_ELEMENTS` pairs one `[num_cols, n]`
+  compare-and-reduce, a single fusion; a scatter into zeros is two kernels on
+  the GPU (XLA copies the zeros into a fresh buffer first). Beyond, the scatter.
+  """
+  if op not in ("sum", "max"):
+    raise ValueError(f"op={op!r} must be 'sum' or 'max'")
+  values = values.astype(jnp.int32)
+  if num_cols * cols.shape[0] > COMPARE_ELEMENTS:
+    zeros = jnp.zeros((num_cols,), jnp.int32)
+    # A negative index would wrap (NumPy indexing) before `mode="drop"` applies.
+    cols = jnp.where(cols >= 0, cols, num_cols)
+    return (zeros.at[cols].add(values, mode="drop") if op == "sum"
+            else zeros.at[cols].max(values, mode="drop"))
+  match = cols[None, :] == jnp.arange(num_cols, dtype=jnp.int32)[:, None]
+  picked = jnp.where(match, values[None, :], 0)
+  return (picked.sum(axis=1, dtype=jnp.int32) if op == "sum"
+          else picked.max(axis=1, initial=0))
+
+
 def token_segment_index(q_start, is_real, num_tokens: int):
   """`[num_tokens]` int32 index of the last real segment row starting at or before each token.
 

@@ -2,7 +2,9 @@
 
 One program per (token, block of KV heads). A real token's new K and V rows are
 brought into shared memory by TMA and stored by TMA at `(rows[t], seq_cols[t])`
-of the caches; padding tokens (`t >= n_tokens`) exit at once, so the scratch
+of the caches (K and V enter as one `[T, 2, K, D]` operand: stacking them is one
+XLA fusion with the producers of K and V, where two separate operands cost a
+second one, the copy of V out of the fused q/k/v projection); padding tokens (`t >= n_tokens`) exit at once, so the scratch
 column is never touched. The caches enter the kernel as mutable array refs
 (`jax.new_ref`, then `jax.freeze`), so the Mosaic GPU custom call aliases each
 cache operand to its result and, when the caller donates the caches, XLA
@@ -27,11 +29,13 @@ from pallas_kernels.common import SUPPORTED_KV_DTYPES
 _TMA_MAX_BOX = 256
 
 
-def _kv_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,  # Inputs
+def _kv_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, kv_new_ref,  # Inputs
                      k_cache_ref, v_cache_ref,   # Inputs, written in place (Refs)
                      k_smem, v_smem, k_bar, v_bar,   # Scratch
                      *, block_heads, address=None):
   """Grid axes "token" and "heads" (blocks of `block_heads` KV heads).
+
+  `kv_new_ref` is `[T, 2, K, D]`: each token's new K (index 0) and V (index 1).
 
   `address(token) -> (row, col)` gives a real token's cache row and column from
   scalar reads; the default reads `rows_ref` and `seq_cols_ref`. The paged write
@@ -46,8 +50,8 @@ def _kv_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,
   @pl.when(token < n_tokens_ref[0])
   def _write():
     row, col = address(token)
-    plgpu.copy_gmem_to_smem(k_new_ref.at[token, heads], k_smem, k_bar)
-    plgpu.copy_gmem_to_smem(v_new_ref.at[token, heads], v_smem, v_bar)
+    plgpu.copy_gmem_to_smem(kv_new_ref.at[token, 0, heads], k_smem, k_bar)
+    plgpu.copy_gmem_to_smem(kv_new_ref.at[token, 1, heads], v_smem, v_bar)
     plgpu.barrier_wait(k_bar)
     plgpu.copy_smem_to_gmem(k_smem, k_cache_ref.at[row, col, heads])
     plgpu.barrier_wait(v_bar)
@@ -85,14 +89,14 @@ def run_write(kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, 
   """Runs a write kernel with this file's anatomy; call it under `jax.jit`.
 
   `kernel` takes `_kv_write_kernel`'s refs with the `extra` int32 inputs between
-  `v_new_ref` and the caches (`block_heads` is bound here).
+  `kv_new_ref` and the caches (`block_heads` is bound here).
   """
   num_tokens, num_kv_heads, head_dim = k_new.shape
   dtype = k_cache.dtype
-  # The cast (round to nearest even, like the reference's astype) is a tiny XLA
-  # op on [T, K, D]; the kernel then moves bytes only.
-  k_new = k_new.astype(dtype)
-  v_new = v_new.astype(dtype)
+  # The cast (round to nearest even, like the reference's astype) and the stack are
+  # one XLA fusion with whatever produced K and V (RoPE, the projection's slices);
+  # the kernel then moves bytes only.
+  kv_new = jnp.stack([k_new.astype(dtype), v_new.astype(dtype)], axis=1)
   k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
   v_ref = jax.new_ref(v_cache, memory_space=plgpu.GMEM)
   plgpu.kernel(
@@ -104,8 +108,7 @@ def run_write(kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, 
       grid=(num_tokens, num_kv_heads // block_heads),
       grid_names=("token", "heads"),
       interpret=interpret,
-  )(seq_cols, rows, jnp.reshape(n_tokens, (1,)).astype(jnp.int32), k_new, v_new, *extra, k_ref,
-    v_ref)
+  )(seq_cols, rows, jnp.reshape(n_tokens, (1,)).astype(jnp.int32), kv_new, *extra, k_ref, v_ref)
   return jax.freeze(k_ref), jax.freeze(v_ref)
 
 

@@ -221,8 +221,8 @@ def check_write_request(k_pool, *, config=None) -> int:
   return kv_write_sm90.check_request(jax.eval_shape(pool_view, k_pool), config=config)
 
 
-def _paged_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref,  # Inputs
-                        table_ref,                                                   # Inputs
+def _paged_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, kv_new_ref,  # Inputs
+                        table_ref,                                        # Inputs
                         k_ref, v_ref,            # Inputs, written in place (Refs)
                         *scratch, page_size, pages_per_col, block_heads):
   """`kv_write_sm90._kv_write_kernel` with each token's row looked up in the page table.
@@ -237,7 +237,7 @@ def _paged_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_r
     return row, 0
 
   kv_write_sm90._kv_write_kernel(   # pylint: disable=protected-access
-      seq_cols_ref, rows_ref, n_tokens_ref, k_new_ref, v_new_ref, k_ref, v_ref, *scratch,
+      seq_cols_ref, rows_ref, n_tokens_ref, kv_new_ref, k_ref, v_ref, *scratch,
       block_heads=block_heads, address=address)
 
 

@@ -188,7 +188,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
       steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
       occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
       peak_rows=jnp.maximum(ls.peak_rows, held),
-      width_steps=ls.width_steps.at[which].add(as_int(ok)),
+      # Elementwise, not `.at[which].add` (a dynamic-update-slice kernel of its own per step).
+      width_steps=ls.width_steps + as_int(ok & (jnp.arange(len(widths)) == which)),
       status=jnp.where(ls.status == Status.OK, status, ls.status))
 
 

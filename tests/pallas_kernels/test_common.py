@@ -1,4 +1,4 @@
-"""The compare-and-sum replacements of `cumsum` and `argsort` (`pallas_kernels.common`).
+"""The compare-and-sum replacements of `cumsum`, `argsort` and small scatters (`pallas_kernels.common`).
 
 Each is checked against the formulation it replaces (NumPy's cumsum and stable
 argsort) on random keys with many ties, a padding key shared by a long tail
@@ -66,3 +66,33 @@ def test_prefix_sum_of_rows(rng):
   for shape in [(2, 64), (3, 5), (4, 1100)]:
     x = rng.integers(0, 3, size=shape).astype(np.int32)
     np.testing.assert_array_equal(common.prefix_sum(jnp.asarray(x)), np.cumsum(x, axis=-1))
+
+
+@pytest.mark.parametrize("num_cols,n", [(1, 1), (5, 7), (64, 2048), (9, 580), (2048, 2049),
+                                        (65, 2048)])
+@pytest.mark.parametrize("op", ["sum", "max"])
+def test_per_column_is_a_dropping_scatter_into_zeros(num_cols, n, op, rng):
+  """Against a NumPy loop: out-of-range columns (the scratch column, the commit's
+  `max_seqs + 1`, negatives) count nowhere, columns without an entry get 0, and
+  bools are counted as 0/1. (65, 2048) and (2048, 2049) take the scatter past the bound."""
+  cols = rng.integers(-2, num_cols + 2, size=n).astype(np.int32)
+  values = rng.integers(0, 3000, size=n).astype(np.int32)
+  want = np.zeros((num_cols,), np.int64)
+  for c, v in zip(cols, values):
+    if 0 <= c < num_cols:
+      want[c] = want[c] + v if op == "sum" else max(want[c], v)
+  got = common.per_column(jnp.asarray(cols), jnp.asarray(values), num_cols, op=op)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(got, want)
+  mask = rng.random(n) < 0.5
+  want = np.zeros((num_cols,), np.int64)
+  for c, m in zip(cols, mask):
+    if 0 <= c < num_cols:
+      want[c] = want[c] + m if op == "sum" else max(want[c], m)
+  np.testing.assert_array_equal(
+      common.per_column(jnp.asarray(cols), jnp.asarray(mask), num_cols, op=op), want)
+
+
+def test_per_column_refuses_an_unknown_op():
+  with pytest.raises(ValueError, match="op="):
+    common.per_column(jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32), 2, op="min")

@@ -175,14 +175,18 @@ def test_interpreted_paged_write_looks_each_page_up_in_the_kernel(page_size, rng
 def test_the_lowered_paged_write_runs_no_xla_op_but_reshapes():
   """The page lookup happens inside the write kernel: lowered for the GPU, the only
   StableHLO ops besides the one Mosaic GPU call are reshapes (the pool views and the
-  flattened table); no gather of the table, no index arithmetic in XLA."""
+  flattened table) and the stack of K and V into the kernel's `[T, 2, K, D]` operand
+  (a broadcast of each and one concatenate); no gather of the table, no index
+  arithmetic in XLA."""
   s = _shapes(64, 32, 200, 64, 8, 128)
   write = jax.jit(pallas_kernels.paged_kv_write, donate_argnums=(0, 1))
   text = write.trace(s["pool"], s["pool"], s["new"], s["new"], s["ints"], s["ints"], s["n"],
                      s["table"]).lower(lowering_platforms=("cuda",)).as_text()
   ops = re.findall(r"=\s*\"?(stablehlo\.[\w.]+)", text)
   assert ops.count("stablehlo.custom_call") == 1
-  assert set(ops) == {"stablehlo.custom_call", "stablehlo.reshape"}, ops
+  assert ops.count("stablehlo.concatenate") == 1
+  assert set(ops) == {"stablehlo.custom_call", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+                      "stablehlo.concatenate"}, ops
 
 
 # --------------------------------------------------------------------------- shapes, refusals
