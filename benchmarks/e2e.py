@@ -163,6 +163,7 @@ def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first"
       "step_tokens": stats.step_tokens, "loop_entries": stats.loop_entries,
       "mean_occupancy": stats.occupancy / stats.steps, "preemptions": stats.preemptions,
       "width_steps": {str(k): v for k, v in stats.width_steps.items()},
+      "setup_seconds": stats.setup_seconds, "loop_seconds": stats.loop_seconds,
   }, [r.tokens for r in results]
 
 
@@ -471,6 +472,9 @@ def main(argv=None) -> int:
           f"{r['ms_per_step']:.3f} ms/step, steps per width {r['width_steps']}, mean occupancy "
           f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries (with warm-up "
           f"{time.perf_counter() - t0:.0f} s)")
+    print(f"jaxkv run: host set-up {1e3 * r['setup_seconds']:.1f} ms, in the loop "
+          f"{1e3 * r['loop_seconds']:.1f} ms, outputs and the rest "
+          f"{1e3 * (r['seconds'] - r['setup_seconds'] - r['loop_seconds']):.1f} ms")
     if args.data_parallel:
       devices = jax.devices()[:args.data_parallel]
       dp = serve.DataParallelEngine(model, devices=devices, max_len=max(

@@ -352,9 +352,11 @@ class Engine:
     collected = np.zeros((host_queue.rows,), bool)
     collected[len(owner):] = True   # padding rows
     step_counts = []   # (completion, admitted, first token, finished) for its timing
+    stats.setup_seconds = time.perf_counter() - started
     try:
       while True:
         self.state = None   # donated below: never left pointing at a deleted buffer
+        entered = time.perf_counter()
         ls = loop(self.params, ls, jnp.int32(self.max_steps))
         self.state = ls
         stats.loop_entries += 1
@@ -362,6 +364,7 @@ class Engine:
             "out_done", "out_len", "out_stop", "steps", "step_tokens", "occupancy", "status",
             "peak_rows", "width_steps", "active", "used", "out_admitted", "out_first",
             "out_finished", *PAGED_COUNTERS)} | {"next": ls.queue.next})
+        stats.loop_seconds += time.perf_counter() - entered
         new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
         new_results = []
         if new_rows.size:

@@ -320,6 +320,12 @@ class EngineStats:
     evictions: prefix caching: retained prefixes evicted for room or columns.
     cached_tokens: prefix caching: prompt tokens adopted from cached pages
       instead of computed (`step_tokens` counts only the computed ones).
+    setup_seconds: `Engine.run`: of `seconds`, the host's set-up before the
+      loop's first entry (packing the queue, the loop state and K/V, growth).
+    loop_seconds: `Engine.run`: of `seconds`, from each loop entry until its
+      counters are on the host (the steps themselves, and the compilation of a
+      first run); the rest of `seconds` is reading outputs and building
+      completions between and after entries.
   """
 
   steps: int = 0
@@ -336,6 +342,8 @@ class EngineStats:
   preemptions: int = 0
   evictions: int = 0
   cached_tokens: int = 0
+  setup_seconds: float = 0.0
+  loop_seconds: float = 0.0
 
   @property
   def serve_seconds(self) -> float:

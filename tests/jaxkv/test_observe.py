@@ -98,6 +98,17 @@ def test_seconds_are_step_counts_times_the_mean_step(served):
       assert t.inter_token_seconds is None
 
 
+def test_run_time_splits_into_set_up_loop_and_the_rest(served):
+  """Set-up and the loop's entries are disjoint parts of the run: both measured, and
+  together within `seconds` (the loop part holds the first run's compilation)."""
+  _assert_split(served[0].stats)   # a first run; a warm one in the test below
+
+
+def _assert_split(stats):
+  assert stats.setup_seconds > 0 and stats.loop_seconds > 0
+  assert stats.setup_seconds + stats.loop_seconds <= stats.seconds
+
+
 def test_compile_is_paid_once_per_shape_class(served):
   engine, requests, first = served
   compiled = engine.stats.compile_seconds
@@ -106,6 +117,7 @@ def test_compile_is_paid_once_per_shape_class(served):
   stats = engine.stats
   # Only small host-side helpers may compile now: the same queue is the same shape class.
   assert stats.compile_seconds < compiled / 4 and stats.serve_seconds > 0
+  _assert_split(stats)
   assert again == first   # timings differ; a completion is its tokens, not its timing
   assert all(c.timing is not None for c in seen)   # the same objects, timed once run returned
 
