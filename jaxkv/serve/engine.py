@@ -94,7 +94,7 @@ def labelled(requests: Sequence[Request]) -> list[Request]:
   """The queue as a list of `Request`s, each without a `request_id` labelled by its index."""
   if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
     raise TypeError("requests must be a sequence of jaxkv.serve.Request")
-  return [r if r.request_id is not None else dataclasses.replace(r, request_id=i)
+  return [r if r.request_id is not None else r.replace(request_id=i)
           for i, r in enumerate(requests)]
 
 
@@ -309,8 +309,8 @@ class Engine:
     check_admission(admission)
     requests = labelled(requests)
     # A None seed is drawn here, on the host, and reported on the completions.
-    requests = [r if r.params.seed is not None else dataclasses.replace(
-        r, params=dataclasses.replace(r.params, seed=secrets.randbelow(2**31)))
+    requests = [r if r.params.seed is not None else r.replace(
+        params=dataclasses.replace(r.params, seed=secrets.randbelow(2**31)))
                 for r in requests]
     for r in requests:
       self.check(r)

@@ -119,7 +119,7 @@ class LiveQueue:
         rid = next(i for i in self._ids if i not in self._tracked)
       elif rid in self._tracked:
         raise ValueError(f"request_id={rid!r} is already in flight")
-      checked = dataclasses.replace(request, params=device, request_id=rid)
+      checked = request.replace(params=device, request_id=rid)
       engine.check(checked)
       if bad:
         raise ValueError(f"request {rid!r}: stop_tokens holds token id {bad[0]}, outside "

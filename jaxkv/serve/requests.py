@@ -23,13 +23,15 @@ def _label(request_id) -> str:
   return "" if request_id is None else f"request {request_id!r}: "
 
 
-def _as_int(name: str, value, request_id=None) -> int:
+def _as_int(name: str, value, request_id=None, *, index=None) -> int:
   """A Python int from an int or NumPy integer; bools, floats and strings are refused.
 
-  Nothing is truncated: `2.5` is a TypeError, not 2.
+  Nothing is truncated: `2.5` is a TypeError, not 2. `index`: the value is
+  `name[index]` (formatted only for the error message).
   """
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{_label(request_id)}{name}={value!r} must be an int "
+    where = name if index is None else f"{name}[{index}]"
+    raise TypeError(f"{_label(request_id)}{where}={value!r} must be an int "
                     f"(got {type(value).__name__})")
   return int(value)
 
@@ -54,10 +56,18 @@ def _token_ids(name: str, values, request_id=None) -> tuple[int, ...]:
   if isinstance(values, np.ndarray) and values.ndim != 1:
     raise TypeError(f"{_label(request_id)}{name} must be one-dimensional; got shape "
                     f"{values.shape}")
-  ids = tuple(_as_int(f"{name}[{i}]", t, request_id) for i, t in enumerate(values))
-  for i, t in enumerate(ids):
-    if t < 0:
-      raise ValueError(f"{_label(request_id)}{name}[{i}]={t} must be >= 0")
+  # Fast paths, one C-level pass each (a prompt of thousands of tokens is checked at
+  # construction and again by every `dataclasses.replace`): a tuple of Python ints
+  # (what this returns, so re-checking one costs little), a NumPy integer array.
+  if type(values) is tuple and all(type(t) is int for t in values):   # pylint: disable=unidiomatic-typecheck
+    ids = values
+  elif isinstance(values, np.ndarray) and values.dtype.kind in "iu":
+    ids = tuple(values.tolist())
+  else:
+    ids = tuple(_as_int(name, t, request_id, index=i) for i, t in enumerate(values))
+  if ids and min(ids) < 0:
+    i = next(i for i, t in enumerate(ids) if t < 0)
+    raise ValueError(f"{_label(request_id)}{name}[{i}]={ids[i]} must be >= 0")
   return ids
 
 
@@ -210,16 +220,38 @@ class Request:
 
   def __post_init__(self):
     rid = self.request_id
-    try:
-      hash(rid)
-    except TypeError as e:
-      raise TypeError(f"request_id={rid!r} must be hashable") from e
+    _check_id_and_params(rid, self.params)
     prompt = _token_ids("prompt", self.prompt, rid)
     if not prompt:
       raise ValueError(f"{_label(rid)}prompt must hold at least one token")
-    if not isinstance(self.params, SamplingParams):
-      raise TypeError(f"{_label(rid)}params={self.params!r} must be a SamplingParams")
     object.__setattr__(self, "prompt", prompt)
+
+  def replace(self, **changes) -> "Request":
+    """`dataclasses.replace` of `request_id` and/or `params`, keeping the checked prompt.
+
+    The engine labels and seeds every queued request; re-checking a prompt of
+    thousands of tokens each time cost tens of milliseconds per run. The new
+    values are checked as the constructor checks them.
+    """
+    unknown = set(changes) - {"request_id", "params"}
+    if unknown:
+      raise TypeError(f"replace: only request_id and params; got {sorted(unknown)}")
+    rid = changes.get("request_id", self.request_id)
+    params = changes.get("params", self.params)
+    _check_id_and_params(rid, params)
+    new = object.__new__(Request)
+    for name, value in (("prompt", self.prompt), ("params", params), ("request_id", rid)):
+      object.__setattr__(new, name, value)
+    return new
+
+
+def _check_id_and_params(rid, params) -> None:
+  try:
+    hash(rid)
+  except TypeError as e:
+    raise TypeError(f"request_id={rid!r} must be hashable") from e
+  if not isinstance(params, SamplingParams):
+    raise TypeError(f"{_label(rid)}params={params!r} must be a SamplingParams")
 
 
 def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: int,
@@ -246,9 +278,9 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
     raise TypeError(f"request={request!r} must be a Request")
   label, p = f"request {request.request_id!r}", request.params
   for name, ids in (("prompt", request.prompt), ("stop_tokens", p.stop_tokens)):
-    for i, t in enumerate(ids):
-      if t >= vocab_size:
-        raise ValueError(f"{label}: {name}[{i}]={t} must be < vocab_size={vocab_size}")
+    if ids and max(ids) >= vocab_size:   # one C-level pass; the loop only names the first
+      i = next(i for i, t in enumerate(ids) if t >= vocab_size)
+      raise ValueError(f"{label}: {name}[{i}]={ids[i]} must be < vocab_size={vocab_size}")
   total = len(request.prompt) + p.max_tokens
   if total > max_len:
     raise ValueError(f"{label}: prompt ({len(request.prompt)}) + max_tokens ({p.max_tokens}) "

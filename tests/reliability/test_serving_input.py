@@ -45,6 +45,10 @@ CONSTRUCTION_CASES = [
     ("prompt-bool", lambda: Request((True,)), TypeError, r"prompt\[0\]"),
     ("prompt-negative", lambda: Request((1, -2)), ValueError, r"prompt\[1\]=-2"),
     ("prompt-int", lambda: Request(5), TypeError, "prompt"),
+    ("prompt-np-bool", lambda: Request(np.array([1, 0], bool)), TypeError, r"prompt\[0\]"),
+    ("prompt-bool-late", lambda: Request((1, 2, False)), TypeError, r"prompt\[2\]"),
+    ("prompt-np-negative", lambda: Request(np.array([1, -3], np.int64)), ValueError,
+     r"prompt\[1\]=-3"),
     ("prompt-2d", lambda: Request(np.zeros((2, 2), np.int32)), TypeError, "prompt"),
     ("params-dict", lambda: Request((1,), {"max_tokens": 2}), TypeError, "params"),
     ("request_id-list", lambda: Request((1,), request_id=[1]), TypeError, "request_id"),
@@ -81,6 +85,25 @@ def test_requests_accept_numpy_integers_as_python_values():
   assert r.prompt == (3, 4) and all(type(t) is int for t in r.prompt)
   assert type(r.params.max_tokens) is int and type(r.params.temperature) is float
   assert r.params == Params(max_tokens=2, seed=5, temperature=0.5, stop_tokens=(1,))
+
+
+def test_request_replace_keeps_the_checked_prompt_and_checks_what_changes():
+  """`Request.replace` (the engine labels and seeds every queued request with it)
+  equals `dataclasses.replace` without re-checking the prompt, and refuses what the
+  constructor refuses."""
+  r = Request(tuple(range(5)), Params(max_tokens=3))
+  for changes in ({"request_id": 7}, {"params": Params(seed=2)},
+                  {"request_id": "x", "params": Params(n=2)}):
+    new = r.replace(**changes)
+    assert new == dataclasses.replace(r, **changes) and new.prompt is r.prompt
+    assert hash(new) == hash(dataclasses.replace(r, **changes))
+  assert r.request_id is None and r.params == Params(max_tokens=3)   # unchanged
+  with pytest.raises(TypeError, match="request_id"):
+    r.replace(request_id=[1])
+  with pytest.raises(TypeError, match="params"):
+    r.replace(params={"max_tokens": 2})
+  with pytest.raises(TypeError, match="prompt"):
+    r.replace(prompt=(1,))
 
 
 LIMITS = dict(vocab_size=64, max_len=16, max_seqs=3, capacity=40, max_stop_tokens=2)
