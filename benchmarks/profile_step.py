@@ -162,7 +162,20 @@ def summarize(trace_dir: str, steps: int, label: str) -> dict:
       "host": host_calls(data, steps),
       "gap_classes": gap_classes,
       "largest_gaps": [(g / 1e3, a, b) for g, a, b in sorted(gaps, reverse=True)[:15]],
+      # The 10-100 us gaps (the GPU waiting on something other than a launch), by neighbours.
+      "mid_gaps": [(f"{a} -> {b}", k / max(steps, 1), t / 1e6 / max(steps, 1)) for (a, b), (k, t) in
+                   sorted(_group_gaps(gaps, 10e3, 100e3).items(), key=lambda kv: -kv[1][1])[:12]],
   }
+  return out
+
+
+def _group_gaps(gaps, lo, hi) -> dict:
+  """`{(previous, next): (count, total ns)}` of the gaps in `[lo, hi)` ns."""
+  out = {}
+  for g, a, b in gaps:
+    if lo <= g < hi:
+      k, t = out.get((a, b), (0, 0))
+      out[(a, b)] = (k + 1, t + g)
   return out
 
 
@@ -188,6 +201,9 @@ def _print(summary: dict) -> None:
   print("  GPU gaps by size (per step: count, ms):")
   for label, k, t in summary.get("gap_classes", []):
     print(f"    {label:16s} {k:8.1f} {t:8.3f}")
+  print("  10-100 us gaps by neighbours (per step: count, ms):")
+  for pair, k, t in summary.get("mid_gaps", []):
+    print(f"    {k:6.2f} {t:7.3f}  {pair}")
   print("  largest single gaps (us, after -> before):")
   for g, a, b in summary.get("largest_gaps", []):
     print(f"    {g:9.1f}  {a} -> {b}")
