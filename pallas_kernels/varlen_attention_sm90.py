@@ -51,6 +51,7 @@ from pallas_kernels.common import SUPPORTED_KV_DTYPES
 from pallas_kernels.varlen_kernel_sm90 import LOG2E
 from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
 from pallas_kernels.varlen_kernel_sm90 import attention_kernel
+from pallas_kernels.varlen_kernel_sm90 import q_scratch
 from pallas_kernels.varlen_kernel_sm90 import smem_transforms
 from pallas_kernels.varlen_plan import _item_table
 from pallas_kernels.varlen_plan import _segment_plan
@@ -66,7 +67,7 @@ def _cdiv(a, b):
 # wgmma takes, see `swizzle_bytes`) and at most 256 (wgmma's N and TMA's box).
 WGMMA_HEAD_DIM_MULTIPLE = 16
 WGMMA_MAX_HEAD_DIM = 256
-COMPILED_MAX_HEAD_DIM = 128   # see static_check: head_dim 256 does not lower in time
+COMPILED_MAX_HEAD_DIM = 128   # see static_check: head_dim 256 is not yet checked on a GPU
 
 
 SMEM_BYTES = 227 * 1024    # dynamic shared memory one sm90 program may use
@@ -130,11 +131,13 @@ def static_check(q, k_cache, *, config):
                               f"{head_dim=}, more than the {SMEM_BYTES} an sm90 program has; "
                               "use fewer stages or a smaller block_k")
   if head_dim > COMPILED_MAX_HEAD_DIM:
-    # Measured on H200, jax 0.11.2 (2026-11-30): lowering the head_dim 256 kernel did not
-    # finish in 150 s (Mosaic GPU's layout inference on (64, 256) tiles), so the compiled
-    # path refuses it rather than stall a first call; the interpreter still serves it.
+    # Until 2026-12-01 the head_dim 256 kernel did not lower (Mosaic GPU's layout
+    # inference searched for minutes, then failed: the (64, 256) q tile). It now loads q
+    # in column parts (`varlen_kernel_sm90.q_parts`) and lowers in seconds, but the
+    # compiled kernel has not yet been checked against the reference on a GPU, so the
+    # compiled path still refuses it; the interpreter serves it.
     raise NotImplementedError(f"{head_dim=} > {COMPILED_MAX_HEAD_DIM}: the compiled Mosaic GPU "
-                              "kernel does not lower it in reasonable time on this jax; use "
+                              "kernel is not yet checked on a GPU at this head dim; use "
                               "implementation='reference'")
   if config.block_k == head_dim:
     # Observed on H200 with jax 0.11.2: square K/V tiles (64x64, 128x128) give
@@ -265,7 +268,7 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
       kernel,
       out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
-      scratch_types=[plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()],
+      scratch_types=q_scratch(config.use_wgmma, block_q, head_dim, dtype),
       grid=(num_workers, num_kv_heads),
       grid_names=("worker", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),

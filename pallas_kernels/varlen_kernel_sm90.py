@@ -89,7 +89,14 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       load_row = tile_row if use_wgmma else jnp.minimum(tile_row, cache_rows - block_k)
       return load_row, rows_start, rows_end, key0
 
-    plgpu.copy_gmem_to_smem(q_ref.at[head, pl.ds(field(IT_Q_ROW0), block_q)], q_smem, q_bar)
+    q_rows = pl.ds(field(IT_Q_ROW0), block_q)
+    if q_smem.ndim == 2:
+      plgpu.copy_gmem_to_smem(q_ref.at[head, q_rows], q_smem, q_bar)
+    else:   # column parts (`q_parts`), one copy each, all arriving on `q_bar`
+      part_cols = q_smem.shape[-1]
+      for part in range(q_smem.shape[0]):
+        plgpu.copy_gmem_to_smem(q_ref.at[head, q_rows, pl.ds(part * part_cols, part_cols)],
+                                q_smem.at[part], q_bar)
 
     def stream(k_smem, v_smem, k_bars, v_bars):
       """Streams the item's K/V tiles; returns `(acc, m_i, l_i)`."""
@@ -186,7 +193,13 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     def _prologue():
       fetch(t_begin + stage, stage, first[stage])
   plgpu.barrier_wait(q_bar)
-  q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if use_wgmma else q_smem[...]
+  if not use_wgmma:
+    q = q_smem[...]
+  elif q_smem.ndim == 2:
+    q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+  else:   # column parts: QK^T accumulates one wgmma per part over K's matching columns
+    q = [plgpu.load(q_smem.at[part], layout=plgpu.Layout.WGMMA)
+         for part in range(q_smem.shape[0])]
 
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = wgmma_layout.reduce(1)
@@ -207,7 +220,13 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     plgpu.barrier_wait(k_bars.at[stage])
     if use_wgmma:
       def compute_qk(acc_ref):
-        plgpu.wgmma(acc_ref, q, k_smem.at[stage].transpose((1, 0)))
+        if isinstance(q, list):
+          part_cols = head_dim // len(q)
+          for part, q_part in enumerate(q):
+            k_part = k_smem.at[stage, :, pl.ds(part * part_cols, part_cols)]
+            plgpu.wgmma(acc_ref, q_part, k_part.transpose((1, 0)))
+        else:
+          plgpu.wgmma(acc_ref, q, k_smem.at[stage].transpose((1, 0)))
         return acc_ref[...]
       s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
     else:
@@ -301,6 +320,31 @@ def swizzle_bytes(head_dim: int, dtype) -> int:
   """
   row_bytes = head_dim * np.dtype(dtype).itemsize
   return next(s for s in (128, 64, 32) if row_bytes % s == 0)
+
+
+# Widest q tile (in columns) loaded into registers whole. Mosaic GPU can load a
+# `(64, 256)` 16-bit tile in the WGMMA layout only from `(8, 64)`-tiled shared
+# memory, which the q copy cannot use (an item's first q row is `token * G`, not a
+# multiple of 8), so wider heads load q in column parts of this width
+# (docs/PERFORMANCE.md, "Head layouts": why head dim 256 did not lower).
+Q_PART_MAX_COLS = 128
+
+
+def q_parts(use_wgmma: bool, head_dim: int) -> int:
+  """Column parts of the q tile: 1, or `head_dim / 128` for wider heads on the wgmma path."""
+  if not use_wgmma or head_dim <= Q_PART_MAX_COLS:
+    return 1
+  assert head_dim % Q_PART_MAX_COLS == 0, head_dim   # static_check's head dims
+  return head_dim // Q_PART_MAX_COLS
+
+
+def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype):
+  """The q tile's shared memory and its barrier (one arrival per column part)."""
+  parts = q_parts(use_wgmma, head_dim)
+  if parts == 1:
+    return [plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()]
+  return [plgpu.SMEM((parts, block_q, head_dim // parts), dtype),
+          plgpu.Barrier(num_arrivals=parts)]
 
 
 def smem_transforms(use_wgmma, dtype, head_dim):
