@@ -59,7 +59,8 @@ def _token_ids(name: str, values, request_id=None) -> tuple[int, ...]:
   # Fast paths, one C-level pass each (a prompt of thousands of tokens is checked at
   # construction and again by every `dataclasses.replace`): a tuple of Python ints
   # (what this returns, so re-checking one costs little), a NumPy integer array.
-  if type(values) is tuple and all(type(t) is int for t in values):   # pylint: disable=unidiomatic-typecheck
+  # pylint: disable-next=unidiomatic-typecheck
+  if type(values) is tuple and all(type(t) is int for t in values):
     ids = values
   elif isinstance(values, np.ndarray) and values.dtype.kind in "iu":
     ids = tuple(values.tolist())
