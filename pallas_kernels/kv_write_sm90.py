@@ -7,9 +7,8 @@ column is never touched. K and V enter as one `[T, 2, K, D]` operand: stacking
 them is one XLA fusion with the producers of K and V, where two operands cost a
 second fusion (the copy of V out of the fused q/k/v projection). The caches
 enter the kernel as mutable array refs (`jax.new_ref`, then `jax.freeze`), so
-the Mosaic GPU custom call aliases each
-cache operand to its result and, when the caller donates the caches, XLA
-updates them in place with no cache-sized copy.
+the Mosaic GPU custom call aliases each cache operand to its result and, when
+the caller donates the caches, XLA updates them in place with no cache-sized copy.
 """
 
 from __future__ import annotations
