@@ -75,6 +75,10 @@ def _args(argv=None):
   p.add_argument("--paged-slots", type=int, default=0, metavar="SLOTS",
                  help="with --paged: also serve over pages holding the columns' K/V bytes "
                       "(`paged_cache_config`) with SLOTS columns: requests in flight for the same memory")
+  p.add_argument("--paged-repeats", type=int, default=0, metavar="N",
+                 help="with --paged: then time N more runs of each storage, alternating columns "
+                      "and pages in this process, and report the mean, spread and ratio of means "
+                      "(one run each differs by a few percent between processes)")
   p.add_argument("--also-compiler-options", default=None, metavar="JSON",
                  help="also run the baseline and jaxkv compiled with these XLA options (e.g. "
                       "'{\"xla_gpu_enable_triton_gemm\": false}'), beside XLA's defaults")
@@ -95,6 +99,8 @@ def _args(argv=None):
   args = p.parse_args(argv)
   if args.paged_slots and not args.paged:
     p.error("--paged-slots needs --paged PAGE_SIZE")
+  if args.paged_repeats < 0 or (args.paged_repeats and not args.paged):
+    p.error(f"--paged-repeats {args.paged_repeats}: needs --paged PAGE_SIZE and N >= 1")
   args.other_options = None
   if args.also_compiler_options is not None:
     try:
@@ -139,6 +145,33 @@ def _attention_used(cfg: ModelConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- jaxkv
+
+
+def alternate_runs(models: dict, prompts, new_tokens, repeats: int) -> dict:
+  """Times `repeats` runs of each model's engine, alternating between them, in one process.
+
+  Each engine is built and warmed up first (compilation excluded); then every round
+  runs each engine once, in the dict's order, so slow drifts of the machine (clocks,
+  temperature) land on all of them. Returns `{name: {"seconds": [...], "mean", "min",
+  "max"}}`; the tokens of every run must equal the engine's first run (raises if not).
+  """
+  news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
+  requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
+              for p, n in zip(prompts, news)]
+  engines, first = {}, {}
+  for name, model in models.items():
+    engines[name] = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)))
+    first[name] = [c.tokens for c in engines[name].run(requests)]   # compile + warm-up
+  seconds = {name: [] for name in models}
+  for _ in range(repeats):
+    for name, engine in engines.items():
+      start = time.perf_counter()
+      tokens = [c.tokens for c in engine.run(requests)]
+      seconds[name].append(time.perf_counter() - start)
+      if tokens != first[name]:
+        raise RuntimeError(f"alternate_runs: {name}'s tokens changed between runs")
+  return {name: {"seconds": s, "mean": float(np.mean(s)), "min": min(s), "max": max(s)}
+          for name, s in seconds.items()}
 
 
 def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first",
@@ -546,6 +579,15 @@ def main(argv=None) -> int:
             f"{rp['speedup_vs_columns']:.2f}x the columns; K/V allocated {rp['kv_bytes'] / 1e9:.2f} GB "
             f"vs {rp['columns_kv_bytes'] / 1e9:.2f} GB; {same}/{len(prompts)} outputs identical to "
             f"the columns' (with warm-up {time.perf_counter() - t1:.0f} s)")
+      if args.paged_repeats:
+        results["paged_repeats"] = alternate_runs(
+            {"columns": model, "pages": paged_model}, prompts, news, args.paged_repeats)
+        rr = results["paged_repeats"]
+        print(f"alternating runs ({args.paged_repeats} each): columns {rr['columns']['mean']:.3f} s "
+              f"(min {rr['columns']['min']:.3f}, max {rr['columns']['max']:.3f}), pages "
+              f"{rr['pages']['mean']:.3f} s (min {rr['pages']['min']:.3f}, max "
+              f"{rr['pages']['max']:.3f}): pages {rr['columns']['mean'] / rr['pages']['mean']:.3f}x "
+              f"the columns (ratio of means)")
       del paged_model
       if args.paged_slots:
         # The columns' K/V bytes again, as a page pool behind `paged_slots` columns.
