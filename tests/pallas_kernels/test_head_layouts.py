@@ -63,7 +63,8 @@ INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     max_split_tokens=3, sort_items=False, use_wgmma=False)
 
 # Compiled: widths of several 64-row q tiles for every group, rings that wrap. Head dim
-# 256 is refused by the compiled kernel (its lowering did not finish in 150 s on H200).
+# 256 is refused by the compiled kernel until it is checked on a GPU: raising
+# `COMPILED_MAX_HEAD_DIM` to 256 moves its families here (`gpu_serving.sh kernels256`).
 GPU_LAYOUT_FAMILIES = [
     _family(*layout, width=40, capacity=400, max_seqs=4, num_steps=6) for layout in LAYOUTS
     if layout[1] <= varlen_attention_sm90.COMPILED_MAX_HEAD_DIM]
