@@ -67,6 +67,7 @@ for w in "${@:-decode uniform}"; do
     mixed2k_cb) run e2e_mixed2k_cb 300 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --also-compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}' --out "$out/e2e_mixed2k_cb.json";;
     levers_epilogue_uniform) TAIL=12 run step_levers_epilogue_uniform 330 python3 benchmarks/step_levers.py --uniform --variants base,kernel_epilogue,base;;
     mixed2k_paged_repeats) run e2e_mixed2k_paged_repeats 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-repeats 5 --out "$out/e2e_mixed2k_paged_repeats.json";;
+    levers_merge_uniform) TAIL=12 run step_levers_merge_uniform 330 python3 benchmarks/step_levers.py --uniform --variants base,unrolled_merge,base;;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done
