@@ -147,6 +147,19 @@ def _attention_used(cfg: ModelConfig) -> str:
 # ----------------------------------------------------------------------------- jaxkv
 
 
+def _engine_and_requests(model, prompts, new_tokens, **engine_kwargs):
+  """An `Engine` sized for the workload (`max_len` = its longest request) and its requests.
+
+  `new_tokens`: one int for every request, or one per request.
+  """
+  news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
+  engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)),
+                        **engine_kwargs)
+  requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
+              for p, n in zip(prompts, news)]
+  return engine, requests
+
+
 def alternate_runs(models: dict, prompts, new_tokens, repeats: int) -> dict:
   """Times `repeats` runs of each model's engine, alternating between them, in one process.
 
@@ -155,12 +168,9 @@ def alternate_runs(models: dict, prompts, new_tokens, repeats: int) -> dict:
   temperature) land on all of them. Returns `{name: {"seconds": [...], "mean", "min",
   "max"}}`; the tokens of every run must equal the engine's first run (raises if not).
   """
-  news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
-  requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
-              for p, n in zip(prompts, news)]
   engines, first = {}, {}
   for name, model in models.items():
-    engines[name] = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)))
+    engines[name], requests = _engine_and_requests(model, prompts, new_tokens)
     first[name] = [c.tokens for c in engines[name].run(requests)]   # compile + warm-up
   seconds = {name: [] for name in models}
   for _ in range(repeats):
@@ -179,11 +189,8 @@ def run_jaxkv(model, prompts, new_tokens, widths=None, admission="longest_first"
   """`new_tokens`: one int for every request, or one per request; `widths`: the Engine's;
   `admission`: `Engine.run`'s admission order; `compiler_options`: the Engine's (None: XLA's
   defaults)."""
-  news = [new_tokens] * len(prompts) if isinstance(new_tokens, int) else list(new_tokens)
-  engine = serve.Engine(model, max_len=max(len(p) + n for p, n in zip(prompts, news)),
-                        widths=widths, compiler_options=compiler_options)
-  requests = [serve.Request(tuple(p), serve.SamplingParams(max_tokens=n))
-              for p, n in zip(prompts, news)]
+  engine, requests = _engine_and_requests(model, prompts, new_tokens, widths=widths,
+                                          compiler_options=compiler_options)
   # Warm-up on the same shapes (the same queue: compiles the loop; queues pad to powers of two).
   engine.run(requests, admission=admission)
   start = time.perf_counter()
