@@ -110,6 +110,8 @@ _LAYOUTS = {
     "decode 64 seqs 32/32 D80 512..4096": (32, 32, 80, 512, 4096),
     "decode 64 seqs 32/32 D96 512..4096": (32, 32, 96, 512, 4096),
     "decode 64 seqs 32/8 D96 512..8192": (32, 8, 96, 512, 8192),
+    # Gemma-2-9B's attention (16 q heads over 8 KV heads of 256): q in 128-column parts.
+    "decode 64 seqs 16/8 D256 512..8192 (G2)": (16, 8, 256, 512, 8192),
 }
 
 

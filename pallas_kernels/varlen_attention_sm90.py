@@ -51,6 +51,7 @@ from pallas_kernels.common import SUPPORTED_KV_DTYPES
 from pallas_kernels.varlen_kernel_sm90 import LOG2E
 from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
 from pallas_kernels.varlen_kernel_sm90 import attention_kernel
+from pallas_kernels.varlen_kernel_sm90 import Q_PART_MAX_COLS
 from pallas_kernels.varlen_kernel_sm90 import q_scratch
 from pallas_kernels.varlen_kernel_sm90 import smem_transforms
 from pallas_kernels.varlen_plan import _item_table
@@ -67,7 +68,6 @@ def _cdiv(a, b):
 # wgmma takes, see `swizzle_bytes`) and at most 256 (wgmma's N and TMA's box).
 WGMMA_HEAD_DIM_MULTIPLE = 16
 WGMMA_MAX_HEAD_DIM = 256
-COMPILED_MAX_HEAD_DIM = 128   # see static_check: head_dim 256 is not yet checked on a GPU
 
 
 SMEM_BYTES = 227 * 1024    # dynamic shared memory one sm90 program may use
@@ -130,14 +130,12 @@ def static_check(q, k_cache, *, config):
     raise NotImplementedError(f"{config} needs {smem} bytes of shared memory for "
                               f"{head_dim=}, more than the {SMEM_BYTES} an sm90 program has; "
                               "use fewer stages or a smaller block_k")
-  if head_dim > COMPILED_MAX_HEAD_DIM:
-    # Until 2026-12-01 the head_dim 256 kernel did not lower (Mosaic GPU's layout
-    # inference searched for minutes, then failed: the (64, 256) q tile). It now loads q
-    # in column parts (`varlen_kernel_sm90.q_parts`) and lowers in seconds, but the
-    # compiled kernel has not yet been checked against the reference on a GPU, so the
-    # compiled path still refuses it; the interpreter serves it.
-    raise NotImplementedError(f"{head_dim=} > {COMPILED_MAX_HEAD_DIM}: the compiled Mosaic GPU "
-                              "kernel is not yet checked on a GPU at this head dim; use "
+  if head_dim > Q_PART_MAX_COLS and head_dim % Q_PART_MAX_COLS:
+    # A q tile wider than 128 columns is loaded in 128-column parts, QK^T one wgmma per
+    # part (`varlen_kernel_sm90.q_parts`): the one layout Mosaic GPU lowers for it.
+    raise NotImplementedError(f"{head_dim=}: head dims above {Q_PART_MAX_COLS} must be a "
+                              f"multiple of {Q_PART_MAX_COLS} for the compiled Mosaic GPU "
+                              "kernel (its q tile loads in 128-column parts); use "
                               "implementation='reference'")
   if config.block_k == head_dim:
     # Observed on H200 with jax 0.11.2: square K/V tiles (64x64, 128x128) give

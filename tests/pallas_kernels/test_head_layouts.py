@@ -62,15 +62,9 @@ INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     block_q=8, block_k=8, num_stages=3, split_len=8, split_budget=2, max_splits=3,
     max_split_tokens=3, sort_items=False, use_wgmma=False)
 
-# Compiled: widths of several 64-row q tiles for every group, rings that wrap. Head dim
-# 256 is refused by the compiled kernel until it is checked on a GPU: raising
-# `COMPILED_MAX_HEAD_DIM` to 256 moves its families here (`gpu_serving.sh kernels256`).
+# Compiled: widths of several 64-row q tiles for every group, rings that wrap.
 GPU_LAYOUT_FAMILIES = [
-    _family(*layout, width=40, capacity=400, max_seqs=4, num_steps=6) for layout in LAYOUTS
-    if layout[1] <= varlen_attention_sm90.COMPILED_MAX_HEAD_DIM]
-GPU_REFUSED_FAMILIES = [
-    _family(*layout, width=40, capacity=400, max_seqs=4, num_steps=1) for layout in LAYOUTS
-    if layout[1] > varlen_attention_sm90.COMPILED_MAX_HEAD_DIM]
+    _family(*layout, width=40, capacity=400, max_seqs=4, num_steps=6) for layout in LAYOUTS]
 
 
 def _gpu_split_config(head_dim):
@@ -100,14 +94,18 @@ def test_compiled_kernel_serves_head_layout(family, splits, rng):
   check_family(family, rng, config=config, interpret=False)
 
 
-@pytest.mark.parametrize("family", GPU_REFUSED_FAMILIES, ids=str)
-def test_compiled_kernel_refuses_head_dim_256_before_lowering(family):
-  """The refusal is a shape check: it needs no GPU and happens before anything is traced."""
-  q = jax.ShapeDtypeStruct((family.width, family.num_q_heads, family.head_dim), family.dtype)
-  k = jax.ShapeDtypeStruct((64, family.max_seqs + 1, family.num_kv_heads, family.head_dim),
-                           family.dtype)
-  with pytest.raises(NotImplementedError, match="head_dim=256"):
+@pytest.mark.parametrize("head_dim", [144, 192, 240])
+def test_compiled_kernel_refuses_wide_head_dims_not_in_128_column_parts(head_dim):
+  """Above 128 columns the q tile loads in 128-column parts (`q_parts`); other wide head
+  dims are refused by a shape check, before anything is traced, needing no GPU."""
+  q = jax.ShapeDtypeStruct((40, 4, head_dim), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((64, 5, 1, head_dim), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=f"head_dim={head_dim}.*multiple of 128"):
     varlen_attention_sm90.check_request(q, k)
+  for served in (128, 256):
+    varlen_attention_sm90.check_request(
+        jax.ShapeDtypeStruct((40, 4, served), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, 5, 1, served), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("block_q, group, want", [
@@ -131,8 +129,7 @@ def _shapes(num_tokens, group, num_kv_heads, num_rows, head_dim, dtype):
           jax.ShapeDtypeStruct((), jnp.int32))
 
 
-# Head dim 256 is lowered by its own test below: the compiled path still refuses it
-# (`COMPILED_MAX_HEAD_DIM`) until the kernel is checked on a GPU.
+# Head dim 256 is lowered by its own test below (q in column parts).
 @pytest.mark.parametrize("group, head_dim, dtype, window", [
     (3, 64, jnp.bfloat16, None), (5, 80, jnp.float16, 61), (6, 96, jnp.bfloat16, None),
     (7, 128, jnp.float16, 61), (16, 80, jnp.bfloat16, None), (1, 96, jnp.float16, 61)],
@@ -153,8 +150,8 @@ def test_head_dim_256_kernel_lowers_with_q_in_column_parts(group, window):
   shared memory, which the q copy cannot use (items start at `token * G` rows): layout
   inference searched for minutes and then gave up. With q in two (64, 128) column
   parts and QK^T as one wgmma per part, the production geometry (compiled default
-  config, two stages, 64-row K/V tiles) lowers like head dim 128. The refusal stays
-  until the compiled kernel is checked against the reference on a GPU."""
+  config, two stages, 64-row K/V tiles) lowers like head dim 128 (its results are
+  checked against the reference by `test_compiled_kernel_serves_head_layout` on a GPU)."""
   head_dim, dtype = 256, jnp.bfloat16
   config = config_lib.default_varlen_attention_config(group=group, head_dim=head_dim,
                                                       interpret=False)
