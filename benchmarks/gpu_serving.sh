@@ -46,6 +46,7 @@ for w in "${@:-decode uniform}"; do
     levers) run step_levers 400 python3 benchmarks/step_levers.py;;
     profile_prefill) TAIL=70 run profile_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --dump-hlo --out "$out";;
     profile_paged) TAIL=70 run profile_paged 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 32 --dump-hlo --out "$out";;
+    profile_paged128) TAIL=150 run profile_paged128 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 128 --dump-hlo --out "$out";;
     profile_paged_prefill) TAIL=80 run profile_paged_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --prefill-only --page-size 128 --dump-hlo --out "$out";;
     profile_uniform) TAIL=200 run profile_uniform 420 python3 benchmarks/profile_step.py --uniform --dump-hlo --out "$out";;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
