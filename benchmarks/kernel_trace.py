@@ -97,6 +97,11 @@ CASES = {
     "prefill 4x512 32/8 D64": lambda config=None: _prefill_case(4, 512, 64, config),
     "decode 64 seqs 32/8 D128 512..8192": lambda config=None: _decode_case(64, 128, 512, 8192,
                                                                            config),
+    # Issue 12's other two decode rows: many short histories, and few long multi-head ones.
+    "decode 256 seqs 32/8 D128 128..2048": lambda config=None: _decode_case(
+        256, 128, 128, 2048, config),
+    "decode 16 seqs 16/16 D64 1024..32768": lambda config=None: _decode_case(
+        16, 64, 1024, 32768, config, heads=(16, 16)),
 }
 # Issue 12's head layouts the compiled kernel serves since the head-layout round: GQA
 # groups that do not divide the 64-row q tile (Qwen2.5-7B: 28/4 = 7; 40/8 = 5; 24/4 = 6;
