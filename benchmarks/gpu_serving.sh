@@ -73,6 +73,7 @@ for w in "${@:-decode uniform}"; do
     trace_issue12) TAIL=8 run kernel_trace_issue12 200 python3 benchmarks/kernel_trace.py --cases "decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048,decode 16 seqs 16/16 D64 1024..32768";;
     mixed2k_paged32_repeats) run e2e_mixed2k_paged32_repeats 400 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 32 --paged-repeats 5 --out "$out/e2e_mixed2k_paged32_repeats.json";;
     kernel_sizes) run kernel_sizes 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/jaxkv/test_kernel_sizes.py -k mosaic_gpu;;
+    paged256) run paged256 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py -k "compiled and d256";;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done

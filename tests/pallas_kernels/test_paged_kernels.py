@@ -54,7 +54,11 @@ GPU_CASES = [
             num_steps=6), 128),
     (Family("bf16-g4-d128", jnp.bfloat16, None, 8, 2, 128, width=32, max_seqs=4,
             capacity=1024, num_steps=6), 128),
+    # Head dim 256 (q in 128-column parts) in float16, once the paged path serves it.
+    (Family("fp16-g2-d256", jnp.float16, None, 4, 2, 256, width=16, max_seqs=4,
+            capacity=512, num_steps=6), 64),
 ]
+GPU_CASES = [case for case in GPU_CASES if case[0].head_dim <= paged_sm90.PAGED_MAX_HEAD_DIM]
 GPU_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
                                                    max_splits=4)
 
@@ -117,8 +121,10 @@ def test_a_fork_reads_the_shared_pages_and_its_own(rng):
 def test_compiled_paged_attention_matches_reference_and_columns(family, page_size, splits,
                                                                 rng):
   config = None
-  if splits:   # block_k != head_dim: square tiles are refused
-    config = dataclasses.replace(GPU_SPLIT_CONFIG, block_k=128 if family.head_dim == 64 else 64)
+  if splits:   # block_k != head_dim: square tiles are refused; head dim 256 fits two stages
+    stages = 2 if family.head_dim == 256 else GPU_SPLIT_CONFIG.num_stages
+    config = dataclasses.replace(GPU_SPLIT_CONFIG, block_k=128 if family.head_dim == 64 else 64,
+                                 num_stages=stages)
   check_attention(family, page_size, rng, config=config, interpret=False)
 
 
@@ -240,6 +246,18 @@ def test_compiled_kernels_lower_with_no_copy_of_the_pool(head_dim, page_size):
   assert len(re.findall(r"tf\.aliasing_output", entry)) == 2
 
 
+def test_paged_head_dim_256_kernel_lowers():
+  """The compiled paged path refuses head dim 256 until it runs on a GPU (`PAGED_MAX_HEAD_DIM`),
+  but its kernel (q in 128-column parts, as over columns) lowers for CUDA with one call."""
+  s = _shapes(64, 32, 200, 64, 8, 256)
+  config = config_lib.default_varlen_attention_config(group=4, head_dim=256, interpret=False)
+  assert paged_sm90.serves(64, config.block_k)
+  text = paged_sm90._paged_attention.trace(   # pylint: disable=protected-access
+      s["q"], s["pool"], s["pool"], s["table"], s["seq_info"], s["n"], scale=0.1,
+      config=config, interpret=None).lower(lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, 256)
+
+
 @pytest.mark.parametrize("head_dim, page_size, interpret, want", [
     (128, 64, False, 64), (128, 128, False, 64), (128, 256, False, 64),
     (64, 128, False, 128), (64, 384, False, 128),
@@ -266,7 +284,9 @@ def test_the_default_tile_serves_the_page(head_dim, page_size, interpret, want):
      r"page_size=4 must be a multiple of config.block_k=16"),
     (64, 128, config_lib.VarlenAttentionConfig(block_k=128), True,
      "interpreter cannot run wgmma"),
-], ids=["p96", "d64-p48", "p4", "d64-p24", "explicit", "explicit-p4", "interpret-wgmma"])
+    (256, 64, None, False, r"head_dim=256 > 128: .*over pages it is not yet checked on a GPU"),
+], ids=["p96", "d64-p48", "p4", "d64-p24", "explicit", "explicit-p4", "interpret-wgmma",
+        "d256"])
 def test_paged_kernels_refuse_what_they_cannot_serve(head_dim, page_size, config, interpret,
                                                      match):
   s = _shapes(8, 8, 10, page_size, 2, head_dim)
