@@ -241,8 +241,9 @@ class Request:
     params = changes.get("params", self.params)
     _check_id_and_params(rid, params)
     new = object.__new__(Request)
-    for name, value in (("prompt", self.prompt), ("params", params), ("request_id", rid)):
-      object.__setattr__(new, name, value)
+    changed = {"request_id": rid, "params": params}
+    for field in dataclasses.fields(Request):   # every field, so a new one is carried over
+      object.__setattr__(new, field.name, changed.get(field.name, getattr(self, field.name)))
     return new
 
 
