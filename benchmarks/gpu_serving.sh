@@ -68,7 +68,6 @@ for w in "${@:-decode uniform}"; do
     mixed2k_cb) run e2e_mixed2k_cb 300 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --also-compiler-options '{"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"}' --out "$out/e2e_mixed2k_cb.json";;
     levers_epilogue_uniform) TAIL=12 run step_levers_epilogue_uniform 330 python3 benchmarks/step_levers.py --uniform --variants base,kernel_epilogue,base;;
     mixed2k_paged_repeats) run e2e_mixed2k_paged_repeats 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-repeats 5 --out "$out/e2e_mixed2k_paged_repeats.json";;
-    levers_merge_uniform) TAIL=12 run step_levers_merge_uniform 330 python3 benchmarks/step_levers.py --uniform --variants base,unrolled_merge,base;;
     trace_d256) TAIL=30 run kernel_trace_d256 240 python3 benchmarks/kernel_trace.py --cases "decode 64 seqs 16/8 D256 512..8192 (G2),decode 64 seqs 32/8 D128 512..8192";;
     trace_issue12) TAIL=8 run kernel_trace_issue12 200 python3 benchmarks/kernel_trace.py --cases "decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048,decode 16 seqs 16/16 D64 1024..32768";;
     mixed2k_paged32_repeats) run e2e_mixed2k_paged32_repeats 400 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 32 --paged-repeats 5 --out "$out/e2e_mixed2k_paged32_repeats.json";;

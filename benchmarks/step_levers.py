@@ -19,9 +19,6 @@ Variants:
 - `compacted_merge`: the XLA epilogue's older form on narrow steps too (a copy of
   every token's first partial, the split tokens compacted, merged and scattered
   back) instead of merging every token over its splits (`DIRECT_MERGE`).
-- `unrolled_merge`: the XLA epilogue's split merge with its split axis unrolled
-  (`varlen_epilogue.UNROLL_MERGE`): elementwise ops and gathers instead of
-  reductions over a 2-16 long axis (the uniform workload merges two splits).
 - `kernel_epilogue`: the attention epilogue as the Mosaic GPU kernel
   (`fused_combine=True`, `combine_sm90`) instead of XLA operations (the default).
 - `unbounded_splits`: the epilogue merges `max_splits` (16) partials per token
@@ -89,8 +86,6 @@ def _variant(name):
                                  _no_split_default))
   if name == "compacted_merge":
     stack.enter_context(_patched(varlen_epilogue, "DIRECT_MERGE", False))
-  if name == "unrolled_merge":
-    stack.enter_context(_patched(varlen_epilogue, "UNROLL_MERGE", True))
   if name == "unbounded_splits":
     stack.enter_context(_patched(varlen_plan, "BOUND_SPLITS", False))
   if name == "kernel_epilogue":

@@ -9,8 +9,6 @@ Mosaic GPU kernel `combine_sm90` does the same in one launch.
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from pallas_kernels import combine_sm90
@@ -79,14 +77,6 @@ def _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block,
   return merged.reshape(num_tokens, -1, merged.shape[-1]).astype(out_dtype)
 
 
-# The split axis of `_merge_splits` unrolled (a Python loop over its static length)
-# instead of reduced over: every op is then elementwise over `[N, K, G(, D)]` with
-# gathers, which XLA can fuse into fewer kernels than the reductions over a 2-16
-# long axis (three fusions per layer on H200 at two splits, docs/PERFORMANCE.md §8).
-# A switch for A/B timing (benchmarks/step_levers.py `unrolled_merge`) until measured.
-UNROLL_MERGE = False
-
-
 def _merge_splits(o_part, lse_part, items, row_block, used, *, heads):
   """`float32[N, K, G, D]`: for each of `N` tokens, its used partials merged by weight.
 
@@ -94,12 +84,6 @@ def _merge_splits(o_part, lse_part, items, row_block, used, *, heads):
   `j` where `used[n, j]`. A token with no used partial (padding, or a fill
   entry) gets zeros.
   """
-  merge = _merge_splits_unrolled if UNROLL_MERGE else _merge_splits_reduced
-  return merge(o_part, lse_part, items, row_block, used, heads=heads)
-
-
-def _merge_splits_reduced(o_part, lse_part, items, row_block, used, *, heads):
-  """`_merge_splits` as reductions over the split axis (the default)."""
   rows = row_block[:, None, None]
   lse = lse_part[items[:, :, None], heads[None], rows]                     # [N, J, K, G]
   used = used[:, :, None, None]
@@ -109,21 +93,3 @@ def _merge_splits_reduced(o_part, lse_part, items, row_block, used, *, heads):
   o = jnp.where(used[..., None], o_part[items[:, :, None], heads[None], rows], 0.0)
   denom = weight.sum(axis=1)
   return (weight[..., None] * o).sum(axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
-
-
-def _merge_splits_unrolled(o_part, lse_part, items, row_block, used, *, heads):
-  """`_merge_splits` with the split axis unrolled: the same sums in the same order."""
-  rows = row_block[:, None]                                                  # [N, 1]
-  num_slots = items.shape[1]
-  lse = [jnp.where(used[:, j, None, None], lse_part[items[:, j, None], heads, rows],
-                   MASK_VALUE) for j in range(num_slots)]                       # [N, K, G] each
-  top = functools.reduce(jnp.maximum, lse)
-  weights = [jnp.where(used[:, j, None, None], jnp.exp2(lse[j] - top), 0.0)
-             for j in range(num_slots)]
-  # Select, never multiply: a partial of an unused slot may be unwritten, and is never summed.
-  parts = [weights[j][..., None] * jnp.where(
-      used[:, j, None, None, None], o_part[items[:, j, None], heads, rows], 0.0)
-           for j in range(num_slots)]
-  total = functools.reduce(jnp.add, parts)
-  denom = functools.reduce(jnp.add, weights)
-  return total / jnp.where(denom > 0, denom, 1.0)[..., None]

@@ -136,36 +136,3 @@ def test_direct_and_compacted_merges_agree(rng, monkeypatch):
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6, err_msg=step.description)
     for out in outs:
       np.testing.assert_array_equal(out[step.n_tokens:], 0.0)
-
-
-def test_unrolled_merge_equals_the_reduced_one(rng):
-  """`UNROLL_MERGE` (the split axis unrolled, for A/B timing) against the default
-  reduction over it, on random partials with unused slots holding NaN (never read):
-  bitwise at two slots (the same two-term sums), float32 rounding apart at more."""
-  from pallas_kernels import varlen_epilogue   # pylint: disable=g-import-not-at-top
-  items_n, heads_n, block_q, group, dim = 7, 3, 8, 2, 16
-  for slots in (1, 2, 3, 16):
-    o_part = rng.standard_normal((items_n, heads_n, block_q, dim)).astype(np.float32)
-    lse_part = (4 * rng.standard_normal((items_n, heads_n, block_q))).astype(np.float32)
-    tokens = 11
-    items = rng.integers(0, items_n, size=(tokens, slots)).astype(np.int32)
-    used = rng.random((tokens, slots)) < 0.7
-    used[0] = False                       # a token with no partial: zeros
-    unused_item = items_n - 1             # poison the partials only unused slots point at
-    items[~used] = unused_item
-    items[used & (items == unused_item)] = 0
-    o_part[unused_item], lse_part[unused_item] = np.nan, np.nan
-    row_block = rng.integers(0, block_q // group, size=tokens).astype(np.int32)
-    heads = jnp.arange(heads_n, dtype=jnp.int32)[None, :]
-    o = jnp.asarray(o_part).reshape(items_n, heads_n, block_q // group, group, dim)
-    lse = jnp.asarray(lse_part).reshape(items_n, heads_n, block_q // group, group)
-    args = (o, lse, jnp.asarray(items), jnp.asarray(row_block), jnp.asarray(used))
-    reduced = np.asarray(varlen_epilogue._merge_splits_reduced(*args, heads=heads))   # pylint: disable=protected-access
-    unrolled = np.asarray(varlen_epilogue._merge_splits_unrolled(*args, heads=heads))   # pylint: disable=protected-access
-    assert unrolled.shape == reduced.shape == (tokens, heads_n, group, dim)
-    assert np.isfinite(reduced).all() and np.isfinite(unrolled).all(), slots
-    np.testing.assert_array_equal(unrolled[0], 0.0)
-    if slots <= 2:
-      np.testing.assert_array_equal(unrolled, reduced)
-    else:
-      np.testing.assert_allclose(unrolled, reduced, rtol=1e-6, atol=1e-6)
