@@ -168,13 +168,13 @@ def alternate_runs(models: dict, prompts, new_tokens, repeats: int) -> dict:
   temperature) land on all of them. Returns `{name: {"seconds": [...], "mean", "min",
   "max"}}`; the tokens of every run must equal the engine's first run (raises if not).
   """
-  engines, first = {}, {}
+  runs, first = {}, {}   # name: (engine, its requests)
   for name, model in models.items():
-    engines[name], requests = _engine_and_requests(model, prompts, new_tokens)
-    first[name] = [c.tokens for c in engines[name].run(requests)]   # compile + warm-up
+    runs[name] = _engine_and_requests(model, prompts, new_tokens)
+    first[name] = [c.tokens for c in runs[name][0].run(runs[name][1])]   # compile + warm-up
   seconds = {name: [] for name in models}
   for _ in range(repeats):
-    for name, engine in engines.items():
+    for name, (engine, requests) in runs.items():
       start = time.perf_counter()
       tokens = [c.tokens for c in engine.run(requests)]
       seconds[name].append(time.perf_counter() - start)
