@@ -40,11 +40,6 @@ from pallas_kernels import varlen_kernel_sm90 as kernel_body
 _div = kernel_body.div
 
 
-# Head dims above 128 (q in 128-column parts, checked on the H200 over columns) lower over
-# pages too but have not run there on a GPU yet: the compiled paged path refuses them.
-PAGED_MAX_HEAD_DIM = 128
-
-
 def pool_view(pool):
   """`[num_pages, P, K, D] -> [num_pages * P, 1, K, D]`: the pool as one column of rows."""
   num_pages, page_size, num_kv_heads, head_dim = pool.shape
@@ -114,11 +109,6 @@ def check_request(q, k_pool, *, config=None, interpret=False):
   view = jax.ShapeDtypeStruct((max(num_pages * page_size, config.block_k), 1, num_kv_heads,
                                head_dim), k_pool.dtype)
   config = column.check_request(q, view, config=config, interpret=interpret)
-  if config.use_wgmma and head_dim > PAGED_MAX_HEAD_DIM:
-    raise NotImplementedError(
-        f"{head_dim=} > {PAGED_MAX_HEAD_DIM}: the compiled Mosaic GPU kernel serves it over "
-        "columns, but over pages it is not yet checked on a GPU; use column storage "
-        "(page_size=None) or implementation='reference'")
   return config
 
 
