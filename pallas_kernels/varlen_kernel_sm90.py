@@ -118,27 +118,63 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
         plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages))
 
     def store(o_smem, lse_smem):
-      has_keys = l_i > 0.0
-      l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
-      o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
-      plgpu.commit_smem()
-      # Store only the item's real rows, rounded up to 8: a decode item has G of
-      # 64. TMA sizes are static, so the count is stored as a sum of powers of two.
-      num_rows8 = (field(IT_ROWS) + 7) // 8 * 8
-      size = 1 << (block_q.bit_length() - 1)
-      while size >= 8:
-        @pl.when(num_rows8 & size != 0)
-        def _store_rows(size=size):
-          offset = num_rows8 & -(2 * size)    # the larger chunks come first
-          rows = pl.ds(offset, size)
-          plgpu.copy_smem_to_gmem(o_smem.at[rows], o_ref.at[slot, head, rows])
-        size //= 2
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[slot, head])
-      plgpu.wait_smem_to_gmem(0)
+      store_partial(acc, m_i, l_i, o_smem, lse_smem, o_ref.at[slot, head], lse_ref.at[slot, head],
+                    num_rows=field(IT_ROWS), block_q=block_q)
 
     pl.run_scoped(store, plgpu.SMEM((block_q, head_dim), jnp.float32),
                   plgpu.SMEM((block_q,), jnp.float32))
+
+
+def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, block_q):
+  """Normalizes an item's accumulator and stores its real rows and log-sum-exp (base 2).
+
+  `o_dst` `[block_q, D]` and `lse_dst` `[block_q]` are the item's slot of the
+  float32 partial outputs; `o_smem`, `lse_smem` the staging buffers.
+  """
+  has_keys = l_i > 0.0
+  l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
+  o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+  lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
+  plgpu.commit_smem()
+  # Store only the item's real rows, rounded up to 8: a decode item has G of
+  # 64. TMA sizes are static, so the count is stored as a sum of powers of two.
+  num_rows8 = (num_rows + 7) // 8 * 8
+  size = 1 << (block_q.bit_length() - 1)
+  while size >= 8:
+    @pl.when(num_rows8 & size != 0)
+    def _store_rows(size=size):
+      offset = num_rows8 & -(2 * size)    # the larger chunks come first
+      rows = pl.ds(offset, size)
+      plgpu.copy_smem_to_gmem(o_smem.at[rows], o_dst.at[rows])
+    size //= 2
+  plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, *, lo, end, kind,
+              window):
+  """Which scores of a tile are real: rows in the read range whose keys the row's query sees."""
+  row = load_row + key_col
+  key_pos = key0 + (row - rows_start)
+  return (row >= rows_start) & (row < rows_end) & indexing.is_visible(
+      key_pos, query_pos, lo, end, kind, window=window)
+
+
+def online_softmax(s, m_i, l_i, acc, mask, dtype):
+  """One tile's online-softmax update (base 2); `mask` None: every score is real.
+
+  Returns `(m_new, l_i, acc, p)` with `acc` rescaled and `p` in `dtype` for P @ V.
+  """
+  if mask is not None:
+    s = jnp.where(mask, s, MASK_VALUE)
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  alpha = jnp.exp2(m_i - m_new)
+  p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  l_i = l_i * alpha + p.sum(axis=1)
+  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  return m_new, l_i, acc, p.astype(dtype)
 
 
 def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
@@ -244,20 +280,9 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         fetch(t + num_stages, stage, refill, parts=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
-      if masked:
-        row = load_row + key_col
-        key_pos = key0 + (row - rows_start)
-        mask = (row >= rows_start) & (row < rows_end) & indexing.is_visible(
-            key_pos, query_pos, lo, end, kind, window=window)
-        s = jnp.where(mask, s, MASK_VALUE)
-      m_new = jnp.maximum(m_i, s.max(axis=1))
-      alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-      if masked:
-        p = jnp.where(mask, p, 0.0)
-      l_i = l_i * alpha + p.sum(axis=1)
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      return m_new, l_i, acc, p.astype(dtype)
+      mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
+                       end=end, kind=kind, window=window) if masked else None
+      return online_softmax(s, m_i, l_i, acc, mask, dtype)
 
     # A tile whose rows all hold read-range keys that every query of the item
     # sees (interior decode tiles) skips the mask arithmetic.
