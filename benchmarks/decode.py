@@ -7,7 +7,7 @@ and `pallas_kernels.varlen_attention` over the ANCHORS.md shapes, plus a mixed
 step, a 16384-token causal prefill and a 64-token `kv_write` into a 1 GB cache.
 Effective TB/s = live K/V bytes (real lengths x heads x dim x 2 bytes x 2) / time.
 
-Usage: python benchmarks/decode.py [--quick] [--out results.json]
+Usage: python benchmarks/decode.py [--quick | --e2e | --prefill] [--out results.json]
 """
 
 from __future__ import annotations
@@ -212,8 +212,14 @@ def run_mixed(rows, configs):
 
 
 def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_heads=8,
-                head_dim=128, iters=3):
-  """`num_seqs` causal prompts of `length` tokens from position 0, one varlen call."""
+                head_dim=128, iters=3, fa3=()):
+  """`num_seqs` causal prompts of `length` tokens from position 0, one varlen call.
+
+  `fa3`: `(block_q, block_kv, stages)` settings of jax's warp-specialised Mosaic GPU
+  attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`: two consumer
+  warpgroups of `block_q` rows sharing each K/V tile, a TMA warpgroup, ping-pong
+  schedule barriers) timed on the same dense causal problem, as the FA3 anchor.
+  """
   flops = num_seqs * 4.0 * num_q_heads * head_dim * length * (length + 1) / 2
   label = (f"causal prefill {num_seqs}x{length} {num_q_heads}/{num_kv_heads} D{head_dim} "
            f"({flops / 1e12:.2f} TFLOP)")
@@ -240,6 +246,23 @@ def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_
     rows.append(Row(label, "cuDNN causal", ms, tflops=flops / ms / 1e9))
   except Exception as e:  # pylint: disable=broad-except
     rows.append(Row(label, "cuDNN causal", None, note=f"{type(e).__name__}: {e}"[:200]))
+  for block_q, block_kv, stages in fa3:
+    name = f"jax attention_mgpu (FA3) q{block_q} kv{block_kv} s{stages}"
+    try:
+      from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=g-import-not-at-top
+      tuning = attention_mgpu.TuningConfig(block_q=block_q, block_kv=block_kv,
+                                           max_concurrent_steps=stages, causal=True)
+      fn = jax.jit(functools.partial(attention_mgpu.attention, config=tuning))
+      # Its shared-memory buffers are float16 whatever the inputs: time it in float16.
+      kq, kk, vv = (x.astype(jnp.float16) for x in (kq, kk, vv))
+      out = fn(kq, kk, vv)
+      want = jax.nn.dot_product_attention(kq, kk, vv, is_causal=True, implementation="cudnn")
+      err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+      ms = bench(fn, kq, kk, vv, iters=iters, reps=3)
+      rows.append(Row(label, name, ms, tflops=flops / ms / 1e9,
+                      note=f"float16; max abs err vs cuDNN {err:.2e}"))
+    except Exception as e:  # pylint: disable=broad-except
+      rows.append(Row(label, name, None, note=f"{type(e).__name__}: {e}"[:200]))
 
 
 def run_write(rows, steps=100):
@@ -302,6 +325,15 @@ def run_e2e_shapes(rows):
   run_prefill(rows, default, length=4096, num_seqs=4, head_dim=128, iters=5)
 
 
+def run_prefill_anchors(rows):
+  """The issue's causal prefill rows with the FA3 anchor beside jaxkv and cuDNN."""
+  fa3 = ((64, 128, 2), (64, 64, 3), (64, 128, 3))
+  run_prefill(rows, {"default": None}, length=16384, num_seqs=1, head_dim=128, iters=5, fa3=fa3)
+  run_prefill(rows, {"default": None}, length=4096, num_seqs=4, head_dim=128, iters=5, fa3=fa3)
+  run_prefill(rows, {"default": None}, length=2048, num_seqs=1, head_dim=64, iters=20,
+              fa3=((64, 128, 2), (64, 64, 3)))
+
+
 def print_table(rows):
   print("\n| case | implementation | ms | TB/s | TFLOP/s | note |")
   print("|---|---|---|---|---|---|")
@@ -317,9 +349,15 @@ def main():
   parser.add_argument("--out", default=None, help="write the rows as JSON here")
   parser.add_argument("--e2e", action="store_true",
                       help="only the e2e model's shapes (32/8 heads of 64) and 4x4096 prefill")
+  parser.add_argument("--prefill", action="store_true",
+                      help="only the causal prefill rows, with jax's FA3-structured kernel")
   args = parser.parse_args()
   print(jax.devices(), jax.__version__)
   rows = []
+  if args.prefill:
+    run_prefill_anchors(rows)
+    print_table(rows)
+    return
   if args.e2e:
     run_e2e_shapes(rows)
     print_table(rows)

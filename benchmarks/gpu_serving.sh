@@ -73,6 +73,7 @@ for w in "${@:-decode uniform}"; do
     mixed2k_paged32_repeats) run e2e_mixed2k_paged32_repeats 400 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 32 --paged-repeats 5 --out "$out/e2e_mixed2k_paged32_repeats.json";;
     kernel_sizes) run kernel_sizes 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/jaxkv/test_kernel_sizes.py -k mosaic_gpu;;
     paged256) run paged256 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py -k "compiled and d256";;
+    prefill_fa3) TAIL=30 run prefill_fa3 300 python3 benchmarks/decode.py --prefill;;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done
