@@ -1,8 +1,9 @@
 """Why square K/V tiles (`block_k == head_dim`) miscompute: a minimal reproduction (issue 12).
 
-`varlen_attention_sm90.static_check` refuses `block_k == head_dim` because such tiles gave
-wrong results on the H200 (jax 0.11.2). This script bypasses the refusal (it calls the
-jitted `_varlen_attention` directly) on small inputs: one segment in one column, one KV
+`varlen_attention_sm90.static_check` refused `block_k == head_dim` because such tiles gave
+wrong results on the H200 (jax 0.11.2) until the kernel reloaded q per tile for them
+(`varlen_kernel_sm90.Q_RELOAD`, the cause this script found). It calls the jitted
+`_varlen_attention` directly on small inputs: one segment in one column, one KV
 head shared by `G` query heads, `block_q` 64, no key splits, and compares the kernel's
 rows with float64 oracles, each written here in numpy:
 
@@ -17,7 +18,8 @@ The swapped readings are defined for one tile only (keys = block_k). Over severa
 three more oracles ask what the loop lost: the first tile alone, the last tile alone, the
 tiles' partial sums added without rescaling to a common maximum. `SQUARE_MULTI_ONLY=1`
 runs the multi-tile square cases alone; `SQUARE_EARLY_K=0` refills K with V (after P @ V)
-instead of right after QK^T. A case matches an oracle when its largest error is below 2e-2 (bf16 inputs). Non-square tiles (block_k 128
+instead of right after QK^T; `SQUARE_Q_RELOAD=1` loads q into registers for every tile
+(`varlen_kernel_sm90.Q_RELOAD`). A case matches an oracle when its largest error is below 2e-2 (bf16 inputs). Non-square tiles (block_k 128
 at head_dim 64, 64 at 128) are the controls. Usage (GPU machine):
 `PYTHONPATH=. python3 benchmarks/square_tiles.py`
 """
@@ -115,8 +117,10 @@ def main() -> int:
   from pallas_kernels import varlen_kernel_sm90   # pylint: disable=g-import-not-at-top
   if os.environ.get("SQUARE_EARLY_K") == "0":   # K refilled with V, after P @ V
     varlen_kernel_sm90.EARLY_K_REFILL = False
+  if os.environ.get("SQUARE_Q_RELOAD") == "1":   # q loaded into registers per tile
+    varlen_kernel_sm90.Q_RELOAD = True
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; "
-        f"EARLY_K_REFILL={varlen_kernel_sm90.EARLY_K_REFILL}")
+        f"EARLY_K_REFILL={varlen_kernel_sm90.EARLY_K_REFILL} Q_RELOAD={varlen_kernel_sm90.Q_RELOAD}")
   cases = [
       # (head_dim, block_k, tokens, keys, group): squares, then non-square controls
       (64, 64, 1, 64, 1), (64, 64, 64, 64, 1), (64, 64, 8, 64, 1),

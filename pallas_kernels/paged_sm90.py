@@ -48,7 +48,7 @@ def pool_view(pool):
 
 def _tile_sizes(default_block_k: int, head_dim: int, *, use_wgmma: bool) -> list[int]:
   """K/V tile rows the kernel may use, largest first, none above the config's."""
-  if use_wgmma:   # multiples of 64, never square (see varlen_attention_sm90.static_check)
+  if use_wgmma:   # multiples of 64, not square (served over columns only, see check_request)
     return [b for b in range(default_block_k, 0, -64) if b != head_dim]
   return list(range(default_block_k, 0, -1))
 
@@ -103,6 +103,13 @@ def check_request(q, k_pool, *, config=None, interpret=False):
     raise NotImplementedError(
         f"{page_size=} must be a multiple of {config.block_k=} (a tile in one page) or a "
         f"multiple of {align} dividing it (a tile of whole pages)")
+  if config.use_wgmma and config.block_k == head_dim:
+    # Over columns square tiles run right since q is reloaded per tile
+    # (`varlen_kernel_sm90.Q_RELOAD`); the paged kernel shares that loop but has not
+    # run square tiles on a GPU since.
+    raise NotImplementedError(
+        f"{config.block_k=} == {head_dim=}: square K/V tiles are served over columns but "
+        "over pages not yet checked on a GPU; use another block_k")
   # The kernel's K/V arrays are the pool's view; a pool of fewer rows than one tile still
   # streams whole tiles (its lookups clamp into the table), so check that tile.
   num_pages = k_pool.shape[0]

@@ -137,11 +137,6 @@ def static_check(q, k_cache, *, config):
                               f"multiple of {Q_PART_MAX_COLS} for the compiled Mosaic GPU "
                               "kernel (its q tile loads in 128-column parts); use "
                               "implementation='reference'")
-  if config.block_k == head_dim:
-    # Observed on H200 with jax 0.11.2: square K/V tiles (64x64, 128x128) give
-    # wrong results; docs/PERFORMANCE.md has the measurements.
-    raise NotImplementedError(f"{config.block_k=} == {head_dim=} (square K/V tiles) "
-                              "miscomputes on Mosaic GPU; use another block_k")
   # Every row count >= 1 is served: `tile_geometry` pads the rest.
 
 
@@ -173,7 +168,8 @@ def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
   multiple with zero rows, which no read range reaches; the ring arithmetic
   keeps the true `num_rows`. `block_k` is `config.block_k` when the (padded)
   rows hold a whole tile; a smaller cache gets the largest smaller tile that
-  fits (64 or 128 rows for wgmma, never `head_dim`, see `static_check`), and is
+  fits (64 or 128 rows for wgmma, not `head_dim`: square tiles are served but not
+  chosen, see `config.default_varlen_attention_config`), and is
   padded up to one tile when none fits. Both variants use this geometry, so
   the interpreter exercises the padding the production kernel runs.
   """
@@ -304,8 +300,7 @@ def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, 
 
   Raises:
     NotImplementedError: for a valid request this kernel cannot serve (dtype,
-      head dim, GQA group larger than `block_q`, square K/V tiles; wgmma under
-      the interpreter).
+      head dim, GQA group larger than `block_q`; wgmma under the interpreter).
   """
   config = check_request(q, k_cache, config=config, interpret=interpret)
   return _varlen_attention(q, k_cache, v_cache, seq_info, jnp.asarray(n_segments, jnp.int32),

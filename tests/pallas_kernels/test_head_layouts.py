@@ -68,7 +68,7 @@ GPU_LAYOUT_FAMILIES = [
 
 
 def _gpu_split_config(head_dim):
-  # block_k != head_dim (square tiles are refused); two stages keep head dim 256
+  # block_k != head_dim (the defaults never pick square tiles); two stages keep head dim 256
   # within shared memory (`_smem_bytes`).
   return config_lib.VarlenAttentionConfig(
       block_k=128 if head_dim == 64 else 64, num_stages=2, split_len=64, split_budget=16,

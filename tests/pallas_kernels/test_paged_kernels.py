@@ -120,7 +120,7 @@ def test_a_fork_reads_the_shared_pages_and_its_own(rng):
 def test_compiled_paged_attention_matches_reference_and_columns(family, page_size, splits,
                                                                 rng):
   config = None
-  if splits:   # block_k != head_dim: square tiles are refused; head dim 256 fits two stages
+  if splits:   # block_k != head_dim: square tiles are refused over pages; head dim 256 fits two stages
     stages = 2 if family.head_dim == 256 else GPU_SPLIT_CONFIG.num_stages
     config = dataclasses.replace(GPU_SPLIT_CONFIG, block_k=128 if family.head_dim == 64 else 64,
                                  num_stages=stages)
@@ -284,8 +284,10 @@ def test_the_default_tile_serves_the_page(head_dim, page_size, interpret, want):
     (64, 128, config_lib.VarlenAttentionConfig(block_k=128), True,
      "interpreter cannot run wgmma"),
     (192, 64, None, False, r"head_dim=192: .*128-column parts"),
+    (128, 128, config_lib.VarlenAttentionConfig(block_k=128), False,
+     r"square K/V tiles are served over columns but over pages not yet checked"),
 ], ids=["p96", "d64-p48", "p4", "d64-p24", "explicit", "explicit-p4", "interpret-wgmma",
-        "d192"])
+        "d192", "square"])
 def test_paged_kernels_refuse_what_they_cannot_serve(head_dim, page_size, config, interpret,
                                                      match):
   s = _shapes(8, 8, 10, page_size, 2, head_dim)

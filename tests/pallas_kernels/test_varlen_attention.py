@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -107,7 +108,7 @@ UNALIGNED_GPU_FAMILIES = [
     Family("bf16-ring37-rows40-gqa8x2-d128", jnp.bfloat16, 37, 8, 2, 128, width=4,
            max_seqs=3, capacity=120, num_steps=6),
 ]
-# block_k differs from head_dim: square K/V tiles are refused (see static_check).
+# block_k differs from head_dim, as in the defaults (square tiles: their own test below).
 SPLIT_CONFIGS = {
     64: config_lib.VarlenAttentionConfig(block_k=128, split_len=128, split_budget=16,
                                          max_splits=4),
@@ -145,6 +146,34 @@ def test_interpreted_kernel_serves_unaligned_and_tiny_row_counts(family, rng):
 @pytest.mark.parametrize("family", LARGE_UNALIGNED_INTERPRET_FAMILIES, ids=str)
 def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
   check_family(family, rng, config=INTERPRET_BLOCK64_CONFIG, interpret=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_square_tiles_lower_with_q_reloaded_per_tile(head_dim):
+  """`block_k == head_dim` is served (no refusal) and lowers for CUDA as one call."""
+  config = config_lib.VarlenAttentionConfig(block_k=head_dim)
+  shapes = (jax.ShapeDtypeStruct((32, 8, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((32, 5), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+  assert varlen_attention_sm90.check_request(shapes[0], shapes[1], config=config) == config
+  attend = jax.jit(functools.partial(varlen_attention_sm90._varlen_attention,  # pylint: disable=protected-access
+                                     window=None, scale=0.1, config=config, interpret=None))
+  text = attend.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, head_dim)
+
+
+@requires_hopper
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
+@pytest.mark.parametrize("family", GPU_FAMILIES, ids=str)
+def test_compiled_kernel_serves_square_tiles(family, splits, rng):
+  """`block_k == head_dim`: q is reloaded per tile (held in registers across the tile
+  loop it is corrupted from the second tile on), so square tiles compute right."""
+  base = SPLIT_CONFIGS[family.head_dim] if splits else config_lib.default_varlen_attention_config(
+      group=family.num_q_heads // family.num_kv_heads, head_dim=family.head_dim,
+      interpret=False)
+  config = dataclasses.replace(base, block_k=family.head_dim)
+  check_family(family, rng, config=config, interpret=False)
 
 
 @requires_hopper
@@ -247,11 +276,10 @@ def test_tile_geometry(rows, head_dim, block_k, use_wgmma, want):
     ((8, 8, 64, 2, 320, jnp.bfloat16), None, "multiple of 16 and at most 256 for wgmma"),
     ((8, 130, 64, 2, 64, jnp.bfloat16), None, "GQA group 65 must be at most"),
     ((8, 8, 64, 2, 64, jnp.int8), None, "kv dtype int8"),
-    ((8, 8, 64, 2, 64, jnp.bfloat16), None, "square K/V tiles"),
     # 256 rows: a smaller cache would get a shrunk K/V tile (`tile_geometry`) that fits.
     ((8, 8, 256, 2, 256, jnp.bfloat16), config_lib.VarlenAttentionConfig(block_k=128),
      "shared memory"),
-], ids=["f32", "d8", "d40", "d320", "group65", "int8", "square", "smem"])
+], ids=["f32", "d8", "d40", "d320", "group65", "int8", "smem"])
 def test_production_kernel_refuses_what_it_cannot_serve(shapes, config, match):
   q, k, _, _, _ = _shapes(*shapes)
   with pytest.raises(NotImplementedError, match=match):
