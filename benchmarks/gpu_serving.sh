@@ -59,8 +59,8 @@ for w in "${@:-decode uniform}"; do
     square_fixed) TAIL=6 run square_fixed 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "square_tiles"
         TAIL=24 run square_tiles 100 python3 benchmarks/square_tiles.py;;
     square_tiles) TAIL=40 run square_tiles 200 python3 benchmarks/square_tiles.py;;
-    square_q_reload) SQUARE_MULTI_ONLY=1 TAIL=16 run square_multi 150 python3 benchmarks/square_tiles.py
-        SQUARE_MULTI_ONLY=1 SQUARE_Q_RELOAD=1 TAIL=16 run square_multi_q_reload 150 python3 benchmarks/square_tiles.py;;
+    square_q_reload) SQUARE_MULTI_ONLY=1 SQUARE_Q_HOLD=1 TAIL=16 run square_multi_q_held 150 python3 benchmarks/square_tiles.py
+        SQUARE_MULTI_ONLY=1 TAIL=16 run square_multi_q_reload 150 python3 benchmarks/square_tiles.py;;
     mixed2k_paged_memory) run e2e_mixed2k_paged_memory 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-slots 128 --out "$out/e2e_mixed2k_paged_memory.json";;
     mixed1k_paged_memory) run e2e_mixed1k_paged_memory 420 python3 benchmarks/e2e.py --workload mixed --mixed-requests 1024 --max-write 2048 --skip-baseline --paged 128 --paged-slots 128 --out "$out/e2e_mixed1k_paged_memory.json";;
     gemm_options) TAIL=30 run gemm_options 200 python3 benchmarks/gemm_options.py;;

@@ -110,7 +110,7 @@ def default_varlen_attention_config(*, group: int, head_dim: int,
                                  split_len=16, split_budget=4, max_splits=4, max_programs=4,
                                  use_wgmma=False)
   # block_k != head_dim: square K/V tiles are served (q reloaded per tile, see
-  # varlen_kernel_sm90.Q_RELOAD) but were not faster where measured (docs/PERFORMANCE.md).
+  # varlen_kernel_sm90.SQUARE_Q_RELOAD) but were not faster where measured (docs/PERFORMANCE.md).
   # Stages and split lengths: the best of a small sweep on H200 (docs/PERFORMANCE.md).
   # Two stages keep a program at ~80 KB of shared memory, so two fit on one SM.
   block_k = 128 if head_dim == 64 else 64

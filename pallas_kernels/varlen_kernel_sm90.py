@@ -38,13 +38,13 @@ NUM_ITEM_FIELDS = 19
 # H200: -3% kernel time for 256 decode segments, level elsewhere (PERFORMANCE).
 EARLY_K_REFILL = True
 
-# True loads q from shared memory into registers for every tile's QK^T, as square
-# K/V tiles (`block_k == head_dim`) always do: there q held in registers across the
-# tile loop is corrupted from the second tile on (on H200, jax 0.11.2: every
-# multi-tile square case wrong with q loaded once per item, right when loaded per
-# tile; docs/PERFORMANCE.md "Square tiles"). A switch for `benchmarks/square_tiles.py`
-# (`SQUARE_Q_RELOAD=1`) to apply it to other tiles too; read when traced.
-Q_RELOAD = False
+# Square K/V tiles (`block_k == head_dim`) load q from shared memory into registers
+# for every tile's QK^T: held in registers across the tile loop, q is corrupted from
+# the second tile on when P has its shape (H200, jax 0.11.2: every multi-tile square
+# case wrong with q loaded once per item, right when loaded per tile; docs/
+# PERFORMANCE.md "Square tiles"). False reproduces the miscompute
+# (`benchmarks/square_tiles.py` with `SQUARE_Q_HOLD=1`); read when traced.
+SQUARE_Q_RELOAD = True
 
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
@@ -270,7 +270,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
             k_part = k_smem.at[stage, :, pl.ds(part * part_cols, part_cols)]
             plgpu.wgmma(acc_ref, q_part, k_part.transpose((1, 0)))
         else:
-          reload = Q_RELOAD or block_k == head_dim
+          reload = SQUARE_Q_RELOAD and block_k == head_dim
           q_tile = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if reload else q
           plgpu.wgmma(acc_ref, q_tile, k_smem.at[stage].transpose((1, 0)))
         return acc_ref[...]
