@@ -58,6 +58,7 @@ for w in "${@:-decode uniform}"; do
     paged_small_kernels) run paged_small_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_small_pages.py tests/jaxkv/test_paged.py -k "compiled or mosaic_gpu";;
     square_fixed) TAIL=6 run square_fixed 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "square_tiles"
         TAIL=24 run square_tiles 100 python3 benchmarks/square_tiles.py;;
+    square_repro) TAIL=12 run square_repro 120 python3 benchmarks/square_repro.py;;
     square_tiles) TAIL=40 run square_tiles 200 python3 benchmarks/square_tiles.py;;
     square_q_reload) SQUARE_MULTI_ONLY=1 SQUARE_Q_HOLD=1 TAIL=16 run square_multi_q_held 150 python3 benchmarks/square_tiles.py
         SQUARE_MULTI_ONLY=1 TAIL=16 run square_multi_q_reload 150 python3 benchmarks/square_tiles.py;;
