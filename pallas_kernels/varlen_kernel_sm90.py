@@ -240,7 +240,9 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   if not use_wgmma:
     q = q_smem[...]
   elif q_smem.ndim == 2:
-    q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+    # Square tiles load q for every tile (`SQUARE_Q_RELOAD`): none is held across the loop.
+    q = None if SQUARE_Q_RELOAD and block_k == head_dim else plgpu.load(
+        q_smem, layout=plgpu.Layout.WGMMA)
   else:   # column parts: QK^T accumulates one wgmma per part over K's matching columns
     q = [plgpu.load(q_smem.at[part], layout=plgpu.Layout.WGMMA)
          for part in range(q_smem.shape[0])]
@@ -270,8 +272,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
             k_part = k_smem.at[stage, :, pl.ds(part * part_cols, part_cols)]
             plgpu.wgmma(acc_ref, q_part, k_part.transpose((1, 0)))
         else:
-          reload = SQUARE_Q_RELOAD and block_k == head_dim
-          q_tile = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if reload else q
+          q_tile = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if q is None else q
           plgpu.wgmma(acc_ref, q_tile, k_smem.at[stage].transpose((1, 0)))
         return acc_ref[...]
       s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
