@@ -115,8 +115,7 @@ def check_request(q, k_pool, *, config=None, interpret=False):
   num_pages = k_pool.shape[0]
   view = jax.ShapeDtypeStruct((max(num_pages * page_size, config.block_k), 1, num_kv_heads,
                                head_dim), k_pool.dtype)
-  config = column.check_request(q, view, config=config, interpret=interpret)
-  return config
+  return column.check_request(q, view, config=config, interpret=interpret)
 
 
 def _page_row(table_ref, col, row, *, page_size, pages_per_col):
