@@ -343,7 +343,11 @@ def run_prefill_anchors(rows):
   # Square 128-key tiles at head dim 128 (served since q is reloaded per tile): FA3's
   # tile size, which the defaults do not pick.
   default = kernel_config.default_varlen_attention_config(group=4, head_dim=128, interpret=False)
-  d128 = {"default": None, "block_k 128 (square)": dataclasses.replace(default, block_k=128)}
+  # One stage keeps a square-tile program at ~80 KB of shared memory (two per SM), as the
+  # default's two stages of 64-key tiles do.
+  d128 = {"default": None, "block_k 128 (square)": dataclasses.replace(default, block_k=128),
+          "block_k 128 (square) 1 stage": dataclasses.replace(default, block_k=128,
+                                                               num_stages=1)}
   run_prefill(rows, d128, length=16384, num_seqs=1, head_dim=128, iters=5, fa3=fa3)
   run_prefill(rows, d128, length=4096, num_seqs=4, head_dim=128, iters=5, fa3=fa3)
   run_prefill(rows, {"default": None}, length=2048, num_seqs=1, head_dim=64, iters=20,
