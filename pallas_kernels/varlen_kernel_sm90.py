@@ -46,6 +46,13 @@ EARLY_K_REFILL = True
 # (`benchmarks/square_tiles.py` with `SQUARE_Q_HOLD=1`); read when traced.
 SQUARE_Q_RELOAD = True
 
+# Where the mask's index arrays are built. False: the `[block_q, block_k]` query
+# positions and key columns once per item, held in registers across the tile loop,
+# and the V fix-up's `[block_k, D]` row test on every tile; True: inside the masked
+# softmax branch and the V fix-up, so tiles that need no mask build none and the
+# loop carries no index registers. Same results bitwise; read when traced.
+MASK_INDEX_IN_BRANCH = False
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -251,8 +258,11 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   row_layout = wgmma_layout.reduce(1)
   iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
   # Query position of each row: rows are (token, group head) pairs.
-  query_pos = pos0 + div(q_tok0 + iota((block_q, block_k), 0), group)
-  key_col = iota((block_q, block_k), 1)
+  def mask_index():
+    return (pos0 + div(q_tok0 + iota((block_q, block_k), 0), group),
+            iota((block_q, block_k), 1))
+  if not MASK_INDEX_IN_BRANCH:
+    held_index = mask_index()
 
   def body(t, carry):
     acc, m_i, l_i = carry
@@ -291,8 +301,11 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         fetch(t + num_stages, stage, refill, parts=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
-      mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
-                       end=end, kind=kind, window=window) if masked else None
+      mask = None
+      if masked:
+        query_pos, key_col = mask_index() if MASK_INDEX_IN_BRANCH else held_index
+        mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
+                         end=end, kind=kind, window=window)
       return online_softmax(s, m_i, l_i, acc, mask, dtype)
 
     # A tile whose rows all hold read-range keys that every query of the item
@@ -304,18 +317,24 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
 
     plgpu.barrier_wait(v_bars.at[stage])
     v_tile = v_smem.at[stage]
-    v_row = load_row + iota((block_k, head_dim), 0)
-    v_valid = (v_row >= rows_start) & (v_row < rows_end)
+
+    def v_valid():
+      v_row = load_row + iota((block_k, head_dim), 0)
+      return (v_row >= rows_start) & (v_row < rows_end)
+    if not MASK_INDEX_IN_BRANCH:
+      held_v_valid = v_valid()
+      v_valid = lambda: held_v_valid
     if use_wgmma:
       @pl.when(is_partial)
       def _zero_rows_outside_read_range():
+        valid = v_valid()
         v = plgpu.load(v_tile, layout=wgmma_layout)
-        v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
+        v_tile[...] = jnp.where(valid, v, jnp.zeros_like(v))
         plgpu.commit_smem()
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
           plgpu.ACC.init(acc))
     else:
-      v = jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
+      v = jnp.where(v_valid(), v_tile[...], jnp.zeros((), dtype))
       acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
                                   precision=lax.Precision.HIGHEST,
                                   preferred_element_type=jnp.float32)
