@@ -34,8 +34,11 @@ def searchsorted_right(sorted_values, queries):
   table of a 2,048-token step is 2,048 x 2,688 pairs, a few microseconds.
   """
   small = sorted_values.size * queries.size <= 1 << 25
+  # Past it, a sort of both together (a few launches) rather than the scan's loop
+  # (~log2(N) iterations of four launches and a device copy: ~120 us of a 16,384-token
+  # call's plan on H200).
   return jnp.searchsorted(sorted_values, queries, side="right",
-                          method="compare_all" if small else "scan")
+                          method="compare_all" if small else "sort")
 
 
 # The compare-and-sum forms below build one `[n, n]` array. Up to this many elements

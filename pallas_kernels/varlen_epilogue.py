@@ -39,7 +39,10 @@ def combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
                               heads=heads, max_splits=max_splits, out_dtype=out_dtype)
   out = o_part[item_base[:, None], heads, row_block[:, None]]            # [T, K, G, D]
   # Padding tokens gathered unwritten partials; give them zeros, deterministically.
-  out = jnp.where(is_token[:, None, None, None], out, 0.0)
+  # Converted here, not after the scatter below: the gather, select and convert are
+  # one fusion writing `out_dtype` (on H200 the float32 `out` and a separate convert
+  # cost ~100 us more per 16,384 x 32 heads of 128); the values are the same.
+  out = jnp.where(is_token[:, None, None, None], out, 0.0).astype(out_dtype)
   num_split_tokens = min(num_tokens, max_split_tokens)
   if max_splits > 1 and num_split_tokens:
     (picked,) = jnp.nonzero(is_token & (splits > 1), size=num_split_tokens,
@@ -49,8 +52,9 @@ def combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
     used = split[None, :] < splits[safe][:, None]                        # [S, J]
     items = jnp.clip(item_base[safe][:, None] + split[None, :], 0, num_items - 1)
     merged = _merge_splits(o_part, lse_part, items, row_block[safe], used, heads=heads)
-    out = out.at[picked].set(merged, mode="drop")   # fill entries (== T) are dropped
-  return out.reshape(num_tokens, num_kv_heads * group, head_dim).astype(out_dtype)
+    # Fill entries (== T) are dropped.
+    out = out.at[picked].set(merged.astype(out_dtype), mode="drop")
+  return out.reshape(num_tokens, num_kv_heads * group, head_dim)
 
 
 # Narrow steps (every token may split, `num_tokens <= max_split_tokens`) merge every

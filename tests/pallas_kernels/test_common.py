@@ -96,3 +96,14 @@ def test_per_column_is_a_dropping_scatter_into_zeros(num_cols, n, op, rng):
 def test_per_column_refuses_an_unknown_op():
   with pytest.raises(ValueError, match="op="):
     common.per_column(jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32), 2, op="min")
+
+
+@pytest.mark.parametrize("n, m", [(1, 1), (100, 37), (2048, 2048), (8192, 8192), (40000, 20000)],
+                         ids=str)
+def test_searchsorted_right_is_numpys_on_both_sides_of_the_compare_bound(n, m, rng):
+  # 8192 x 8192 and 40000 x 20000 pass `searchsorted_right`'s 2^25-pair bound (the
+  # sort method); the rest take the one-compare path. Ties and out-of-range queries.
+  values = np.sort(rng.integers(0, max(1, n // 3), size=n)).astype(np.int32)
+  queries = rng.integers(-2, n // 3 + 2, size=m).astype(np.int32)
+  got = common.searchsorted_right(jnp.asarray(values), jnp.asarray(queries))
+  np.testing.assert_array_equal(got, np.searchsorted(values, queries, side="right"))
