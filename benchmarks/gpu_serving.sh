@@ -31,6 +31,8 @@ for w in "${@:-decode uniform}"; do
     launch_cost) TAIL=20 run launch_cost 150 python3 benchmarks/launch_cost.py;;
     kernel_trace) TAIL=80 run kernel_trace 240 python3 benchmarks/kernel_trace.py;;
     kernel_variants) TAIL=60 run kernel_variants 420 python3 benchmarks/kernel_trace.py --calls 20 --variants "before,early K,early K+stages3" --cases "decode 64 seqs 32/8 D64 128..2304,decode 64 seqs 32/8 D64 8..272,decode 256 seqs 32/8 D64 128..2048,decode 64 seqs 32/8 D128 512..8192,prefill 1x2048 32/8 D64";;
+    tile_loops) TAIL=40 run tile_loops 420 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,one tile loop" --cases "prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128,prefill 1x2048 32/8 D64,prefill 4x512 32/8 D64,decode 64 seqs 32/8 D64 128..2304,decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048";;
+    prefill_glue) TAIL=60 run prefill_glue 200 python3 benchmarks/kernel_trace.py --calls 5 --top 8 --cases "prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128,prefill 1x2048 32/8 D64";;
     kernel_sweep) TAIL=40 run kernel_sweep 300 python3 benchmarks/kernel_trace.py --sweep;;
     e2e_kernels) TAIL=30 run e2e_kernels 300 python3 benchmarks/decode.py --e2e --out "$out/e2e_kernels.json";;
     levers_bound) TAIL=12 run step_levers_bound 420 python3 benchmarks/step_levers.py --uniform --variants base,unbounded_splits,base;;

@@ -95,6 +95,9 @@ CASES = {
                                                                            config),
     "prefill 1x2048 32/8 D64": lambda config=None: _prefill_case(1, 2048, 64, config),
     "prefill 4x512 32/8 D64": lambda config=None: _prefill_case(4, 512, 64, config),
+    # Issue 12's causal prefill rows.
+    "prefill 1x16384 32/8 D128": lambda config=None: _prefill_case(1, 16384, 128, config),
+    "prefill 4x4096 32/8 D128": lambda config=None: _prefill_case(4, 4096, 128, config),
     "decode 64 seqs 32/8 D128 512..8192": lambda config=None: _decode_case(64, 128, 512, 8192,
                                                                            config),
     # Issue 12's other two decode rows: many short histories, and few long multi-head ones.
@@ -161,6 +164,9 @@ VARIANTS = {
     "before": dict(EARLY_K_REFILL=False),
     "early K": dict(EARLY_K_REFILL=True),
     "early K+stages3": dict(EARLY_K_REFILL=True, num_stages=3),
+    "defaults": {},
+    "one tile loop": dict(FULL_TILE_LOOP=False),
+    "mask index in branch": dict(MASK_INDEX_IN_BRANCH=True),
 }
 
 
@@ -169,7 +175,8 @@ def variants(names, calls, cases):
   import dataclasses   # pylint: disable=g-import-not-at-top
   from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
-  saved = {"EARLY_K_REFILL": body.EARLY_K_REFILL}
+  saved = {k: getattr(body, k) for k in ("EARLY_K_REFILL", "FULL_TILE_LOOP",
+                                          "MASK_INDEX_IN_BRANCH")}
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()
     busy, _ = trace_kernels(cfn, cargs, calls)

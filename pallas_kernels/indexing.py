@@ -16,6 +16,7 @@ padded rows are `[n, 0, max_seqs, 0, 0]`.
 
 from __future__ import annotations
 
+from jax import lax
 import jax.numpy as jnp
 
 # Columns of the segment table `seq_info`.
@@ -187,6 +188,29 @@ def tile_of_key(key_pos, lo, first_row, first_len, tile0_row, num_first_tiles, *
   first_tile = (first_row + (key_pos - lo) - tile0_row) // block
   second_tile = num_first_tiles + (key_pos - lo - first_len) // block
   return jnp.where(in_first, first_tile, second_tile)
+
+
+def full_tile_range(lo, first_row, first_len, tile0_row, num_first_tiles, all_start, all_stop,
+                    *, block: int):
+  """First-run tiles `[begin, end)` whose rows all hold keys that every query sees.
+
+  Every tile `t` in the range lies inside the first run (rows `[first_row,
+  first_row + first_len)`, so `tile_span` gives it no partial rows) and holds keys
+  in `[all_start, all_stop)`, the keys every query of the item sees: the tiles
+  whose scores need no mask. The range may be empty (`end <= begin`) and may
+  leave out full tiles (second-run tiles, and the rounding below is toward zero,
+  which only shrinks it); it never includes a tile that needs a mask. Scalar
+  int32 arithmetic, traced or not (the kernel computes it once per item).
+  """
+  # Rows whose keys (`lo + row - first_row` in the first run) are seen by every query.
+  row_lo = first_row + jnp.maximum(all_start - lo, 0)
+  row_hi = first_row + jnp.minimum(first_len, all_stop - lo)
+  b = jnp.int32(block)
+  # Tile t starts at `tile0_row + t * block` (`tile0_row <= first_row <= row_lo`): the
+  # first tile starting at or past `row_lo`, and the tiles ending by `row_hi`.
+  begin = lax.div(row_lo - tile0_row + b - 1, b)
+  end = jnp.minimum(lax.div(row_hi - tile0_row, b), num_first_tiles)
+  return begin, end
 
 
 def tile_span(tile, lo, first_row, first_len, second_len, tile0_row, num_first_tiles, *,

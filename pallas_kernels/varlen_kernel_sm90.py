@@ -53,6 +53,13 @@ SQUARE_Q_RELOAD = True
 # loop carries no index registers. Same results bitwise; read when traced.
 MASK_INDEX_IN_BRANCH = False
 
+# The tile loop in three parts: the first run's tiles that need no mask
+# (`indexing.full_tile_range`) in a loop of their own with the unmasked softmax and
+# no V fix-up, and the tiles before and after it in loops that choose per tile
+# (`lax.cond`) as the single loop does. False: one loop choosing per tile. Same
+# results bitwise; read when traced.
+FULL_TILE_LOOP = True
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -95,6 +102,13 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                  field(IT_TILE0_ROW), field(IT_NUM_FIRST))
     t_begin, t_end = field(IT_T_BEGIN), field(IT_T_END)
     all_start, all_stop = field(IT_ALL_START), field(IT_ALL_STOP)
+    full_range = None
+    if FULL_TILE_LOOP:
+      full_begin, full_end = indexing.full_tile_range(
+          lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_TILE0_ROW),
+          field(IT_NUM_FIRST), all_start, all_stop, block=block_k)
+      full_begin = jnp.clip(full_begin, t_begin, t_end)
+      full_range = (full_begin, jnp.clip(full_end, full_begin, t_end))
 
     def span(t):
       tile_row, rows_start, rows_end, key0 = indexing.tile_span(t, *tile_args, block=block_k)
@@ -120,7 +134,7 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
           head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
           kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
           block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
-          address=address, tile_pieces=tile_pieces)
+          address=address, tile_pieces=tile_pieces, full_range=full_range)
 
     stage_shape = (num_stages, block_k, head_dim)
     acc, m_i, l_i = pl.run_scoped(
@@ -195,10 +209,12 @@ def online_softmax(s, m_i, l_i, acc, mask, dtype):
 def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
                   head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
                   group, block_q, block_k, num_stages, window, use_wgmma, address=None,
-                  tile_pieces=1):
+                  tile_pieces=1, full_range=None):
   """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
 
-  `address`, `tile_pieces`: see `attention_kernel`.
+  `address`, `tile_pieces`: see `attention_kernel`. `full_range`: None, or tiles
+  `[begin, end)` within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP`):
+  they run in a loop of their own with the unmasked softmax.
   """
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
@@ -264,7 +280,8 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   if not MASK_INDEX_IN_BRANCH:
     held_index = mask_index()
 
-  def body(t, carry):
+  def body(t, carry, *, all_full=False):
+    """One tile; `all_full` (static): the loop holds only tiles that need no mask."""
     acc, m_i, l_i = carry
     stage = lax.rem(t - t_begin, jnp.int32(num_stages))
     # Paged storage: look the refill tile's page up before this tile's math, so
@@ -310,10 +327,13 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
 
     # A tile whose rows all hold read-range keys that every query of the item
     # sees (interior decode tiles) skips the mask arithmetic.
-    is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
-    m_new, l_i, acc, p16 = lax.cond(
-        is_full, functools.partial(softmax_update, masked=False),
-        functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
+    if all_full:
+      m_new, l_i, acc, p16 = softmax_update(s, m_i, l_i, acc, masked=False)
+    else:
+      is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
+      m_new, l_i, acc, p16 = lax.cond(
+          is_full, functools.partial(softmax_update, masked=False),
+          functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
 
     plgpu.barrier_wait(v_bars.at[stage])
     v_tile = v_smem.at[stage]
@@ -321,20 +341,21 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     def v_valid():
       v_row = load_row + iota((block_k, head_dim), 0)
       return (v_row >= rows_start) & (v_row < rows_end)
-    if not MASK_INDEX_IN_BRANCH:
+    if not MASK_INDEX_IN_BRANCH and not all_full:
       held_v_valid = v_valid()
       v_valid = lambda: held_v_valid
     if use_wgmma:
-      @pl.when(is_partial)
-      def _zero_rows_outside_read_range():
+      def zero_rows_outside_read_range():
         valid = v_valid()
         v = plgpu.load(v_tile, layout=wgmma_layout)
         v_tile[...] = jnp.where(valid, v, jnp.zeros_like(v))
         plgpu.commit_smem()
+      if not all_full:   # a full tile has no rows outside the read range
+        pl.when(is_partial)(zero_rows_outside_read_range)
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
           plgpu.ACC.init(acc))
     else:
-      v = jnp.where(v_valid(), v_tile[...], jnp.zeros((), dtype))
+      v = v_tile[...] if all_full else jnp.where(v_valid(), v_tile[...], jnp.zeros((), dtype))
       acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
                                   precision=lax.Precision.HIGHEST,
                                   preferred_element_type=jnp.float32)
@@ -352,7 +373,13 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
   m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
   l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
-  return lax.fori_loop(t_begin, t_end, body, (acc, m_i, l_i))
+  carry = (acc, m_i, l_i)
+  if full_range is None:
+    return lax.fori_loop(t_begin, t_end, body, carry)
+  full_begin, full_end = full_range
+  carry = lax.fori_loop(t_begin, full_begin, body, carry)
+  carry = lax.fori_loop(full_begin, full_end, functools.partial(body, all_full=True), carry)
+  return lax.fori_loop(full_end, t_end, body, carry)
 
 
 def div(x, divisor: int):

@@ -74,3 +74,29 @@ def test_visible_key_range_is_the_union_and_swapped_the_intersection(window, kin
         window=window))
     all_visible = set(keys[visible.all(axis=0)].tolist())
     assert all_visible == set(range(start, stop))
+
+
+@pytest.mark.parametrize("block, align", [(4, 1), (8, 8), (64, 8), (192, 8)])
+def test_full_tile_range_is_exactly_the_first_runs_tiles_that_need_no_mask(block, align, rng):
+  # Oracle: a first-run tile needs no mask when its rows all lie in the run and all
+  # hold keys every query sees; rows and keys by plain arithmetic, tile by tile.
+  for _ in range(300):
+    lo = int(rng.integers(0, 500))
+    first_row = int(rng.integers(0, 300))
+    first_len = int(rng.integers(0, 6 * block))
+    all_start = lo + int(rng.integers(-block, 3 * block))
+    all_stop = lo + int(rng.integers(-2 * block, first_len + 2 * block + 1))
+    tile0_row, num_first, _ = (int(x) for x in indexing.run_tiling(
+        np.int32(first_row), np.int32(first_len), np.int32(0), block=block, align=align))
+    want = []
+    for tile in range(num_first):
+      row0 = tile0_row + tile * block
+      key0 = lo + row0 - first_row
+      if (first_row <= row0 and row0 + block <= first_row + first_len and key0 >= all_start
+          and key0 + block <= all_stop):
+        want.append(tile)
+    begin, end = (int(x) for x in indexing.full_tile_range(
+        np.int32(lo), np.int32(first_row), np.int32(first_len), np.int32(tile0_row),
+        np.int32(num_first), np.int32(all_start), np.int32(all_stop), block=block))
+    assert list(range(max(begin, 0), end)) == want, (lo, first_row, first_len, all_start,
+                                                     all_stop, begin, end)
