@@ -165,7 +165,8 @@ VARIANTS = {
     "early K": dict(EARLY_K_REFILL=True),
     "early K+stages3": dict(EARLY_K_REFILL=True, num_stages=3),
     "defaults": {},
-    "one tile loop": dict(FULL_TILE_LOOP=False),
+    "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
+    "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
     "mask index in branch": dict(MASK_INDEX_IN_BRANCH=True),
 }
 
@@ -175,7 +176,7 @@ def variants(names, calls, cases):
   import dataclasses   # pylint: disable=g-import-not-at-top
   from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
-  saved = {k: getattr(body, k) for k in ("EARLY_K_REFILL", "FULL_TILE_LOOP",
+  saved = {k: getattr(body, k) for k in ("EARLY_K_REFILL", "FULL_TILE_LOOP_HEAD_DIMS",
                                           "MASK_INDEX_IN_BRANCH")}
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()

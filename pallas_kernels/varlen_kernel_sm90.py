@@ -53,12 +53,15 @@ SQUARE_Q_RELOAD = True
 # loop carries no index registers. Same results bitwise; read when traced.
 MASK_INDEX_IN_BRANCH = False
 
-# The tile loop in three parts: the first run's tiles that need no mask
-# (`indexing.full_tile_range`) in a loop of their own with the unmasked softmax and
-# no V fix-up, and the tiles before and after it in loops that choose per tile
-# (`lax.cond`) as the single loop does. False: one loop choosing per tile. Same
-# results bitwise; read when traced.
-FULL_TILE_LOOP = True
+# Head dims whose tile loop runs in three parts: the first run's tiles that need no
+# mask (`indexing.full_tile_range`) in a loop of their own with the unmasked softmax
+# and no V fix-up, and the tiles before and after it in loops that choose per tile
+# (`lax.cond`) as the single loop does. Other head dims: one loop choosing per tile.
+# Same results bitwise; read when traced. Measured on H200 (kernel GPU time,
+# docs/PERFORMANCE.md): D128 causal prefill -4% (1 x 16,384 and 4 x 4,096), D128
+# decode level; D64 decode +5% and 4 x 512 prefill +12% (the larger loop code), so
+# D64 keeps one loop; other head dims are unmeasured and keep it too.
+FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
 
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
@@ -103,7 +106,7 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
     t_begin, t_end = field(IT_T_BEGIN), field(IT_T_END)
     all_start, all_stop = field(IT_ALL_START), field(IT_ALL_STOP)
     full_range = None
-    if FULL_TILE_LOOP:
+    if head_dim in FULL_TILE_LOOP_HEAD_DIMS:
       full_begin, full_end = indexing.full_tile_range(
           lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_TILE0_ROW),
           field(IT_NUM_FIRST), all_start, all_stop, block=block_k)
@@ -213,7 +216,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
 
   `address`, `tile_pieces`: see `attention_kernel`. `full_range`: None, or tiles
-  `[begin, end)` within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP`):
+  `[begin, end)` within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP_HEAD_DIMS`):
   they run in a loop of their own with the unmasked softmax.
   """
   dtype = k_ref.dtype

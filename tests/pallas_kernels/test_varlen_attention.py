@@ -130,6 +130,22 @@ def test_interpreted_kernel_with_splits_matches_reference(family, rng):
   check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
 
 
+@pytest.mark.parametrize("loops", ["one", "three"])
+@pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[2]], ids=str)
+def test_interpreted_kernel_matches_reference_with_one_or_three_tile_loops(family, loops, rng,
+                                                                          monkeypatch):
+  """The tile loop split around the tiles that need no mask, forced on or off for the
+  family's head dim (the production choice is per head dim), flat and ring."""
+  from pallas_kernels import varlen_kernel_sm90  # pylint: disable=g-import-not-at-top
+  dims = frozenset({family.head_dim}) if loops == "three" else frozenset()
+  monkeypatch.setattr(varlen_kernel_sm90, "FULL_TILE_LOOP_HEAD_DIMS", dims)
+  jax.clear_caches()   # the switch is read when traced
+  try:
+    check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
+  finally:
+    jax.clear_caches()
+
+
 @requires_hopper
 @pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
 @pytest.mark.parametrize("family", GPU_FAMILIES, ids=str)
