@@ -46,13 +46,6 @@ EARLY_K_REFILL = True
 # (`benchmarks/square_tiles.py` with `SQUARE_Q_HOLD=1`); read when traced.
 SQUARE_Q_RELOAD = True
 
-# Where the mask's index arrays are built. False: the `[block_q, block_k]` query
-# positions and key columns once per item, held in registers across the tile loop,
-# and the V fix-up's `[block_k, D]` row test on every tile; True: inside the masked
-# softmax branch and the V fix-up, so tiles that need no mask build none and the
-# loop carries no index registers. Same results bitwise; read when traced.
-MASK_INDEX_IN_BRANCH = False
-
 # Head dims whose tile loop runs in three parts: the first run's tiles that need no
 # mask (`indexing.full_tile_range`) in a loop of their own with the unmasked softmax
 # and no V fix-up, and the tiles before and after it in loops that choose per tile
@@ -277,11 +270,8 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   row_layout = wgmma_layout.reduce(1)
   iota = lambda shape, dim: plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=wgmma_layout)
   # Query position of each row: rows are (token, group head) pairs.
-  def mask_index():
-    return (pos0 + div(q_tok0 + iota((block_q, block_k), 0), group),
-            iota((block_q, block_k), 1))
-  if not MASK_INDEX_IN_BRANCH:
-    held_index = mask_index()
+  query_pos = pos0 + div(q_tok0 + iota((block_q, block_k), 0), group)
+  key_col = iota((block_q, block_k), 1)
 
   def body(t, carry, *, all_full=False):
     """One tile; `all_full` (static): the loop holds only tiles that need no mask."""
@@ -323,7 +313,6 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     def softmax_update(s, m_i, l_i, acc, *, masked):
       mask = None
       if masked:
-        query_pos, key_col = mask_index() if MASK_INDEX_IN_BRANCH else held_index
         mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
                          end=end, kind=kind, window=window)
       return online_softmax(s, m_i, l_i, acc, mask, dtype)
@@ -341,24 +330,20 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     plgpu.barrier_wait(v_bars.at[stage])
     v_tile = v_smem.at[stage]
 
-    def v_valid():
+    if not all_full:   # a full tile has no rows outside the read range
       v_row = load_row + iota((block_k, head_dim), 0)
-      return (v_row >= rows_start) & (v_row < rows_end)
-    if not MASK_INDEX_IN_BRANCH and not all_full:
-      held_v_valid = v_valid()
-      v_valid = lambda: held_v_valid
+      v_valid = (v_row >= rows_start) & (v_row < rows_end)
     if use_wgmma:
       def zero_rows_outside_read_range():
-        valid = v_valid()
         v = plgpu.load(v_tile, layout=wgmma_layout)
-        v_tile[...] = jnp.where(valid, v, jnp.zeros_like(v))
+        v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
         plgpu.commit_smem()
-      if not all_full:   # a full tile has no rows outside the read range
+      if not all_full:
         pl.when(is_partial)(zero_rows_outside_read_range)
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
           plgpu.ACC.init(acc))
     else:
-      v = v_tile[...] if all_full else jnp.where(v_valid(), v_tile[...], jnp.zeros((), dtype))
+      v = v_tile[...] if all_full else jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
       acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
                                   precision=lax.Precision.HIGHEST,
                                   preferred_element_type=jnp.float32)
