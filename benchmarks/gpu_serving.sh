@@ -81,9 +81,9 @@ for w in "${@:-decode uniform}"; do
     kernel_sizes) run kernel_sizes 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/jaxkv/test_kernel_sizes.py -k mosaic_gpu;;
     paged256) run paged256 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py -k "compiled and d256";;
     prefill_fa3) TAIL=30 run prefill_fa3 300 python3 benchmarks/decode.py --prefill;;
-    prefill_switch) MOSAIC_GPU_DUMP_PTXAS=1 TAIL=14 run prefill_switch 300 python3 benchmarks/decode.py --prefill --switches MASK_INDEX_IN_BRANCH
+    prefill_ptxas) MOSAIC_GPU_DUMP_PTXAS=1 TAIL=14 run prefill_ptxas 300 python3 benchmarks/decode.py --prefill
       echo "ptxas resource lines (registers, spills) of the Mosaic GPU kernels compiled:"
-      grep -i -E "spill|Used [0-9]+ registers" "$out/prefill_switch.log" | sort | uniq -c | head -40;;
+      grep -i -E "spill|Used [0-9]+ registers" "$out/prefill_ptxas.log" | sort | uniq -c | head -40;;
     kernels256) run kernels256 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and d256";;
   esac
 done

@@ -167,7 +167,6 @@ VARIANTS = {
     "defaults": {},
     "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
     "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
-    "mask index in branch": dict(MASK_INDEX_IN_BRANCH=True),
 }
 
 
@@ -176,8 +175,7 @@ def variants(names, calls, cases):
   import dataclasses   # pylint: disable=g-import-not-at-top
   from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
-  saved = {k: getattr(body, k) for k in ("EARLY_K_REFILL", "FULL_TILE_LOOP_HEAD_DIMS",
-                                          "MASK_INDEX_IN_BRANCH")}
+  saved = {k: getattr(body, k) for k in ("EARLY_K_REFILL", "FULL_TILE_LOOP_HEAD_DIMS")}
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()
     busy, _ = trace_kernels(cfn, cargs, calls)
