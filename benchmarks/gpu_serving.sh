@@ -27,7 +27,7 @@ for w in "${@:-decode uniform}"; do
     levers_epilogue) run step_levers_epilogue 240 python3 benchmarks/step_levers.py --variants base,kernel_epilogue,no_splits;;
     combine_kernels) run combine_kernels 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_combine.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled or lowers";;
     mixed2k_paged) run e2e_mixed2k_paged 480 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --paged 128 --out "$out/e2e_mixed2k_paged.json";;
-    compiled_attention) run compiled_attention 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled_kernel_matches or compiled_kernel_serves or compiled_paged";;
+    compiled_attention) run compiled_attention 420 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled_kernel_matches or compiled_kernel_serves or compiled_paged";;
     launch_cost) TAIL=20 run launch_cost 150 python3 benchmarks/launch_cost.py;;
     kernel_trace) TAIL=80 run kernel_trace 240 python3 benchmarks/kernel_trace.py;;
     kernel_variants) TAIL=60 run kernel_variants 420 python3 benchmarks/kernel_trace.py --calls 20 --variants "before,early K,early K+stages3" --cases "decode 64 seqs 32/8 D64 128..2304,decode 64 seqs 32/8 D64 8..272,decode 256 seqs 32/8 D64 128..2048,decode 64 seqs 32/8 D128 512..8192,prefill 1x2048 32/8 D64";;
@@ -79,6 +79,7 @@ for w in "${@:-decode uniform}"; do
     trace_issue12) TAIL=8 run kernel_trace_issue12 200 python3 benchmarks/kernel_trace.py --cases "decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048,decode 16 seqs 16/16 D64 1024..32768";;
     mixed2k_paged32_repeats) run e2e_mixed2k_paged32_repeats 400 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 32 --paged-repeats 5 --out "$out/e2e_mixed2k_paged32_repeats.json";;
     kernel_sizes) run kernel_sizes 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/jaxkv/test_kernel_sizes.py -k mosaic_gpu;;
+    paged_compiled) run paged_compiled 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py -k "compiled";;
     paged256) run paged256 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py -k "compiled and d256";;
     prefill_fa3) TAIL=30 run prefill_fa3 300 python3 benchmarks/decode.py --prefill;;
     prefill_ptxas) MOSAIC_GPU_DUMP_PTXAS=1 TAIL=14 run prefill_ptxas 300 python3 benchmarks/decode.py --prefill
