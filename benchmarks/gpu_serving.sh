@@ -20,6 +20,7 @@ for w in "${@:-decode uniform}"; do
         run e2e_decode_cb 200 python3 benchmarks/e2e.py --workload decode --skip-baseline --out "$out/e2e_decode_cb.json";;
     uniform) run e2e_uniform 240 python3 benchmarks/e2e.py --workload uniform --out "$out/e2e_uniform.json";;
     uniform2k) run e2e_uniform2k 240 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --out "$out/e2e_uniform2k.json";;
+    uniform4k) run e2e_uniform4k 300 python3 benchmarks/e2e.py --workload uniform --max-write 4096 --out "$out/e2e_uniform4k.json";;
     kernels_fixed) run kernels_fixed 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_head_layouts.py tests/jaxkv/test_implementation_plan.py -k "shrinks or refuses or plan or warn";;
     mixed2k) run e2e_mixed2k 330 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;
     mixed2k_widths) run e2e_mixed2k_widths 420 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --also-widths 2048,64 --out "$out/e2e_mixed2k_widths.json";;
