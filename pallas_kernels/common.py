@@ -36,9 +36,13 @@ def searchsorted_right(sorted_values, queries):
   small = sorted_values.size * queries.size <= 1 << 25
   # Past it, a sort of both together (a few launches) rather than the scan's loop
   # (~log2(N) iterations of four launches and a device copy: ~120 us of a 16,384-token
-  # call's plan on H200).
-  return jnp.searchsorted(sorted_values, queries, side="right",
-                          method="compare_all" if small else "sort")
+  # call's plan on H200), while the two together have int32 positions (the sort ranks
+  # their concatenation; configs at CONTRACT's limits trace with the scan).
+  if small:
+    method = "compare_all"
+  else:
+    method = "sort" if sorted_values.size + queries.size < 2**31 - 1 else "scan"
+  return jnp.searchsorted(sorted_values, queries, side="right", method=method)
 
 
 # The compare-and-sum forms below build one `[n, n]` array. Up to this many elements
