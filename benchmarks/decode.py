@@ -24,7 +24,6 @@ import numpy as np
 
 import pallas_kernels
 from pallas_kernels import config as kernel_config
-from pallas_kernels import varlen_kernel_sm90
 
 DTYPE = jnp.bfloat16
 
@@ -213,15 +212,13 @@ def run_mixed(rows, configs):
 
 
 def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_heads=8,
-                head_dim=128, iters=3, fa3=(), switches=()):
+                head_dim=128, iters=3, fa3=()):
   """`num_seqs` causal prompts of `length` tokens from position 0, one varlen call.
 
   `fa3`: `(block_q, block_kv, stages)` settings of jax's warp-specialised Mosaic GPU
   attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`: two consumer
   warpgroups of `block_q` rows sharing each K/V tile, a TMA warpgroup, ping-pong
   schedule barriers) timed on the same dense causal problem, as the FA3 anchor.
-  `switches`: module flags of `varlen_kernel_sm90` each turned on for one more
-  default-config row (compared with the default's output).
   """
   flops = num_seqs * 4.0 * num_q_heads * head_dim * length * (length + 1) / 2
   label = (f"causal prefill {num_seqs}x{length} {num_q_heads}/{num_kv_heads} D{head_dim} "
@@ -245,24 +242,6 @@ def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_
       rows.append(Row(label, f"jaxkv {cname}", ms, tflops=flops / ms / 1e9, note=note))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(Row(label, f"jaxkv {cname}", None, note=f"{type(e).__name__}: {e}"[:200]))
-  for switch in switches:
-    before = getattr(varlen_kernel_sm90, switch)
-    setattr(varlen_kernel_sm90, switch, not before)
-    jax.clear_caches()
-    name = f"jaxkv default, {switch}={not before}"
-    try:
-      fn = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
-                                     scale=head_dim ** -0.5, config=None))
-      ms = bench(fn, q, k_cache, v_cache, seq_info, n_segments, iters=iters, reps=3)
-      out = fn(q, k_cache, v_cache, seq_info, n_segments).astype(jnp.float32)
-      note = ("" if default_out is None else
-              f"max abs diff vs jaxkv default {float(jnp.max(jnp.abs(out - default_out))):.2e}")
-      rows.append(Row(label, name, ms, tflops=flops / ms / 1e9, note=note))
-    except Exception as e:  # pylint: disable=broad-except
-      rows.append(Row(label, name, None, note=f"{type(e).__name__}: {e}"[:200]))
-    finally:
-      setattr(varlen_kernel_sm90, switch, before)
-      jax.clear_caches()
   del k_cache, v_cache
   kq = q.reshape(num_seqs, length, num_q_heads, head_dim)
   kk = jax.random.normal(jax.random.key(11), (num_seqs, length, num_kv_heads, head_dim), DTYPE)
@@ -358,7 +337,7 @@ def run_e2e_shapes(rows):
   run_prefill(rows, default, length=4096, num_seqs=4, head_dim=128, iters=5)
 
 
-def run_prefill_anchors(rows, switches=()):
+def run_prefill_anchors(rows):
   """The issue's causal prefill rows with the FA3 anchor beside jaxkv and cuDNN."""
   fa3 = ((64, 128, 2), (64, 64, 3), (64, 128, 3))
   # Square 128-key tiles at head dim 128 (served since q is reloaded per tile): FA3's
@@ -369,14 +348,10 @@ def run_prefill_anchors(rows, switches=()):
   d128 = {"default": None, "block_k 128 (square)": dataclasses.replace(default, block_k=128),
           "block_k 128 (square) 1 stage": dataclasses.replace(default, block_k=128,
                                                                num_stages=1)}
-  if switches:   # the switches' rows against the default and the anchors only
-    d128, fa3 = {"default": None}, fa3[:1]
-  run_prefill(rows, d128, length=16384, num_seqs=1, head_dim=128, iters=5, fa3=fa3,
-              switches=switches)
-  run_prefill(rows, d128, length=4096, num_seqs=4, head_dim=128, iters=5, fa3=fa3,
-              switches=switches)
+  run_prefill(rows, d128, length=16384, num_seqs=1, head_dim=128, iters=5, fa3=fa3)
+  run_prefill(rows, d128, length=4096, num_seqs=4, head_dim=128, iters=5, fa3=fa3)
   run_prefill(rows, {"default": None}, length=2048, num_seqs=1, head_dim=64, iters=20,
-              fa3=((64, 128, 2), (64, 64, 3))[:len(fa3)], switches=switches)
+              fa3=((64, 128, 2), (64, 64, 3)))
 
 
 def print_table(rows):
@@ -396,14 +371,11 @@ def main():
                       help="only the e2e model's shapes (32/8 heads of 64) and 4x4096 prefill")
   parser.add_argument("--prefill", action="store_true",
                       help="only the causal prefill rows, with jax's FA3-structured kernel")
-  parser.add_argument("--switches", default="",
-                      help="with --prefill: comma-separated varlen_kernel_sm90 flags, each "
-                      "flipped for one more row")
   args = parser.parse_args()
   print(jax.devices(), jax.__version__)
   rows = []
   if args.prefill:
-    run_prefill_anchors(rows, tuple(x for x in args.switches.split(",") if x))
+    run_prefill_anchors(rows)
     print_table(rows)
     return
   if args.e2e:

@@ -311,10 +311,8 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         fetch(t + num_stages, stage, refill, parts=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
-      mask = None
-      if masked:
-        mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
-                         end=end, kind=kind, window=window)
+      mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
+                       end=end, kind=kind, window=window) if masked else None
       return online_softmax(s, m_i, l_i, acc, mask, dtype)
 
     # A tile whose rows all hold read-range keys that every query of the item
@@ -334,12 +332,12 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       v_row = load_row + iota((block_k, head_dim), 0)
       v_valid = (v_row >= rows_start) & (v_row < rows_end)
     if use_wgmma:
-      def zero_rows_outside_read_range():
-        v = plgpu.load(v_tile, layout=wgmma_layout)
-        v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
-        plgpu.commit_smem()
       if not all_full:
-        pl.when(is_partial)(zero_rows_outside_read_range)
+        @pl.when(is_partial)
+        def _zero_rows_outside_read_range():
+          v = plgpu.load(v_tile, layout=wgmma_layout)
+          v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
+          plgpu.commit_smem()
       acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
           plgpu.ACC.init(acc))
     else:

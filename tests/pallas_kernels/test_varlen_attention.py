@@ -24,6 +24,7 @@ import pallas_kernels
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
 from pallas_kernels import varlen_attention_sm90
+from pallas_kernels import varlen_kernel_sm90
 
 # Interpreter families: small enough for two CPU cores, 52 random Steps in all.
 INTERPRET_FAMILIES = [
@@ -136,7 +137,6 @@ def test_interpreted_kernel_matches_reference_with_one_or_three_tile_loops(famil
                                                                           monkeypatch):
   """The tile loop split around the tiles that need no mask, forced on or off for the
   family's head dim (the production choice is per head dim), flat and ring."""
-  from pallas_kernels import varlen_kernel_sm90  # pylint: disable=g-import-not-at-top
   dims = frozenset({family.head_dim}) if loops == "three" else frozenset()
   monkeypatch.setattr(varlen_kernel_sm90, "FULL_TILE_LOOP_HEAD_DIMS", dims)
   jax.clear_caches()   # the switch is read when traced
