@@ -174,8 +174,12 @@ def run_decode(rows, name, num_seqs, num_q_heads, num_kv_heads, head_dim, min_le
                     note=f"{type(e).__name__}: {e}"[:200]))
 
 
-def run_mixed(rows, configs):
-  """8 prefill spans of 512 tokens over 2048 history + 56 decode tokens."""
+def mixed_inputs():
+  """ANCHORS' mixed step: 8 prefill spans of 512 tokens over 2048 history + 56 decode tokens.
+
+  Returns `(q, k_cache, v_cache, seq_info, n_segments, dec_lengths, live_bytes, flops)`
+  (32/8 heads of 128, bf16; decode histories 512..8192, seed 0; one 8,192-row cache).
+  """
   rng = np.random.default_rng(0)
   num_kv_heads, num_q_heads, head_dim = 8, 32, 128
   dec_lengths = rng.integers(512, 8193, 56).astype(np.int32)
@@ -199,13 +203,20 @@ def run_mixed(rows, configs):
   k_cache, v_cache = build_cache(jax.random.key(7), np.array([8192] * 64), num_kv_heads,
                                  head_dim)
   q = jax.random.normal(jax.random.key(8), (width, num_q_heads, head_dim), DTYPE)
+  return (q, k_cache, v_cache, jnp.asarray(seq_info), jnp.int32(len(segments)), dec_lengths,
+          live, flops)
+
+
+def run_mixed(rows, configs):
+  """8 prefill spans of 512 tokens over 2048 history + 56 decode tokens."""
+  q, k_cache, v_cache, seq_info, n_segments, _, live, flops = mixed_inputs()
+  head_dim = q.shape[-1]
   label = f"mixed 8x512 prefill + 56 decode ({live / 1e9:.2f} GB, {flops / 1e9:.0f} GFLOP)"
   for cname, cfg in configs.items():
     fn = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                    scale=head_dim ** -0.5, config=cfg))
     try:
-      ms = bench(fn, q, k_cache, v_cache, jnp.asarray(seq_info), jnp.int32(len(segments)),
-                 iters=10)
+      ms = bench(fn, q, k_cache, v_cache, seq_info, n_segments, iters=10)
       rows.append(Row(label, f"jaxkv {cname}", ms, live / ms / 1e9, flops / ms / 1e9))
     except Exception as e:  # pylint: disable=broad-except
       rows.append(Row(label, f"jaxkv {cname}", None, note=f"{type(e).__name__}: {e}"[:200]))

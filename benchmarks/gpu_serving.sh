@@ -20,6 +20,9 @@ for w in "${@:-decode uniform}"; do
         run e2e_decode_cb 200 python3 benchmarks/e2e.py --workload decode --skip-baseline --out "$out/e2e_decode_cb.json";;
     uniform) run e2e_uniform 240 python3 benchmarks/e2e.py --workload uniform --out "$out/e2e_uniform.json";;
     uniform2k) run e2e_uniform2k 240 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --out "$out/e2e_uniform2k.json";;
+    uniform8k) run e2e_uniform8k 300 python3 benchmarks/e2e.py --workload uniform --max-write 8192 --out "$out/e2e_uniform8k.json";;
+    profile_uniform4k) TAIL=200 run profile_uniform4k 420 python3 benchmarks/profile_step.py --uniform --uniform-width 4096 --out "$out";;
+    mixed_step) TAIL=40 run mixed_step 200 python3 benchmarks/kernel_trace.py --calls 10 --top 12 --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128";;
     uniform4k) run e2e_uniform4k 300 python3 benchmarks/e2e.py --workload uniform --max-write 4096 --out "$out/e2e_uniform4k.json";;
     kernels_fixed) run kernels_fixed 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_head_layouts.py tests/jaxkv/test_implementation_plan.py -k "shrinks or refuses or plan or warn";;
     mixed2k) run e2e_mixed2k 330 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;

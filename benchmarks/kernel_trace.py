@@ -87,7 +87,34 @@ def _prefill_case(num_seqs, length, head_dim, config=None):
   return jaxkv, cudnn
 
 
+def _mixed_case(config=None):
+  """ANCHORS' mixed step (`decode.mixed_inputs`): one jaxkv call against cuDNN run the way a
+  careful user would, one prefill call and one decode call. cuDNN's causal mask is aligned
+  top-left, so its prefill call attends each 512-token span to all 2,560 keys, non-causal
+  (172 GFLOP where the step has 155: an upper bound, as in ANCHORS.md)."""
+  q, k, v, seq_info, n, dec_lengths, _, _ = bench_decode.mixed_inputs()
+  jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
+                                     scale=128 ** -0.5, config=config)),
+           (q, k, v, seq_info, n))
+  num_dec = len(dec_lengths)
+  qp = q[:8 * 512].reshape(8, 512, 32, 128)
+  qd = q[8 * 512:8 * 512 + num_dec][:, None]
+  keys = jax.random.split(jax.random.key(13), 4)
+  kp, vp = (jax.random.normal(key, (8, 2560, 8, 128), DTYPE) for key in keys[:2])
+  kd, vd = (jax.random.normal(key, (num_dec, 8192, 8, 128), DTYPE) for key in keys[2:])
+
+  def two_calls(qp_, kp_, vp_, qd_, kd_, vd_, lengths):
+    pre = jax.nn.dot_product_attention(qp_, kp_, vp_, implementation="cudnn")
+    dec = jax.nn.dot_product_attention(qd_, kd_, vd_, key_value_seq_lengths=lengths,
+                                       implementation="cudnn")
+    return pre, dec
+
+  cudnn = (jax.jit(two_calls), (qp, kp, vp, qd, kd, vd, jnp.asarray(dec_lengths)))
+  return jaxkv, cudnn
+
+
 CASES = {
+    "mixed 8x512 over 2048 + 56 decodes 32/8 D128": _mixed_case,
     "decode 64 seqs 32/8 D64 128..2304": lambda config=None: _decode_case(64, 64, 128, 2304,
                                                                           config),
     "decode 64 seqs 32/8 D64 8..272": lambda config=None: _decode_case(64, 64, 8, 272, config),

@@ -238,8 +238,10 @@ def main(argv=None) -> int:
   p.add_argument("--prefill-only", action="store_true",
                  help="trace only the prefill-heavy workload (no decode or padded traces)")
   p.add_argument("--uniform", action="store_true",
-                 help="trace e2e.py's uniform workload instead (64 prompts 128..2048, W = 2048): its "
-                 "prefill phase alone (max_tokens 1), the whole run, and the padded loop's prefill")
+                 help="trace e2e.py's uniform workload instead (64 prompts 128..2048, W = "
+                 "--uniform-width): its prefill phase alone (max_tokens 1), the whole run, and the padded loop's prefill")
+  p.add_argument("--uniform-width", type=int, default=2048,
+                 help="with --uniform: the engine's W (e2e.py --max-write)")
   p.add_argument("--describe", default=None, metavar="KERNELS_TXT",
                  help="with --uniform: only compile the loop and describe the fusions named in "
                  "this kernel list (a kernels_*.txt of an earlier --dump-hlo run)")
@@ -312,7 +314,7 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
 
 
 def _trace_uniform(cfg, args, trace):
-  """e2e.py's uniform workload (same seed, prompts and cache) on a W = 2048 engine, traced
+  """e2e.py's uniform workload (same seed, prompts and cache) on a W = `--uniform-width` engine, traced
   twice: the prefill phase alone (every request asks for one token, so every step is a
   prompt step) and the whole run (256 new tokens); then the padded loop's prefill, timed
   and traced, for the same prompts."""
@@ -322,7 +324,7 @@ def _trace_uniform(cfg, args, trace):
   lo, hi = (128, 2048) if not args.small else (4, 40)
   lens = rng.integers(lo, hi + 1, size=n)
   prompts = e2e.random_prompts(rng, cfg, lens)
-  width = 2048 if not args.small else 32
+  width = args.uniform_width if not args.small else 32
   cache = e2e.workload_cache(cfg, prompts, [new] * n, slots=n, max_write=width)
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   engine = serve.Engine(model, max_len=int(max(lens)) + new)
