@@ -194,6 +194,9 @@ VARIANTS = {
     "defaults": {},
     "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
     "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
+    # The plan's token and item searches compared pair by pair up to 2^25 pairs and
+    # sorted past it, as before `common.searchsorted_iota`'s histogram.
+    "searches as before": dict(SEARCH_COMPARE_PAIRS=1 << 62),
 }
 
 
@@ -201,17 +204,23 @@ def variants(names, calls, cases):
   """GPU time of the attention call per kernel variant, cuDNN beside each case."""
   import dataclasses   # pylint: disable=g-import-not-at-top
   from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import common   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
-  saved = {k: getattr(body, k) for k in ("EARLY_K_REFILL", "FULL_TILE_LOOP_HEAD_DIMS")}
+  # Each switch is a module global read when a call is traced: the kernel body's, or
+  # the plan helpers' (`common`).
+  owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body,
+           "SEARCH_COMPARE_PAIRS": common}
+  saved = {k: getattr(m, k) for k, m in owner.items()}
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()
     busy, _ = trace_kernels(cfn, cargs, calls)
     print(f"variant {name} | cuDNN: busy {busy:.1f} us")
+    first = None   # the first variant's output, which every other variant's is compared with
     for vname in names:
       switches = dict(VARIANTS[vname])
       stages = switches.pop("num_stages", None)
       for k, v in switches.items():
-        setattr(body, k, v)
+        setattr(owner[k], k, v)
       jax.clear_caches()
       try:
         config = None
@@ -223,12 +232,16 @@ def variants(names, calls, cases):
         (fn, fargs), _ = CASES[name](config=config) if config else CASES[name]()
         busy, kernels = trace_kernels(fn, fargs, calls)
         mosaic = sum(us for k, (us, _) in kernels.items() if "mosaic" in k)
-        print(f"variant {name} | {vname}: busy {busy:.1f} us, kernel {mosaic:.1f} us")
+        out = np.asarray(fn(*fargs).astype(jnp.float32))
+        first = out if first is None else first
+        print(f"variant {name} | {vname}: busy {busy:.1f} us, kernel {mosaic:.1f} us, "
+              f"{len(kernels)} kernel names, max |output - first variant's| "
+              f"{float(np.max(np.abs(out - first))):.3g}")
       except Exception as e:  # pylint: disable=broad-except
         print(f"variant {name} | {vname}: {type(e).__name__}: {str(e)[:150]}")
       finally:
         for k, v in saved.items():
-          setattr(body, k, v)
+          setattr(owner[k], k, v)
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,30 @@ def searchsorted_right(sorted_values, queries):
   return jnp.searchsorted(sorted_values, queries, side="right", method=method)
 
 
+# Pairs up to which `searchsorted_iota` compares every value with every query (one fused
+# reduction); past it a histogram and a prefix sum, linear in both sizes. On H200 the
+# compare of a 4,152-token call's segment starts with its tokens (17M pairs) took 20-24
+# us per search (docs/PERFORMANCE.md, "The plan of wide calls").
+SEARCH_COMPARE_PAIRS = 1 << 23
+
+
+def searchsorted_iota(values, n: int):
+  """`searchsorted_right(values, arange(n))`: per query `q < n`, how many values are <= q.
+
+  The queries of the attention plan are an iota (every token, every item), so
+  past `SEARCH_COMPARE_PAIRS` the count is a histogram of the values clipped to
+  `[0, n]` (a value below 0 counts for every query, one at or past `n` for none)
+  and its prefix sum: one scatter-add and a cumsum, where the sort method ranks
+  both arrays together (two sorts and a radix sort per search on a 16,384-token
+  call). The count holds for any order of `values`. int32 `[n]`.
+  """
+  if values.size * n <= SEARCH_COMPARE_PAIRS:
+    return searchsorted_right(values, jnp.arange(n, dtype=jnp.int32)).astype(jnp.int32)
+  bins = jnp.clip(values, 0, n).astype(jnp.int32)
+  hist = jnp.zeros((n + 1,), jnp.int32).at[bins].add(1, mode="drop")
+  return jnp.cumsum(hist[:n], dtype=jnp.int32)
+
+
 # The compare-and-sum forms below build one `[n, n]` array. Up to this many elements
 # (n <= 2,048: a step's columns, tokens and segments, a decode step's attention items)
 # they replace `cumsum` and `argsort`, which XLA lowers to several kernels each (a
@@ -146,9 +170,8 @@ def token_segment_index(q_start, is_real, num_tokens: int):
   still check `token < q_start + q_len` (a padding token follows the last
   segment). Non-real rows sort last.
   """
-  tokens = jnp.arange(num_tokens, dtype=jnp.int32)
   starts = jnp.where(is_real, q_start, jnp.iinfo(jnp.int32).max)
-  return searchsorted_right(starts, tokens).astype(jnp.int32) - 1
+  return searchsorted_iota(starts, num_tokens) - 1
 
 
 def token_segments(seq_info, n_segments, num_tokens: int):

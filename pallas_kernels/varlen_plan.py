@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import indexing
 from pallas_kernels.common import prefix_sum
-from pallas_kernels.common import searchsorted_right
+from pallas_kernels.common import searchsorted_iota
 from pallas_kernels.common import sort_rows
 from pallas_kernels.common import sorted_prefix_sum
 from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
@@ -125,7 +125,7 @@ def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items
   """Flat int32 `[1 + max_items * NUM_ITEM_FIELDS]`: the active count, then one row per item."""
   item = jnp.arange(max_items, dtype=jnp.int32)
   cu = seg["cu_items"]
-  s = jnp.minimum(searchsorted_right(cu, item).astype(jnp.int32), cu.shape[0] - 1)
+  s = jnp.minimum(searchsorted_iota(cu, max_items), cu.shape[0] - 1)
   active = item < cu[-1]
   f = {name: value[s] for name, value in seg.items() if name != "cu_items"}
   local = item - (cu[s] - f["num_items"])

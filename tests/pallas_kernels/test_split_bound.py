@@ -21,6 +21,7 @@ from kernel_cases import queries
 from kernel_cases import random_step
 from kernel_cases import resident_storage
 import pallas_kernels
+from pallas_kernels import combine_sm90
 from pallas_kernels import common
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
@@ -138,8 +139,10 @@ def test_bounded_config_keeps_other_fields():
 def test_plan_without_sorts_matches_the_sorted_plan(seed, monkeypatch):
   """The segment plan and the item table are the same built with compare-and-sums
   (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`) as with the cumsums and
-  stable argsorts they replace (the helpers' fallback, forced by a zero bound), on
-  tables with ties in length and padded rows."""
+  stable argsorts they replace (the helpers' fallback, forced by a zero bound), and
+  with the item and token searches compared pair by pair as with their histograms
+  (`common.searchsorted_iota` past `SEARCH_COMPARE_PAIRS`), on tables with ties in
+  length and padded rows."""
   rng = np.random.default_rng(seed)
   for _ in range(20):
     block_k = int(rng.choice([8, 16]))
@@ -152,16 +155,21 @@ def test_plan_without_sorts_matches_the_sorted_plan(seed, monkeypatch):
     width = int(rng.choice([4, 16, 40]))
     table, n = _random_table(rng, num_rows=num_rows, window=window, width=width)
     plans = []
-    for bound in (common.COMPARE_ELEMENTS, 0):
+    for bound, search_pairs in ((common.COMPARE_ELEMENTS, 1 << 62), (0, 0)):
       monkeypatch.setattr(common, "COMPARE_ELEMENTS", bound)
+      monkeypatch.setattr(common, "SEARCH_COMPARE_PAIRS", search_pairs)
       seg = column._segment_plan(table, n, num_rows=num_rows, window=window, group=2,  # pylint: disable=protected-access
                                  tile_rows=8, block_k=block_k, align=column.ROW_ALIGN,
                                  config=config)
       max_items = column.item_capacity(width, group=2, tile_rows=8, config=config)
       items = column._item_table(seg, max_items=max_items, group=2, tile_rows=8,  # pylint: disable=protected-access
                                  block_k=block_k, window=window, sort_items=True)
-      plans.append((seg, items))
-    (seg, items), (want_seg, want_items) = plans
+      tokens = combine_sm90.token_items(seg, num_tokens=width, group=2, block_q=8,
+                                        num_items=max_items)
+      plans.append((seg, items, tokens))
+    (seg, items, tokens), (want_seg, want_items, want_tokens) = plans
     for name in want_seg:
       np.testing.assert_array_equal(seg[name], want_seg[name], err_msg=name)
     np.testing.assert_array_equal(items, want_items)
+    for got, want in zip(tokens, want_tokens):
+      np.testing.assert_array_equal(got, want)
