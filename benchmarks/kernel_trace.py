@@ -197,6 +197,7 @@ VARIANTS = {
     # The plan's token and item searches compared pair by pair up to 2^25 pairs and
     # sorted past it, as before `common.searchsorted_iota`'s histogram.
     "searches as before": dict(SEARCH_COMPARE_PAIRS=1 << 62),
+    "linear searches past 2^23 pairs": dict(SEARCH_COMPARE_PAIRS=1 << 23),
 }
 
 

@@ -10,6 +10,7 @@ other for these).
 
 from __future__ import annotations
 
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -46,27 +47,35 @@ def searchsorted_right(sorted_values, queries):
 
 
 # Pairs up to which `searchsorted_iota` compares every value with every query (one fused
-# reduction); past it a histogram and a prefix sum, linear in both sizes. On H200 the
-# compare of a 4,152-token call's segment starts with its tokens (17M pairs) took 20-24
-# us per search (docs/PERFORMANCE.md, "The plan of wide calls").
-SEARCH_COMPARE_PAIRS = 1 << 23
+# reduction, as `searchsorted_right`); past it a scatter and a running max, linear in
+# both sizes, where `searchsorted_right` would rank both arrays together with sorts.
+# On H200 (docs/PERFORMANCE.md, "The plan of wide calls"): at 17M pairs (a 4,152-token
+# call) the compare is ~20 us per search; a histogram whose padded rows all landed in
+# one bin took ~45 us more per call; at 268M pairs (16,384 tokens) the linear form saves
+# ~100 us of sorts per call.
+SEARCH_COMPARE_PAIRS = 1 << 25
 
 
 def searchsorted_iota(values, n: int):
-  """`searchsorted_right(values, arange(n))`: per query `q < n`, how many values are <= q.
+  """`searchsorted_right(values, arange(n))` for ascending `values`: per `q < n`, how many are <= q.
 
-  The queries of the attention plan are an iota (every token, every item), so
-  past `SEARCH_COMPARE_PAIRS` the count is a histogram of the values clipped to
-  `[0, n]` (a value below 0 counts for every query, one at or past `n` for none)
-  and its prefix sum: one scatter-add and a cumsum, where the sort method ranks
-  both arrays together (two sorts and a radix sort per search on a 16,384-token
-  call). The count holds for any order of `values`. int32 `[n]`.
+  The attention plan's queries are an iota (every token, every item). Past
+  `SEARCH_COMPARE_PAIRS` the count comes without a sort: with the values clipped
+  to `[0, n]` (still ascending), the last of each run of equal values writes its
+  count (its index + 1) at its value, and a running max over `[0, n)` carries
+  each count to the queries up to the next value. Only a run's last entry writes
+  (the rest, and values at or past `n`, are dropped), so no two writes share an
+  address: padded rows (segment starts of int32 max, a table's repeated total)
+  would otherwise pile thousands of updates on one element. int32 `[n]`.
   """
   if values.size * n <= SEARCH_COMPARE_PAIRS:
     return searchsorted_right(values, jnp.arange(n, dtype=jnp.int32)).astype(jnp.int32)
-  bins = jnp.clip(values, 0, n).astype(jnp.int32)
-  hist = jnp.zeros((n + 1,), jnp.int32).at[bins].add(1, mode="drop")
-  return jnp.cumsum(hist[:n], dtype=jnp.int32)
+  clipped = jnp.clip(values, 0, n).astype(jnp.int32)
+  last = jnp.concatenate([clipped[:-1] != clipped[1:], jnp.ones((1,), bool)])
+  target = jnp.where(last & (clipped < n), clipped, n)         # n: dropped below
+  counts = jnp.arange(1, values.size + 1, dtype=jnp.int32)
+  marks = jnp.zeros((n,), jnp.int32).at[target].set(counts, mode="drop")
+  return lax.cummax(marks)
 
 
 # The compare-and-sum forms below build one `[n, n]` array. Up to this many elements

@@ -111,14 +111,18 @@ def test_searchsorted_right_is_numpys_on_both_sides_of_the_compare_bound(n, m, r
 
 @pytest.mark.parametrize("size, n", [(1, 1), (64, 100), (2048, 2048), (4152, 4500), (16384, 17664)],
                          ids=str)
-def test_searchsorted_iota_is_numpys_on_both_sides_of_the_compare_bound(size, n, rng):
-  # (2048, 2048) compares every pair; the larger ones pass SEARCH_COMPARE_PAIRS (the
-  # histogram). Ties, values below 0 (count for every query), values at or past `n`
-  # (for none) and the int32 maximum that marks padded segment starts.
-  assert 2048 * 2048 <= common.SEARCH_COMPARE_PAIRS < 4152 * 4500
+def test_searchsorted_iota_is_numpys_on_both_sides_of_the_compare_bound(size, n, rng,
+                                                                         monkeypatch):
+  # Up to (4152, 4500) every pair is compared; (16384, 17664) passes SEARCH_COMPARE_PAIRS
+  # (the scatter and running max). Ties, values below 0 (they count for every query),
+  # values at or past `n` (for none) and the int32 maximum of padded segment starts.
+  assert 4152 * 4500 <= common.SEARCH_COMPARE_PAIRS < 16384 * 17664
   values = rng.integers(-3, n + 4, size=size).astype(np.int32)
   values[rng.random(size) < 0.1] = np.iinfo(np.int32).max
   values = np.sort(values)
-  got = common.searchsorted_iota(jnp.asarray(values), n)
-  assert got.dtype == jnp.int32 and got.shape == (n,)
-  np.testing.assert_array_equal(got, np.searchsorted(values, np.arange(n), side="right"))
+  want = np.searchsorted(values, np.arange(n), side="right")
+  for bound in (common.SEARCH_COMPARE_PAIRS, 0):   # as configured; linear at every size
+    monkeypatch.setattr(common, "SEARCH_COMPARE_PAIRS", bound)
+    got = common.searchsorted_iota(jnp.asarray(values), n)
+    assert got.dtype == jnp.int32 and got.shape == (n,)
+    np.testing.assert_array_equal(got, want)
