@@ -195,9 +195,8 @@ VARIANTS = {
     "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
     "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
     # The plan's token and item searches compared pair by pair up to 2^25 pairs and
-    # sorted past it, as before `common.searchsorted_iota`'s histogram.
+    # sorted past it, as before `common.searchsorted_iota`'s linear form.
     "searches as before": dict(SEARCH_COMPARE_PAIRS=1 << 62),
-    "linear searches past 2^23 pairs": dict(SEARCH_COMPARE_PAIRS=1 << 23),
 }
 
 

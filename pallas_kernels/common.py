@@ -48,12 +48,12 @@ def searchsorted_right(sorted_values, queries):
 
 # Pairs up to which `searchsorted_iota` compares every value with every query (one fused
 # reduction, as `searchsorted_right`); past it a scatter and a running max, linear in
-# both sizes, where `searchsorted_right` would rank both arrays together with sorts.
-# On H200 (docs/PERFORMANCE.md, "The plan of wide calls"): at 17M pairs (a 4,152-token
-# call) the compare is ~20 us per search; a histogram whose padded rows all landed in
-# one bin took ~45 us more per call; at 268M pairs (16,384 tokens) the linear form saves
-# ~100 us of sorts per call.
-SEARCH_COMPARE_PAIRS = 1 << 25
+# both sizes, where `searchsorted_right` would compare up to 2^25 pairs and sort past
+# that. Measured on H200 per call (docs/PERFORMANCE.md, "The plan of wide calls"): the
+# mixed step's two searches (17M and 19M pairs) -34 us against the compare; 16,384
+# tokens (268M pairs, the sorts before) -190 us; 4 x 4,096 -156 us. Below 2^23 pairs
+# (engine steps up to ~2,900 tokens) the compare stays: not measured against it there.
+SEARCH_COMPARE_PAIRS = 1 << 23
 
 
 def searchsorted_iota(values, n: int):

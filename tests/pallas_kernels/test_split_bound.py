@@ -140,7 +140,7 @@ def test_plan_without_sorts_matches_the_sorted_plan(seed, monkeypatch):
   """The segment plan and the item table are the same built with compare-and-sums
   (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`) as with the cumsums and
   stable argsorts they replace (the helpers' fallback, forced by a zero bound), and
-  with the item and token searches compared pair by pair as with their histograms
+  with the item and token searches compared pair by pair as by their linear form
   (`common.searchsorted_iota` past `SEARCH_COMPARE_PAIRS`), on tables with ties in
   length and padded rows."""
   rng = np.random.default_rng(seed)
