@@ -197,6 +197,9 @@ VARIANTS = {
     # The plan's token and item searches compared pair by pair up to 2^25 pairs and
     # sorted past it, as before `common.searchsorted_iota`'s linear form.
     "searches as before": dict(SEARCH_COMPARE_PAIRS=1 << 62),
+    # The plan's prefix sums and longest-first orders as compare-and-sums up to 2^25
+    # elements (n <= 5,792) instead of 2^22 (n <= 2,048): the mixed step's sorts.
+    "plan compares to 2^25": dict(PLAN_COMPARE_ELEMENTS=1 << 25),
 }
 
 
@@ -206,10 +209,11 @@ def variants(names, calls, cases):
   from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
   from pallas_kernels import common   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import varlen_plan   # pylint: disable=g-import-not-at-top
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body,
-           "SEARCH_COMPARE_PAIRS": common}
+           "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan}
   saved = {k: getattr(m, k) for k, m in owner.items()}
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()

@@ -87,15 +87,20 @@ def searchsorted_iota(values, n: int):
 COMPARE_ELEMENTS = 1 << 22
 
 
-def prefix_sum(x, *, dtype=jnp.int32):
+def _bound(max_elements):
+  """The compared elements up to which a helper below compares (read when traced)."""
+  return COMPARE_ELEMENTS if max_elements is None else max_elements
+
+
+def prefix_sum(x, *, dtype=jnp.int32, max_elements=None):
   """Inclusive `jnp.cumsum(x, axis=-1, dtype=dtype)` of an integer or bool array.
 
   Up to `COMPARE_ELEMENTS` compared pairs a triangular compare-and-sum (one
   fusion, however many rows `x` has), beyond them `cumsum`; integer sums, so
-  both give the same values.
+  both give the same values. `max_elements` (None: `COMPARE_ELEMENTS`) moves the bound.
   """
   n = x.shape[-1]
-  if x.size * n > COMPARE_ELEMENTS:
+  if x.size * n > _bound(max_elements):
     return jnp.cumsum(x, axis=-1, dtype=dtype)
   i = jnp.arange(n, dtype=jnp.int32)
   upto = (i[None, :] <= i[:, None]).reshape((1,) * (x.ndim - 1) + (n, n))   # [.., i, j]: j <= i
@@ -110,7 +115,7 @@ def _comes_before(keys):
           | ((keys[None, :] == keys[:, None]) & (i[None, :] < i[:, None])))
 
 
-def sort_rows(keys, rows):
+def sort_rows(keys, rows, *, max_elements=None):
   """`rows[jnp.argsort(keys, stable=True)]`, for `keys` `[n]` and `rows` `[n, ...]`.
 
   Up to `COMPARE_ELEMENTS` pairs no sort: each entry's rank is the count of
@@ -120,10 +125,11 @@ def sort_rows(keys, rows):
   the same result, but XLA:GPU then fuses the rows' whole computation into the
   scatter, which ran as slowly as the sort it replaced (12.6 us for the
   attention plan's `[580, 19]` item table on H200; docs/PERFORMANCE.md); a
-  gather keeps that computation in an ordinary loop fusion.
+  gather keeps that computation in an ordinary loop fusion. `max_elements`: as
+  `prefix_sum`'s.
   """
   n = keys.shape[0]
-  if n * n > COMPARE_ELEMENTS:
+  if n * n > _bound(max_elements):
     return rows[jnp.argsort(keys, stable=True)]
   rank = _comes_before(keys).sum(axis=1, dtype=jnp.int32)
   order = jnp.zeros((n,), jnp.int32).at[rank].set(
@@ -131,16 +137,16 @@ def sort_rows(keys, rows):
   return rows[order]
 
 
-def sorted_prefix_sum(keys, values):
+def sorted_prefix_sum(keys, values, *, max_elements=None):
   """Per entry, the sum of int32 `values` over it and every entry before it in the stable
   ascending order of `keys` (the inclusive cumsum of the sorted values, put back
   in the original order).
 
   Up to `COMPARE_ELEMENTS` pairs one compare-and-sum; beyond, a sort, a cumsum
-  and a scatter back.
+  and a scatter back. `max_elements`: as `prefix_sum`'s.
   """
   n = keys.shape[0]
-  if n * n > COMPARE_ELEMENTS:
+  if n * n > _bound(max_elements):
     order = jnp.argsort(keys, stable=True)
     return jnp.zeros_like(values).at[order].set(jnp.cumsum(values[order], dtype=values.dtype))
   at_or_before = _comes_before(keys) | jnp.eye(n, dtype=bool)

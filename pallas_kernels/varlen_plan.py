@@ -26,6 +26,11 @@ def _cdiv(a, b):
 # A switch for A/B timing only (benchmarks/step_levers.py): False keeps `config.max_splits`.
 BOUND_SPLITS = True
 
+# The compared elements up to which the plan's prefix sums and longest-first orders are
+# compare-and-sums (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`); None: the
+# helpers' own bound (`common.COMPARE_ELEMENTS`). Read when a call is traced.
+PLAN_COMPARE_ELEMENTS = None
+
 
 def split_bound(num_rows: int, *, block_k: int, window, config) -> int:
   """The most key splits any segment of a `num_rows`-row cache can get (static).
@@ -84,7 +89,8 @@ def _segment_plan(seq_info, n_segments, *, num_rows, window, group, tile_rows, b
               kind=kind, lo=lo, end=end, first_row=first_row, first_len=first_len,
               second_len=second_len, tile0_row=tile0_row, num_first=num_first,
               num_tiles=num_tiles, splits=splits, tiles_per_split=tiles_per_split,
-              num_items=num_items, cu_items=prefix_sum(num_items))
+              num_items=num_items,
+              cu_items=prefix_sum(num_items, max_elements=PLAN_COMPARE_ELEMENTS))
 
 
 def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
@@ -102,7 +108,8 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
   min_tiles = _cdiv(config.split_len, block_k)
   may_split = (q_tiles == 1) & (num_tiles > min_tiles)
   split_tokens = sorted_prefix_sum(-jnp.where(may_split, num_tiles, -1),
-                                   jnp.where(may_split, q_len, 0))
+                                   jnp.where(may_split, q_len, 0),
+                                   max_elements=PLAN_COMPARE_ELEMENTS)
   splittable = may_split & (split_tokens <= config.max_split_tokens)
   # The split length grows with the total work so that all splits fit in the
   # static budget (sum of splits <= budget + segments).
@@ -154,5 +161,7 @@ def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items
       t_begin, t_end, all_start, all_stop, rows], axis=1).astype(jnp.int32)
   if sort_items:
     # Longest first: workers take items in table order, so this shortens the tail.
-    table = sort_rows(jnp.where(active, -(t_end - t_begin), 1), table)   # active items stay first
+    # Active items stay first.
+    table = sort_rows(jnp.where(active, -(t_end - t_begin), 1), table,
+                      max_elements=PLAN_COMPARE_ELEMENTS)
   return jnp.concatenate([cu[-1:], table.reshape(-1)])
