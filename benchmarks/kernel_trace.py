@@ -197,9 +197,9 @@ VARIANTS = {
     # The plan's token and item searches compared pair by pair up to 2^25 pairs and
     # sorted past it, as before `common.searchsorted_iota`'s linear form.
     "searches as before": dict(SEARCH_COMPARE_PAIRS=1 << 62),
-    # The plan's prefix sums and longest-first orders as compare-and-sums up to 2^25
-    # elements (n <= 5,792) instead of 2^22 (n <= 2,048): the mixed step's sorts.
-    "plan compares to 2^25": dict(PLAN_COMPARE_ELEMENTS=1 << 25),
+    # The plan's prefix sums and longest-first orders as compare-and-sums up to 2^22
+    # elements (n <= 2,048) only, as before `varlen_plan.PLAN_COMPARE_ELEMENTS`.
+    "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
 }
 
 

@@ -27,9 +27,12 @@ def _cdiv(a, b):
 BOUND_SPLITS = True
 
 # The compared elements up to which the plan's prefix sums and longest-first orders are
-# compare-and-sums (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`); None: the
-# helpers' own bound (`common.COMPARE_ELEMENTS`). Read when a call is traced.
-PLAN_COMPARE_ELEMENTS = None
+# compare-and-sums (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`), for tables of
+# up to 5,792 entries; None: the helpers' own bound (`common.COMPARE_ELEMENTS`, 2^22).
+# Read when a call is traced. Measured on H200 (GPU time per call, docs/PERFORMANCE.md
+# "The plan of wide calls"): the mixed step (4,152 tokens) -58 us and a 2,048-token
+# prefill -13 us against 2^22, whose argsorts (two kernels each) and cumsums ran there.
+PLAN_COMPARE_ELEMENTS = 1 << 25
 
 
 def split_bound(num_rows: int, *, block_k: int, window, config) -> int:

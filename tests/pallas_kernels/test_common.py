@@ -56,6 +56,25 @@ def test_sorted_prefix_sum_is_sort_cumsum_scatter(n, rng):
                                 want)
 
 
+@pytest.mark.parametrize("max_elements", [0, 3000 * 3000])
+def test_max_elements_moves_the_bound(max_elements, rng):
+  """`max_elements` (the attention plan's `PLAN_COMPARE_ELEMENTS`): 0 takes every
+  fallback, 3000^2 compares 3,000 entries (past the default bound); same values."""
+  n = 3000
+  keys = _keys(rng, n)
+  values = rng.integers(0, 9, size=n).astype(np.int32)
+  rows = np.stack([np.arange(n), values], axis=1).astype(np.int32)
+  order = np.argsort(keys, kind="stable")
+  want = np.zeros_like(values)
+  want[order] = np.cumsum(values[order])
+  kw = dict(max_elements=max_elements)
+  np.testing.assert_array_equal(common.prefix_sum(jnp.asarray(values), **kw), np.cumsum(values))
+  np.testing.assert_array_equal(common.sort_rows(jnp.asarray(keys), jnp.asarray(rows), **kw),
+                                rows[order])
+  np.testing.assert_array_equal(
+      common.sorted_prefix_sum(jnp.asarray(keys), jnp.asarray(values), **kw), want)
+
+
 def test_compare_paths_are_taken_up_to_the_bound():
   """The sizes above straddle the bound (else the fallback would be all that is tested)."""
   assert 2048 * 2048 <= common.COMPARE_ELEMENTS < 2049 * 2049

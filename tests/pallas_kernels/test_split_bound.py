@@ -139,7 +139,8 @@ def test_bounded_config_keeps_other_fields():
 def test_plan_without_sorts_matches_the_sorted_plan(seed, monkeypatch):
   """The segment plan and the item table are the same built with compare-and-sums
   (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`) as with the cumsums and
-  stable argsorts they replace (the helpers' fallback, forced by a zero bound), and
+  stable argsorts they replace (the helpers' fallback, forced by zero bounds: the
+  plan's `PLAN_COMPARE_ELEMENTS` and the helpers' own), and
   with the item and token searches compared pair by pair as by their linear form
   (`common.searchsorted_iota` past `SEARCH_COMPARE_PAIRS`), on tables with ties in
   length and padded rows."""
@@ -155,7 +156,8 @@ def test_plan_without_sorts_matches_the_sorted_plan(seed, monkeypatch):
     width = int(rng.choice([4, 16, 40]))
     table, n = _random_table(rng, num_rows=num_rows, window=window, width=width)
     plans = []
-    for bound, search_pairs in ((common.COMPARE_ELEMENTS, 1 << 62), (0, 0)):
+    for bound, search_pairs in ((1 << 62, 1 << 62), (0, 0)):
+      monkeypatch.setattr(column, "PLAN_COMPARE_ELEMENTS", bound)
       monkeypatch.setattr(common, "COMPARE_ELEMENTS", bound)
       monkeypatch.setattr(common, "SEARCH_COMPARE_PAIRS", search_pairs)
       seg = column._segment_plan(table, n, num_rows=num_rows, window=window, group=2,  # pylint: disable=protected-access
