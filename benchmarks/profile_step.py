@@ -239,7 +239,8 @@ def main(argv=None) -> int:
                  help="trace only the prefill-heavy workload (no decode or padded traces)")
   p.add_argument("--uniform", action="store_true",
                  help="trace e2e.py's uniform workload instead (64 prompts 128..2048, W = "
-                 "--uniform-width): its prefill phase alone (max_tokens 1), the whole run, and the padded loop's prefill")
+                 "--uniform-width): its prefill phase alone (max_tokens 1), the whole run, "
+                 "and the padded loop's prefill")
   p.add_argument("--uniform-width", type=int, default=2048,
                  help="with --uniform: the engine's W (e2e.py --max-write)")
   p.add_argument("--describe", default=None, metavar="KERNELS_TXT",
