@@ -91,17 +91,26 @@ def _mixed_case(config=None):
   """ANCHORS' mixed step (`decode.mixed_inputs`): one jaxkv call against cuDNN run the way a
   careful user would, one prefill call and one decode call. cuDNN's causal mask is aligned
   top-left, so its prefill call attends each 512-token span to all 2,560 keys, non-causal
-  (172 GFLOP where the step has 155: an upper bound, as in ANCHORS.md)."""
+  (172 GFLOP where the step has 155: an upper bound, as in ANCHORS.md). Shapes come from
+  `mixed_inputs`: its prefill segments lead the table, the decodes follow."""
   q, k, v, seq_info, n, dec_lengths, _, _ = bench_decode.mixed_inputs()
+  _, num_q, head_dim = q.shape
+  rows, _, num_kv, _ = k.shape
   jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
-                                     scale=128 ** -0.5, config=config)),
+                                     scale=head_dim ** -0.5, config=config)),
            (q, k, v, seq_info, n))
+  info = np.asarray(seq_info)[:int(n)]
+  prefill = info[info[:, 1] > 1]                      # (q_start, q_len, col, pos0, kind)
+  spans, span_len = len(prefill), int(prefill[0, 1])
+  span_keys = int(prefill[0, 3]) + span_len
   num_dec = len(dec_lengths)
-  qp = q[:8 * 512].reshape(8, 512, 32, 128)
-  qd = q[8 * 512:8 * 512 + num_dec][:, None]
+  qp = q[:spans * span_len].reshape(spans, span_len, num_q, head_dim)
+  qd = q[spans * span_len:spans * span_len + num_dec][:, None]
   keys = jax.random.split(jax.random.key(13), 4)
-  kp, vp = (jax.random.normal(key, (8, 2560, 8, 128), DTYPE) for key in keys[:2])
-  kd, vd = (jax.random.normal(key, (num_dec, 8192, 8, 128), DTYPE) for key in keys[2:])
+  kp, vp = (jax.random.normal(key, (spans, span_keys, num_kv, head_dim), DTYPE)
+            for key in keys[:2])
+  kd, vd = (jax.random.normal(key, (num_dec, rows, num_kv, head_dim), DTYPE)
+            for key in keys[2:])
 
   def two_calls(qp_, kp_, vp_, qd_, kd_, vd_, lengths):
     pre = jax.nn.dot_product_attention(qp_, kp_, vp_, implementation="cudnn")

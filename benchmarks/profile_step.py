@@ -315,10 +315,10 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
 
 
 def _trace_uniform(cfg, args, trace):
-  """e2e.py's uniform workload (same seed, prompts and cache) on a W = `--uniform-width` engine, traced
-  twice: the prefill phase alone (every request asks for one token, so every step is a
-  prompt step) and the whole run (256 new tokens); then the padded loop's prefill, timed
-  and traced, for the same prompts."""
+  """e2e.py's uniform workload (same seed, prompts and cache) on a W = `--uniform-width`
+  engine, traced twice: the prefill phase alone (every request asks for one token, so every
+  step is a prompt step) and the whole run (256 new tokens); then the padded loop's
+  prefill, timed and traced, for the same prompts."""
   from flax import nnx   # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   n, new = (64, 256) if not args.small else (6, 8)
