@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kernel_trace   # pylint: disable=wrong-import-position
+from skinny_gemm import skinny_matmul   # pylint: disable=wrong-import-position
 
 LAYERS = 16
 HIDDEN = 2048
@@ -45,7 +46,21 @@ OPTIONS = {
     "default": {},
     "no triton gemm (cuBLAS)": {"xla_gpu_enable_triton_gemm": False},
     "cuBLASLt": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_cublaslt": True},
+    "exhaustive tiling search": {"xla_gpu_exhaustive_tiling_search": True},
 }
+
+
+def pallas_configs(k_in: int, n_out: int):
+  """`skinny_gemm.skinny_matmul` tilings to time for one GEMM: 96..600 programs, whole tiles."""
+  out = []
+  for bn in (64, 128):
+    for splits in (1, 2, 4, 8):
+      if n_out % bn or not 96 <= n_out // bn * splits <= 600:
+        continue
+      for bk in (128, 256):
+        if k_in % (splits * bk) == 0:
+          out.extend(dict(bn=bn, bk=bk, splits=splits, num_stages=st) for st in (3, 5))
+  return out
 
 
 def _copy_tbs() -> float:
@@ -58,6 +73,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--rows", default="64,128", help="comma-separated M (tokens per step)")
   p.add_argument("--calls", type=int, default=10)
+  p.add_argument("--pallas", action="store_true",
+                 help="also time benchmarks/skinny_gemm.py's Pallas (Triton) GEMM over a sweep "
+                 "of tilings (checked against a float32 product)")
   args = p.parse_args(argv)
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
         f"{_copy_tbs():.2f} TB/s (read + write)")
@@ -87,7 +105,33 @@ def main(argv=None) -> int:
                 f"max|diff| {err:.3g}  [{top}]")
         except Exception as e:  # pylint: disable=broad-except
           print(f"{name:20} M={m:<5} {oname:26} {type(e).__name__}: {str(e)[:160]}")
+      if args.pallas:
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls)
   return 0
+
+
+def _time_pallas(name, m, k_in, n_out, x, ws, calls):
+  """Each `pallas_configs` tiling of one GEMM: GPU time per layer, error, the best one."""
+  ref = np.einsum("lmk,lkn->lmn", np.asarray(x, np.float32), np.asarray(ws, np.float32))
+  best = None
+  for cfg in pallas_configs(k_in, n_out):
+    label = "pallas bn{bn} bk{bk} s{splits} st{num_stages}".format(**cfg)
+    try:
+      jitted = jax.jit(lambda x, ws, cfg=cfg: [skinny_matmul(x[i], ws[i], **cfg)
+                                                for i in range(LAYERS)])
+      got = np.asarray(jnp.stack(jitted(x, ws)).astype(jnp.float32))
+      rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+      busy, _ = kernel_trace.trace_kernels(jitted, (x, ws), calls)
+      per = busy / LAYERS
+      tbs = k_in * n_out * 2 / (per * 1e-6) / 1e12
+      print(f"{name:20} M={m:<5} {label:26} {per:7.2f} us/GEMM  {tbs:5.2f} TB/s weights  "
+            f"rel err {rel:.2e}{'' if rel < 1e-2 else '  WRONG'}")
+      if rel < 1e-2 and (best is None or per < best[0]):
+        best = (per, label)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"{name:20} M={m:<5} {label:26} {type(e).__name__}: {str(e)[:160]}")
+  if best:
+    print(f"{name:20} M={m:<5} best pallas: {best[1]} {best[0]:.2f} us/GEMM")
 
 
 if __name__ == "__main__":
