@@ -15,6 +15,7 @@ run() {  # run NAME SECONDS CMD...
 }
 for w in "${@:-decode uniform}"; do
   case $w in
+    decode4k) run e2e_decode4k 240 python3 benchmarks/e2e.py --workload decode --max-write 4096 --out "$out/e2e_decode4k.json";;
     decode) run e2e_decode 200 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json";;
     decode_cb) XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1" \
         run e2e_decode_cb 200 python3 benchmarks/e2e.py --workload decode --skip-baseline --out "$out/e2e_decode_cb.json";;
@@ -57,6 +58,8 @@ for w in "${@:-decode uniform}"; do
     profile_paged128) TAIL=150 run profile_paged128 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 128 --dump-hlo --out "$out";;
     profile_paged_prefill) TAIL=80 run profile_paged_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --prefill-only --page-size 128 --dump-hlo --out "$out";;
     profile_uniform) TAIL=200 run profile_uniform 420 python3 benchmarks/profile_step.py --uniform --dump-hlo --out "$out";;
+    profile_map) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out"
+        TAIL=130 run profile_map 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5;;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "compiled or mosaic_gpu or plan or warn";;
@@ -73,6 +76,7 @@ for w in "${@:-decode uniform}"; do
     mixed2k_paged_memory) run e2e_mixed2k_paged_memory 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-slots 128 --out "$out/e2e_mixed2k_paged_memory.json";;
     mixed1k_paged_memory) run e2e_mixed1k_paged_memory 420 python3 benchmarks/e2e.py --workload mixed --mixed-requests 1024 --max-write 2048 --skip-baseline --paged 128 --paged-slots 128 --out "$out/e2e_mixed1k_paged_memory.json";;
     gemm_options) TAIL=30 run gemm_options 200 python3 benchmarks/gemm_options.py;;
+    gemm_pallas) TAIL=60 run gemm_pallas 400 python3 benchmarks/gemm_options.py --rows 64 --pallas;;
     profile_w2048) TAIL=70 run profile_w2048 300 python3 benchmarks/profile_step.py --widths 2048 --out "$out";;
     decode_opts) run e2e_decode_opts 240 python3 benchmarks/e2e.py --workload decode --also-compiler-options '{"xla_gpu_enable_triton_gemm": false}' --out "$out/e2e_decode_opts.json";;
     uniform2k_opts) run e2e_uniform2k_opts 300 python3 benchmarks/e2e.py --workload uniform --max-write 2048 --also-compiler-options '{"xla_gpu_enable_triton_gemm": false}' --out "$out/e2e_uniform2k_opts.json";;
