@@ -52,6 +52,7 @@ for w in "${@:-decode uniform}"; do
     mixeddp1k) run e2e_mixed_dp1k 420 python3 benchmarks/e2e.py --workload mixed --mixed-requests 1024 --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp1k.json";;
     mixeddp) run e2e_mixed_dp 250 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --data-parallel 2 --out "$out/e2e_mixed_dp.json";;
     tp8b) run tp8b 480 python3 benchmarks/sharded.py --model --devices 2 --model-layers 32 --model-hidden 4096 --model-heads 32 --model-kv-heads 8 --model-head-dim 128 --model-intermediate 14336 --model-vocab 128256 --no-mesh-row;;
+    levers_glue) TAIL=12 run step_levers_glue 400 python3 benchmarks/step_levers.py --variants base,mlp_apart,no_refusal_selects,base;;
     levers) run step_levers 400 python3 benchmarks/step_levers.py;;
     profile_prefill) TAIL=70 run profile_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --dump-hlo --out "$out";;
     profile_paged) TAIL=70 run profile_paged 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 32 --dump-hlo --out "$out";;
@@ -59,7 +60,8 @@ for w in "${@:-decode uniform}"; do
     profile_paged_prefill) TAIL=80 run profile_paged_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --prefill-only --page-size 128 --dump-hlo --out "$out";;
     profile_uniform) TAIL=200 run profile_uniform 420 python3 benchmarks/profile_step.py --uniform --dump-hlo --out "$out";;
     profile_map) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out"
-        TAIL=130 run profile_map 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5;;
+        TAIL=130 run profile_map 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5
+        TAIL=40 run profile_map_layers 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 8 --min 14 --max 40 --ops;;
     profile) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out";;
     mixed) run e2e_mixed 330 python3 benchmarks/e2e.py --workload mixed --out "$out/e2e_mixed.json";;
     kernels) run kernels 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_kv_write.py tests/jaxkv/test_kernel_sizes.py tests/jaxkv/test_implementation_plan.py -k "compiled or mosaic_gpu or plan or warn";;

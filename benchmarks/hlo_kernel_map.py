@@ -6,7 +6,7 @@ kernel after its fusion, and each HLO instruction carries a `stack_frame_id` int
 module's stack-frame tables; this prints, for the kernels launched between `--min` and
 `--max` times per step (default: about once per step, the per-step bookkeeping rather than
 the per-layer work), the fusion's result shape and the innermost jaxkv source frames that
-built it, so a per-step kernel can be traced back to the verb, plan or loop code it runs.
+built it (with `--ops`, the opcodes fused into it), so a per-step kernel can be traced back to the verb, plan or loop code it runs.
 
 Usage: python benchmarks/hlo_kernel_map.py LOOP_HLO KERNELS_TXT [--min 0.4] [--max 3]
 """
@@ -54,15 +54,26 @@ def stack_frames(hlo: str):
 
 
 def fusions(hlo: str):
-  """`trace name -> [(result shape, stack frame id or None)]` of every fusion instruction."""
+  """`trace name -> [(result shape, stack frame id or None, fused opcodes)]` of every fusion."""
+  bodies = {}
+  for block in re.split(r"\n(?=\S)", hlo):
+    head = re.match(r"%?([\w.\-]+)\s", block)
+    if head:
+      bodies[head.group(1)] = block
   out = collections.defaultdict(list)
   for line in hlo.split("\n"):
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*?kind=k\w+", line)
     if not m:
       continue
     frame = re.search(r"stack_frame_id=(\d+)", line)
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    ops = collections.Counter(re.findall(r"= \S+ ([a-z][\w\-]*)\(", bodies.get(
+        called[1], "") if called else ""))
+    for free in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element"):
+      ops.pop(free, None)
+    opcodes = ",".join(sorted(ops))
     for key in [m[1]] + re.findall(r'deduplicated_name="([^"]+)"', line):
-      out[key.replace(".", "_")].append((m[2][:40], int(frame[1]) if frame else None))
+      out[key.replace(".", "_")].append((m[2][:40], int(frame[1]) if frame else None, opcodes))
   return out
 
 
@@ -73,6 +84,7 @@ def main(argv=None) -> int:
   p.add_argument("--min", type=float, default=0.4, help="fewest launches per step listed")
   p.add_argument("--max", type=float, default=3.0, help="launches per step below which listed")
   p.add_argument("--frames", type=int, default=4, help="source frames shown per kernel")
+  p.add_argument("--ops", action="store_true", help="also list each fusion's opcodes")
   args = p.parse_args(argv)
   hlo = open(args.hlo).read()
   stack, found = stack_frames(hlo), fusions(hlo)
@@ -87,10 +99,10 @@ def main(argv=None) -> int:
     total_us += ms * 1e3
     count += launches
     where = set()
-    for shape, frame in found.get(name, [])[:4]:
+    for shape, frame, opcodes in found.get(name, [])[:4]:
       frames = [f"{fn}:{line_no}({func})" for fn, func, line_no in (stack(frame) if frame else [])
                 if fn not in ("profile_step.py",)][:args.frames]
-      where.add(shape + " " + " < ".join(frames))
+      where.add(shape + " " + " < ".join(frames) + (f" [{opcodes}]" if args.ops else ""))
     print(f"{launches:5.2f} {ms * 1e3:6.1f}us {name:38s} | " + " || ".join(sorted(where))[:400])
   print(f"listed: {count:.1f} launches per step, {total_us:.1f} us per step")
   return 0

@@ -24,6 +24,13 @@ Variants:
 - `unbounded_splits`: the epilogue merges `max_splits` (16) partials per token
   instead of the static bound the cache's rows allow
   (`varlen_plan.BOUND_SPLITS`).
+- `mlp_apart`: narrow steps keep the MLP's gate and up matmuls apart too
+  (`decoder._MERGE_ROWS = 0`), so XLA may fuse the activation into the down
+  GEMM instead of running it as a kernel of its own.
+- `no_refusal_selects`: every verb keeps its new control values without the
+  select against the old ones that a refusal needs (`_verbs._select_control`);
+  timing only (this workload refuses nothing): what folding those selects into
+  their producers could save at most.
 
 `--uniform` times e2e.py's uniform workload instead (64 prompts of 128..2,048
 tokens, 256 new tokens, W = 2,048) and prints the whole run beside the padded loop.
@@ -48,7 +55,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxkv import _verbs as verbs_module   # pylint: disable=wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
+from jaxkv.models import decoder as decoder_module   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_plan   # pylint: disable=wrong-import-position
@@ -88,6 +97,10 @@ def _variant(name):
     stack.enter_context(_patched(varlen_epilogue, "DIRECT_MERGE", False))
   if name == "unbounded_splits":
     stack.enter_context(_patched(varlen_plan, "BOUND_SPLITS", False))
+  if name == "mlp_apart":
+    stack.enter_context(_patched(decoder_module, "_MERGE_ROWS", 0))
+  if name == "no_refusal_selects":
+    stack.enter_context(_patched(verbs_module, "_select_control", lambda ok, new, old: new))
   if name == "kernel_epilogue":
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _kernel_epilogue_default))
