@@ -198,7 +198,9 @@ def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segme
       may hold anything, NaN included.
     page_table: `[C, M]` int32; column `c`'s position `p` is at
       `pool[page_table[c, p // P], p % P]`.
-    seq_info: `[T, 5]` int32 segment table; rows `[0, n_segments)` are real.
+    seq_info: `[S, 5]` int32 segment table (`S >= 1` rows, one per token for a cache
+      step; fewer bound the plan, see `varlen_attention_reference`); rows
+      `[0, n_segments)` are real.
     n_segments: int32 scalar.
     scale: softmax scale (Python float).
     config: a `VarlenAttentionConfig` whose `block_k` divides `P`, or is a

@@ -32,9 +32,10 @@ def static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments, 
     raise ValueError(f"q head dim {head_dim} != cache head dim {cache_head_dim}")
   if num_q_heads % num_kv_heads:
     raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
-  if seq_info.shape != (num_tokens, indexing.NUM_SEG_FIELDS):
-    raise ValueError(f"seq_info must be [{num_tokens}, {indexing.NUM_SEG_FIELDS}]; got "
-                     f"{seq_info.shape=}")
+  if (seq_info.ndim != 2 or seq_info.shape[1] != indexing.NUM_SEG_FIELDS
+      or seq_info.shape[0] < 1):
+    raise ValueError(f"seq_info must be [S, {indexing.NUM_SEG_FIELDS}] with S >= 1 rows (a "
+                     f"step passes one per token, S = {num_tokens}); got {seq_info.shape=}")
   if seq_info.dtype != jnp.int32 or jnp.asarray(n_segments).dtype != jnp.int32:
     raise ValueError(f"seq_info and n_segments must be int32; got {seq_info.dtype=}, "
                      f"{jnp.asarray(n_segments).dtype=}")
@@ -63,8 +64,11 @@ def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, win
     k_cache, v_cache: `[R, C, K, D]` storage of one layer, already holding this
       step's K/V. Only rows of a real segment's read range are read (others may
       hold NaN).
-    seq_info: `[T, 5]` int32 segment table; rows `[0, n_segments)` are real.
-    n_segments: int32 scalar.
+    seq_info: `[S, 5]` int32 segment table; rows `[0, n_segments)` are real.
+      A cache step passes one row per token (`S = T`, CONTRACT §7.1); a caller
+      that knows a smaller bound on its segments (a batch of `B` prefills) may
+      pass `S = B` rows: the compiled kernel sizes its plan by `min(T, S)`.
+    n_segments: int32 scalar, at most `S`.
     window: None for a flat layer, else the ring window (`R` is the ring size).
     scale: softmax scale.
 

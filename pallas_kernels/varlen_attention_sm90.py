@@ -239,7 +239,8 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   dtype = kv_inputs[0].dtype
   block_q = config.block_q
   tile_rows = q_tile_rows(block_q, group)
-  max_items = item_capacity(num_tokens, group=group, tile_rows=tile_rows, config=config)
+  max_items = item_capacity(num_tokens, group=group, tile_rows=tile_rows, config=config,
+                            num_segments=seg["q_len"].shape[0])
   items = _item_table(seg, max_items=max_items, group=group, tile_rows=tile_rows,
                       block_k=block_k, window=window, sort_items=config.sort_items)
   # q rows as (token, group head) pairs per KV head, pre-scaled for exp2. The
@@ -286,7 +287,9 @@ def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, 
     k_cache, v_cache: `[R, C, K, D]` storage of one layer (bf16, fp16 or fp32),
       already holding this step's K/V; rows outside a segment's read range may
       hold anything, NaN included.
-    seq_info: `[T, 5]` int32 segment table; rows `[0, n_segments)` are real.
+    seq_info: `[S, 5]` int32 segment table (`S >= 1` rows, one per token for a cache
+      step; fewer bound the plan, see `varlen_attention_reference`); rows
+      `[0, n_segments)` are real.
     n_segments: int32 scalar.
     window: None (flat) or the ring window.
     scale: softmax scale (Python float).

@@ -123,11 +123,20 @@ def _split_counts(q_tiles, q_len, num_tiles, *, block_k, config):
   return jnp.where(splittable, jnp.clip(_cdiv(num_tiles, chunk), 1, config.max_splits), 1)
 
 
-def item_capacity(num_tokens: int, *, group: int, tile_rows: int, config) -> int:
+def item_capacity(num_tokens: int, *, group: int, tile_rows: int, config,
+                  num_segments: int | None = None) -> int:
   """Rows of the item table (static): the tokens' q tiles, one partly filled tile
-  more per segment (at most one per token), and `split_budget` more items when
-  segments may split (none when the cache is too short to, see `split_bound`)."""
-  return (_cdiv(num_tokens * group, tile_rows) + num_tokens
+  more per segment (at most one per token, and at most one per row of a segment
+  table of `num_segments` rows), and `split_budget` more items when segments may
+  split (none when the cache is too short to, see `split_bound`).
+
+  A cache step's table has a row per token, so its plan is sized for as many
+  segments as tokens; a 16,384-token prefill of one sequence passed with a one-row
+  table plans 1,537 items instead of 17,920 (the item table's order and the
+  searches over it are then compare-and-sums, not sorts).
+  """
+  segments = num_tokens if num_segments is None else min(num_tokens, num_segments)
+  return (_cdiv(num_tokens * group, tile_rows) + segments
           + (config.split_budget if config.max_splits > 1 else 0))
 
 

@@ -309,6 +309,71 @@ def test_production_kernel_accepts_every_row_count(rows):
   varlen_attention_sm90.static_check(q, k, config=config_lib.VarlenAttentionConfig())
 
 
+def _check_trimmed_tables(family, rng, *, config, interpret, num_steps):
+  """A segment table cut to fewer rows (`n_segments` up to the step's width) gives the
+  same outputs, bitwise, as the step's full `[T, 5]` table: kernel and reference.
+
+  The rows cut are padding, so only the kernel's plan shrinks (its item table is
+  sized by `min(T, rows)`); NaN queries on padding tokens make any read of a
+  wrongly planned item visible in the real rows.
+  """
+  scale = 1.0 / np.sqrt(family.head_dim)
+  for index in range(num_steps):
+    step = random_step(rng, family, pad=index % 2 == 0, allow_blocks=index % 3 == 0)
+    k, v = resident_storage(rng, family, step)
+    q = queries(rng, family, step)
+    full = jnp.asarray(step.seq_info)
+    n = jnp.int32(step.n_segments)
+    kwargs = dict(window=family.window, scale=scale)
+    want = pallas_kernels.varlen_attention(q, k, v, full, n, **kwargs, config=config,
+                                           interpret=interpret)
+    want_ref = pallas_kernels.varlen_attention_reference(q, k, v, full, n, **kwargs)
+    for rows in sorted({max(1, step.n_segments), int(rng.integers(max(1, step.n_segments),
+                                                                  family.width + 1))}):
+      table = full[:rows]
+      got = pallas_kernels.varlen_attention(q, k, v, table, n, **kwargs, config=config,
+                                            interpret=interpret)
+      np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                    err_msg=f"{step.description}, {rows} rows")
+      got_ref = pallas_kernels.varlen_attention_reference(q, k, v, table, n, **kwargs)
+      np.testing.assert_array_equal(np.asarray(got_ref, np.float32),
+                                    np.asarray(want_ref, np.float32),
+                                    err_msg=f"reference, {step.description}, {rows} rows")
+
+
+@pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[1]], ids=str)
+def test_interpreted_kernel_serves_tables_with_fewer_rows(family, rng):
+  _check_trimmed_tables(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True, num_steps=4)
+
+
+@requires_hopper
+@pytest.mark.parametrize("family", GPU_FAMILIES[:2], ids=str)
+def test_compiled_kernel_serves_tables_with_fewer_rows(family, rng):
+  _check_trimmed_tables(family, rng, config=SPLIT_CONFIGS[family.head_dim], interpret=False,
+                        num_steps=6)
+
+
+def test_item_table_follows_the_segment_rows():
+  from pallas_kernels import varlen_plan   # pylint: disable=g-import-not-at-top
+  config = config_lib.VarlenAttentionConfig()
+  full = varlen_plan.item_capacity(16384, group=4, tile_rows=64, config=config)
+  assert full == 1024 + 16384 + config.split_budget
+  assert varlen_plan.item_capacity(16384, group=4, tile_rows=64, config=config,
+                                   num_segments=1) == 1024 + 1 + config.split_budget
+  # More rows than tokens bound nothing further.
+  assert varlen_plan.item_capacity(8, group=4, tile_rows=64, config=config,
+                                   num_segments=100) == 1 + 8 + config.split_budget
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (4, 4), (4,), (2, 5, 1)])
+def test_validation_names_a_bad_segment_table(shape):
+  q, k, v, _, _ = _shapes(4, 4, 16, 1, 64, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"seq_info must be \[S, 5\] with S >= 1 rows"):
+    pallas_kernels.varlen_attention_reference(
+        jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype),
+        jnp.zeros(shape, jnp.int32), jnp.int32(0), window=None, scale=0.125)
+
+
 def test_validation_accepts_numpy_float_scales():
   family = UNALIGNED_INTERPRET_FAMILIES[0]
   q, k, v, seq_info, n_segments = _shapes(4, 4, 5, 1, 64, family.dtype)
