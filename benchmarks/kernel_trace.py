@@ -73,12 +73,22 @@ def _decode_case(num_seqs, head_dim, min_len, max_len, config=None, heads=(32, 8
   return jaxkv, cudnn
 
 
+# Rows of the segment table the prefill and mixed cases pass: "tokens" (one per token, as a
+# cache step's) or "segments" (the real rows only, which bounds the kernel's plan:
+# `varlen_plan.item_capacity`). A switch for `--variants`; read when a case is built.
+TABLE_ROWS = "tokens"
+
+
+def _table(seq_info, n_segments):
+  return (seq_info[:int(n_segments)] if TABLE_ROWS == "segments" else seq_info), n_segments
+
+
 def _prefill_case(num_seqs, length, head_dim, config=None):
   k, v = bench_decode.build_cache(jax.random.key(9), np.array([length] * num_seqs), 8, head_dim)
   q = jax.random.normal(jax.random.key(10), (num_seqs * length, 32, head_dim), DTYPE)
   jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                      scale=head_dim ** -0.5, config=config)),
-           (q, k, v) + bench_decode.prefill_plan(num_seqs, length))
+           (q, k, v) + _table(*bench_decode.prefill_plan(num_seqs, length)))
   kk = jax.random.normal(jax.random.key(11), (num_seqs, length, 8, head_dim), DTYPE)
   vv = jax.random.normal(jax.random.key(12), (num_seqs, length, 8, head_dim), DTYPE)
   cudnn = (jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True,
@@ -98,7 +108,7 @@ def _mixed_case(config=None):
   rows, _, num_kv, _ = k.shape
   jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
                                      scale=head_dim ** -0.5, config=config)),
-           (q, k, v, seq_info, n))
+           (q, k, v) + _table(seq_info, n))
   info = np.asarray(seq_info)[:int(n)]
   prefill = info[info[:, 1] > 1]                      # (q_start, q_len, col, pos0, kind)
   spans, span_len = len(prefill), int(prefill[0, 1])
@@ -209,6 +219,8 @@ VARIANTS = {
     # The plan's prefix sums and longest-first orders as compare-and-sums up to 2^22
     # elements (n <= 2,048) only, as before `varlen_plan.PLAN_COMPARE_ELEMENTS`.
     "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
+    # The prefill and mixed cases pass a segment table of their real rows only.
+    "segment rows": dict(TABLE_ROWS="segments"),
 }
 
 
@@ -222,7 +234,8 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body,
-           "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan}
+           "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
+           "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()
