@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The HLO module parser (computations and their instructions) and the free opcodes.
+from paged_step_ops import _FREE, _computations   # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _section(hlo: str, name: str) -> list[str]:
@@ -55,11 +60,7 @@ def stack_frames(hlo: str):
 
 def fusions(hlo: str):
   """`trace name -> [(result shape, stack frame id or None, fused opcodes)]` of every fusion."""
-  bodies = {}
-  for block in re.split(r"\n(?=\S)", hlo):
-    head = re.match(r"%?([\w.\-]+)\s", block)
-    if head:
-      bodies[head.group(1)] = block
+  comps, _ = _computations(hlo)
   out = collections.defaultdict(list)
   for line in hlo.split("\n"):
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*?kind=k\w+", line)
@@ -67,11 +68,8 @@ def fusions(hlo: str):
       continue
     frame = re.search(r"stack_frame_id=(\d+)", line)
     called = re.search(r"calls=%?([\w.\-]+)", line)
-    ops = collections.Counter(re.findall(r"= \S+ ([a-z][\w\-]*)\(", bodies.get(
-        called[1], "") if called else ""))
-    for free in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element"):
-      ops.pop(free, None)
-    opcodes = ",".join(sorted(ops))
+    body = comps.get(called[1], []) if called else []
+    opcodes = ",".join(sorted({op for op, _, _ in body if op not in _FREE}))
     for key in [m[1]] + re.findall(r'deduplicated_name="([^"]+)"', line):
       out[key.replace(".", "_")].append((m[2][:40], int(frame[1]) if frame else None, opcodes))
   return out
