@@ -303,9 +303,10 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
       if not args.prefill_only:
         trace(engine, decode_reqs, f"{prefix}_W{width}_decode",
               f"engine W={width}{what}, decode-heavy (64 x 8..16 + {new})")
-        if args.dump_hlo and not what:
-          with open(os.path.join(args.out, f"loop_W{width}.hlo.txt"), "w") as f:
-            f.write(_compiled_loop(engine, cache, short, decode_reqs))
+        if args.dump_hlo:   # loop_W{width}.hlo.txt for the columns, loop_paged{P}_W... for pages
+          name = f"loop_W{width}.hlo.txt" if not what else f"loop_{prefix}_W{width}.hlo.txt"
+          with open(os.path.join(args.out, name), "w") as f:
+            f.write(_compiled_loop(engine, storage, short, decode_reqs))
       if width >= 512 and not args.decode_only:
         trace(engine, prefill_reqs, f"{prefix}_W{width}_prefill",
               f"engine W={width}{what}, prefill-heavy (16 x 2000 + 4)")
