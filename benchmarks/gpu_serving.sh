@@ -61,6 +61,9 @@ for w in "${@:-decode uniform}"; do
     profile_paged128) TAIL=150 run profile_paged128 300 python3 benchmarks/profile_step.py --widths 2048 --decode-only --page-size 128 --dump-hlo --out "$out";;
     profile_paged_prefill) TAIL=80 run profile_paged_prefill 300 python3 benchmarks/profile_step.py --widths 2048 --prefill-only --page-size 128 --dump-hlo --out "$out";;
     profile_uniform) TAIL=200 run profile_uniform 420 python3 benchmarks/profile_step.py --uniform --dump-hlo --out "$out";;
+    profile_map_paged) TAIL=30 run profile_pages 300 python3 benchmarks/profile_step.py --decode-only --page-size 128 --dump-hlo --out "$out"
+        TAIL=150 run profile_map_cols 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5
+        TAIL=150 run profile_map_pages 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_paged128_W512.hlo.txt" "$out/kernels_paged128_W512_decode.txt" --frames 5;;
     profile_map) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out"
         TAIL=130 run profile_map 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5
         TAIL=40 run profile_map_layers 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 8 --min 14 --max 40 --ops;;
@@ -91,6 +94,7 @@ for w in "${@:-decode uniform}"; do
     mixed2k_paged_repeats) run e2e_mixed2k_paged_repeats 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-repeats 5 --out "$out/e2e_mixed2k_paged_repeats.json";;
     trace_d256) TAIL=30 run kernel_trace_d256 240 python3 benchmarks/kernel_trace.py --cases "decode 64 seqs 16/8 D256 512..8192 (G2),decode 64 seqs 32/8 D128 512..8192";;
     trace_issue12) TAIL=8 run kernel_trace_issue12 200 python3 benchmarks/kernel_trace.py --cases "decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048,decode 16 seqs 16/16 D64 1024..32768";;
+    mixed2k_paged256_repeats) run e2e_mixed2k_paged256_repeats 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 256 --paged-repeats 5 --out "$out/e2e_mixed2k_paged256_repeats.json";;
     mixed2k_paged32_repeats) run e2e_mixed2k_paged32_repeats 400 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 32 --paged-repeats 5 --out "$out/e2e_mixed2k_paged32_repeats.json";;
     kernel_sizes) run kernel_sizes 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/jaxkv/test_kernel_sizes.py -k mosaic_gpu;;
     paged_compiled) run paged_compiled 300 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_paged_kernels.py -k "compiled";;

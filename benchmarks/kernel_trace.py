@@ -18,6 +18,7 @@ import argparse
 import collections
 import functools
 import os
+import re
 import sys
 import tempfile
 
@@ -221,6 +222,7 @@ VARIANTS = {
     "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
     # The prefill and mixed cases pass a segment table of their real rows only.
     "segment rows": dict(TABLE_ROWS="segments"),
+    "square tiles": dict(config=dict(block_k=64)),
 }
 
 
@@ -244,17 +246,19 @@ def variants(names, calls, cases):
     first = None   # the first variant's output, which every other variant's is compared with
     for vname in names:
       switches = dict(VARIANTS[vname])
-      stages = switches.pop("num_stages", None)
+      changes = dict(switches.pop("config", {}))
+      if "num_stages" in switches:
+        changes["num_stages"] = switches.pop("num_stages")
       for k, v in switches.items():
         setattr(owner[k], k, v)
       jax.clear_caches()
       try:
         config = None
-        if stages is not None:
-          d = 64 if "D64" in name else 128
+        if changes:
+          d = int(re.search(r" D(\d+)", name).group(1))
           config = dataclasses.replace(
               kc.default_varlen_attention_config(group=4, head_dim=d, interpret=False),
-              num_stages=stages)
+              **changes)
         (fn, fargs), _ = CASES[name](config=config) if config else CASES[name]()
         busy, kernels = trace_kernels(fn, fargs, calls)
         mosaic = sum(us for k, (us, _) in kernels.items() if "mosaic" in k)
