@@ -222,6 +222,8 @@ VARIANTS = {
     "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
     # The prefill and mixed cases pass a segment table of their real rows only.
     "segment rows": dict(TABLE_ROWS="segments"),
+    # A tile's mask per score, as before `varlen_kernel_sm90.ROW_BOUND_MASK`.
+    "per-score mask": dict(ROW_BOUND_MASK=False),
     "square tiles": dict(config=dict(block_k=64)),
 }
 
@@ -235,7 +237,7 @@ def variants(names, calls, cases):
   from pallas_kernels import varlen_plan   # pylint: disable=g-import-not-at-top
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
-  owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body,
+  owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -56,6 +56,13 @@ SQUARE_Q_RELOAD = True
 # D64 keeps one loop; other head dims are unmeasured and keep it too.
 FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
 
+# How a tile that needs a mask computes it (the same mask bitwise; read when traced):
+# True bounds each row's keys by two column limits, computed per tile from scalars
+# and the row's query position (`row_bound_mask`: two compares per score); False
+# evaluates the read range and visibility per score (`tile_mask`: a dozen integer
+# ops per score). Measured on H200 in docs/PERFORMANCE.md (Serving speed §15).
+ROW_BOUND_MASK = True
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -185,6 +192,35 @@ def tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, *, lo, e
       key_pos, query_pos, lo, end, kind, window=window)
 
 
+def row_bound_mask(load_row, rows_start, rows_end, key0, key_col, query_row, *, lo, end, kind,
+                   window):
+  """`tile_mask` as two column limits per row: `lo_r <= col < hi_r`.
+
+  Row `load_row + c` of the tile holds key `c + key0 - c0`, `c0 = rows_start -
+  load_row`, so each condition of `tile_mask` on a score is a bound on its
+  column `c`: the read rows `[c0, rows_end - load_row)`, the read range
+  `[lo, end)`, causality (`key <= q`) and the ring's window (`key > q -
+  window`) for the row's query position `q` (`query_row`, one per row), none of
+  the last two for an owner block. Scalars and per-row vectors only; the score
+  array sees two compares.
+  """
+  c0 = rows_start - load_row
+  shift = c0 - key0                        # key k sits in column k + shift
+  c_lo = jnp.maximum(c0, lo + shift)
+  c_hi = jnp.minimum(rows_end - load_row, end + shift)
+  is_block = (kind == indexing.KIND_BLOCK).astype(jnp.int32)
+  causal_hi = query_row + (shift + 1)
+  # An owner block's rows see the whole read range: their causal bound becomes `c_hi`.
+  hi = jnp.minimum(causal_hi + is_block * (c_hi - causal_hi), c_hi)
+  cols = key_col.shape
+  in_cols = key_col < lax.broadcast_in_dim(hi, cols, [0])
+  if window is None:
+    return in_cols & (key_col >= c_lo)
+  win_lo = query_row + (shift + 1 - window)
+  row_lo = jnp.maximum(win_lo - is_block * (win_lo - c_lo), c_lo)
+  return in_cols & (key_col >= lax.broadcast_in_dim(row_lo, cols, [0]))
+
+
 def online_softmax(s, m_i, l_i, acc, mask, dtype):
   """One tile's online-softmax update (base 2); `mask` None: every score is real.
 
@@ -272,6 +308,8 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   # Query position of each row: rows are (token, group head) pairs.
   query_pos = pos0 + div(q_tok0 + iota((block_q, block_k), 0), group)
   key_col = iota((block_q, block_k), 1)
+  if ROW_BOUND_MASK:
+    query_row = query_pos.max(axis=1)   # one value per row, once per item
 
   def body(t, carry, *, all_full=False):
     """One tile; `all_full` (static): the loop holds only tiles that need no mask."""
@@ -311,8 +349,13 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         fetch(t + num_stages, stage, refill, parts=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
-      mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
-                       end=end, kind=kind, window=window) if masked else None
+      mask = None
+      if masked and ROW_BOUND_MASK:
+        mask = row_bound_mask(load_row, rows_start, rows_end, key0, key_col, query_row, lo=lo,
+                              end=end, kind=kind, window=window)
+      elif masked:
+        mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
+                         end=end, kind=kind, window=window)
       return online_softmax(s, m_i, l_i, acc, mask, dtype)
 
     # A tile whose rows all hold read-range keys that every query of the item

@@ -417,3 +417,25 @@ def test_configs_are_hashable_static_arguments():
                                                     interpret=False).use_wgmma
   assert not config_lib.default_varlen_attention_config(group=4, head_dim=128,
                                                         interpret=True).use_wgmma
+
+
+@pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
+def test_row_bound_mask_gives_the_per_score_mask_outputs_bitwise(family, rng, monkeypatch):
+  """`ROW_BOUND_MASK` (the default) changes how a tile's mask is computed, not which
+  scores it keeps: the kernel's outputs are bitwise those of the per-score mask, on
+  flat and ring layers, padded steps and owner blocks, with key splits."""
+  scale = 1.0 / np.sqrt(family.head_dim)
+  for index in range(family.num_steps):
+    step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
+    k, v = resident_storage(rng, family, step)
+    args = (queries(rng, family, step), k, v, jnp.asarray(step.seq_info),
+            jnp.int32(step.n_segments))
+    outs = []
+    for by_rows in (True, False):
+      monkeypatch.setattr(varlen_kernel_sm90, "ROW_BOUND_MASK", by_rows)
+      jax.clear_caches()   # the switch is read when traced
+      outs.append(np.asarray(pallas_kernels.varlen_attention(
+          *args, window=family.window, scale=scale, config=INTERPRET_SPLIT_CONFIG,
+          interpret=True), np.float32))
+    jax.clear_caches()
+    np.testing.assert_array_equal(outs[0], outs[1], err_msg=step.description)
