@@ -224,6 +224,8 @@ VARIANTS = {
     "segment rows": dict(TABLE_ROWS="segments"),
     # A tile's mask per score, as before `varlen_kernel_sm90.ROW_BOUND_MASK`.
     "per-score mask": dict(ROW_BOUND_MASK=False),
+    # Every tile outside a full-tile loop masked, no per-tile cond.
+    "mask every tile": dict(MASK_EVERY_TILE=True),
     "square tiles": dict(config=dict(block_k=64)),
 }
 
@@ -238,6 +240,7 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
+           "MASK_EVERY_TILE": body,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -63,6 +63,11 @@ FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
 # ops per score). Measured on H200 in docs/PERFORMANCE.md (Serving speed §15).
 ROW_BOUND_MASK = True
 
+# True: tiles outside a loop of full tiles always take the masked softmax (no
+# per-tile `lax.cond`; masking a full tile changes nothing, bitwise). False: a
+# `lax.cond` per tile picks the unmasked softmax for full tiles. Read when traced.
+MASK_EVERY_TILE = False
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -362,6 +367,8 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     # sees (interior decode tiles) skips the mask arithmetic.
     if all_full:
       m_new, l_i, acc, p16 = softmax_update(s, m_i, l_i, acc, masked=False)
+    elif MASK_EVERY_TILE:
+      m_new, l_i, acc, p16 = softmax_update(s, m_i, l_i, acc, masked=True)
     else:
       is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
       m_new, l_i, acc, p16 = lax.cond(
