@@ -24,8 +24,8 @@ for w in "${@:-decode uniform}"; do
     uniform8k) run e2e_uniform8k 300 python3 benchmarks/e2e.py --workload uniform --max-write 8192 --out "$out/e2e_uniform8k.json";;
     profile_uniform4k) TAIL=200 run profile_uniform4k 420 python3 benchmarks/profile_step.py --uniform --uniform-width 4096 --out "$out";;
     plan_search) TAIL=30 run plan_search 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,searches as before,defaults" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128,prefill 1x2048 32/8 D64";;
-    row_mask) run row_mask_tests 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_matches"
-        TAIL=40 run row_mask 200 python3 benchmarks/kernel_trace.py --calls 10 --variants "per-score mask,defaults,mask every tile" --cases "decode 64 seqs 32/8 D64 8..272,decode 256 seqs 32/8 D64 128..2048,prefill 1x2048 32/8 D64,mixed 8x512 over 2048 + 56 decodes 32/8 D128";;
+    row_mask) TAIL=40 run row_mask 200 python3 benchmarks/kernel_trace.py --calls 10 --variants "per-score mask,defaults,mask every tile" --cases "decode 64 seqs 32/8 D64 8..272,decode 256 seqs 32/8 D64 128..2048,prefill 1x2048 32/8 D64"
+        run row_mask_tests 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_matches";;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"
         TAIL=30 run table_rows 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,segment rows" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128";;
     plan_compare) TAIL=30 run plan_compare 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,plan compares as before,defaults" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x2048 32/8 D64";;
