@@ -222,10 +222,10 @@ VARIANTS = {
     "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
     # The prefill and mixed cases pass a segment table of their real rows only.
     "segment rows": dict(TABLE_ROWS="segments"),
-    # A tile's mask per score, as before `varlen_kernel_sm90.ROW_BOUND_MASK`.
-    "per-score mask": dict(ROW_BOUND_MASK=False),
-    # Every tile outside a full-tile loop masked, no per-tile cond.
-    "mask every tile": dict(MASK_EVERY_TILE=True),
+    # A tile's mask as two column limits per row (`varlen_kernel_sm90.ROW_BOUND_MASK`), and
+    # with it every tile outside a full-tile loop masked, no per-tile cond (`MASK_EVERY_TILE`).
+    "row-bound mask": dict(ROW_BOUND_MASK=True),
+    "row-bound mask every tile": dict(ROW_BOUND_MASK=True, MASK_EVERY_TILE=True),
     "square tiles": dict(config=dict(block_k=64)),
 }
 

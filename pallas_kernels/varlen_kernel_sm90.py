@@ -60,8 +60,9 @@ FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
 # True bounds each row's keys by two column limits, computed per tile from scalars
 # and the row's query position (`row_bound_mask`: two compares per score); False
 # evaluates the read range and visibility per score (`tile_mask`: a dozen integer
-# ops per score). Measured on H200 in docs/PERFORMANCE.md (Serving speed §15).
-ROW_BOUND_MASK = True
+# ops per score). Off until compiled and timed on the H200 (jax 0.11.2): tested on
+# CPU only so far (docs/PERFORMANCE.md, Serving speed §15).
+ROW_BOUND_MASK = False
 
 # True: tiles outside a loop of full tiles always take the masked softmax (no
 # per-tile `lax.cond`; masking a full tile changes nothing, bitwise). False: a

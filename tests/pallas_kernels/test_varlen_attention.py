@@ -446,3 +446,45 @@ def test_mask_switches_give_the_same_outputs_bitwise(family, switch, rng, monkey
     else:
       np.testing.assert_allclose(outs[0], outs[1], atol=tol(family.dtype), rtol=0,
                                  err_msg=step.description)
+
+
+@requires_hopper
+@pytest.mark.parametrize("switch", ["ROW_BOUND_MASK", "MASK_EVERY_TILE"])
+@pytest.mark.parametrize("family", GPU_FAMILIES[:2], ids=str)
+def test_compiled_mask_switches_match_reference(family, switch, rng, monkeypatch):
+  """The compiled kernel with a mask switch on (both are off by default until timed on
+  the H200) against the reference: flat GQA D128 and a D64 ring, with and without
+  forced key splits."""
+  monkeypatch.setattr(varlen_kernel_sm90, switch, True)
+  if switch == "MASK_EVERY_TILE":
+    monkeypatch.setattr(varlen_kernel_sm90, "ROW_BOUND_MASK", True)
+  jax.clear_caches()   # the switches are read when traced
+  try:
+    check_family(family, rng, config=None, interpret=False)
+    check_family(family, rng, config=SPLIT_CONFIGS[family.head_dim], interpret=False)
+  finally:
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("window", [None, 100], ids=["flat", "ring"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_production_kernel_lowers_with_mask_switches_on(head_dim, window, monkeypatch):
+  """With `ROW_BOUND_MASK` and `MASK_EVERY_TILE` on, the wgmma kernel still lowers for CUDA
+  (on any machine) as one Mosaic GPU call and the epilogue, flat and ring."""
+  monkeypatch.setattr(varlen_kernel_sm90, "ROW_BOUND_MASK", True)
+  monkeypatch.setattr(varlen_kernel_sm90, "MASK_EVERY_TILE", True)
+  jax.clear_caches()
+  try:
+    config = config_lib.default_varlen_attention_config(group=4, head_dim=head_dim,
+                                                        interpret=False)
+    shapes = (jax.ShapeDtypeStruct((32, 8, head_dim), jnp.bfloat16),
+              jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
+              jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
+              jax.ShapeDtypeStruct((32, 5), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    attend = jax.jit(functools.partial(varlen_attention_sm90._varlen_attention,  # pylint: disable=protected-access
+                                       window=window, scale=0.1, config=config,
+                                       interpret=None))
+    text = attend.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, head_dim)
+  finally:
+    jax.clear_caches()
