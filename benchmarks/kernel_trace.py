@@ -210,7 +210,7 @@ def sweep(calls):
 VARIANTS = {
     "before": dict(EARLY_K_REFILL=False),
     "early K": dict(EARLY_K_REFILL=True),
-    "early K+stages3": dict(EARLY_K_REFILL=True, num_stages=3),
+    "early K+stages3": dict(EARLY_K_REFILL=True, config=dict(num_stages=3)),
     "defaults": {},
     "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
     "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
@@ -226,7 +226,6 @@ VARIANTS = {
     # with it every tile outside a full-tile loop masked, no per-tile cond (`MASK_EVERY_TILE`).
     "row-bound mask": dict(ROW_BOUND_MASK=True),
     "row-bound mask every tile": dict(ROW_BOUND_MASK=True, MASK_EVERY_TILE=True),
-    "square tiles": dict(config=dict(block_k=64)),
 }
 
 
@@ -251,9 +250,7 @@ def variants(names, calls, cases):
     first = None   # the first variant's output, which every other variant's is compared with
     for vname in names:
       switches = dict(VARIANTS[vname])
-      changes = dict(switches.pop("config", {}))
-      if "num_stages" in switches:
-        changes["num_stages"] = switches.pop("num_stages")
+      changes = switches.pop("config", {})
       for k, v in switches.items():
         setattr(owner[k], k, v)
       jax.clear_caches()

@@ -164,19 +164,25 @@ def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
   check_family(family, rng, config=INTERPRET_BLOCK64_CONFIG, interpret=True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_square_tiles_lower_with_q_reloaded_per_tile(head_dim):
-  """`block_k == head_dim` is served (no refusal) and lowers for CUDA as one call."""
-  config = config_lib.VarlenAttentionConfig(block_k=head_dim)
+def _lowered_calls(head_dim, *, config, window=None):
+  """The custom calls of one compiled-path call (32 tokens, 4/2 heads, 512 x 5 cache
+  columns), lowered for CUDA on any machine; the config must be one the kernel takes."""
   shapes = (jax.ShapeDtypeStruct((32, 8, head_dim), jnp.bfloat16),
             jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
             jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
             jax.ShapeDtypeStruct((32, 5), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
   assert varlen_attention_sm90.check_request(shapes[0], shapes[1], config=config) == config
   attend = jax.jit(functools.partial(varlen_attention_sm90._varlen_attention,  # pylint: disable=protected-access
-                                     window=None, scale=0.1, config=config, interpret=None))
+                                     window=window, scale=0.1, config=config, interpret=None))
   text = attend.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-  assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, head_dim)
+  return re.findall(r"custom_call @(\w+)", text)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_square_tiles_lower_with_q_reloaded_per_tile(head_dim):
+  """`block_k == head_dim` is served (no refusal) and lowers for CUDA as one call."""
+  config = config_lib.VarlenAttentionConfig(block_k=head_dim)
+  assert _lowered_calls(head_dim, config=config) == attention_calls(4, head_dim)
 
 
 @requires_hopper
@@ -477,14 +483,6 @@ def test_production_kernel_lowers_with_mask_switches_on(head_dim, window, monkey
   try:
     config = config_lib.default_varlen_attention_config(group=4, head_dim=head_dim,
                                                         interpret=False)
-    shapes = (jax.ShapeDtypeStruct((32, 8, head_dim), jnp.bfloat16),
-              jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
-              jax.ShapeDtypeStruct((512, 5, 2, head_dim), jnp.bfloat16),
-              jax.ShapeDtypeStruct((32, 5), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
-    attend = jax.jit(functools.partial(varlen_attention_sm90._varlen_attention,  # pylint: disable=protected-access
-                                       window=window, scale=0.1, config=config,
-                                       interpret=None))
-    text = attend.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-    assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, head_dim)
+    assert _lowered_calls(head_dim, config=config, window=window) == attention_calls(4, head_dim)
   finally:
     jax.clear_caches()
