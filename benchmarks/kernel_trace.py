@@ -222,10 +222,9 @@ VARIANTS = {
     "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
     # The prefill and mixed cases pass a segment table of their real rows only.
     "segment rows": dict(TABLE_ROWS="segments"),
-    # A tile's mask as two column limits per row (`varlen_kernel_sm90.ROW_BOUND_MASK`), and
-    # with it every tile outside a full-tile loop masked, no per-tile cond (`MASK_EVERY_TILE`).
-    "row-bound mask": dict(ROW_BOUND_MASK=True),
-    "row-bound mask every tile": dict(ROW_BOUND_MASK=True, MASK_EVERY_TILE=True),
+    # A masked tile's mask evaluated score by score, as before
+    # `varlen_kernel_sm90.ROW_BOUND_MASK` (two column limits per row).
+    "per-score mask": dict(ROW_BOUND_MASK=False),
 }
 
 
@@ -239,7 +238,6 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "MASK_EVERY_TILE": body,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -60,14 +60,12 @@ FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
 # True bounds each row's keys by two column limits, computed per tile from scalars
 # and the row's query position (`row_bound_mask`: two compares per score); False
 # evaluates the read range and visibility per score (`tile_mask`: a dozen integer
-# ops per score). Off until compiled and timed on the H200 (jax 0.11.2): tested on
-# CPU only so far (docs/PERFORMANCE.md, Serving speed §15).
-ROW_BOUND_MASK = False
-
-# True: tiles outside a loop of full tiles always take the masked softmax (no
-# per-tile `lax.cond`; masking a full tile changes nothing, bitwise). False: a
-# `lax.cond` per tile picks the unmasked softmax for full tiles. Read when traced.
-MASK_EVERY_TILE = False
+# ops per score), kept as the tests' second opinion. Measured on H200 (kernel GPU
+# time, docs/PERFORMANCE.md Serving speed §15): e2e decode shape 64 x 8..272 D64
+# -8%, 256 x 128..2,048 D64 -2%, D64 prefill chunks -5% (1 x 2,048) and -12%
+# (4 x 512), D128 level. Masking every tile instead of choosing per tile was slower
+# (+14% to +41% at D64) and is not kept.
+ROW_BOUND_MASK = True
 
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
@@ -368,8 +366,6 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     # sees (interior decode tiles) skips the mask arithmetic.
     if all_full:
       m_new, l_i, acc, p16 = softmax_update(s, m_i, l_i, acc, masked=False)
-    elif MASK_EVERY_TILE:
-      m_new, l_i, acc, p16 = softmax_update(s, m_i, l_i, acc, masked=True)
     else:
       is_full = (~is_partial) & (key0 >= all_start) & (key0 + block_k <= all_stop)
       m_new, l_i, acc, p16 = lax.cond(

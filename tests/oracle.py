@@ -34,6 +34,14 @@ def tol(dtype) -> float:
   return TOLS[np.dtype(dtype)]
 
 
+def out_rtol(dtype) -> float:
+  """Relative tolerance added for outputs rounded to `dtype`: one unit of its precision
+  (machine epsilon). Two float32 results a hair apart may round to neighbouring 16-bit
+  values, which at magnitude >= 2 are further apart (bfloat16: 2^-6) than `tol` alone
+  allows (CONTRACT §11 case 49)."""
+  return float(ml_dtypes.finfo(dtype).eps) if np.dtype(dtype).itemsize == 2 else 0.0
+
+
 def _as_float64(x) -> np.ndarray:
   return np.asarray(x).astype(np.float64)
 

@@ -1,7 +1,7 @@
 """The attention kernel's two ways of masking a tile against a brute-force oracle.
 
 `varlen_kernel_sm90.tile_mask` evaluates the read range and visibility per score;
-`row_bound_mask` (`ROW_BOUND_MASK`, off until timed on the GPU) turns them into two column
+`row_bound_mask` (`ROW_BOUND_MASK`, the default) turns them into two column
 limits per row. Both must give the mask the oracle re-derives from CONTRACT §7.2,
 element by element, for any tile geometry: tiles cut by the read rows at either
 end, keys before or after the queries, rings (windows), owner blocks, rows whose
