@@ -18,6 +18,7 @@ docs/PERFORMANCE.md, "Serving speed" §10). Check an option end to end
 (`benchmarks/e2e.py --also-compiler-options`) before adopting it.
 
 Usage (GPU machine): PYTHONPATH=. python3 benchmarks/gemm_options.py [--rows 64,128]
+[--pallas] [--mgpu]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import kernel_trace   # pylint: disable=wrong-import-position
 from skinny_gemm import skinny_matmul   # pylint: disable=wrong-import-position
+from skinny_gemm_mgpu import skinny_matmul_mgpu   # pylint: disable=wrong-import-position
 
 LAYERS = 16
 HIDDEN = 2048
@@ -63,6 +65,26 @@ def pallas_configs(k_in: int, n_out: int):
   return out
 
 
+def mgpu_configs(k_in: int, n_out: int):
+  """`skinny_gemm_mgpu.skinny_matmul_mgpu` tilings to time for one GEMM: whole tiles, 128..600
+  programs (1-4.5 waves of 132 SMs), a 4-deep pipeline within ~200 KB of shared memory, split-K
+  partials summed by XLA or added in by TMA."""
+  out = []
+  for tile_n in (64, 128):
+    for tile_k in (64, 128):
+      for splits in (1, 2, 4, 8, 16):
+        programs = n_out // tile_n * splits
+        if n_out % tile_n or k_in % (splits * tile_k) or not 128 <= programs <= 600:
+          continue
+        stages = min(4, k_in // (splits * tile_k))
+        if stages * (64 * tile_k + tile_k * tile_n) * 2 + 64 * tile_n * 4 > 200 * 1024:
+          continue
+        for tma_add in (False, True) if splits > 1 else (False,):
+          out.append(dict(tile_n=tile_n, tile_k=tile_k, splits=splits, stages=stages,
+                          tma_add=tma_add))
+  return out
+
+
 def _copy_tbs() -> float:
   x = jnp.ones((1 << 28,), jnp.bfloat16)
   busy, _ = kernel_trace.trace_kernels(jax.jit(lambda a: a + jnp.bfloat16(1)), (x,), 10)
@@ -75,6 +97,9 @@ def main(argv=None) -> int:
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--pallas", action="store_true",
                  help="also time benchmarks/skinny_gemm.py's Pallas (Triton) GEMM over a sweep "
+                 "of tilings (checked against a float32 product)")
+  p.add_argument("--mgpu", action="store_true",
+                 help="also time benchmarks/skinny_gemm_mgpu.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
   args = p.parse_args(argv)
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
@@ -106,18 +131,23 @@ def main(argv=None) -> int:
         except Exception as e:  # pylint: disable=broad-except
           print(f"{name:20} M={m:<5} {oname:26} {type(e).__name__}: {str(e)[:160]}")
       if args.pallas:
-        _time_pallas(name, m, k_in, n_out, x, ws, args.calls)
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
+                     pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
+      if args.mgpu and m % 64 == 0:
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu,
+                     mgpu_configs(k_in, n_out), "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add}")
   return 0
 
 
-def _time_pallas(name, m, k_in, n_out, x, ws, calls):
-  """Each `pallas_configs` tiling of one GEMM: GPU time per layer, error, the best one."""
+def _time_pallas(name, m, k_in, n_out, x, ws, calls, matmul, configs, label_format):
+  """Each tiling of one GEMM by a Pallas `matmul`: GPU time per layer (the split-K
+  partials' sum included), error against a float32 product, the best one."""
   ref = np.einsum("lmk,lkn->lmn", np.asarray(x, np.float32), np.asarray(ws, np.float32))
   best = None
-  for cfg in pallas_configs(k_in, n_out):
-    label = "pallas bn{bn} bk{bk} s{splits} st{num_stages}".format(**cfg)
+  for cfg in configs:
+    label = label_format.format(**cfg)
     try:
-      jitted = jax.jit(lambda x, ws, cfg=cfg: [skinny_matmul(x[i], ws[i], **cfg)
+      jitted = jax.jit(lambda x, ws, cfg=cfg: [matmul(x[i], ws[i], **cfg)
                                                 for i in range(LAYERS)])
       got = np.asarray(jnp.stack(jitted(x, ws)).astype(jnp.float32))
       rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -131,7 +161,7 @@ def _time_pallas(name, m, k_in, n_out, x, ws, calls):
     except Exception as e:  # pylint: disable=broad-except
       print(f"{name:20} M={m:<5} {label:26} {type(e).__name__}: {str(e)[:160]}")
   if best:
-    print(f"{name:20} M={m:<5} best pallas: {best[1]} {best[0]:.2f} us/GEMM")
+    print(f"{name:20} M={m:<5} best: {best[1]} {best[0]:.2f} us/GEMM")
 
 
 if __name__ == "__main__":
