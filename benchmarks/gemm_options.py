@@ -98,6 +98,10 @@ def main(argv=None) -> int:
   p.add_argument("--pallas", action="store_true",
                  help="also time benchmarks/skinny_gemm.py's Pallas (Triton) GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
+  p.add_argument("--default-only", action="store_true",
+                 help="time XLA's default compilation only (no other compiler options)")
+  p.add_argument("--quick", action="store_true",
+                 help="with --mgpu: 64 x 128 tiles over 128-256 programs only")
   p.add_argument("--mgpu", action="store_true",
                  help="also time benchmarks/skinny_gemm_mgpu.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
@@ -113,7 +117,7 @@ def main(argv=None) -> int:
       x = jax.random.normal(jax.random.key(m), (LAYERS, m, k_in), jnp.bfloat16)
       fn = lambda x, ws: [x[i] @ ws[i] for i in range(LAYERS)]
       want = None
-      for oname, options in OPTIONS.items():
+      for oname, options in list(OPTIONS.items())[:1 if args.default_only else None]:
         try:
           jitted = jax.jit(fn, compiler_options=options or None)
           out = jitted(x, ws)
@@ -134,8 +138,11 @@ def main(argv=None) -> int:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
                      pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
       if args.mgpu and m % 64 == 0:
-        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu,
-                     mgpu_configs(k_in, n_out), "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add}")
+        configs = [c for c in mgpu_configs(k_in, n_out) if not args.quick or (
+            c["tile_n"] == 64 and c["tile_k"] == 128
+            and 128 <= n_out // c["tile_n"] * c["splits"] <= 256)]
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu, configs,
+                     "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add}")
   return 0
 
 
