@@ -428,8 +428,9 @@ def test_configs_are_hashable_static_arguments():
 
 
 def _outputs_per_mask(family, rng, *, config, interpret):
-  """Yields (step, output with the row-bound mask, output with the per-score mask) for
-  `family.num_steps` random Steps (padded or not, with or without owner blocks)."""
+  """Yields `(step, args, (row-bound output, per-score output))` for `family.num_steps`
+  random Steps (padded or not, with or without owner blocks); `args` are the call's
+  positional arguments."""
   scale = 1.0 / np.sqrt(family.head_dim)
   for index in range(family.num_steps):
     step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
