@@ -428,25 +428,26 @@ def test_configs_are_hashable_static_arguments():
 
 
 def _outputs_per_mask(family, rng, *, config, interpret):
-  """Yields `(step, args, (row-bound output, per-score output))` for `family.num_steps`
-  random Steps (padded or not, with or without owner blocks); `args` are the call's
-  positional arguments."""
+  """`[(step, args, (row-bound output, per-score output))]` for `family.num_steps` random
+  Steps (padded or not, with or without owner blocks); `args` are the call's positional
+  arguments. Each mask traces once (the Steps share their shapes)."""
   scale = 1.0 / np.sqrt(family.head_dim)
+  cases = []
   for index in range(family.num_steps):
     step = random_step(rng, family, pad=index % 3 != 0, allow_blocks=index % 2 == 0)
     k, v = resident_storage(rng, family, step)
-    args = (queries(rng, family, step), k, v, jnp.asarray(step.seq_info),
-            jnp.int32(step.n_segments))
-    outs = []
-    for row_bound in (True, False):
-      with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(varlen_kernel_sm90, "ROW_BOUND_MASK", row_bound)
-        jax.clear_caches()   # the switch is read when traced
-        outs.append(np.asarray(pallas_kernels.varlen_attention(
-            *args, window=family.window, scale=scale, config=config, interpret=interpret),
-            np.float32))
-    jax.clear_caches()
-    yield step, args, outs
+    cases.append((step, (queries(rng, family, step), k, v, jnp.asarray(step.seq_info),
+                         jnp.int32(step.n_segments))))
+  outs = {}
+  for row_bound in (True, False):
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(varlen_kernel_sm90, "ROW_BOUND_MASK", row_bound)
+      jax.clear_caches()   # the switch is read when traced
+      outs[row_bound] = [np.asarray(pallas_kernels.varlen_attention(
+          *args, window=family.window, scale=scale, config=config, interpret=interpret),
+          np.float32) for _, args in cases]
+  jax.clear_caches()
+  return [(step, args, (outs[True][i], outs[False][i])) for i, (step, args) in enumerate(cases)]
 
 
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
