@@ -213,6 +213,10 @@ VARIANTS = {
     "early K+stages3": dict(EARLY_K_REFILL=True, config=dict(num_stages=3)),
     "defaults": {},
     "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
+    # 128-row K/V tiles (the D64 default) for head dims whose default is 64 rows
+    # (80, 96: never timed with larger tiles), with two or three stages.
+    "128-key tiles": dict(config=dict(block_k=128)),
+    "128-key tiles 3 stages": dict(config=dict(block_k=128, num_stages=3)),
     "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
     # The plan's token and item searches compared pair by pair up to 2^25 pairs and
     # sorted past it, as before `common.searchsorted_iota`'s linear form.
