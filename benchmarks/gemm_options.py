@@ -77,7 +77,7 @@ def mgpu_configs(k_in: int, n_out: int):
         if n_out % tile_n or k_in % (splits * tile_k) or not 128 <= programs <= 600:
           continue
         stages = min(4, k_in // (splits * tile_k))
-        if stages * (64 * tile_k + tile_k * tile_n) * 2 + 64 * tile_n * 4 > 200 * 1024:
+        if stages < 2 or stages * (64 * tile_k + tile_k * tile_n) * 2 + 64 * tile_n * 4 > 200 * 1024:
           continue
         for tma_add in (False, True) if splits > 1 else (False,):
           out.append(dict(tile_n=tile_n, tile_k=tile_k, splits=splits, stages=stages,

@@ -38,10 +38,12 @@ BLOCK_M = 64   # one warpgroup's wgmma rows
 
 def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int) -> None:
   """Raises ValueError unless the shapes split into whole tiles."""
-  if m % BLOCK_M or n % tile_n or tile_n % 64 or tile_k % 64 or k % (splits * tile_k):
+  if (m % BLOCK_M or n % tile_n or tile_n % 64 or tile_k % 64 or k % (splits * tile_k)
+      or k // (splits * tile_k) < 2):
     raise ValueError(f"M={m} must be a multiple of {BLOCK_M}, N={n} of tile_n={tile_n} "
                      f"(a multiple of 64), K={k} of splits * tile_k = {splits} * {tile_k} "
-                     "(tile_k a multiple of 64)")
+                     "(tile_k a multiple of 64) with at least two K steps per split (a stage "
+                     "is refilled one step late)")
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, stages: int):
@@ -88,7 +90,7 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
   steps = k // (splits * tile_k)
   kernel = plgpu.kernel(
       functools.partial(_kernel, tile_n=tile_n, tile_k=tile_k, steps=steps,
-                        stages=min(stages, steps)),
+                        stages=max(2, min(stages, steps))),
       out_type=() if tma_add else jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
       grid=(n // tile_n, splits, m // BLOCK_M),
       grid_names=("n", "split", "m"),
