@@ -65,10 +65,10 @@ def pallas_configs(k_in: int, n_out: int):
   return out
 
 
-def mgpu_configs(k_in: int, n_out: int):
+def mgpu_configs(k_in: int, n_out: int, lanes=(False,)):
   """`skinny_gemm_mgpu.skinny_matmul_mgpu` tilings to time for one GEMM: whole tiles, 128..600
   programs (1-4.5 waves of 132 SMs), a 4-deep pipeline within ~200 KB of shared memory, split-K
-  partials summed by XLA or added in by TMA."""
+  partials summed by XLA or added in by TMA; `lanes`: which lowering semantics (`lane`)."""
   out = []
   for tile_n in (64, 128):
     for tile_k in (64, 128):
@@ -80,8 +80,9 @@ def mgpu_configs(k_in: int, n_out: int):
         if stages < 2 or stages * (64 * tile_k + tile_k * tile_n) * 2 + 64 * tile_n * 4 > 200 * 1024:
           continue
         for tma_add in (False, True) if splits > 1 else (False,):
-          out.append(dict(tile_n=tile_n, tile_k=tile_k, splits=splits, stages=stages,
-                          tma_add=tma_add))
+          for lane in lanes:
+            out.append(dict(tile_n=tile_n, tile_k=tile_k, splits=splits, stages=stages,
+                            tma_add=tma_add, lane=lane))
   return out
 
 
@@ -101,7 +102,8 @@ def main(argv=None) -> int:
   p.add_argument("--default-only", action="store_true",
                  help="time XLA's default compilation only (no other compiler options)")
   p.add_argument("--quick", action="store_true",
-                 help="with --mgpu: 64 x 128 tiles over 128-256 programs only")
+                 help="with --mgpu: 64 x 128 tiles over 128-256 programs only, in both "
+                 "lowering semantics (warpgroup and lane)")
   p.add_argument("--mgpu", action="store_true",
                  help="also time benchmarks/skinny_gemm_mgpu.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
@@ -138,11 +140,12 @@ def main(argv=None) -> int:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
                      pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
       if args.mgpu and m % 64 == 0:
-        configs = [c for c in mgpu_configs(k_in, n_out) if not args.quick or (
+        configs = [c for c in mgpu_configs(k_in, n_out, (False, True) if args.quick else (False,))
+                   if not args.quick or (
             c["tile_n"] == 64 and c["tile_k"] == 128
             and 128 <= n_out // c["tile_n"] * c["splits"] <= 256)]
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu, configs,
-                     "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add}")
+                     "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add} lane={lane}")
   return 0
 
 

@@ -29,7 +29,7 @@ for w in "${@:-decode uniform}"; do
     row_mask_on) run row_mask_tests 330 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py tests/pallas_kernels/test_paged_kernels.py -k "compiled_kernel_matches or compiled_paged_attention or compiled_masks"
         run e2e_decode 200 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json";;
     gemm_mgpu) TAIL=60 run gemm_mgpu 420 python3 benchmarks/gemm_options.py --rows 64 --mgpu;;
-    gemm_mgpu_quick) TAIL=40 run gemm_mgpu_quick 150 python3 benchmarks/gemm_options.py --rows 64 --mgpu --quick --default-only;;
+    gemm_mgpu_quick) TAIL=50 run gemm_mgpu_quick 240 python3 benchmarks/gemm_options.py --rows 64 --mgpu --quick --default-only;;
     mha_tiles) TAIL=40 run mha_tiles 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,128-key tiles,128-key tiles 3 stages,defaults" --cases "decode 64 seqs 32/32 D80 512..4096,decode 64 seqs 32/32 D96 512..4096,decode 64 seqs 32/8 D96 512..8192";;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"
         TAIL=30 run table_rows 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,segment rows" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128";;

@@ -46,11 +46,18 @@ def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int) -> N
                      "is refilled one step late)")
 
 
-def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, stages: int):
+# Lane semantics (as jaxkv's own kernels, proven on jax 0.11.2) need the operands' shared
+# memory tiled and swizzled explicitly; warpgroup semantics infer it.
+_LANE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, stages: int,
+            lane: bool):
   ni, si, mi = lax.axis_index("n"), lax.axis_index("split"), lax.axis_index("m")
   ks = pl.ds(si * (steps * tile_k), steps * tile_k)
   rows = pl.ds(mi * BLOCK_M, BLOCK_M)
   cols = pl.ds(ni * tile_n, tile_n)
+  transforms = dict(transforms=_LANE_TRANSFORMS) if lane else {}
 
   def acc_scope(acc_ref):
     # delay_release=1: a stage is refilled one step after its wgmma was issued, so the
@@ -58,15 +65,22 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
     plgpu.emit_pipeline(
         lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem),
         grid=(steps,),
-        in_specs=[plgpu.BlockSpec((BLOCK_M, tile_k), lambda s: (0, s), delay_release=1),
-                  plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), delay_release=1)],
+        in_specs=[plgpu.BlockSpec((BLOCK_M, tile_k), lambda s: (0, s), delay_release=1,
+                                  **transforms),
+                  plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), delay_release=1,
+                                  **transforms)],
         max_concurrent_steps=stages,
     )(x_gmem.at[rows, ks], w_gmem.at[ks, cols])
     return acc_ref[...]
 
   acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, tile_n), jnp.float32))
 
-  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, tile_n), jnp.float32))
+  # Lane semantics: the float32 staging tile in (8, 32)-tiled, 128-byte-swizzled rows, which
+  # a WGMMA-layout store can fill without bank conflicts.
+  o_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)) if lane else ()
+
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, tile_n), jnp.float32,
+                                                      transforms=o_transforms))
   def _store(o_smem):
     o_smem[...] = acc
     plgpu.commit_smem()
@@ -78,10 +92,13 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
 
 
 @functools.partial(jax.jit, static_argnames=("tile_n", "tile_k", "splits", "stages",
-                                             "tma_add", "interpret"))
+                                             "tma_add", "lane", "interpret"))
 def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int = 4,
-                       stages: int = 4, tma_add: bool = False, interpret: bool = False):
-  """`x @ w` in `x.dtype` (float32 accumulation and partials); bf16 or fp16 operands."""
+                       stages: int = 4, tma_add: bool = False, lane: bool = False,
+                       interpret: bool = False):
+  """`x @ w` in `x.dtype` (float32 accumulation and partials); bf16 or fp16 operands.
+  `lane`: lane lowering semantics with explicit shared-memory transforms instead of
+  warpgroup semantics."""
   m, k = x.shape
   if w.shape[0] != k or w.dtype != x.dtype:
     raise ValueError(f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not multiply")
@@ -90,12 +107,12 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
   steps = k // (splits * tile_k)
   kernel = plgpu.kernel(
       functools.partial(_kernel, tile_n=tile_n, tile_k=tile_k, steps=steps,
-                        stages=max(2, min(stages, steps))),
+                        stages=max(2, min(stages, steps)), lane=lane),
       out_type=() if tma_add else jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
       grid=(n // tile_n, splits, m // BLOCK_M),
       grid_names=("n", "split", "m"),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=(
+          plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup)),
       interpret=_compat.resolve_interpret(interpret),
   )
   if tma_add:
@@ -118,7 +135,8 @@ if __name__ == "__main__":
   import numpy as np   # pylint: disable=g-import-not-at-top
   for m, k, n, tiling in [(64, 512, 128, dict(tile_n=64, tile_k=64, splits=2, stages=3)),
                           (128, 256, 128, dict(tile_n=128, tile_k=128, splits=1)),
-                          (64, 1024, 64, dict(tile_n=64, tile_k=128, splits=4, stages=2))]:
+                          (64, 1024, 64, dict(tile_n=64, tile_k=128, splits=4, stages=2)),
+                          (64, 512, 128, dict(tile_n=64, tile_k=128, splits=2, lane=True))]:
     x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.05
     got = np.asarray(skinny_matmul_mgpu(x, w, **tiling, interpret=True), np.float64)
@@ -128,7 +146,10 @@ if __name__ == "__main__":
     assert rel < 1e-2, rel
   for (k_in, n_out), tiling in [((2048, 3072), dict(tile_n=64, tile_k=64, splits=4)),
                                 ((8192, 2048), dict(tile_n=128, tile_k=128, splits=8, stages=3)),
-                                ((2048, 2048), dict(tile_n=64, tile_k=64, splits=8, tma_add=True))]:
+                                ((2048, 2048), dict(tile_n=64, tile_k=64, splits=8, tma_add=True)),
+                                ((2048, 3072), dict(tile_n=64, tile_k=128, splits=4, lane=True)),
+                                ((8192, 2048), dict(tile_n=128, tile_k=64, splits=8, lane=True,
+                                                    tma_add=True))]:
     calls = lowered_custom_calls(64, k_in, n_out, **tiling)
     print(f"lowered for CUDA M=64 K={k_in} N={n_out} {tiling}: {calls}")
     assert len(calls) == 1 and calls[0].startswith("mosaic_gpu"), calls
