@@ -51,6 +51,21 @@ def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int) -> N
 _LANE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+DELAY_RELEASE = True   # False: await each step's wgmma (the path for a jax without it)
+
+
+def _block_specs(*shapes_and_maps, **kwargs):
+  """`(BlockSpecs, delayed)`: with `delay_release=1` where this jax has it and
+  `DELAY_RELEASE` is on."""
+  if DELAY_RELEASE:
+    try:
+      return [plgpu.BlockSpec(shape, index_map, delay_release=1, **kwargs)
+              for shape, index_map in shapes_and_maps], True
+    except TypeError:
+      pass
+  return [plgpu.BlockSpec(shape, index_map, **kwargs) for shape, index_map in shapes_and_maps], False
+
+
 def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, stages: int,
             lane: bool):
   ni, si, mi = lax.axis_index("n"), lax.axis_index("split"), lax.axis_index("m")
@@ -61,16 +76,18 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
 
   def acc_scope(acc_ref):
     # delay_release=1: a stage is refilled one step after its wgmma was issued, so the
-    # asynchronous wgmma never reads a buffer being overwritten.
-    plgpu.emit_pipeline(
-        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem),
-        grid=(steps,),
-        in_specs=[plgpu.BlockSpec((BLOCK_M, tile_k), lambda s: (0, s), delay_release=1,
-                                  **transforms),
-                  plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), delay_release=1,
-                                  **transforms)],
-        max_concurrent_steps=stages,
-    )(x_gmem.at[rows, ks], w_gmem.at[ks, cols])
+    # asynchronous wgmma never reads a buffer being overwritten. A jax without
+    # `delay_release` gets a wgmma awaited in each step instead (slower, same result).
+    specs, delayed = _block_specs(((BLOCK_M, tile_k), lambda s: (0, s)),
+                                  ((tile_k, tile_n), lambda s: (s, 0)), **transforms)
+
+    def step(_, x_smem, w_smem):
+      plgpu.wgmma(acc_ref, x_smem, w_smem)
+      if not delayed:
+        plgpu.wgmma_wait(0)
+
+    plgpu.emit_pipeline(step, grid=(steps,), in_specs=specs,
+                        max_concurrent_steps=stages)(x_gmem.at[rows, ks], w_gmem.at[ks, cols])
     return acc_ref[...]
 
   acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, tile_n), jnp.float32))
@@ -111,8 +128,10 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
       out_type=() if tma_add else jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
       grid=(n // tile_n, splits, m // BLOCK_M),
       grid_names=("n", "split", "m"),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=(
-          plgpu.LoweringSemantics.Lane if lane else plgpu.LoweringSemantics.Warpgroup)),
+      # Lane is the default semantics: named only for warpgroup, so the lane form needs
+      # nothing a jax without `LoweringSemantics` lacks.
+      compiler_params=plgpu.CompilerParams() if lane else plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=_compat.resolve_interpret(interpret),
   )
   if tma_add:
@@ -144,6 +163,19 @@ if __name__ == "__main__":
     rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     print(f"interpreter M={m} K={k} N={n} {tiling}: rel err {rel:.2e}")
     assert rel < 1e-2, rel
+  DELAY_RELEASE = False   # the path for a jax without delay_release, both semantics
+  jax.clear_caches()      # the switch is read when traced
+  for lane in (False, True):
+    x = jax.random.normal(jax.random.key(3), (64, 512), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(4), (512, 128), jnp.bfloat16) * 0.05
+    got = np.asarray(skinny_matmul_mgpu(x, w, tile_n=64, tile_k=64, splits=2, lane=lane,
+                                        interpret=True), np.float64)
+    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    print(f"interpreter, each wgmma awaited, lane={lane}: rel err {rel:.2e}")
+    assert rel < 1e-2, rel
+  DELAY_RELEASE = True
+  jax.clear_caches()
   for (k_in, n_out), tiling in [((2048, 3072), dict(tile_n=64, tile_k=64, splits=4)),
                                 ((8192, 2048), dict(tile_n=128, tile_k=128, splits=8, stages=3)),
                                 ((2048, 2048), dict(tile_n=64, tile_k=64, splits=8, tma_add=True)),
