@@ -65,22 +65,24 @@ def pallas_configs(k_in: int, n_out: int):
   return out
 
 
-def mgpu_configs(k_in: int, n_out: int, lanes=(False,)):
+def mgpu_configs(k_in: int, n_out: int, quick: bool = False):
   """`skinny_gemm_mgpu.skinny_matmul_mgpu` tilings to time for one GEMM: whole tiles, 128..600
   programs (1-4.5 waves of 132 SMs), a 4-deep pipeline within ~200 KB of shared memory, split-K
-  partials summed by XLA or added in by TMA; `lanes`: which lowering semantics (`lane`)."""
+  partials summed by XLA or added in by TMA. `quick`: 64 x 128 tiles over 128..256 programs
+  only, each in both lowering semantics (warpgroup and lane)."""
   out = []
-  for tile_n in (64, 128):
-    for tile_k in (64, 128):
+  for tile_n in (64,) if quick else (64, 128):
+    for tile_k in (128,) if quick else (64, 128):
       for splits in (1, 2, 4, 8, 16):
         programs = n_out // tile_n * splits
-        if n_out % tile_n or k_in % (splits * tile_k) or not 128 <= programs <= 600:
+        if n_out % tile_n or k_in % (splits * tile_k) or not 128 <= programs <= (
+            256 if quick else 600):
           continue
         stages = min(4, k_in // (splits * tile_k))
         if stages < 2 or stages * (64 * tile_k + tile_k * tile_n) * 2 + 64 * tile_n * 4 > 200 * 1024:
           continue
         for tma_add in (False, True) if splits > 1 else (False,):
-          for lane in lanes:
+          for lane in (False, True) if quick else (False,):
             out.append(dict(tile_n=tile_n, tile_k=tile_k, splits=splits, stages=stages,
                             tma_add=tma_add, lane=lane))
   return out
@@ -140,11 +142,8 @@ def main(argv=None) -> int:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
                      pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
       if args.mgpu and m % 64 == 0:
-        configs = [c for c in mgpu_configs(k_in, n_out, (False, True) if args.quick else (False,))
-                   if not args.quick or (
-            c["tile_n"] == 64 and c["tile_k"] == 128
-            and 128 <= n_out // c["tile_n"] * c["splits"] <= 256)]
-        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu, configs,
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu,
+                     mgpu_configs(k_in, n_out, quick=args.quick),
                      "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add} lane={lane}")
   return 0
 

@@ -150,30 +150,29 @@ def lowered_custom_calls(m: int, k: int, n: int, **tiling) -> list[str]:
   return re.findall(r"custom_call @(\w+)", text)
 
 
-if __name__ == "__main__":
+def _check_interpreted(m: int, k: int, n: int, label: str = "", **tiling) -> None:
+  """One tiling under the Mosaic GPU interpreter against a float64 product (CPU)."""
   import numpy as np   # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.key(m + k), (m, k), jnp.bfloat16)
+  w = jax.random.normal(jax.random.key(n), (k, n), jnp.bfloat16) * 0.05
+  got = np.asarray(skinny_matmul_mgpu(x, w, **tiling, interpret=True), np.float64)
+  ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+  print(f"interpreter{label} M={m} K={k} N={n} {tiling}: rel err {rel:.2e}")
+  assert rel < 1e-2, rel
+
+
+if __name__ == "__main__":
   for m, k, n, tiling in [(64, 512, 128, dict(tile_n=64, tile_k=64, splits=2, stages=3)),
                           (128, 256, 128, dict(tile_n=128, tile_k=128, splits=1)),
                           (64, 1024, 64, dict(tile_n=64, tile_k=128, splits=4, stages=2)),
                           (64, 512, 128, dict(tile_n=64, tile_k=128, splits=2, lane=True))]:
-    x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16) * 0.05
-    got = np.asarray(skinny_matmul_mgpu(x, w, **tiling, interpret=True), np.float64)
-    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    print(f"interpreter M={m} K={k} N={n} {tiling}: rel err {rel:.2e}")
-    assert rel < 1e-2, rel
+    _check_interpreted(m, k, n, **tiling)
   DELAY_RELEASE = False   # the path for a jax without delay_release, both semantics
   jax.clear_caches()      # the switch is read when traced
   for lane in (False, True):
-    x = jax.random.normal(jax.random.key(3), (64, 512), jnp.bfloat16)
-    w = jax.random.normal(jax.random.key(4), (512, 128), jnp.bfloat16) * 0.05
-    got = np.asarray(skinny_matmul_mgpu(x, w, tile_n=64, tile_k=64, splits=2, lane=lane,
-                                        interpret=True), np.float64)
-    ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    print(f"interpreter, each wgmma awaited, lane={lane}: rel err {rel:.2e}")
-    assert rel < 1e-2, rel
+    _check_interpreted(64, 512, 128, ", each wgmma awaited,", tile_n=64, tile_k=64, splits=2,
+                       lane=lane)
   DELAY_RELEASE = True
   jax.clear_caches()
   for (k_in, n_out), tiling in [((2048, 3072), dict(tile_n=64, tile_k=64, splits=4)),
