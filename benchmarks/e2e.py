@@ -56,6 +56,8 @@ def _args(argv=None):
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--max-write", type=int, default=512, help="jaxkv step width W")
   p.add_argument("--implementation", default=None, help="jaxkv attention (default None)")
+  p.add_argument("--gemm", default=None, choices=["xla", "mosaic_gpu"],
+                 help="jaxkv's decode-width o/down GEMM (default None: mosaic_gpu on Hopper)")
   p.add_argument("--bucket", type=int, default=0,
                  help="jaxkv: steps of at most this many tokens run the dense layers on that "
                       "many rows inside a lax.cond (default 0 = off: the engine's narrow "
@@ -455,7 +457,8 @@ def main(argv=None) -> int:
   bucket = args.bucket or None
   # The same weights (same seed and shapes) over every cache this run serves.
   build = lambda c: Decoder(cfg, c, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                            implementation=args.implementation, bucket=bucket, rngs=nnx.Rngs(0))
+                            implementation=args.implementation, bucket=bucket, gemm=args.gemm,
+                            rngs=nnx.Rngs(0))
   model = build(cache)
   ceilings = measure_ceilings(args.small)
   floor = roofline(cfg, prompts, news, ceilings, slots=slots)
@@ -471,7 +474,8 @@ def main(argv=None) -> int:
   results = {"device": jax.devices()[0].device_kind, "params": cfg.num_params,
              "workload": args.workload, "requests": len(prompts), "slots": slots,
              "prompt_tokens": int(sum(lens)), "generated": int(sum(news)),
-             "max_write": args.max_write, "bucket": bucket, "ceilings": ceilings, "roofline": floor}
+             "max_write": args.max_write, "bucket": bucket, "gemm": model.gemm,
+             "ceilings": ceilings, "roofline": floor}
   outputs = {}
   base_name = "static" if args.workload == "mixed" else "baseline"
   if not args.skip_baseline:
@@ -507,7 +511,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     results["jaxkv"], outputs["jaxkv"] = run_jaxkv(model, prompts, news)
     r = results["jaxkv"]
-    print(f"jaxkv ({results['jaxkv_attention']}): {r['seconds']:.3f} s, {r['tokens_per_s']:.0f} "
+    print(f"jaxkv ({results['jaxkv_attention']}, gemm {model.gemm}): {r['seconds']:.3f} s, {r['tokens_per_s']:.0f} "
           f"tokens/s ({floor['seconds'] / r['seconds']:.2f} of the roofline), {r['steps']} steps, "
           f"{r['ms_per_step']:.3f} ms/step, steps per width {r['width_steps']}, mean occupancy "
           f"{r['mean_occupancy']:.1f}, {r['loop_entries']} loop entries (with warm-up "

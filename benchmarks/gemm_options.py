@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import kernel_trace   # pylint: disable=wrong-import-position
 from skinny_gemm import skinny_matmul   # pylint: disable=wrong-import-position
-from skinny_gemm_mgpu import skinny_matmul_mgpu   # pylint: disable=wrong-import-position
+from pallas_kernels.skinny_gemm import skinny_matmul_mgpu   # pylint: disable=wrong-import-position
 
 LAYERS = 16
 HIDDEN = 2048
@@ -66,7 +66,7 @@ def pallas_configs(k_in: int, n_out: int):
 
 
 def mgpu_configs(k_in: int, n_out: int, quick: bool = False):
-  """`skinny_gemm_mgpu.skinny_matmul_mgpu` tilings to time for one GEMM: whole tiles, 128..600
+  """`pallas_kernels.skinny_gemm.skinny_matmul_mgpu` tilings to time for one GEMM: whole tiles, 128..600
   programs (1-4.5 waves of 132 SMs), a 4-deep pipeline within ~200 KB of shared memory, split-K
   partials summed by XLA or added in by TMA. `quick`: 64 x 128 tiles over 128..256 programs
   only, each in both lowering semantics (warpgroup and lane)."""
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                  help="with --mgpu: 64 x 128 tiles over 128-256 programs only, in both "
                  "lowering semantics (warpgroup and lane)")
   p.add_argument("--mgpu", action="store_true",
-                 help="also time benchmarks/skinny_gemm_mgpu.py's Mosaic GPU GEMM over a sweep "
+                 help="also time pallas_kernels/skinny_gemm.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
   args = p.parse_args(argv)
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "

@@ -31,7 +31,10 @@ for w in "${@:-decode uniform}"; do
     gemm_mgpu) TAIL=60 run gemm_mgpu 420 python3 benchmarks/gemm_options.py --rows 64 --mgpu;;
     gemm_mgpu_quick) TAIL=50 run gemm_mgpu_quick 240 python3 benchmarks/gemm_options.py --rows 64 --mgpu --quick --default-only;;
     mha_tiles) TAIL=40 run mha_tiles 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,128-key tiles,128-key tiles 3 stages,defaults" --cases "decode 64 seqs 32/32 D80 512..4096,decode 64 seqs 32/32 D96 512..4096,decode 64 seqs 32/8 D96 512..8192";;
-    levers_mgpu) TAIL=12 run step_levers_mgpu 420 python3 benchmarks/step_levers.py --variants base,mgpu_o_down,mgpu_mlp_o,base ${MGPU_TILINGS:+--mgpu-tilings "$MGPU_TILINGS"};;
+    gemm_on) run gemm_tests 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py tests/jaxkv/test_gemm.py -k "compiled or resolves or refused"
+        TAIL=12 run step_levers_gemm 240 python3 benchmarks/step_levers.py --variants base,xla_gemm,base
+        run e2e_decode 150 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json";;
+    levers_gemm) TAIL=12 run step_levers_gemm 300 python3 benchmarks/step_levers.py --variants base,xla_gemm,base;;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"
         TAIL=30 run table_rows 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,segment rows" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128";;
     plan_compare) TAIL=30 run plan_compare 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,plan compares as before,defaults" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x2048 32/8 D64";;

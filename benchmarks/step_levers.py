@@ -32,11 +32,9 @@ Variants:
   timing only (this workload refuses nothing): what folding those selects into
   their producers could save at most.
 
-- `mgpu_o_down`, `mgpu_mlp_o`: at decode widths (64 or 128 rows) the output projection and
-  the MLP's down projection (`mgpu_mlp_o`: also gate and up) multiply through
-  `benchmarks/skinny_gemm_mgpu.py`'s Mosaic GPU GEMM instead of XLA's (the Linears'
-  `dot_general` replaced); q/k/v stay XLA's merged GEMM. Tilings per `KxN` weight shape
-  from `--mgpu-tilings` (JSON), else `MGPU_TILINGS`.
+- `xla_gemm`: every layer's output and down projections keep XLA's GEMM at decode widths
+  instead of `pallas_kernels.skinny_gemm` (the model's default `gemm` on a Hopper GPU); the
+  Linears' `dot_general` is replaced by `jax.lax.dot_general`.
 
 `--uniform` times e2e.py's uniform workload instead (64 prompts of 128..2,048
 tokens, 256 new tokens, W = 2,048) and prints the whole run beside the padded loop.
@@ -49,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -92,54 +89,12 @@ def _kernel_epilogue_default(*args, **kwargs):
 
 _DEFAULT = kernel_config.default_varlen_attention_config
 
-# `skinny_matmul_mgpu` tilings per weight shape `KxN` (e2e model: o 2048x2048, gate/up
-# 2048x8192, down 8192x2048): 128-256 programs of 64 x 128 tiles until
-# `gemm_options.py --mgpu` names better ones.
-MGPU_TILINGS = {
-    "2048x2048": dict(tile_n=64, tile_k=128, splits=4),
-    "2048x8192": dict(tile_n=64, tile_k=128, splits=1),
-    "8192x2048": dict(tile_n=64, tile_k=128, splits=8),
-}
-MGPU_MAX_ROWS = 128   # decode widths; wider steps keep XLA's GEMMs
-
-
-def mgpu_dot_general(tilings, *, interpret=False):
-  """A `dot_general` for `nnx.Linear` that sends `[M, K] @ [K, N]` with `M` a multiple of 64
-  up to `MGPU_MAX_ROWS` and a tiling for `KxN` to `skinny_matmul_mgpu`; everything else
-  (wider steps, other shapes or dtypes) to `lax.dot_general`."""
-  from skinny_gemm_mgpu import skinny_matmul_mgpu   # pylint: disable=g-import-not-at-top
-
-  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
-                  **kwargs):
-    (contract_l, contract_r), (batch_l, batch_r) = dimension_numbers
-    tiling = tilings.get(f"{rhs.shape[0]}x{rhs.shape[-1]}") if rhs.ndim == 2 else None
-    if (tiling is not None and lhs.ndim == 2 and tuple(contract_l) == (1,)
-        and tuple(contract_r) == (0,) and not batch_l and not batch_r
-        and lhs.shape[0] % 64 == 0 and lhs.shape[0] <= MGPU_MAX_ROWS
-        and lhs.dtype == rhs.dtype and preferred_element_type in (None, lhs.dtype)):
-      return skinny_matmul_mgpu(lhs, rhs, **tiling, interpret=interpret)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
-  return dot_general
-
-
-def _mgpu_linears(model, with_gate_up):
-  """The model's Linears a `mgpu_*` variant reroutes: every layer's o_proj and down_proj,
-  and gate_proj and up_proj with `with_gate_up`."""
-  for layer in model.layers:
-    yield layer.attn.o_proj
-    yield layer.mlp.down_proj
-    if with_gate_up:
-      yield layer.mlp.gate_proj
-      yield layer.mlp.up_proj
-
-
-def _variant(name, model=None, tilings=None):
+def _variant(name, model=None):
   stack = contextlib.ExitStack()
-  if name in ("mgpu_o_down", "mgpu_mlp_o"):
-    fn = mgpu_dot_general(MGPU_TILINGS if tilings is None else tilings)
-    for linear in _mgpu_linears(model, with_gate_up=name == "mgpu_mlp_o"):
-      stack.enter_context(_patched(linear, "dot_general", fn))
+  if name == "xla_gemm":
+    for layer in model.layers:
+      for linear in (layer.attn.o_proj, layer.mlp.down_proj):
+        stack.enter_context(_patched(linear, "dot_general", jax.lax.dot_general))
   if name in ("sample_cond", "both"):
     stack.enter_context(_patched(engine_module, "plain_greedy", lambda params: False))
   if name in ("no_splits", "both"):
@@ -166,9 +121,6 @@ def main(argv=None) -> int:
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--variants", default="base,sample_cond,no_splits,both")
   p.add_argument("--uniform", action="store_true", help="e2e.py's uniform workload instead")
-  p.add_argument("--mgpu-tilings", default=None,
-                 help="JSON {\"KxN\": {tile_n, tile_k, splits[, stages, tma_add, lane]}} for the "
-                 "mgpu_* variants (default: MGPU_TILINGS)")
   args = p.parse_args(argv)
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
@@ -184,7 +136,8 @@ def main(argv=None) -> int:
   from flax import nnx   # pylint: disable=g-import-not-at-top
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   base, _ = e2e.run_baseline(cfg, model, prompts, new)
-  print(f"device {jax.devices()[0].device_kind}; padded {base['attention']} loop: "
+  print(f"device {jax.devices()[0].device_kind}; model gemm={model.gemm!r}; padded "
+        f"{base['attention']} loop: "
         f"{base['ms_per_decode_step']:.3f} ms per decode step, {base['seconds']:.3f} s in all")
   print("| variant | ms/step | steps | vs padded decode step | seconds | padded / this | "
         "tokens equal to base |")
@@ -192,7 +145,7 @@ def main(argv=None) -> int:
   reference = None
   for name in args.variants.split(","):
     jax.clear_caches()   # every variant traces and compiles its own loop
-    with _variant(name, model, json.loads(args.mgpu_tilings) if args.mgpu_tilings else None):
+    with _variant(name, model):
       result, tokens = e2e.run_jaxkv(model, prompts, new)
     reference = tokens if reference is None else reference
     same = sum(a == b for a, b in zip(tokens, reference))

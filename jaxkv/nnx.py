@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, Phase, Status, StepError, pure
+from jaxkv._gemm import linear_dot_general, resolve_gemm
 from jaxkv.rope import RopeScaling, apply_rope, rope_inv_freq
 
 __all__ = ["CachedAttention", "RMSNorm", "RopeScaling", "apply_rope", "bucketed",
@@ -227,6 +228,10 @@ class CachedAttention(nnx.Module):
       Hopper GPU, else the reference).
     bucket: optional static row count: steps with at most this many real tokens
       run the projections on `bucket` rows instead of `W` (see `bucketed`).
+    gemm: the output projection's GEMM at decode widths (up to 64 rows): None picks
+      `"mosaic_gpu"` (`pallas_kernels.skinny_gemm`) on a Hopper GPU without a mesh, else
+      `"xla"`; `"interpret"` runs the kernel under the Mosaic GPU interpreter (CPU tests).
+      Wider steps and shapes the kernel refuses always use XLA's (CONTRACT §10.8).
     mesh: optional `jax.sharding.Mesh` (auto or explicit axes): heads are split over
       `kv_axis` (q/k/v kernels over their outputs, `o_proj` over its inputs,
       the cache layer over its KV heads); pass the cache state built with the
@@ -244,7 +249,7 @@ class CachedAttention(nnx.Module):
                qk_norm: str | None = None, norm_eps: float = 1e-6, scale: float | None = None,
                use_bias: bool = False, dtype=None, param_dtype=jnp.float32,
                implementation: str | None = None, bucket: int | None = None,
-               mesh=None, kv_axis: str = "tp", rngs: nnx.Rngs):
+               gemm: str | None = None, mesh=None, kv_axis: str = "tp", rngs: nnx.Rngs):
     if not isinstance(cache_config, CacheConfig):
       raise TypeError(f"cache_config={cache_config!r} must be a CacheConfig")
     if isinstance(layer, bool) or not isinstance(layer, int) or not (
@@ -266,6 +271,7 @@ class CachedAttention(nnx.Module):
       raise ValueError(f"bucket={bucket!r} must be None or an int >= 1")
     rope_inv_freq(head_dim, rope_theta, rope_scaling)   # validates head_dim, theta
     validate_tp(mesh, kv_axis, num_heads=num_heads, n_kv_heads=kv_heads)
+    self.gemm = resolve_gemm(gemm, mesh)
     self.mesh, self.kv_axis = mesh, kv_axis
     self.bucket = bucket
     self.cache_config, self.layer = cache_config, layer
@@ -279,10 +285,13 @@ class CachedAttention(nnx.Module):
     def linear(n_in, n_out, bias, split_inputs):
       # Megatron: q/k/v split over their outputs (heads), o_proj over its inputs.
       spec = (kv_axis, None) if split_inputs else (None, kv_axis)
+      # o_proj's decode GEMM may run the skinny kernel; q/k/v stay one merged XLA GEMM.
+      dot_general = linear_dot_general(self.gemm if split_inputs else "xla")
       return nnx.Linear(
           n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
           kernel_init=sharded_init(kernel_init, mesh, spec),
-          bias_init=sharded_init(bias_init, mesh, (kv_axis,)), rngs=rngs)
+          bias_init=sharded_init(bias_init, mesh, (kv_axis,)), dot_general=dot_general,
+          rngs=rngs)
 
     self.q_proj = linear(features, num_heads * head_dim, use_bias, False)
     self.k_proj = linear(features, kv_heads * head_dim, use_bias, False)

@@ -17,6 +17,7 @@ from pallas_kernels.paged import (
     paged_varlen_attention,
     paged_varlen_attention_reference,
 )
+from pallas_kernels.skinny_gemm import skinny_matmul, skinny_matmul_refusal
 from pallas_kernels.varlen_attention import (
     check_varlen_attention,
     static_validate_varlen_attention,
@@ -35,6 +36,8 @@ __all__ = [
     "paged_kv_write_reference",
     "paged_varlen_attention",
     "paged_varlen_attention_reference",
+    "skinny_matmul",
+    "skinny_matmul_refusal",
     "static_validate_kv_write",
     "static_validate_varlen_attention",
     "varlen_attention",

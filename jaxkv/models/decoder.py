@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxkv
+from jaxkv._gemm import linear_dot_general, resolve_gemm
 from jaxkv.models.config import GEMMA3, LLAMA, ModelConfig
 from jaxkv.nnx import (CachedAttention, RMSNorm, bucketed, row_parallel_sharding,
                        sharded_init, validate_tp)
@@ -46,16 +47,19 @@ _MERGE_ROWS = 256
 class MLP(nnx.Module):
   """Gated MLP: `down(act(gate(x)) * up(x))`; SiLU (Llama) or tanh-GELU (Gemma)."""
 
-  def __init__(self, config: ModelConfig, *, dtype, param_dtype, mesh=None, kv_axis="tp",
-               rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, *, dtype, param_dtype, gemm: str = "xla", mesh=None,
+               kv_axis="tp", rngs: nnx.Rngs):
     init = nnx.initializers.lecun_normal()
-    linear = lambda n_in, n_out, spec: nnx.Linear(
+    linear = lambda n_in, n_out, spec, gemm="xla": nnx.Linear(
         n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=sharded_init(init, mesh, spec), rngs=rngs)
-    # Megatron: gate/up split over their outputs, down over its inputs.
+        kernel_init=sharded_init(init, mesh, spec), dot_general=linear_dot_general(gemm),
+        rngs=rngs)
+    # Megatron: gate/up split over their outputs, down over its inputs. Only down's decode
+    # GEMM may run the skinny kernel (`gemm`, resolved): XLA's merged gate+up GEMM already
+    # streams its weights near the copy ceiling (docs/PERFORMANCE.md "Serving speed" §17).
     self.gate_proj = linear(config.hidden_size, config.intermediate_size, (None, kv_axis))
     self.up_proj = linear(config.hidden_size, config.intermediate_size, (None, kv_axis))
-    self.down_proj = linear(config.intermediate_size, config.hidden_size, (kv_axis, None))
+    self.down_proj = linear(config.intermediate_size, config.hidden_size, (kv_axis, None), gemm)
     self.is_gelu = config.arch == GEMMA3
     self.mesh = mesh
 
@@ -78,8 +82,8 @@ class DecoderLayer(nnx.Module):
   """One pre-norm decoder layer; Gemma 3 adds post-attention and post-MLP norms."""
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, layer: int, *,
-               dtype, param_dtype, implementation, bucket, mesh=None, kv_axis="tp",
-               rngs: nnx.Rngs):
+               dtype, param_dtype, implementation, bucket, gemm=None, mesh=None,
+               kv_axis="tp", rngs: nnx.Rngs):
     is_gemma = config.arch == GEMMA3
     is_sliding = config.layer_types[layer] == "sliding"
     offset = 1.0 if is_gemma else 0.0
@@ -97,9 +101,9 @@ class DecoderLayer(nnx.Module):
         qk_norm=config.qk_norm, norm_eps=config.rms_eps, scale=scale,
         use_bias=config.attention_bias,
         dtype=dtype, param_dtype=param_dtype, implementation=implementation, bucket=bucket,
-        mesh=mesh, kv_axis=kv_axis, rngs=rngs)
-    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, mesh=mesh, kv_axis=kv_axis,
-                   rngs=rngs)
+        gemm=gemm, mesh=mesh, kv_axis=kv_axis, rngs=rngs)
+    self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, gemm=self.attn.gemm, mesh=mesh,
+                   kv_axis=kv_axis, rngs=rngs)
     self.bucket = bucket
     self.input_layernorm = norm()
     self.post_attention_layernorm = norm()
@@ -149,6 +153,10 @@ class Decoder(nnx.Module):
     bucket: optional row count for small steps: a step with at most `bucket`
       real tokens (a decode step) runs projections and MLPs on `bucket` rows
       instead of `W` (`jaxkv.nnx.bucketed`).
+    gemm: the GEMM of every layer's output and down projections at decode widths (up to
+      64 rows): None picks `"mosaic_gpu"` (`pallas_kernels.skinny_gemm`) on a Hopper GPU
+      without a mesh, else `"xla"`; `"interpret"` runs it under the Mosaic GPU interpreter.
+      The resolved choice is `model.gemm` (CONTRACT §10.8).
     mesh: optional `jax.sharding.Mesh` (auto or explicit axes) for tensor parallelism:
       attention heads and MLP features split over `kv_axis`, embeddings and
       norms replicated (module docstring).
@@ -163,7 +171,8 @@ class Decoder(nnx.Module):
 
   def __init__(self, config: ModelConfig, cache_config: jaxkv.CacheConfig, *,
                dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
-               bucket: int | None = None, mesh=None, kv_axis: str = "tp", rngs: nnx.Rngs):
+               bucket: int | None = None, gemm: str | None = None, mesh=None,
+               kv_axis: str = "tp", rngs: nnx.Rngs):
     if not isinstance(config, ModelConfig):
       raise TypeError(f"config={config!r} must be a ModelConfig")
     if tuple(cache_config.layers) != tuple(config.cache_layers()):
@@ -172,6 +181,7 @@ class Decoder(nnx.Module):
     validate_tp(mesh, kv_axis, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                 intermediate_size=config.intermediate_size)
     _check_params_fit(config, param_dtype, mesh, kv_axis)
+    self.gemm = resolve_gemm(gemm, mesh)
     self.config, self.cache_config = config, cache_config
     self.mesh, self.kv_axis = mesh, kv_axis
     self.dtype = np.dtype(dtype)
@@ -183,8 +193,8 @@ class Decoder(nnx.Module):
                            embedding_init=replicated(nnx.initializers.normal(0.02)), rngs=rngs)
     self.layers = nnx.List([
         DecoderLayer(config, cache_config, l, dtype=dtype, param_dtype=param_dtype,
-                     implementation=implementation, bucket=bucket, mesh=mesh, kv_axis=kv_axis,
-                     rngs=rngs)
+                     implementation=implementation, bucket=bucket, gemm=self.gemm, mesh=mesh,
+                     kv_axis=kv_axis, rngs=rngs)
         for l in range(config.num_layers)])
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_eps,
                         offset=1.0 if config.arch == GEMMA3 else 0.0, param_dtype=param_dtype,

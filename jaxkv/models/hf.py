@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._gemm import resolve_gemm
 from jaxkv.models import hf_config
 from jaxkv.models.decoder import GEMMA3, Decoder, ModelConfig, param_spec
 from jaxkv.models.safetensors_io import FLOAT_DTYPES, Checkpoint
@@ -176,7 +177,7 @@ def _place(ckpt: Checkpoint, name: str, transpose: bool, shape, dtype, sharding)
 def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
                kv_dtype=jnp.float32, dtype=jnp.float32, param_dtype=None,
                implementation: str | None = None, initial_capacity: int | None = None,
-               mesh=None, kv_axis: str = "tp"):
+               gemm: str | None = None, mesh=None, kv_axis: str = "tp"):
   """Builds the checkpoint's model on a fresh cache config and loads its weights.
 
   The model is built abstractly and each weight read lazily, cast on the host
@@ -192,6 +193,7 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
       `torch_dtype`/`dtype`, else the embedding tensor's; float64 serves as float32).
     param_dtype: parameter dtype; None or `"auto"` follows `dtype`.
     implementation: attention implementation of every layer.
+    gemm: the decode-width output/down projection GEMM (`jaxkv.models.Decoder`'s `gemm`).
     mesh, kv_axis: optional tensor parallelism.
 
   Returns:
@@ -201,6 +203,7 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
     ValueError, TypeError: a bad argument, config or checkpoint (named).
   """
   from flax import nnx   # pylint: disable=g-import-not-at-top
+  resolve_gemm(gemm, mesh)   # a bad choice is named before the checkpoint is read
   config, meta = hf_config.read(checkpoint)
   config_path = os.path.join(os.fspath(checkpoint), "config.json")
   with Checkpoint(checkpoint) as ckpt:
@@ -214,7 +217,8 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
                                        initial_capacity=initial_capacity)
     abstract = nnx.eval_shape(lambda: Decoder(
         config, cache_config, dtype=dtype, param_dtype=param_dtype,
-        implementation=implementation, mesh=mesh, kv_axis=kv_axis, rngs=nnx.Rngs(0)))
+        implementation=implementation, gemm=gemm, mesh=mesh, kv_axis=kv_axis,
+        rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     expected = expected_tensors(config)

@@ -1,24 +1,25 @@
-"""A Mosaic GPU `x @ w` for few rows (decode GEMMs), to time against XLA's (issue 11).
+"""A Mosaic GPU `x @ w` for few rows: the decode step's weight-streaming GEMMs (issue 11).
 
-The e2e model's decode step multiplies `[64, K]` activations by each layer's weights, and
-XLA's Triton split-K GEMMs move those weights at 1.5-2.9 TB/s (q/k/v 7.3 us, o 5.8, gate+up
-23.1, down 12.2, plus split-K reductions; docs/PERFORMANCE.md "Serving speed" §14), which
-alone exceeds the decode-step target. A Pallas Triton GEMM (`skinny_gemm.py`) was 1.6-3x
-slower. This is the Mosaic GPU form jax's own Hopper kernels take (`ragged_dot_mgpu`,
-`hopper_matmul_mgpu`: TMA pipeline, wgmma into a register accumulator), cut for few rows:
-one program per (`tile_n` columns, K split, 64-row block); each streams its `[K / splits,
-tile_n]` slice of `w` and the matching `[64, K / splits]` slice of `x` through an
-`emit_pipeline` of `stages` buffers (`tile_k` rows per step) and stores a float32
-partial; with `splits > 1` XLA sums the partials (a fusion a model would fold into the
-residual add, as it does for XLA's own split-K), or, with `tma_add=True`, each program adds
-its partial into one zeroed float32 `[M, N]` by a TMA reduce-add store (no partials array,
-no reduction kernel; the summation order then varies between runs).
+A decode step multiplies `[M, K]` activations (`M` = the step's tokens, 64 for 64 decoding
+sequences) by each layer's weights; the step is weight reads. XLA's Triton split-K GEMMs move
+the e2e model's o and down weights at 1.0-2.0 TB/s on H200 (8.7 and 16.6 us per layer); this
+kernel moves them at 1.4-2.8 TB/s (5.9 and 12.0 us; docs/PERFORMANCE.md "Serving speed" §17).
 
-On CPU, `PYTHONPATH=. python3 benchmarks/skinny_gemm_mgpu.py` runs small tilings under the
-Mosaic GPU interpreter (races and out-of-bounds reads raise) against a float64 product
-(`tma_add` only lowers: the interpreter has no TMA reductions) and lowers the e2e model's
-shapes for CUDA. `benchmarks/gemm_options.py --mgpu` times it on the
-GPU beside XLA's GEMMs, each result checked against a float32 product.
+The form is jax's own Hopper GEMMs' (`ragged_dot_mgpu`, `hopper_matmul_mgpu`: a TMA
+pipeline, wgmma into a register accumulator), cut for few rows: one program per (`tile_n`
+columns, K split, 64-row block); each streams its `[K / splits, tile_n]` slice of `w` and the
+matching `[64, K / splits]` slice of `x` through an `emit_pipeline` of `stages` buffers
+(`tile_k` rows per step) and stores a float32 partial; XLA sums the `splits` partials and
+rounds once to `x.dtype` (as XLA's own split-K does). With `tma_add=True` each program adds its
+partial into one zeroed float32 `[M, N]` by a TMA reduce-add store instead (no partials array;
+the summation order then varies between runs; slower on H200, kept for the sweep).
+
+`skinny_matmul(x, w)` is the entry a model uses: `M <= MAX_ROWS` rows (padded to 64),
+`default_tiling`'s tiling, `skinny_matmul_refusal` says why a shape is not served.
+`skinny_matmul_mgpu` takes an explicit tiling (`benchmarks/gemm_options.py --mgpu` sweeps them).
+
+`tests/pallas_kernels/test_skinny_gemm.py` runs it under the Mosaic GPU interpreter on CPU
+and compiled on a Hopper GPU, against a float64 product.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _compat
 
 BLOCK_M = 64   # one warpgroup's wgmma rows
+MAX_ROWS = 64  # rows `skinny_matmul` serves (padded to BLOCK_M); timed at 64 only
+TILE_N = 64
+TARGET_PROGRAMS = 128   # about one wave of the H200's 132 SMs
+MAX_SPLITS = 16
 
 
 def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int) -> None:
@@ -51,13 +56,10 @@ def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int) -> N
 _LANE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-DELAY_RELEASE = True   # False: await each step's wgmma (the path for a jax without it)
-
-
-def _block_specs(*shapes_and_maps, **kwargs):
+def _block_specs(*shapes_and_maps, delay_release: bool, **kwargs):
   """`(BlockSpecs, delayed)`: with `delay_release=1` where this jax has it and
-  `DELAY_RELEASE` is on."""
-  if DELAY_RELEASE:
+  `delay_release` asks for it."""
+  if delay_release:
     try:
       return [plgpu.BlockSpec(shape, index_map, delay_release=1, **kwargs)
               for shape, index_map in shapes_and_maps], True
@@ -67,7 +69,7 @@ def _block_specs(*shapes_and_maps, **kwargs):
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, stages: int,
-            lane: bool):
+            lane: bool, delay_release: bool):
   ni, si, mi = lax.axis_index("n"), lax.axis_index("split"), lax.axis_index("m")
   ks = pl.ds(si * (steps * tile_k), steps * tile_k)
   rows = pl.ds(mi * BLOCK_M, BLOCK_M)
@@ -79,7 +81,8 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
     # asynchronous wgmma never reads a buffer being overwritten. A jax without
     # `delay_release` gets a wgmma awaited in each step instead (slower, same result).
     specs, delayed = _block_specs(((BLOCK_M, tile_k), lambda s: (0, s)),
-                                  ((tile_k, tile_n), lambda s: (s, 0)), **transforms)
+                                  ((tile_k, tile_n), lambda s: (s, 0)),
+                                  delay_release=delay_release, **transforms)
 
     def step(_, x_smem, w_smem):
       plgpu.wgmma(acc_ref, x_smem, w_smem)
@@ -109,13 +112,14 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
 
 
 @functools.partial(jax.jit, static_argnames=("tile_n", "tile_k", "splits", "stages",
-                                             "tma_add", "lane", "interpret"))
+                                             "tma_add", "lane", "delay_release", "interpret"))
 def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int = 4,
                        stages: int = 4, tma_add: bool = False, lane: bool = False,
-                       interpret: bool = False):
+                       delay_release: bool = True, interpret: bool = False):
   """`x @ w` in `x.dtype` (float32 accumulation and partials); bf16 or fp16 operands.
   `lane`: lane lowering semantics with explicit shared-memory transforms instead of
-  warpgroup semantics."""
+  warpgroup semantics. `delay_release=False` awaits each step's wgmma (the path for a jax
+  without `BlockSpec.delay_release`, taken there anyway)."""
   m, k = x.shape
   if w.shape[0] != k or w.dtype != x.dtype:
     raise ValueError(f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not multiply")
@@ -124,7 +128,8 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
   steps = k // (splits * tile_k)
   kernel = plgpu.kernel(
       functools.partial(_kernel, tile_n=tile_n, tile_k=tile_k, steps=steps,
-                        stages=max(2, min(stages, steps)), lane=lane),
+                        stages=max(2, min(stages, steps)), lane=lane,
+                        delay_release=delay_release),
       out_type=() if tma_add else jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
       grid=(n // tile_n, splits, m // BLOCK_M),
       grid_names=("n", "split", "m"),
@@ -141,6 +146,59 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
   return kernel(x, w).sum(axis=0).astype(x.dtype)
 
 
+def default_tiling(k: int, n: int) -> dict | None:
+  """The tiling `skinny_matmul` uses for `[<=64, K] @ [K, N]`, or None when none fits.
+
+  64-column tiles; the K splits double until the programs fill about one wave of SMs
+  (`TARGET_PROGRAMS`), each split keeping at least two `tile_k`-row steps; `tile_k` 128
+  where K allows, else 64. On the e2e model's shapes this picks the sweep's fastest tilings
+  for o (2048x2048: 4 splits of 4 x 128 rows) and down (8192x2048: 4 splits of 16 x 128).
+  """
+  if n % TILE_N:
+    return None
+  tiles = n // TILE_N
+  for tile_k in (128, 64):
+    fits = lambda s: k % (s * tile_k) == 0 and k // (s * tile_k) >= 2
+    if not fits(1):
+      continue
+    splits = 1
+    while tiles * splits < TARGET_PROGRAMS and splits < MAX_SPLITS and fits(2 * splits):
+      splits *= 2
+    return dict(tile_n=TILE_N, tile_k=tile_k, splits=splits, stages=4)
+  return None
+
+
+def skinny_matmul_refusal(m: int, k: int, n: int, dtype) -> str | None:
+  """Why `skinny_matmul` does not serve `[m, k] @ [k, n]` in `dtype`, or None."""
+  if not 1 <= m <= MAX_ROWS:
+    return f"M={m} rows is outside 1..{MAX_ROWS}"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+  if default_tiling(k, n) is None:
+    return (f"N={n} is not a multiple of {TILE_N}, or K={k} does not split into two steps "
+            "of 64 rows")
+  return None
+
+
+def skinny_matmul(x, w, *, interpret=False):
+  """`x @ w` for `x [M <= MAX_ROWS, K]`, `w [K, N]` of one 16-bit dtype, in `x.dtype`
+  (float32 accumulation), with `default_tiling`; rows are padded to 64 inside.
+
+  Raises:
+    ValueError: the operands do not multiply, or `skinny_matmul_refusal` names a reason.
+  """
+  if x.ndim != 2 or w.ndim != 2 or w.shape[0] != x.shape[1] or w.dtype != x.dtype:
+    raise ValueError(f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must be [M, K] and "
+                     "[K, N] of one dtype")
+  (m, k), n = x.shape, w.shape[1]
+  reason = skinny_matmul_refusal(m, k, n, x.dtype)
+  if reason is not None:
+    raise ValueError(f"skinny_matmul does not serve x {x.shape} @ w {w.shape}: {reason}")
+  padded = jnp.pad(x, ((0, BLOCK_M - m), (0, 0))) if m < BLOCK_M else x
+  out = skinny_matmul_mgpu(padded, w, **default_tiling(k, n), interpret=interpret)
+  return out[:m] if m < BLOCK_M else out
+
+
 def lowered_custom_calls(m: int, k: int, n: int, **tiling) -> list[str]:
   """The custom calls of one `skinny_matmul_mgpu`, lowered for CUDA on any machine."""
   import re   # pylint: disable=g-import-not-at-top
@@ -148,39 +206,3 @@ def lowered_custom_calls(m: int, k: int, n: int, **tiling) -> list[str]:
   text = skinny_matmul_mgpu.trace(*shapes, **tiling).lower(
       lowering_platforms=("cuda",)).as_text()
   return re.findall(r"custom_call @(\w+)", text)
-
-
-def _check_interpreted(m: int, k: int, n: int, label: str = "", **tiling) -> None:
-  """One tiling under the Mosaic GPU interpreter against a float64 product (CPU)."""
-  import numpy as np   # pylint: disable=g-import-not-at-top
-  x = jax.random.normal(jax.random.key(m + k), (m, k), jnp.bfloat16)
-  w = jax.random.normal(jax.random.key(n), (k, n), jnp.bfloat16) * 0.05
-  got = np.asarray(skinny_matmul_mgpu(x, w, **tiling, interpret=True), np.float64)
-  ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-  rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-  print(f"interpreter{label} M={m} K={k} N={n} {tiling}: rel err {rel:.2e}")
-  assert rel < 1e-2, rel
-
-
-if __name__ == "__main__":
-  for m, k, n, tiling in [(64, 512, 128, dict(tile_n=64, tile_k=64, splits=2, stages=3)),
-                          (128, 256, 128, dict(tile_n=128, tile_k=128, splits=1)),
-                          (64, 1024, 64, dict(tile_n=64, tile_k=128, splits=4, stages=2)),
-                          (64, 512, 128, dict(tile_n=64, tile_k=128, splits=2, lane=True))]:
-    _check_interpreted(m, k, n, **tiling)
-  DELAY_RELEASE = False   # the path for a jax without delay_release, both semantics
-  jax.clear_caches()      # the switch is read when traced
-  for lane in (False, True):
-    _check_interpreted(64, 512, 128, ", each wgmma awaited,", tile_n=64, tile_k=64, splits=2,
-                       lane=lane)
-  DELAY_RELEASE = True
-  jax.clear_caches()
-  for (k_in, n_out), tiling in [((2048, 3072), dict(tile_n=64, tile_k=64, splits=4)),
-                                ((8192, 2048), dict(tile_n=128, tile_k=128, splits=8, stages=3)),
-                                ((2048, 2048), dict(tile_n=64, tile_k=64, splits=8, tma_add=True)),
-                                ((2048, 3072), dict(tile_n=64, tile_k=128, splits=4, lane=True)),
-                                ((8192, 2048), dict(tile_n=128, tile_k=64, splits=8, lane=True,
-                                                    tma_add=True))]:
-    calls = lowered_custom_calls(64, k_in, n_out, **tiling)
-    print(f"lowered for CUDA M=64 K={k_in} N={n_out} {tiling}: {calls}")
-    assert len(calls) == 1 and calls[0].startswith("mosaic_gpu"), calls
