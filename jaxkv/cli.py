@@ -127,9 +127,10 @@ def serve(args) -> int:
   except (ValueError, OSError) as e:
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
-  from jaxkv.serve.report import implementation_lines   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.report import gemm_line, implementation_lines   # pylint: disable=g-import-not-at-top
   for line in implementation_lines(engine.implementations):
     print(f"jaxkv serve: {line}", flush=True)
+  print(f"jaxkv serve: {gemm_line(engine.gemm)}", flush=True)
   # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
   print(f"jaxkv serve: compiled the serving loop in {warm_up(engine):.2f} s (before the first "

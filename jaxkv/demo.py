@@ -35,7 +35,7 @@ from jaxkv import models, serve
 from jaxkv._implementation import default_implementation
 from jaxkv._memory import check_fits
 from jaxkv.models import hf
-from jaxkv.serve.report import implementation_lines
+from jaxkv.serve.report import gemm_line, implementation_lines
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _INT32_LIMIT = 2**31
@@ -307,6 +307,7 @@ def main(argv=None) -> int:
         f"max_seqs={cache.max_seqs}, capacity={cache.capacity}")
   for line in implementation_lines(engine.implementations):
     print(line)
+  print(gemm_line(engine.gemm))
   # A warm-up run of the same queue shape compiles the serving loop (and pays every first
   # call's dispatch cost, which is not compilation), so the run below is measured warm.
   engine.run(_warm_up_queue(requests))

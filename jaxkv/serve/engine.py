@@ -184,6 +184,8 @@ class Engine:
   Attributes:
     implementations: which attention implementation serves each cache layer and
       why (`jaxkv.serve.report.layer_implementations`; also on every `EngineStats`).
+    gemm: the model's decode GEMM choice (`Decoder.gemm`, CONTRACT §10.8), or None for a
+      model without one.
     stats: `EngineStats` of the last `run` (or of the incremental API): counters,
       compile time apart from serving time, tokens/s after warm-up.
     completions: the last run's completions, also when it failed; each carries
@@ -257,6 +259,7 @@ class Engine:
                                               self.widths, greedy=True))
     self.state: LoopState | None = None
     self.implementations = layer_implementations(model, config)
+    self.gemm = getattr(model, "gemm", None)   # the decode GEMM (CONTRACT §10.8), if it says
     self.stats = EngineStats(implementations=self.implementations)
     self.completions: list[Completion] = []   # of the last run, also when it failed
     self._live: LiveQueue | None = None

@@ -96,3 +96,16 @@ def implementation_lines(plan: Sequence[LayerImplementation]) -> list[str]:
     groups.setdefault((row.implementation, row.reason), []).append(row.layer)
   return [f"attention: {impl} on {_layer_list(layers)} ({len(layers)} of {len(plan)}): {reason}"
           for (impl, reason), layers in groups.items()]
+
+
+def gemm_line(gemm: str | None) -> str:
+  """One line on the decode GEMM of a model's output and down projections (CONTRACT §10.8):
+  `gemm` is the model's resolved `gemm` (`Engine.gemm`), None for a model without one."""
+  if gemm is None:
+    return "decode GEMM: the model's own (it has no `gemm` attribute)"
+  if gemm == "xla":
+    return "decode GEMM: gemm='xla': XLA's for every product"
+  what = {"mosaic_gpu": "the Mosaic GPU skinny GEMM",
+          "interpret": "the Mosaic GPU skinny GEMM under the interpreter"}[gemm]
+  return (f"decode GEMM: gemm={gemm!r}: {what} for the output and down projections of steps of "
+          "at most 64 rows; XLA's for every other product")

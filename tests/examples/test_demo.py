@@ -24,6 +24,8 @@ def test_demo_serves_and_checks(capsys):
   assert re.findall(r"^attention: .*$", out, re.M) == [
       "attention: reference on layers 0-2 (3 of 3): the default device (cpu: cpu) is not an "
       "NVIDIA GPU of compute capability >= 9.0"]
+  assert re.findall(r"^decode GEMM: .*$", out, re.M) == [
+      "decode GEMM: gemm='xla': XLA's for every product"]
   # The warm-up run compiled the loop; the measured run compiles again here only because its
   # flat rows grow past --initial-capacity (a new cache shape); see the next test.
   warm = float(re.search(r"^compile: ([\d.]+) s \(a warm-up run", out, re.M).group(1))

@@ -154,3 +154,12 @@ def test_compiled_gemm_decodes_with_xlas_logits(monkeypatch):
   for got, want in zip(runs[None], runs["xla"]):
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.05)
+
+
+def test_engine_reports_the_models_gemm():
+  from jaxkv.serve.report import gemm_line   # pylint: disable=g-import-not-at-top
+  engine = serve.Engine(_model("interpret"), max_len=32)
+  assert engine.gemm == "interpret"
+  assert gemm_line(engine.gemm).startswith("decode GEMM: gemm='interpret': the Mosaic GPU")
+  assert serve.Engine(_model("xla"), max_len=32).gemm == "xla"
+  assert gemm_line(None).startswith("decode GEMM: the model's own")
