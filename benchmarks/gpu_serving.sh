@@ -30,10 +30,15 @@ for w in "${@:-decode uniform}"; do
         run e2e_decode 200 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json";;
     gemm_mgpu) TAIL=60 run gemm_mgpu 420 python3 benchmarks/gemm_options.py --rows 64 --mgpu;;
     gemm_mgpu_quick) TAIL=50 run gemm_mgpu_quick 240 python3 benchmarks/gemm_options.py --rows 64 --mgpu --quick --default-only;;
+    v_fixup) TAIL=30 run v_fixup 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,no V fix-up (timing only),defaults" --cases "decode 64 seqs 32/8 D64 8..272,decode 64 seqs 32/8 D64 128..2304,decode 256 seqs 32/8 D64 128..2048,prefill 4x512 32/8 D64";;
     mha_tiles) TAIL=40 run mha_tiles 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,128-key tiles,128-key tiles 3 stages,defaults" --cases "decode 64 seqs 32/32 D80 512..4096,decode 64 seqs 32/32 D96 512..4096,decode 64 seqs 32/8 D96 512..8192";;
     gemm_on) run gemm_tests 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py tests/jaxkv/test_gemm.py -k "compiled or resolves or refused"
         TAIL=12 run step_levers_gemm 240 python3 benchmarks/step_levers.py --variants base,xla_gemm,base
         run e2e_decode 150 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json";;
+    gemm_e2e) run gemm_tests 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py tests/jaxkv/test_gemm.py -k "compiled or resolves or refused"
+        run e2e_decode 120 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json"
+        run e2e_mixed2k 200 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json"
+        run e2e_uniform4k 150 python3 benchmarks/e2e.py --workload uniform --max-write 4096 --out "$out/e2e_uniform4k.json";;
     levers_gemm) TAIL=12 run step_levers_gemm 300 python3 benchmarks/step_levers.py --variants base,xla_gemm,base;;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"
         TAIL=30 run table_rows 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,segment rows" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128";;

@@ -229,6 +229,9 @@ VARIANTS = {
     # A masked tile's mask evaluated score by score, as before
     # `varlen_kernel_sm90.ROW_BOUND_MASK` (two column limits per row).
     "per-score mask": dict(ROW_BOUND_MASK=False),
+    # The partial tiles' V rows outside the read range left as they are (timing only: the
+    # output may differ wherever those rows are not zero; `varlen_kernel_sm90.V_FIXUP`).
+    "no V fix-up (timing only)": dict(V_FIXUP=False),
 }
 
 
@@ -242,6 +245,7 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
+           "V_FIXUP": body,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -67,6 +67,13 @@ FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
 # (+14% to +41% at D64) and is not kept.
 ROW_BOUND_MASK = True
 
+# A partial tile's V rows outside the read range are zeroed in shared memory before
+# P @ V (a load, select and store per such tile), so stale or NaN rows there never
+# reach the output even where P is zero. False skips it: WRONG under NaN poison and
+# over rows the step does not own, for timing the fix-up's cost only
+# (`benchmarks/kernel_trace.py` variant "no V fix-up (timing only)"); read when traced.
+V_FIXUP = True
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -379,7 +386,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       v_row = load_row + iota((block_k, head_dim), 0)
       v_valid = (v_row >= rows_start) & (v_row < rows_end)
     if use_wgmma:
-      if not all_full:
+      if not all_full and V_FIXUP:
         @pl.when(is_partial)
         def _zero_rows_outside_read_range():
           v = plgpu.load(v_tile, layout=wgmma_layout)
