@@ -34,7 +34,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 import kernel_trace   # pylint: disable=wrong-import-position
 from skinny_gemm import skinny_matmul   # pylint: disable=wrong-import-position
-from pallas_kernels.skinny_gemm import skinny_matmul_mgpu   # pylint: disable=wrong-import-position
+from pallas_kernels import skinny_gemm   # pylint: disable=wrong-import-position
+from pallas_kernels.skinny_gemm import default_tiling, skinny_matmul_mgpu   # pylint: disable=wrong-import-position
+from pallas_kernels.skinny_gemm import skinny_matmul as mgpu_entry   # pylint: disable=wrong-import-position
 
 LAYERS = 16
 HIDDEN = 2048
@@ -106,6 +108,12 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true",
                  help="with --mgpu: 64 x 128 tiles over 128-256 programs only, in both "
                  "lowering semantics (warpgroup and lane)")
+  p.add_argument("--shapes", default=None,
+                 help="comma-separated GEMM names to time (the first word of each: q/k/v, o, "
+                 "gate+up, down; default all)")
+  p.add_argument("--mgpu-entry", action="store_true",
+                 help="also time pallas_kernels.skinny_matmul, the models' decode GEMM, with its "
+                 "default tiling at each row count (<= 128; rows padded to the row block)")
   p.add_argument("--mgpu", action="store_true",
                  help="also time pallas_kernels/skinny_gemm.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
@@ -113,7 +121,10 @@ def main(argv=None) -> int:
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
         f"{_copy_tbs():.2f} TB/s (read + write)")
   key = jax.random.key(0)
+  wanted = None if args.shapes is None else set(args.shapes.split(","))
   for name, (k_in, n_out) in SHAPES.items():
+    if wanted is not None and name.split()[0] not in wanted:
+      continue
     ws = jax.random.normal(key, (LAYERS, k_in, n_out), jnp.bfloat16) * 0.02
     for m in (int(r) for r in args.rows.split(",")):
       # One dot per layer, each with its own weights and activations (a Python loop: 16
@@ -141,11 +152,20 @@ def main(argv=None) -> int:
       if args.pallas:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
                      pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
+      if args.mgpu_entry and m <= 128:
+        skinny_gemm.MAX_ROWS = 128   # the kernel's 128-row blocks, beyond the models' default
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, lambda a, b: mgpu_entry(a, b),
+                     [{}], "mgpu entry " + _braces(default_tiling(k_in, n_out, m)))
       if args.mgpu and m % 64 == 0:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu,
                      mgpu_configs(k_in, n_out, quick=args.quick),
                      "mgpu n{tile_n} k{tile_k} s{splits} st{stages} tma_add={tma_add} lane={lane}")
   return 0
+
+
+def _braces(value) -> str:
+  """`str(value)` safe as a `str.format` template (its braces doubled)."""
+  return str(value).replace("{", "{{").replace("}", "}}")
 
 
 def _time_pallas(name, m, k_in, n_out, x, ws, calls, matmul, configs, label_format):

@@ -39,6 +39,8 @@ for w in "${@:-decode uniform}"; do
         run e2e_decode 120 python3 benchmarks/e2e.py --workload decode --out "$out/e2e_decode.json"
         run e2e_mixed2k 200 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json"
         run e2e_uniform4k 150 python3 benchmarks/e2e.py --workload uniform --max-write 4096 --out "$out/e2e_uniform4k.json";;
+    gemm128) run gemm128_tests 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py -k "compiled"
+        TAIL=30 run gemm128 400 python3 benchmarks/gemm_options.py --rows 64,100,128 --mgpu-entry --default-only --shapes o,down;;
     levers_gemm) TAIL=12 run step_levers_gemm 300 python3 benchmarks/step_levers.py --variants base,xla_gemm,base;;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"
         TAIL=30 run table_rows 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,segment rows" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128";;

@@ -34,18 +34,26 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 
-BLOCK_M = 64   # one warpgroup's wgmma rows
-MAX_ROWS = 64  # rows `skinny_matmul` serves (padded to BLOCK_M); timed at 64 only
+BLOCK_M = 64   # rows per program by default (one wgmma's M); `block_m=128` doubles it
+# Rows `skinny_matmul` serves, padded to one row block. The kernel also runs 128-row blocks
+# (`block_m=128`, `default_tiling(k, n, m)` for 64 < m <= 128: each program streams its
+# weight slice once for all rows; compiled and checked on H200), but only 64 rows are timed
+# end to end: at 128 rows o was 37% faster than XLA's, down was not timed
+# (docs/PERFORMANCE.md "Serving speed" §17). Read at call time.
+MAX_ROWS = 64
+SMEM_BUDGET = 200 * 1024   # bytes of shared memory a tiling may stage
 TILE_N = 64
 TARGET_PROGRAMS = 128   # about one wave of the H200's 132 SMs
 MAX_SPLITS = 16
 
 
-def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int) -> None:
+def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int,
+          block_m: int = BLOCK_M) -> None:
   """Raises ValueError unless the shapes split into whole tiles."""
-  if (m % BLOCK_M or n % tile_n or tile_n % 64 or tile_k % 64 or k % (splits * tile_k)
-      or k // (splits * tile_k) < 2):
-    raise ValueError(f"M={m} must be a multiple of {BLOCK_M}, N={n} of tile_n={tile_n} "
+  if (block_m not in (64, 128) or m % block_m or n % tile_n or tile_n % 64 or tile_k % 64
+      or k % (splits * tile_k) or k // (splits * tile_k) < 2):
+    raise ValueError(f"block_m={block_m} must be 64 or 128 and M={m} a multiple of it, "
+                     f"N={n} of tile_n={tile_n} "
                      f"(a multiple of 64), K={k} of splits * tile_k = {splits} * {tile_k} "
                      "(tile_k a multiple of 64) with at least two K steps per split (a stage "
                      "is refilled one step late)")
@@ -69,10 +77,10 @@ def _block_specs(*shapes_and_maps, delay_release: bool, **kwargs):
 
 
 def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, stages: int,
-            lane: bool, delay_release: bool):
+            lane: bool, delay_release: bool, block_m: int):
   ni, si, mi = lax.axis_index("n"), lax.axis_index("split"), lax.axis_index("m")
   ks = pl.ds(si * (steps * tile_k), steps * tile_k)
-  rows = pl.ds(mi * BLOCK_M, BLOCK_M)
+  rows = pl.ds(mi * block_m, block_m)
   cols = pl.ds(ni * tile_n, tile_n)
   transforms = dict(transforms=_LANE_TRANSFORMS) if lane else {}
 
@@ -80,7 +88,7 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
     # delay_release=1: a stage is refilled one step after its wgmma was issued, so the
     # asynchronous wgmma never reads a buffer being overwritten. A jax without
     # `delay_release` gets a wgmma awaited in each step instead (slower, same result).
-    specs, delayed = _block_specs(((BLOCK_M, tile_k), lambda s: (0, s)),
+    specs, delayed = _block_specs(((block_m, tile_k), lambda s: (0, s)),
                                   ((tile_k, tile_n), lambda s: (s, 0)),
                                   delay_release=delay_release, **transforms)
 
@@ -93,13 +101,13 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
                         max_concurrent_steps=stages)(x_gmem.at[rows, ks], w_gmem.at[ks, cols])
     return acc_ref[...]
 
-  acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, tile_n), jnp.float32))
+  acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, tile_n), jnp.float32))
 
   # Lane semantics: the float32 staging tile in (8, 32)-tiled, 128-byte-swizzled rows, which
   # a WGMMA-layout store can fill without bank conflicts.
   o_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128)) if lane else ()
 
-  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, tile_n), jnp.float32,
+  @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, tile_n), jnp.float32,
                                                       transforms=o_transforms))
   def _store(o_smem):
     o_smem[...] = acc
@@ -112,10 +120,12 @@ def _kernel(x_gmem, w_gmem, o_gmem, *, tile_n: int, tile_k: int, steps: int, sta
 
 
 @functools.partial(jax.jit, static_argnames=("tile_n", "tile_k", "splits", "stages",
-                                             "tma_add", "lane", "delay_release", "interpret"))
+                                             "tma_add", "lane", "delay_release", "block_m",
+                                             "interpret"))
 def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int = 4,
                        stages: int = 4, tma_add: bool = False, lane: bool = False,
-                       delay_release: bool = True, interpret: bool = False):
+                       delay_release: bool = True, block_m: int = BLOCK_M,
+                       interpret: bool = False):
   """`x @ w` in `x.dtype` (float32 accumulation and partials); bf16 or fp16 operands.
   `lane`: lane lowering semantics with explicit shared-memory transforms instead of
   warpgroup semantics. `delay_release=False` awaits each step's wgmma (the path for a jax
@@ -124,14 +134,14 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
   if w.shape[0] != k or w.dtype != x.dtype:
     raise ValueError(f"x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not multiply")
   n = w.shape[1]
-  check(m, k, n, tile_n=tile_n, tile_k=tile_k, splits=splits)
+  check(m, k, n, tile_n=tile_n, tile_k=tile_k, splits=splits, block_m=block_m)
   steps = k // (splits * tile_k)
   kernel = plgpu.kernel(
       functools.partial(_kernel, tile_n=tile_n, tile_k=tile_k, steps=steps,
                         stages=max(2, min(stages, steps)), lane=lane,
-                        delay_release=delay_release),
+                        delay_release=delay_release, block_m=block_m),
       out_type=() if tma_add else jax.ShapeDtypeStruct((splits, m, n), jnp.float32),
-      grid=(n // tile_n, splits, m // BLOCK_M),
+      grid=(n // tile_n, splits, m // block_m),
       grid_names=("n", "split", "m"),
       # Lane is the default semantics: named only for warpgroup, so the lane form needs
       # nothing a jax without `LoweringSemantics` lacks.
@@ -146,16 +156,19 @@ def skinny_matmul_mgpu(x, w, *, tile_n: int = 64, tile_k: int = 64, splits: int 
   return kernel(x, w).sum(axis=0).astype(x.dtype)
 
 
-def default_tiling(k: int, n: int) -> dict | None:
-  """The tiling `skinny_matmul` uses for `[<=64, K] @ [K, N]`, or None when none fits.
+def default_tiling(k: int, n: int, m: int = BLOCK_M) -> dict | None:
+  """The tiling `skinny_matmul` uses for `[m <= 128, K] @ [K, N]`, or None when none fits.
 
-  64-column tiles; the K splits double until the programs fill about one wave of SMs
-  (`TARGET_PROGRAMS`), each split keeping at least two `tile_k`-row steps; `tile_k` 128
-  where K allows, else 64. On the e2e model's shapes this picks the sweep's fastest tilings
-  for o (2048x2048: 4 splits of 4 x 128 rows) and down (8192x2048: 4 splits of 16 x 128).
+  One row block of 64 rows (`m <= 64`) or 128 (`m <= 128`); 64-column tiles; the K splits
+  double until the programs fill about one wave of SMs (`TARGET_PROGRAMS`), each split
+  keeping at least two `tile_k`-row steps; `tile_k` 128 where K allows, else 64; up to four
+  stages within `SMEM_BUDGET`. On the e2e model's shapes at 64 rows this picks the sweep's
+  fastest tilings for o (2048x2048: 4 splits of 4 x 128 rows) and down (8192x2048: 4 splits
+  of 16 x 128).
   """
   if n % TILE_N:
     return None
+  block_m = BLOCK_M if m <= BLOCK_M else 2 * BLOCK_M
   tiles = n // TILE_N
   for tile_k in (128, 64):
     fits = lambda s: k % (s * tile_k) == 0 and k // (s * tile_k) >= 2
@@ -164,7 +177,10 @@ def default_tiling(k: int, n: int) -> dict | None:
     splits = 1
     while tiles * splits < TARGET_PROGRAMS and splits < MAX_SPLITS and fits(2 * splits):
       splits *= 2
-    return dict(tile_n=TILE_N, tile_k=tile_k, splits=splits, stages=4)
+    stage_bytes = (block_m * tile_k + tile_k * TILE_N) * 2
+    stages = min(4, (SMEM_BUDGET - block_m * TILE_N * 4) // stage_bytes)
+    tiling = dict(tile_n=TILE_N, tile_k=tile_k, splits=splits, stages=stages)
+    return tiling if block_m == BLOCK_M else dict(tiling, block_m=block_m)
   return None
 
 
@@ -174,7 +190,7 @@ def skinny_matmul_refusal(m: int, k: int, n: int, dtype) -> str | None:
     return f"M={m} rows is outside 1..{MAX_ROWS}"
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
-  if default_tiling(k, n) is None:
+  if default_tiling(k, n, m) is None:
     return (f"N={n} is not a multiple of {TILE_N}, or K={k} does not split into two steps "
             "of 64 rows")
   return None
@@ -182,7 +198,8 @@ def skinny_matmul_refusal(m: int, k: int, n: int, dtype) -> str | None:
 
 def skinny_matmul(x, w, *, interpret=False):
   """`x @ w` for `x [M <= MAX_ROWS, K]`, `w [K, N]` of one 16-bit dtype, in `x.dtype`
-  (float32 accumulation), with `default_tiling`; rows are padded to 64 inside.
+  (float32 accumulation), with `default_tiling`; rows are padded to the row block (64 or
+  128) inside.
 
   Raises:
     ValueError: the operands do not multiply, or `skinny_matmul_refusal` names a reason.
@@ -194,9 +211,11 @@ def skinny_matmul(x, w, *, interpret=False):
   reason = skinny_matmul_refusal(m, k, n, x.dtype)
   if reason is not None:
     raise ValueError(f"skinny_matmul does not serve x {x.shape} @ w {w.shape}: {reason}")
-  padded = jnp.pad(x, ((0, BLOCK_M - m), (0, 0))) if m < BLOCK_M else x
-  out = skinny_matmul_mgpu(padded, w, **default_tiling(k, n), interpret=interpret)
-  return out[:m] if m < BLOCK_M else out
+  tiling = default_tiling(k, n, m)
+  rows = tiling.get("block_m", BLOCK_M)
+  padded = jnp.pad(x, ((0, rows - m), (0, 0))) if m < rows else x
+  out = skinny_matmul_mgpu(padded, w, **tiling, interpret=interpret)
+  return out[:m] if m < rows else out
 
 
 def lowered_custom_calls(m: int, k: int, n: int, **tiling) -> list[str]:
