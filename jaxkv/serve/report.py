@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxkv import CacheConfig, LayerImplementation, implementation_plan
+from pallas_kernels.skinny_gemm import MAX_ROWS
 
 UNKNOWN = "unknown"
 
@@ -107,5 +108,5 @@ def gemm_line(gemm: str | None) -> str:
     return "decode GEMM: gemm='xla': XLA's for every product"
   what = {"mosaic_gpu": "the Mosaic GPU skinny GEMM",
           "interpret": "the Mosaic GPU skinny GEMM under the interpreter"}[gemm]
-  return (f"decode GEMM: gemm={gemm!r}: {what} for the output and down projections of steps of "
-          "at most 64 rows; XLA's for every other product")
+  return (f"decode GEMM: gemm={gemm!r}: {what} for the bf16/fp16 output and down projections "
+          f"of steps of at most {MAX_ROWS} rows; XLA's for every other product")
