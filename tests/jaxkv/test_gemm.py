@@ -163,3 +163,10 @@ def test_engine_reports_the_models_gemm():
   assert gemm_line(engine.gemm).startswith("decode GEMM: gemm='interpret': the Mosaic GPU")
   assert serve.Engine(_model("xla"), max_len=32).gemm == "xla"
   assert gemm_line(None).startswith("decode GEMM: the model's own")
+
+
+def test_load_model_names_a_bad_gemm_before_reading_the_checkpoint(tmp_path):
+  from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
+  missing = tmp_path / "no-such-checkpoint"   # a read would raise OSError, not this
+  with pytest.raises(ValueError, match="gemm='fastest'"):
+    hf.load_model(str(missing), capacity=64, max_seqs=2, max_write=8, gemm="fastest")
