@@ -38,7 +38,8 @@ def test_max_logprobs_reaches_the_engine():
 
 
 def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch, capsys):
-  """Before it listens: one line per (implementation, reason) and the warm-up's compile time;
+  """Before it listens: one line per (implementation, reason), the decode GEMM and the warm-up's
+  compile time;
   when it stops: the tokens served after the warm-up and their tokens/s."""
   import uvicorn   # pylint: disable=g-import-not-at-top
   ran = {}
@@ -57,8 +58,9 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
   out = capsys.readouterr().out.splitlines()
   assert out[0] == ("jaxkv serve: attention: reference on layers 0-1 (2 of 2): the default "
                     "device (cpu: cpu) is not an NVIDIA GPU of compute capability >= 9.0")
-  assert out[1] == "jaxkv serve: compiling the serving loop with a warm-up request ..."
-  compiled = float(out[2].split("compiled the serving loop in ")[1].split(" s")[0])
+  assert out[1] == "jaxkv serve: decode GEMM: gemm='xla': XLA's for every product"
+  assert out[2] == "jaxkv serve: compiling the serving loop with a warm-up request ..."
+  compiled = float(out[3].split("compiled the serving loop in ")[1].split(" s")[0])
   # The engine's first compile was the warm-up's (printed to 2 decimals).
   assert compiled > 0 and compiled == pytest.approx(ran["compile_before"], abs=0.006)
   # The warm-up compiled the loop: serving the request compiled (almost) nothing more.
