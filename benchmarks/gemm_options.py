@@ -81,7 +81,7 @@ def mgpu_configs(k_in: int, n_out: int, quick: bool = False):
             256 if quick else 600):
           continue
         stages = min(4, k_in // (splits * tile_k))
-        if stages < 2 or stages * (64 * tile_k + tile_k * tile_n) * 2 + 64 * tile_n * 4 > 200 * 1024:
+        if stages < 2 or not skinny_gemm.fits_smem(64, tile_n, tile_k, stages):
           continue
         for tma_add in (False, True) if splits > 1 else (False,):
           for lane in (False, True) if quick else (False,):
@@ -118,6 +118,8 @@ def main(argv=None) -> int:
                  help="also time pallas_kernels/skinny_gemm.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
   args = p.parse_args(argv)
+  if args.mgpu_entry:
+    skinny_gemm.MAX_ROWS = 128   # the kernel's 128-row blocks, beyond the models' default
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
         f"{_copy_tbs():.2f} TB/s (read + write)")
   key = jax.random.key(0)
@@ -153,9 +155,8 @@ def main(argv=None) -> int:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
                      pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
       if args.mgpu_entry and m <= 128:
-        skinny_gemm.MAX_ROWS = 128   # the kernel's 128-row blocks, beyond the models' default
-        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, lambda a, b: mgpu_entry(a, b),
-                     [{}], "mgpu entry " + _braces(default_tiling(k_in, n_out, m)))
+        _time_pallas(name, m, k_in, n_out, x, ws, args.calls, mgpu_entry, [{}],
+                     "mgpu entry " + _braces(default_tiling(k_in, n_out, m)))
       if args.mgpu and m % 64 == 0:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul_mgpu,
                      mgpu_configs(k_in, n_out, quick=args.quick),

@@ -47,6 +47,13 @@ TARGET_PROGRAMS = 128   # about one wave of the H200's 132 SMs
 MAX_SPLITS = 16
 
 
+def fits_smem(block_m: int, tile_n: int, tile_k: int, stages: int) -> bool:
+  """Whether `stages` 16-bit `x`/`w` tiles and the float32 output staging tile fit in
+  `SMEM_BUDGET`."""
+  return (stages * (block_m * tile_k + tile_k * tile_n) * 2 + block_m * tile_n * 4
+          <= SMEM_BUDGET)
+
+
 def check(m: int, k: int, n: int, *, tile_n: int, tile_k: int, splits: int,
           block_m: int = BLOCK_M) -> None:
   """Raises ValueError unless the shapes split into whole tiles."""
@@ -177,8 +184,7 @@ def default_tiling(k: int, n: int, m: int = BLOCK_M) -> dict | None:
     splits = 1
     while tiles * splits < TARGET_PROGRAMS and splits < MAX_SPLITS and fits(2 * splits):
       splits *= 2
-    stage_bytes = (block_m * tile_k + tile_k * TILE_N) * 2
-    stages = min(4, (SMEM_BUDGET - block_m * TILE_N * 4) // stage_bytes)
+    stages = next(st for st in (4, 3, 2) if fits_smem(block_m, TILE_N, tile_k, st))
     tiling = dict(tile_n=TILE_N, tile_k=tile_k, splits=splits, stages=stages)
     return tiling if block_m == BLOCK_M else dict(tiling, block_m=block_m)
   return None

@@ -50,9 +50,9 @@ class MLP(nnx.Module):
   def __init__(self, config: ModelConfig, *, dtype, param_dtype, gemm: str = "xla", mesh=None,
                kv_axis="tp", rngs: nnx.Rngs):
     init = nnx.initializers.lecun_normal()
-    linear = lambda n_in, n_out, spec, gemm="xla": nnx.Linear(
+    linear = lambda n_in, n_out, spec, choice="xla": nnx.Linear(
         n_in, n_out, use_bias=False, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=sharded_init(init, mesh, spec), dot_general=linear_dot_general(gemm),
+        kernel_init=sharded_init(init, mesh, spec), dot_general=linear_dot_general(choice),
         rngs=rngs)
     # Megatron: gate/up split over their outputs, down over its inputs. Only down's decode
     # GEMM may run the skinny kernel (`gemm`, resolved): XLA's merged gate+up GEMM already
