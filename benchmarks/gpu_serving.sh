@@ -41,6 +41,7 @@ for w in "${@:-decode uniform}"; do
         run e2e_uniform4k 150 python3 benchmarks/e2e.py --workload uniform --max-write 4096 --out "$out/e2e_uniform4k.json";;
     gemm128) run gemm128_tests 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py -k "compiled"
         TAIL=30 run gemm128 400 python3 benchmarks/gemm_options.py --rows 64,100,128 --mgpu-entry --default-only --shapes o,down;;
+    gemm128_e2e) TAIL=12 run step_levers_rows128 420 python3 benchmarks/step_levers.py --requests 128 --variants rows64,rows128,rows64;;
     levers_gemm) TAIL=12 run step_levers_gemm 300 python3 benchmarks/step_levers.py --variants base,xla_gemm,base;;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"
         TAIL=30 run table_rows 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,segment rows" --cases "mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 1x16384 32/8 D128,prefill 4x4096 32/8 D128";;
@@ -82,6 +83,10 @@ for w in "${@:-decode uniform}"; do
     profile_map_paged) TAIL=30 run profile_pages 300 python3 benchmarks/profile_step.py --decode-only --page-size 128 --dump-hlo --out "$out"
         TAIL=150 run profile_map_cols 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5
         TAIL=150 run profile_map_pages 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_paged128_W512.hlo.txt" "$out/kernels_paged128_W512_decode.txt" --frames 5;;
+    profile_rows128) TAIL=60 run profile_rows64 200 python3 benchmarks/profile_step.py --decode-only --padded --out "$out/r64"
+        TAIL=60 run profile_rows128 240 python3 benchmarks/profile_step.py --decode-only --padded --requests 128 --out "$out/r128";;
+    profile_map128) run profile128 240 python3 benchmarks/profile_step.py --decode-only --dump-hlo --requests 128 --out "$out"
+        TAIL=80 run profile_map128_layers 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --min 10 --max 40 --frames 4 --ops;;
     profile_map) run profile 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out"
         TAIL=130 run profile_map 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5
         TAIL=40 run profile_map_layers 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 8 --min 14 --max 40 --ops;;

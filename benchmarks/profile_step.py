@@ -248,12 +248,18 @@ def main(argv=None) -> int:
                  "this kernel list (a kernels_*.txt of an earlier --dump-hlo run)")
   p.add_argument("--page-size", type=int, default=0,
                  help="also trace each width over paged storage of this page size (same weights)")
+  p.add_argument("--padded", action="store_true",
+                 help="with --decode-only: trace the padded loop on the decode-heavy workload too")
+  p.add_argument("--requests", type=int, default=64,
+                 help="decode-heavy workload: requests (and slots, so a decode step's rows)")
   p.add_argument("--dump-hlo", action="store_true", help="write the loop's optimized HLO and "
                  "every kernel's launches and time per step under --out")
   args = p.parse_args(argv)
+  if args.requests < 1:
+    p.error(f"--requests must be at least 1, got {args.requests}")
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
-  n_req, new = (64, 128) if not args.small else (6, 8)
+  n_req, new = (args.requests, 128) if not args.small else (6, 8)
   short = [rng.integers(0, cfg.vocab_size, size=int(n)).astype(np.int32).tolist()
            for n in rng.integers(8, 17, size=n_req)]
   long_ = [rng.integers(0, cfg.vocab_size, size=2000 if not args.small else 40)
@@ -290,7 +296,8 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
   for width in [int(w) for w in args.widths.split(",")]:
     rows = 2048 + 256
     # Every sequence is capped at the columns' rows, so pages get the same split bound.
-    cache = cfg.cache_config(capacity=64 * (2048 + 256), max_seqs=n_req, max_write=width,
+    cache = cfg.cache_config(capacity=max(64, n_req) * (2048 + 256), max_seqs=n_req,
+                             max_write=width,
                              kv_dtype=jnp.bfloat16, initial_capacity=rows, max_seq_len=rows)
     storages = [("engine", "", cache)]
     if args.page_size:
@@ -302,7 +309,7 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
       engine = serve.Engine(model, max_len=2048 + 256)
       if not args.prefill_only:
         trace(engine, decode_reqs, f"{prefix}_W{width}_decode",
-              f"engine W={width}{what}, decode-heavy (64 x 8..16 + {new})")
+              f"engine W={width}{what}, decode-heavy ({n_req} x 8..16 + {new})")
         if args.dump_hlo:   # loop_W{width}.hlo.txt for the columns, loop_paged{P}_W... for pages
           name = f"loop_W{width}.hlo.txt" if not what else f"loop_{prefix}_W{width}.hlo.txt"
           with open(os.path.join(args.out, name), "w") as f:
@@ -311,7 +318,7 @@ def _trace_serving(cfg, args, trace, results, short, long_, n_req, new):
         trace(engine, prefill_reqs, f"{prefix}_W{width}_prefill",
               f"engine W={width}{what}, prefill-heavy (16 x 2000 + 4)")
       del engine, model
-  if not (args.decode_only or args.prefill_only):
+  if args.padded or not (args.decode_only or args.prefill_only):
     _trace_padded(cfg, short, new, args.out, results)
 
 
@@ -400,7 +407,8 @@ def _describe_loop(engine, cache, prompts, reqs, out, kernel_file, top=40):
 def _trace_padded(cfg, short, new, out, results):
   """The padded loop on the decode-heavy workload: timed, then traced."""
   from flax import nnx   # pylint: disable=g-import-not-at-top
-  cache = cfg.cache_config(capacity=64 * 512, max_seqs=len(short), max_write=64,
+  cache = cfg.cache_config(capacity=max(64, len(short)) * 512, max_seqs=len(short),
+                           max_write=max(64, len(short)),
                            kv_dtype=jnp.bfloat16, initial_capacity=512)
   model = e2e.Decoder(cfg, cache, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   r, _ = e2e.run_baseline(cfg, model, short, new)

@@ -35,6 +35,8 @@ Variants:
 - `xla_gemm`: every layer's output and down projections keep XLA's GEMM at decode widths
   instead of `pallas_kernels.skinny_gemm` (the model's default `gemm` on a Hopper GPU); the
   Linears' `dot_general` is replaced by `jax.lax.dot_general`.
+- `rows64` / `rows128`: `skinny_gemm.MAX_ROWS` set to 64 / 128 for the run, so decode steps
+  of 65-128 rows (`--requests 128`) keep XLA's GEMMs / take the kernel's 128-row blocks.
 
 `--uniform` times e2e.py's uniform workload instead (64 prompts of 128..2,048
 tokens, 256 new tokens, W = 2,048) and prints the whole run beside the padded loop.
@@ -66,6 +68,7 @@ from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_plan   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_epilogue   # pylint: disable=wrong-import-position
+from pallas_kernels import skinny_gemm   # pylint: disable=wrong-import-position
 
 
 @contextlib.contextmanager
@@ -91,6 +94,8 @@ _DEFAULT = kernel_config.default_varlen_attention_config
 
 def _variant(name, model=None):
   stack = contextlib.ExitStack()
+  if name in ("rows64", "rows128"):
+    stack.enter_context(_patched(skinny_gemm, "MAX_ROWS", int(name[4:])))
   if name == "xla_gemm":
     for layer in model.layers:
       for linear in (layer.attn.o_proj, layer.mlp.down_proj):
@@ -121,10 +126,14 @@ def main(argv=None) -> int:
   p.add_argument("--new-tokens", type=int, default=256)
   p.add_argument("--variants", default="base,sample_cond,no_splits,both")
   p.add_argument("--uniform", action="store_true", help="e2e.py's uniform workload instead")
+  p.add_argument("--requests", type=int, default=64,
+                 help="requests, one slot each (a decode step's rows); default 64")
   args = p.parse_args(argv)
+  if args.requests < 1:
+    p.error(f"--requests must be at least 1, got {args.requests}")
   cfg = e2e._model_config(args.small)   # pylint: disable=protected-access
   rng = np.random.default_rng(0)
-  n_req = 64 if not args.small else 4
+  n_req = args.requests if not args.small else 4
   new = args.new_tokens if not args.small else 4
   if args.uniform:   # as e2e.py --workload uniform --max-write 2048 draws and sizes it
     lo, hi, width = (128, 2048, 2048) if not args.small else (4, 40, 32)
