@@ -228,7 +228,7 @@ class CachedAttention(nnx.Module):
       Hopper GPU, else the reference).
     bucket: optional static row count: steps with at most this many real tokens
       run the projections on `bucket` rows instead of `W` (see `bucketed`).
-    gemm: the output projection's GEMM at decode widths (up to 64 rows): None picks
+    gemm: the output projection's GEMM at decode widths (up to 128 rows): None picks
       `"mosaic_gpu"` (`pallas_kernels.skinny_gemm`) on a Hopper GPU without a mesh, else
       `"xla"`; `"interpret"` runs the kernel under the Mosaic GPU interpreter (CPU tests).
       Wider steps and shapes the kernel refuses always use XLA's (CONTRACT §10.8).

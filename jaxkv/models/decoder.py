@@ -154,7 +154,7 @@ class Decoder(nnx.Module):
       real tokens (a decode step) runs projections and MLPs on `bucket` rows
       instead of `W` (`jaxkv.nnx.bucketed`).
     gemm: the GEMM of every layer's output and down projections at decode widths (up to
-      64 rows): None picks `"mosaic_gpu"` (`pallas_kernels.skinny_gemm`) on a Hopper GPU
+      128 rows): None picks `"mosaic_gpu"` (`pallas_kernels.skinny_gemm`) on a Hopper GPU
       without a mesh, else `"xla"`; `"interpret"` runs it under the Mosaic GPU interpreter.
       The resolved choice is `model.gemm` (CONTRACT §10.8).
     mesh: optional `jax.sharding.Mesh` (auto or explicit axes) for tensor parallelism:

@@ -82,7 +82,10 @@ def test_only_output_and_down_projections_at_decode_widths_take_the_kernel(monke
   attn.q_proj(x)
   assert shapes == [((16, 128), (128, 128))]          # o only: q/k/v stay XLA's
   shapes.clear()
-  mlp(jnp.zeros((65, 128), jnp.bfloat16))             # wider than 64 rows: XLA's
+  mlp(jnp.zeros((100, 128), jnp.bfloat16))            # 65..128 rows: the 128-row blocks
+  assert shapes == [((100, 256), (256, 128))]
+  shapes.clear()
+  mlp(jnp.zeros((129, 128), jnp.bfloat16))            # wider than 128 rows: XLA's
   assert shapes == []
   dims = (((1,), (0,)), ((), ()))
   f32 = jnp.zeros((16, 256), jnp.float32), jnp.zeros((256, 128), jnp.float32)

@@ -65,17 +65,9 @@ def test_interpreted_tilings_match_float64(m, k, n, tiling):
   _assert_product(skinny_matmul_mgpu(x, w, **tiling, interpret=True), x, w)
 
 
-def _rows_allowed(monkeypatch, m):
-  """The entry at `m` rows: above `MAX_ROWS` (64) through the kernel's 128-row blocks, which
-  the entry does not serve by default (timed for o only)."""
-  if m > skinny_gemm.MAX_ROWS:
-    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 128)
-
-
 @pytest.mark.parametrize("m", [1, 17, 64, 65, 128])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_interpreted_entry_pads_rows_and_matches_float64(m, dtype, monkeypatch):
-  _rows_allowed(monkeypatch, m)
+def test_interpreted_entry_pads_rows_and_matches_float64(m, dtype):
   x, w = _operands(m, 512, 192, dtype, seed=m)
   _assert_product(skinny_matmul(x, w, interpret=True), x, w)
 
@@ -112,7 +104,7 @@ def test_default_tiling_picks_the_swept_fastest_for_the_e2e_model():
 
 @pytest.mark.parametrize("m,k,n,dtype,word", [
     (0, 512, 128, jnp.bfloat16, "M=0"),
-    (65, 512, 128, jnp.bfloat16, "M=65"),
+    (129, 512, 128, jnp.bfloat16, "M=129"),
     (64, 512, 128, jnp.float32, "float32"),
     (64, 512, 96, jnp.bfloat16, "N=96"),
     (64, 64, 128, jnp.bfloat16, "K=64"),
@@ -144,7 +136,6 @@ def test_default_tilings_lower_for_cuda(k, n, m):
 @pytest.mark.parametrize("m", [1, 17, 64, 100, 128])
 @pytest.mark.parametrize("k,n", [(2048, 2048), (8192, 2048), (4096, 4096), (14336, 4096)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_compiled_entry_matches_float64(m, k, n, dtype, monkeypatch):
-  _rows_allowed(monkeypatch, m)
+def test_compiled_entry_matches_float64(m, k, n, dtype):
   x, w = _operands(m, k, n, dtype, seed=k + n + m)
   _assert_product(jax.jit(skinny_matmul)(x, w), x, w)
