@@ -41,9 +41,6 @@ for w in "${@:-decode uniform}"; do
         run e2e_uniform4k 150 python3 benchmarks/e2e.py --workload uniform --max-write 4096 --out "$out/e2e_uniform4k.json";;
     gemm128) run gemm128_tests 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py -k "compiled"
         TAIL=30 run gemm128 400 python3 benchmarks/gemm_options.py --rows 64,100,128 --mgpu-entry --default-only --shapes o,down;;
-    blocks) TAIL=12 run step_levers_blocks 200 python3 benchmarks/step_levers.py --variants base,no_blocks,base
-        TAIL=12 run step_levers_blocks_uniform 330 python3 benchmarks/step_levers.py --uniform --variants base,no_blocks,base
-        run e2e_mixed2k 240 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --out "$out/e2e_mixed2k.json";;
     gemm128_e2e) TAIL=12 run step_levers_rows128 420 python3 benchmarks/step_levers.py --requests 128 --variants rows64,rows128,rows64;;
     levers_gemm) TAIL=12 run step_levers_gemm 300 python3 benchmarks/step_levers.py --variants base,xla_gemm,base;;
     table_rows) run table_rows_compiled 150 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_varlen_attention.py -k "compiled_kernel_serves_tables_with_fewer_rows"

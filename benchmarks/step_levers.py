@@ -35,9 +35,6 @@ Variants:
 - `xla_gemm`: every layer's output and down projections keep XLA's GEMM at decode widths
   instead of `pallas_kernels.skinny_gemm` (the model's default `gemm` on a Hopper GPU); the
   Linears' `dot_general` is replaced by `jax.lax.dot_general`.
-- `no_blocks`: the serving loop's narrowest phase runs one step per loop trip
-  (`loop.BLOCK_STEPS = 1`) instead of trips of `BLOCK_STEPS` steps, so every step
-  reads its loop predicate on the host.
 - `rows64` / `rows128`: `skinny_gemm.MAX_ROWS` set to 64 / 128 for the run, so decode steps
   of 65-128 rows (`--requests 128`) keep XLA's GEMMs / take the kernel's 128-row blocks.
 
@@ -68,7 +65,6 @@ from jaxkv import _verbs as verbs_module   # pylint: disable=wrong-import-positi
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.models import decoder as decoder_module   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
-from jaxkv.serve import loop as loop_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_plan   # pylint: disable=wrong-import-position
 from pallas_kernels import varlen_epilogue   # pylint: disable=wrong-import-position
@@ -98,8 +94,6 @@ _DEFAULT = kernel_config.default_varlen_attention_config
 
 def _variant(name, model=None):
   stack = contextlib.ExitStack()
-  if name == "no_blocks":
-    stack.enter_context(_patched(loop_module, "BLOCK_STEPS", 1))
   if name in ("rows64", "rows128"):
     stack.enter_context(_patched(skinny_gemm, "MAX_ROWS", int(name[4:])))
   if name == "xla_gemm":

@@ -25,21 +25,6 @@ admitted sequence when a step would pass `capacity`, and the prefix cache
 No width is chosen by recompiling and no `lax.cond` wraps the model, so a
 decode-only step pays for `w` rows, not `W`. The loop returns to the host
 only when the queue is served, the step budget is spent, or a status is not OK.
-
-**Blocks of steps.** On a GPU each trip of a `lax.while_loop` reads its
-predicate on the host and waits for the device to drain before launching the
-next trip's kernels (XLA's `WhileThunk`), so a one-step trip idles the GPU once
-per step; a loop of known trip count (`fori_loop`) runs without that read. The
-narrowest width's phase over column storage therefore first runs trips of
-`BLOCK_STEPS` steps while no column can end or fork inside a trip (every active
-column at least `BLOCK_STEPS` tokens from its limit, no pending forks, the
-budget left for a whole trip), then single steps as before. Inside a trip a
-column ends only by a stop token: it then idles until the trip's end, and if
-no column wants a token (or a status failed) the rest of the trip's steps are
-no-ops (`_step(go=False)`: nothing scheduled, every verb refuses and changes
-nothing, nothing counted). Every request's tokens are the same as with
-single steps (a column's tokens depend on its own sequence only); only the
-step at which a freed column is refilled can differ.
 """
 
 from __future__ import annotations
@@ -54,11 +39,6 @@ from jaxkv.serve import paged_admit, paged_loop
 from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
 from jaxkv.serve.state import LoopState
 from pallas_kernels.common import prefix_sum
-
-
-# Steps per trip of the narrowest phase's block loop (module doc); 1 turns blocks off.
-# Read when the loop is traced.
-BLOCK_STEPS = 4
 
 
 def _i32(x):
@@ -141,20 +121,15 @@ def _step_tokens(config: CacheConfig, width: int, ls: LoopState, alloc, start, n
 
 
 def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
-          greedy: bool = False, go=None) -> LoopState:
+          greedy: bool = False) -> LoopState:
   """One step at width `widths[which]`: plan, model, commit, sample, record.
 
   `greedy` (static): every request is plain greedy (no temperature, penalty or
   logprobs), so the token is the argmax and no sampler `lax.cond` is compiled.
-  `go` (`bool[]`, a block's later steps): when false the step schedules no token,
-  so every verb refuses and leaves the cache as it is, and the refusal is not a
-  failure: nothing is emitted, counted or recorded (the model still runs).
   """
   width = widths[which]
   s = config.max_seqs
   alloc, start = _schedule(width, ls, paged_loop.room(config, ls) if config.is_paged else None)
-  if go is not None:
-    alloc = jnp.where(go, alloc, 0)
   # The step's tokens and occupied columns; the used columns' positions now and the ones
   # the step adds if it succeeds (`peak_rows`).
   used = ls.used == 1
@@ -169,10 +144,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
                                              lambda c: model(tokens, c, rows=rows))
   cache, st_commit = pure.commit_step(config, cache)
   status = _first_bad(st_declare, st_prepare, st_narrow, st_commit)
-  if go is not None:   # an empty step's refusals (EMPTY, ...) are its no-op, not a failure
-    status = jnp.where(go, status, _i32(Status.OK))
   ok = status == Status.OK
-  counted = ok if go is None else ok & go
 
   emits = ok & (alloc > 0) & (ls.fed + alloc == ls.length)
   generated = ls.length - ls.prompt_len
@@ -213,11 +185,11 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
       out_done=ls.out_done.at[fin_at].set(1, mode="drop"),
       out_first=ls.out_first.at[first_at].set(ls.steps + 1, mode="drop"),
       out_finished=ls.out_finished.at[fin_at].set(ls.steps + 1, mode="drop"),
-      steps=ls.steps + as_int(counted), step_tokens=ls.step_tokens + jnp.where(counted, n, 0),
-      occupancy=ls.occupancy + jnp.where(counted, occupancy, 0),
+      steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
+      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
       peak_rows=jnp.maximum(ls.peak_rows, held),
       # Elementwise, not `.at[which].add` (a dynamic-update-slice kernel of its own per step).
-      width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
+      width_steps=ls.width_steps + as_int(ok & (jnp.arange(len(widths)) == which)),
       status=jnp.where(ls.status == Status.OK, status, ls.status))
 
 
@@ -379,41 +351,18 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
   can_admit = (lambda ls: paged_admit.can_admit(config, ls)) if paged else (
       lambda ls: _can_admit(config, ls))
 
-  block = BLOCK_STEPS
-
   def phase(which):
-    def cond(ls, blocked=False):
+    def cond(ls):
       wanted = _wanted(ls)
-      active = ls.active == 1
       # Paged storage: the columns wanting a token (`paged_loop.step_need`) in the same sum.
-      # A block: the active columns' pending forks and those fewer than `block` tokens
-      # from their limit (either would end the single-step loop inside the block).
-      extra = ((wanted > 0,) if paged else ()) + ((
-          active & ((ls.forks > 0) | (ls.limit - ls.length < block)),) if blocked else ())
-      totals = _column_totals(active, ls.done == 1, _fork_ready(ls), wanted, *extra)
+      totals = _column_totals(ls.active == 1, ls.done == 1, _fork_ready(ls), wanted,
+                              *((wanted > 0,) if paged else ()))
       num_active, num_done, num_forking, num_wanted = totals[0], totals[1], totals[2], totals[3]
       may_run = paged_admit.step_may_run(config, ls, totals[4]) if paged else True
-      go = (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
-            & (width_index(widths, ls, num_wanted) == which) & may_run)
-      if blocked:
-        go = go & (totals[-1] == 0) & (max_steps - (ls.steps - first_step) >= block)
-      return go
-
-    def one_step(ls):
-      return _step(config, model, widths, which, ls, greedy)
-
-    def block_body(ls):
-      # `cond` holds for the first step; each step runs while a status is OK and some
-      # column wants a token, and is a no-op otherwise (`_step(go=False)`).
-      return jax.lax.fori_loop(0, block, lambda _, ls: _step(
-          config, model, widths, which, ls, greedy,
-          go=(ls.status == Status.OK) & jnp.any(_wanted(ls) > 0)), ls)
-
-    def run(ls):
-      if block > 1 and not paged and which == len(widths) - 1:
-        ls = jax.lax.while_loop(lambda ls: cond(ls, blocked=True), block_body, ls)
-      return jax.lax.while_loop(cond, one_step, ls)
-    return run
+      return (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
+              & (width_index(widths, ls, num_wanted) == which) & may_run)
+    return lambda ls: jax.lax.while_loop(
+        cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
 
   def columns(ls):
     """Retire, admit and fork (column storage: admission reserves prompt + max_tokens)."""
