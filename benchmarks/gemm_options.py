@@ -113,13 +113,12 @@ def main(argv=None) -> int:
                  "gate+up, down; default all)")
   p.add_argument("--mgpu-entry", action="store_true",
                  help="also time pallas_kernels.skinny_matmul, the models' decode GEMM, with its "
-                 "default tiling at each row count (<= 128; rows padded to the row block)")
+                 "default tiling at each row count it serves (<= skinny_gemm.MAX_ROWS; rows padded to the "
+                 "row block)")
   p.add_argument("--mgpu", action="store_true",
                  help="also time pallas_kernels/skinny_gemm.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
   args = p.parse_args(argv)
-  if args.mgpu_entry:
-    skinny_gemm.MAX_ROWS = 128   # the kernel's 128-row blocks, beyond the models' default
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
         f"{_copy_tbs():.2f} TB/s (read + write)")
   key = jax.random.key(0)
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
       if args.pallas:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, skinny_matmul,
                      pallas_configs(k_in, n_out), "pallas bn{bn} bk{bk} s{splits} st{num_stages}")
-      if args.mgpu_entry and m <= 128:
+      if args.mgpu_entry and m <= skinny_gemm.MAX_ROWS:
         _time_pallas(name, m, k_in, n_out, x, ws, args.calls, mgpu_entry, [{}],
                      "mgpu entry " + _braces(default_tiling(k_in, n_out, m)))
       if args.mgpu and m % 64 == 0:

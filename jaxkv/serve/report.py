@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxkv import CacheConfig, LayerImplementation, implementation_plan
-from pallas_kernels.skinny_gemm import MAX_ROWS
+from pallas_kernels import skinny_gemm
 
 UNKNOWN = "unknown"
 
@@ -109,4 +109,4 @@ def gemm_line(gemm: str | None) -> str:
   what = {"mosaic_gpu": "the Mosaic GPU skinny GEMM",
           "interpret": "the Mosaic GPU skinny GEMM under the interpreter"}[gemm]
   return (f"decode GEMM: gemm={gemm!r}: {what} for the bf16/fp16 output and down projections "
-          f"of steps of at most {MAX_ROWS} rows; XLA's for every other product")
+          f"of steps of at most {skinny_gemm.MAX_ROWS} rows; XLA's for every other product")
