@@ -31,6 +31,9 @@ for w in "${@:-decode uniform}"; do
     gemm_mgpu) TAIL=60 run gemm_mgpu 420 python3 benchmarks/gemm_options.py --rows 64 --mgpu;;
     gemm_mgpu_quick) TAIL=50 run gemm_mgpu_quick 240 python3 benchmarks/gemm_options.py --rows 64 --mgpu --quick --default-only;;
     v_fixup) TAIL=30 run v_fixup 240 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,no V fix-up (timing only),defaults" --cases "decode 64 seqs 32/8 D64 8..272,decode 64 seqs 32/8 D64 128..2304,decode 256 seqs 32/8 D64 128..2048,prefill 4x512 32/8 D64";;
+    col_parts_tests) run col_parts_tests 420 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py tests/pallas_kernels/test_paged_kernels.py tests/jaxkv/test_kernel_sizes.py -k "compiled or mosaic_gpu";;
+    col_parts_quick) run col_parts_quick 240 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_head_layouts.py -k "compiled and (d80 or d96 or d112)";;
+    col_parts) TAIL=60 run col_parts 330 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,one column part,defaults" --cases "decode 64 seqs 32/32 D80 512..4096,decode 64 seqs 32/32 D96 512..4096,decode 64 seqs 32/8 D96 512..8192,decode 64 seqs 32/8 D80 512..8192,decode 64 seqs 32/8 D112 512..8192,prefill 4x4096 32/8 D96,prefill 4x4096 32/8 D80";;
     mha_tiles) TAIL=40 run mha_tiles 300 python3 benchmarks/kernel_trace.py --calls 10 --variants "defaults,128-key tiles,128-key tiles 3 stages,defaults" --cases "decode 64 seqs 32/32 D80 512..4096,decode 64 seqs 32/32 D96 512..4096,decode 64 seqs 32/8 D96 512..8192";;
     gemm_on) run gemm_tests 200 python3 -m pytest -q -n 0 -p no:cacheprovider tests/pallas_kernels/test_skinny_gemm.py tests/jaxkv/test_gemm.py -k "compiled or resolves or refused"
         TAIL=12 run step_levers_gemm 240 python3 benchmarks/step_levers.py --variants base,xla_gemm,base

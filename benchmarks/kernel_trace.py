@@ -145,6 +145,9 @@ CASES = {
     # Issue 12's causal prefill rows.
     "prefill 1x16384 32/8 D128": lambda config=None: _prefill_case(1, 16384, 128, config),
     "prefill 4x4096 32/8 D128": lambda config=None: _prefill_case(4, 4096, 128, config),
+    # Head dims in column parts (`varlen_kernel_sm90.column_parts`): 64 + 32 and 64 + 16.
+    "prefill 4x4096 32/8 D96": lambda config=None: _prefill_case(4, 4096, 96, config),
+    "prefill 4x4096 32/8 D80": lambda config=None: _prefill_case(4, 4096, 80, config),
     "decode 64 seqs 32/8 D128 512..8192": lambda config=None: _decode_case(64, 128, 512, 8192,
                                                                            config),
     # Issue 12's other two decode rows: many short histories, and few long multi-head ones.
@@ -165,6 +168,9 @@ _LAYOUTS = {
     "decode 64 seqs 32/32 D80 512..4096": (32, 32, 80, 512, 4096),
     "decode 64 seqs 32/32 D96 512..4096": (32, 32, 96, 512, 4096),
     "decode 64 seqs 32/8 D96 512..8192": (32, 8, 96, 512, 8192),
+    "decode 64 seqs 32/8 D80 512..8192": (32, 8, 80, 512, 8192),
+    # Three column parts (64 + 32 + 16).
+    "decode 64 seqs 32/8 D112 512..8192": (32, 8, 112, 512, 8192),
     # Gemma-2-9B's attention (16 q heads over 8 KV heads of 256): q in 128-column parts.
     "decode 64 seqs 16/8 D256 512..8192 (G2)": (16, 8, 256, 512, 8192),
 }
@@ -232,6 +238,9 @@ VARIANTS = {
     # The partial tiles' V rows outside the read range left as they are (timing only: the
     # output may differ wherever those rows are not zero; `varlen_kernel_sm90.V_FIXUP`).
     "no V fix-up (timing only)": dict(V_FIXUP=False),
+    # Head dims 80/96/112 with K/V (and q) in shared memory as one row at the narrow
+    # swizzle, as before `varlen_kernel_sm90.KV_COLUMN_PARTS` (64-column parts at 128 bytes).
+    "one column part": dict(KV_COLUMN_PARTS=False),
 }
 
 
@@ -245,7 +254,7 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "V_FIXUP": body,
+           "V_FIXUP": body, "KV_COLUMN_PARTS": body,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

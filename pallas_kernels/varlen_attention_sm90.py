@@ -53,7 +53,6 @@ from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
 from pallas_kernels.varlen_kernel_sm90 import attention_kernel
 from pallas_kernels.varlen_kernel_sm90 import Q_PART_MAX_COLS
 from pallas_kernels.varlen_kernel_sm90 import q_scratch
-from pallas_kernels.varlen_kernel_sm90 import smem_transforms
 from pallas_kernels.varlen_plan import _item_table
 from pallas_kernels.varlen_plan import _segment_plan
 from pallas_kernels.varlen_plan import bounded_config
@@ -253,12 +252,11 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   pad = block_q if interpret is not None else max(0, block_q - num_tokens * group)
   if pad:
     qt = jnp.pad(qt, ((0, 0), (0, pad), (0, 0)))
-  transforms = smem_transforms(config.use_wgmma, dtype, head_dim)
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   kernel = functools.partial(
       kernel, group=group, block_q=block_q, block_k=block_k,
       num_stages=config.num_stages, cache_rows=cache_rows, window=window,
-      use_wgmma=config.use_wgmma, transforms=transforms, num_workers=num_workers)
+      use_wgmma=config.use_wgmma, num_workers=num_workers)
   o_part, lse_part = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),

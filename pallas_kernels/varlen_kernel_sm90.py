@@ -74,12 +74,22 @@ ROW_BOUND_MASK = True
 # (`benchmarks/kernel_trace.py` variant "no V fix-up (timing only)"); read when traced.
 V_FIXUP = True
 
+# Head dims that are not a multiple of 64 (80, 96, 112) hold their K/V (and q) tiles
+# in shared memory as two column parts: the leading `64 * (D // 64)` columns with
+# the 128-byte swizzle, the rest with the widest swizzle that divides it (32 bytes
+# for 16 columns, 64 for 32), instead of the whole row at the rest's narrow
+# swizzle (`column_parts`). QK^T accumulates one wgmma per part; P @ V runs one per
+# part into that part's columns of the accumulator. False keeps one part of the
+# whole row (the layout before; same results up to summation order, for A/B
+# timing, `benchmarks/kernel_trace.py`); read when traced.
+KV_COLUMN_PARTS = True
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, cache_rows, window,
-                      use_wgmma, transforms, num_workers, address=None, tile_pieces=1):
+                      use_wgmma, num_workers, address=None, tile_pieces=1):
   """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
   Grid axes: "worker" (`num_workers` programs per head, each looping over the
@@ -133,32 +143,33 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       return load_row, rows_start, rows_end, key0
 
     q_rows = pl.ds(field(IT_Q_ROW0), block_q)
-    if q_smem.ndim == 2:
-      plgpu.copy_gmem_to_smem(q_ref.at[head, q_rows], q_smem, q_bar)
-    else:   # column parts (`q_parts`), one copy each, all arriving on `q_bar`
-      part_cols = q_smem.shape[-1]
-      for part in range(q_smem.shape[0]):
-        plgpu.copy_gmem_to_smem(q_ref.at[head, q_rows, pl.ds(part * part_cols, part_cols)],
-                                q_smem.at[part], q_bar)
+    # One copy per column part (`q_column_parts`), all arriving on `q_bar`.
+    q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, dtype)[0])
+    for (c0, width), (part_smem, _) in zip(q_column_parts(use_wgmma, head_dim), q_views,
+                                           strict=True):
+      src = q_ref.at[head, q_rows] if width == head_dim else q_ref.at[
+          head, q_rows, pl.ds(c0, width)]
+      plgpu.copy_gmem_to_smem(src, part_smem, q_bar)
 
     def stream(k_smem, v_smem, k_bars, v_bars):
       """Streams the item's K/V tiles; returns `(acc, m_i, l_i)`."""
+      k_smem, v_smem = part_views(k_smem, stages), part_views(v_smem, stages)
       return _stream_tiles(
-          k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, span=span, col=col,
+          k_ref, v_ref, q_views, q_bar, k_smem, v_smem, k_bars, v_bars, span=span, col=col,
           head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
           kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
           block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
           address=address, tile_pieces=tile_pieces, full_range=full_range)
 
-    stage_shape = (num_stages, block_k, head_dim)
+    stages = kv_stage_scratch(use_wgmma, num_stages, block_k, head_dim, dtype)
+    # A stage's phase completes once all of its copies have arrived, one per piece
+    # (`tile_pieces`) and column part: each `copy_gmem_to_smem` arrives once with its
+    # own byte count (jax 0.11.2 and 0.12 alike).
+    arrivals = tile_pieces * len(stages)
     acc, m_i, l_i = pl.run_scoped(
-        stream, plgpu.SMEM(stage_shape, dtype, transforms=transforms),
-        plgpu.SMEM(stage_shape, dtype, transforms=transforms),
-        # A stage's phase completes once all of its `tile_pieces` copies have arrived: each
-        # `copy_gmem_to_smem` arrives once with its own byte count (jax 0.11.2 and 0.12
-        # alike); one copy per tile is the default count.
-        plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=tile_pieces, num_barriers=num_stages))
+        stream, stages, stages,
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages))
 
     def store(o_smem, lse_smem):
       store_partial(acc, m_i, l_i, o_smem, lse_smem, o_ref.at[slot, head], lse_ref.at[slot, head],
@@ -171,12 +182,20 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
 def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, block_q):
   """Normalizes an item's accumulator and stores its real rows and log-sum-exp (base 2).
 
+  `acc`: the float32 accumulator as a tuple of column parts (`column_parts`).
+
   `o_dst` `[block_q, D]` and `lse_dst` `[block_q]` are the item's slot of the
   float32 partial outputs; `o_smem`, `lse_smem` the staging buffers.
   """
   has_keys = l_i > 0.0
   l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
-  o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+  head_dim = o_smem.shape[-1]
+  c0 = 0
+  for part in acc:   # the accumulator's column parts, left to right
+    width = part.shape[-1]
+    dst = o_smem if width == head_dim else o_smem.at[:, pl.ds(c0, width)]
+    dst[...] = part / lax.broadcast_in_dim(l_safe, part.shape, [0])
+    c0 += width
   lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
   plgpu.commit_smem()
   # Store only the item's real rows, rounded up to 8: a decode item has G of
@@ -235,7 +254,8 @@ def row_bound_mask(load_row, rows_start, rows_end, key0, key_col, query_row, *, 
 def online_softmax(s, m_i, l_i, acc, mask, dtype):
   """One tile's online-softmax update (base 2); `mask` None: every score is real.
 
-  Returns `(m_new, l_i, acc, p)` with `acc` rescaled and `p` in `dtype` for P @ V.
+  `acc` is a tuple of column parts. Returns `(m_new, l_i, acc, p)` with `acc`
+  rescaled and `p` in `dtype` for P @ V.
   """
   if mask is not None:
     s = jnp.where(mask, s, MASK_VALUE)
@@ -245,7 +265,7 @@ def online_softmax(s, m_i, l_i, acc, mask, dtype):
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
   l_i = l_i * alpha + p.sum(axis=1)
-  acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+  acc = tuple(part * lax.broadcast_in_dim(alpha, part.shape, [0]) for part in acc)
   return m_new, l_i, acc, p.astype(dtype)
 
 
@@ -255,12 +275,16 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
                   tile_pieces=1, full_range=None):
   """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
 
+  `q_smem`, `k_smem`, `v_smem`: one `(copy view, matmul view)` pair per column
+  part (`q_column_parts`, `column_parts`; `part_views`); the returned
+  accumulator is a tuple of `column_parts`.
   `address`, `tile_pieces`: see `attention_kernel`. `full_range`: None, or tiles
   `[begin, end)` within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP_HEAD_DIMS`):
   they run in a loop of their own with the unmasked softmax.
   """
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
+  parts = column_parts(head_dim)
   piece_rows = block_k // tile_pieces
   if tile_pieces > 1:   # checked by the caller (`paged_sm90.check_request`)
     assert piece_rows * tile_pieces == block_k and piece_rows % ROW_ALIGN == 0, (
@@ -279,7 +303,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       return smem.at[stage]
     return smem.at[stage, pl.ds(piece * piece_rows, piece_rows)]
 
-  def fetch(t, stage, where=None, parts=("k", "v")):
+  def fetch(t, stage, where=None, names=("k", "v")):
     pieces = locate(t) if where is None else where
     loads = []
     for load_row, load_col in pieces:
@@ -288,10 +312,13 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       loads.append((pl.ds(load_row, piece_rows), load_col))
     # K first: its tile is waited on first.
     chosen = {"k": (k_ref, k_smem, k_bars), "v": (v_ref, v_smem, v_bars)}
-    for cache_ref, smem, bars in (chosen[part] for part in parts):
-      for piece, (rows, load_col) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(cache_ref.at[rows, load_col, head],
-                                stage_rows(smem, stage, piece), bars.at[stage])
+    for cache_ref, part_smems, bars in (chosen[name] for name in names):
+      for (c0, width), (smem, _) in zip(parts, part_smems, strict=True):
+        for piece, (rows, load_col) in enumerate(loads):
+          src = cache_ref.at[rows, load_col, head]
+          if width != head_dim:   # one column part of the rows (`column_parts`)
+            src = cache_ref.at[rows, load_col, head, pl.ds(c0, width)]
+          plgpu.copy_gmem_to_smem(src, stage_rows(smem, stage, piece), bars.at[stage])
 
   # Paged storage: the first stages' page-table loads are issued together, before
   # the first TMA has to wait on one (the tile is clamped into the item's range).
@@ -303,15 +330,23 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     def _prologue():
       fetch(t_begin + stage, stage, first[stage])
   plgpu.barrier_wait(q_bar)
-  if not use_wgmma:
-    q = q_smem[...]
-  elif q_smem.ndim == 2:
-    # Square tiles load q for every tile (`SQUARE_Q_RELOAD`): none is held across the loop.
-    q = None if SQUARE_Q_RELOAD and block_k == head_dim else plgpu.load(
-        q_smem, layout=plgpu.Layout.WGMMA)
-  else:   # column parts: QK^T accumulates one wgmma per part over K's matching columns
-    q = [plgpu.load(q_smem.at[part], layout=plgpu.Layout.WGMMA)
-         for part in range(q_smem.shape[0])]
+  q_cols = q_column_parts(use_wgmma, head_dim)
+
+  def load_q():
+    """q's column parts as values (the WGMMA register layout on the wgmma path)."""
+    if not use_wgmma:
+      return [part[...] for _, part in q_smem]
+    return [plgpu.load(part, layout=plgpu.Layout.WGMMA) for _, part in q_smem]
+
+  def k_columns(stage, c0, width):
+    """Columns `[c0, c0 + width)` of K's stage: a column part or a slice of one."""
+    for (p0, p_width), (_, smem) in zip(parts, k_smem):
+      if p0 <= c0 and c0 + width <= p0 + p_width:
+        return smem.at[stage] if width == p_width else smem.at[stage, :, pl.ds(c0 - p0, width)]
+    raise AssertionError((parts, c0, width))
+
+  # Square tiles load q for every tile (`SQUARE_Q_RELOAD`): none is held across the loop.
+  q = None if use_wgmma and SQUARE_Q_RELOAD and block_k == head_dim else load_q()
 
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = wgmma_layout.reduce(1)
@@ -333,22 +368,19 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     load_row, rows_start, rows_end, key0 = span(t)
     is_partial = (rows_start > load_row) | (rows_end < load_row + block_k)
     plgpu.barrier_wait(k_bars.at[stage])
+    q_now = load_q() if q is None else q
+    # QK^T accumulates one product per q column part over K's matching columns.
     if use_wgmma:
       def compute_qk(acc_ref):
-        if isinstance(q, list):
-          part_cols = head_dim // len(q)
-          for part, q_part in enumerate(q):
-            k_part = k_smem.at[stage, :, pl.ds(part * part_cols, part_cols)]
-            plgpu.wgmma(acc_ref, q_part, k_part.transpose((1, 0)))
-        else:
-          q_tile = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA) if q is None else q
-          plgpu.wgmma(acc_ref, q_tile, k_smem.at[stage].transpose((1, 0)))
+        for (c0, width), q_part in zip(q_cols, q_now, strict=True):
+          plgpu.wgmma(acc_ref, q_part, k_columns(stage, c0, width).transpose((1, 0)))
         return acc_ref[...]
       s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
     else:
-      s = lax.dot_general(q, k_smem.at[stage][...], (((1,), (1,)), ((), ())),
-                          precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
+      s = sum(lax.dot_general(q_part, k_columns(stage, c0, width)[...],
+                              (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+              for (c0, width), q_part in zip(q_cols, q_now, strict=True))
 
     if EARLY_K_REFILL:
       # The K stage is free once QK^T has read it (wgmma is awaited above): its
@@ -357,7 +389,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
       def _refill_k():
         if not use_wgmma:
           plgpu.commit_smem()   # order the ordinary loads of K before the TMA (see below)
-        fetch(t + num_stages, stage, refill, parts=("k",))
+        fetch(t + num_stages, stage, refill, names=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
       mask = None
@@ -380,25 +412,33 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
           functools.partial(softmax_update, masked=True), s, m_i, l_i, acc)
 
     plgpu.barrier_wait(v_bars.at[stage])
-    v_tile = v_smem.at[stage]
-
+    # P @ V: one product per column part, into that part of the accumulator.
+    v_tiles = [smem.at[stage] for _, smem in v_smem]
     if not all_full:   # a full tile has no rows outside the read range
-      v_row = load_row + iota((block_k, head_dim), 0)
-      v_valid = (v_row >= rows_start) & (v_row < rows_end)
+      v_valid = []
+      for _, width in parts:
+        v_row = load_row + iota((block_k, width), 0)
+        v_valid.append((v_row >= rows_start) & (v_row < rows_end))
     if use_wgmma:
       if not all_full and V_FIXUP:
         @pl.when(is_partial)
         def _zero_rows_outside_read_range():
-          v = plgpu.load(v_tile, layout=wgmma_layout)
-          v_tile[...] = jnp.where(v_valid, v, jnp.zeros_like(v))
+          for v_tile, valid in zip(v_tiles, v_valid, strict=True):
+            v = plgpu.load(v_tile, layout=wgmma_layout)
+            v_tile[...] = jnp.where(valid, v, jnp.zeros_like(v))
           plgpu.commit_smem()
-      acc = pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p16, v_tile))(
-          plgpu.ACC.init(acc))
+      acc = tuple(
+          pl.run_state(lambda acc_ref, v_tile=v_tile: plgpu.wgmma(acc_ref, p16, v_tile))(
+              plgpu.ACC.init(part))
+          for part, v_tile in zip(acc, v_tiles, strict=True))
     else:
-      v = v_tile[...] if all_full else jnp.where(v_valid, v_tile[...], jnp.zeros((), dtype))
-      acc = acc + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
-                                  precision=lax.Precision.HIGHEST,
-                                  preferred_element_type=jnp.float32)
+      new_acc = []
+      for i, (part, v_tile) in enumerate(zip(acc, v_tiles, strict=True)):
+        v = v_tile[...] if all_full else jnp.where(v_valid[i], v_tile[...], jnp.zeros((), dtype))
+        new_acc.append(part + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
+                                              precision=lax.Precision.HIGHEST,
+                                              preferred_element_type=jnp.float32))
+      acc = tuple(new_acc)
 
     @pl.when(t + num_stages < t_end)
     def _refill():
@@ -407,10 +447,11 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
         # (async proxy) overwrites the stage. wgmma already reads through the
         # async proxy, and the production V fix-up ends with this fence.
         plgpu.commit_smem()
-      fetch(t + num_stages, stage, refill, parts=("v",) if EARLY_K_REFILL else ("k", "v"))
+      fetch(t + num_stages, stage, refill, names=("v",) if EARLY_K_REFILL else ("k", "v"))
     return acc, m_new, l_i
 
-  acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), wgmma_layout)
+  acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32), wgmma_layout)
+              for _, width in parts)
   m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
   l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
   carry = (acc, m_i, l_i)
@@ -452,24 +493,113 @@ def swizzle_bytes(head_dim: int, dtype) -> int:
 Q_PART_MAX_COLS = 128
 
 
+# Column part widths (16-bit elements): one 128-, 64- or 32-byte swizzle atom per row.
+PART_WIDTHS = (64, 32, 16)
+
+
+def column_parts(head_dim: int) -> tuple[tuple[int, int], ...]:
+  """`(first column, width)` of each column part of a K/V tile in shared memory.
+
+  Head dims whose 16-bit rows take only the 32-byte swizzle as a whole (80, 112:
+  an odd multiple of 16 above 64) are split into parts of 64, 32 and 16 columns,
+  largest first, each one swizzle atom wide and swizzled by it (128, 64 and 32
+  bytes): one 160-byte row of head dim 80 was read in 32-byte atoms by TMA and
+  wgmma; in parts 80% of it goes in 128-byte atoms. Measured on the H200
+  (docs/PERFORMANCE.md, "Column parts"): decode -10% to -13% at 80 and 112,
+  prefill -11% at 80; at 96 (64-byte atoms as a whole) parts were level in
+  decode and 12% slower in prefill, so 96 stays one part. Every other head dim
+  (multiples of 32, below 64, not a multiple of 16), or `KV_COLUMN_PARTS` off:
+  one part of the whole row. The interpreter variant splits the same way, so CPU
+  tests run the part index math.
+  """
+  if (not KV_COLUMN_PARTS or head_dim < PART_WIDTHS[0] or head_dim % PART_WIDTHS[-1]
+      or head_dim % (2 * PART_WIDTHS[-1]) == 0):   # 64-byte atoms or wider: one part
+    return ((0, head_dim),)
+  parts, c0 = [], 0
+  for width in PART_WIDTHS:
+    while head_dim - c0 >= width:
+      parts.append((c0, width))
+      c0 += width
+  return tuple(parts)
+
+
+def q_column_parts(use_wgmma: bool, head_dim: int) -> tuple[tuple[int, int], ...]:
+  """`(first column, width)` of each column part of the q tile.
+
+  On the wgmma path a q tile wider than 128 columns loads in 128-column parts;
+  otherwise q is split like K (`column_parts`), so each part of QK^T meets one
+  K part.
+  """
+  if use_wgmma and head_dim > Q_PART_MAX_COLS:
+    assert head_dim % Q_PART_MAX_COLS == 0, head_dim   # static_check's head dims
+    return tuple((c0, Q_PART_MAX_COLS) for c0 in range(0, head_dim, Q_PART_MAX_COLS))
+  return column_parts(head_dim)
+
+
 def q_parts(use_wgmma: bool, head_dim: int) -> int:
-  """Column parts of the q tile: 1, or `head_dim / 128` for wider heads on the wgmma path."""
-  if not use_wgmma or head_dim <= Q_PART_MAX_COLS:
-    return 1
-  assert head_dim % Q_PART_MAX_COLS == 0, head_dim   # static_check's head dims
-  return head_dim // Q_PART_MAX_COLS
+  """How many column parts the q tile loads in (`q_column_parts`)."""
+  return len(q_column_parts(use_wgmma, head_dim))
 
 
 def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype):
-  """The q tile's shared memory and its barrier (one arrival per column part)."""
-  parts = q_parts(use_wgmma, head_dim)
-  if parts == 1:
-    return [plgpu.SMEM((block_q, head_dim), dtype), plgpu.Barrier()]
-  return [plgpu.SMEM((parts, block_q, head_dim // parts), dtype),
-          plgpu.Barrier(num_arrivals=parts)]
+  """The q tile's column parts in shared memory (a tuple) and their barrier (one
+  arrival per part).
+
+  The parts of `column_parts` (80, 96, 112 on the wgmma path) are swizzle-atom
+  unions like K's (`kv_stage_scratch`): with the tiled view's transforms on the
+  copy, TMA would tile q's row and column axes (an item's first q row is `token *
+  G`, and 80 columns are not a multiple of 64). Other parts have no explicit
+  transforms (Mosaic GPU infers them, as before parts).
+  """
+  parts = q_column_parts(use_wgmma, head_dim)
+  if use_wgmma and len(column_parts(head_dim)) > 1:
+    types = tuple(_atom_union((block_q, width), dtype) for _, width in parts)
+  else:
+    types = tuple(plgpu.SMEM((block_q, width), dtype) for _, width in parts)
+  return [types, plgpu.Barrier(num_arrivals=len(parts))]
+
+
+def kv_stage_scratch(use_wgmma: bool, num_stages: int, block_k: int, head_dim: int, dtype):
+  """The K (or V) pipeline stages: one `(copy view, matmul view)` pair per column part.
+
+  One part (`column_parts`): one buffer, both views, `(8, swizzle)`-tiled as wgmma
+  reads it. Several parts: each part is a union of two views of one buffer, the
+  matmul view tiled and swizzled, the copy view swizzled only. A part's rows are
+  exactly one swizzle atom wide, so the two views hold the same bytes; the copy
+  view keeps TMA from tiling the cache's row (`head_dim`) axis, which Mosaic GPU
+  refuses when the head dim is not a multiple of the part's tile (80 is not of 64).
+  The interpreter has no swizzle: one plain buffer per part serves both views.
+  Returns the scratch types, one per part; `part_views` turns the allocated refs
+  into the pairs.
+  """
+  parts = column_parts(head_dim)
+  if len(parts) == 1 or not use_wgmma:
+    return tuple(plgpu.SMEM((num_stages, block_k, width), dtype,
+                            transforms=smem_transforms(use_wgmma, dtype, width))
+                 for _, width in parts)
+  return tuple(_atom_union((num_stages, block_k, width), dtype) for _, width in parts)
+
+
+def _atom_union(shape, dtype):
+  """Two views of one shared buffer whose rows are one swizzle atom: swizzled only
+  (for TMA: no tiling of the global array) and tiled and swizzled (for wgmma and
+  register loads). The same bytes: an `(8, row)` tile of such rows is 8 whole rows."""
+  swizzle = swizzle_bytes(shape[-1], dtype)
+  assert swizzle == shape[-1] * np.dtype(dtype).itemsize, (shape, swizzle)
+  return plgpu.RefUnion(
+      plgpu.SMEM(shape, dtype, transforms=(plgpu.SwizzleTransform(swizzle),)),
+      plgpu.SMEM(shape, dtype, transforms=smem_transforms(True, dtype, shape[-1])))
+
+
+def part_views(refs, scratch):
+  """`(copy view, matmul view)` per column part of the refs allocated for `scratch`
+  (`kv_stage_scratch`, `q_scratch`): a union's two views, or one buffer twice."""
+  return tuple(tuple(ref) if isinstance(kind, plgpu.RefUnion) else (ref, ref)
+               for ref, kind in zip(refs, scratch, strict=True))
 
 
 def smem_transforms(use_wgmma, dtype, head_dim):
+  """Tiling and swizzle of a K/V tile (or column part) `head_dim` columns wide."""
   if not use_wgmma:
     return ()
   swizzle = swizzle_bytes(head_dim, dtype)

@@ -54,6 +54,7 @@ LAYOUTS = [
     (16, 96, jnp.float16, 4, 1),
     (3, 256, jnp.bfloat16, None, 1),
     (5, 128, jnp.bfloat16, 7, 2),
+    (4, 112, jnp.bfloat16, 5, 1),   # three column parts: 64 + 32 + 16
 ]
 INTERPRET_LAYOUT_FAMILIES = [
     _family(*layout, width=4, capacity=40, max_seqs=3, num_steps=2) for layout in LAYOUTS]
@@ -115,6 +116,42 @@ def test_q_tiles_hold_whole_tokens(block_q, group, want):
   assert varlen_attention_sm90.q_tile_rows(block_q, group) == want
 
 
+@pytest.mark.parametrize("head_dim, want", [
+    (80, ((0, 64), (64, 16))), (112, ((0, 64), (64, 32), (96, 16))),
+    (96, ((0, 96),)), (64, ((0, 64),)), (128, ((0, 128),)), (256, ((0, 256),)),
+    (48, ((0, 48),)), (16, ((0, 16),)), (72, ((0, 72),))])   # 72: the interpreter's
+def test_column_parts_are_whole_swizzle_atoms(head_dim, want):
+  """K/V tiles whose 16-bit rows take only the 32-byte swizzle as a whole (80, 112) sit in
+  shared memory as parts of 64, 32 and 16 columns, each row one 128-, 64- or 32-byte
+  swizzle atom; 96 (64-byte atoms) and multiples of 64 stay whole. q splits the same way
+  (wider than 128 columns on the wgmma path: 128-column parts). Switched off, one part."""
+  parts = varlen_kernel_sm90.column_parts(head_dim)
+  assert parts == want
+  assert sum(width for _, width in parts) == head_dim
+  if len(parts) > 1:
+    for _, width in parts:
+      assert varlen_kernel_sm90.swizzle_bytes(width, jnp.bfloat16) == 2 * width
+  assert varlen_kernel_sm90.q_column_parts(False, head_dim) == parts
+  assert varlen_kernel_sm90.q_column_parts(True, head_dim) == (
+      ((0, 128), (128, 128)) if head_dim == 256 else parts)
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(varlen_kernel_sm90, "KV_COLUMN_PARTS", False)
+    assert varlen_kernel_sm90.column_parts(head_dim) == ((0, head_dim),)
+
+
+@pytest.mark.parametrize("family", [f for f in INTERPRET_LAYOUT_FAMILIES
+                                    if f.head_dim in (80, 112)][:2], ids=str)
+def test_interpreted_kernel_serves_head_layout_in_one_column_part(family, rng, monkeypatch):
+  """`KV_COLUMN_PARTS` off (the layout before column parts, kept for A/B timing) still
+  serves head dims 80 and 112 right."""
+  monkeypatch.setattr(varlen_kernel_sm90, "KV_COLUMN_PARTS", False)
+  jax.clear_caches()   # the switch is read when traced
+  try:
+    check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
+  finally:
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("head_dim, dtype, want", [
     (64, jnp.bfloat16, 128), (128, jnp.float16, 128), (256, jnp.bfloat16, 128),
     (96, jnp.float16, 64), (80, jnp.bfloat16, 32), (48, jnp.bfloat16, 32)])
@@ -132,7 +169,8 @@ def _shapes(num_tokens, group, num_kv_heads, num_rows, head_dim, dtype):
 # Head dim 256 is lowered by its own test below (q in column parts).
 @pytest.mark.parametrize("group, head_dim, dtype, window", [
     (3, 64, jnp.bfloat16, None), (5, 80, jnp.float16, 61), (6, 96, jnp.bfloat16, None),
-    (7, 128, jnp.float16, 61), (16, 80, jnp.bfloat16, None), (1, 96, jnp.float16, 61)],
+    (7, 128, jnp.float16, 61), (16, 80, jnp.bfloat16, None), (1, 96, jnp.float16, 61),
+    (4, 112, jnp.bfloat16, 61)],
     ids=lambda x: getattr(x, "__name__", str(x)))
 def test_production_kernel_lowers_for_head_layout(group, head_dim, dtype, window):
   # Mosaic GPU checks wgmma's operand tiling, swizzle and shapes while lowering.

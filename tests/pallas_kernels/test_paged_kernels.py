@@ -41,6 +41,9 @@ INTERPRET_CASES = [
             num_steps=3), 16),
     (Family("bf16-g4-d64", jnp.bfloat16, None, 4, 1, 64, width=4, max_seqs=3, capacity=30,
             num_steps=3), 3),
+    # Head dim 112 in three column parts (64 + 32 + 16, `varlen_kernel_sm90.column_parts`).
+    (Family("fp16-g2-d112", jnp.float16, None, 4, 2, 112, width=5, max_seqs=3, capacity=40,
+            num_steps=3), 8),
 ]
 INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     block_q=8, block_k=8, num_stages=3, split_len=8, split_budget=2, max_splits=3,
@@ -57,6 +60,11 @@ GPU_CASES = [
     # Head dim 256 (q in 128-column parts) in float16.
     (Family("fp16-g2-d256", jnp.float16, None, 4, 2, 256, width=16, max_seqs=4,
             capacity=512, num_steps=6), 64),
+    # Head dims 80 and 96 in column parts (64 + 16, 64 + 32).
+    (Family("bf16-g1-d80", jnp.bfloat16, None, 4, 4, 80, width=16, max_seqs=4,
+            capacity=512, num_steps=6), 64),
+    (Family("fp16-g4-d96", jnp.float16, None, 8, 2, 96, width=32, max_seqs=4,
+            capacity=1024, num_steps=6), 128),
 ]
 GPU_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
                                                    max_splits=4)
@@ -220,7 +228,8 @@ def _touching_pool(text, pool_shape):
   return ops
 
 
-@pytest.mark.parametrize("head_dim, page_size", [(128, 64), (128, 128), (64, 128), (64, 256)])
+@pytest.mark.parametrize("head_dim, page_size", [(128, 64), (128, 128), (64, 128), (64, 256),
+                                                (80, 64), (112, 128)])
 def test_compiled_kernels_lower_with_no_copy_of_the_pool(head_dim, page_size):
   """Lowered for the GPU on any machine (Mosaic GPU checks the TMA shapes while lowering): one
   Mosaic GPU call each, and the pool reaches it through free reshapes only (no gather, copy
