@@ -74,6 +74,28 @@ def _decode_case(num_seqs, head_dim, min_len, max_len, config=None, heads=(32, 8
   return jaxkv, cudnn
 
 
+def _ring_decode_case(num_seqs, head_dim, window, width, config=None, heads=(32, 8)):
+  """Decode over ring layers of `window + width - 1` rows (a Gemma-style sliding layer):
+  histories of 2-4 windows, each token reading its last `window` keys. cuDNN reads the
+  same number of keys per sequence from padded `[B, window, H, D]` arrays."""
+  num_q, num_kv = heads
+  rng = np.random.default_rng(5)
+  lengths = rng.integers(2 * window, 4 * window, num_seqs).astype(np.int32)
+  rows = window + width - 1
+  k, v = bench_decode.build_cache(jax.random.key(1), lengths, num_kv, head_dim, num_rows=rows)
+  q = jax.random.normal(jax.random.key(2), (num_seqs, num_q, head_dim), DTYPE)
+  seq_info, n = bench_decode.decode_plan(lengths)
+  jaxkv = (jax.jit(functools.partial(pallas_kernels.varlen_attention, window=window,
+                                     scale=head_dim ** -0.5, config=config)),
+           (q, k, v, seq_info, n))
+  kp = jax.random.normal(jax.random.key(3), (num_seqs, window, num_kv, head_dim), DTYPE)
+  vp = jax.random.normal(jax.random.key(4), (num_seqs, window, num_kv, head_dim), DTYPE)
+  cudnn = (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
+      q_, k_, v_, key_value_seq_lengths=l_, implementation="cudnn")),
+           (q[:, None], kp, vp, jnp.full((num_seqs,), window, jnp.int32)))
+  return jaxkv, cudnn
+
+
 # Rows of the segment table the prefill and mixed cases pass: "tokens" (one per token, as a
 # cache step's) or "segments" (the real rows only, which bounds the kernel's plan:
 # `varlen_plan.item_capacity`). A switch for `--variants`; read when a case is built.
@@ -155,6 +177,14 @@ CASES = {
         256, 128, 128, 2048, config),
     "decode 16 seqs 16/16 D64 1024..32768": lambda config=None: _decode_case(
         16, 64, 1024, 32768, config, heads=(16, 16)),
+    # Ring layers whose rows are not a multiple of 8 (window + W - 1), read in place
+    # (`varlen_attention_sm90.reads_in_place`) or copied with zero rows (variant "padded copy").
+    "decode 64 seqs 32/8 D128 ring 1024 rows 1087": lambda config=None: _ring_decode_case(
+        64, 128, 1024, 64, config),
+    "decode 64 seqs 32/8 D64 ring 512 rows 575": lambda config=None: _ring_decode_case(
+        64, 64, 512, 64, config),
+    "decode 64 seqs 16/8 D256 ring 1024 rows 1087": lambda config=None: _ring_decode_case(
+        64, 256, 1024, 64, config, heads=(16, 8)),
 }
 # Issue 12's head layouts the compiled kernel serves since the head-layout round: GQA
 # groups that do not divide the 64-row q tile (Qwen2.5-7B: 28/4 = 7; 40/8 = 5; 24/4 = 6;
@@ -241,6 +271,9 @@ VARIANTS = {
     # Head dims 80/96/112 with K/V (and q) in shared memory as one row at the narrow
     # swizzle, as before `varlen_kernel_sm90.KV_COLUMN_PARTS` (64-column parts at 128 bytes).
     "one column part": dict(KV_COLUMN_PARTS=False),
+    # Unaligned ring rows copied with zero rows appended, as before
+    # `varlen_attention_sm90.UNALIGNED_ROWS_IN_PLACE`.
+    "padded copy": dict(UNALIGNED_ROWS_IN_PLACE=False),
 }
 
 
@@ -251,10 +284,11 @@ def variants(names, calls, cases):
   from pallas_kernels import common   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
   from pallas_kernels import varlen_plan   # pylint: disable=g-import-not-at-top
+  from pallas_kernels import varlen_attention_sm90 as column   # pylint: disable=g-import-not-at-top
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "V_FIXUP": body, "KV_COLUMN_PARTS": body,
+           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "UNALIGNED_ROWS_IN_PLACE": column,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -169,8 +169,9 @@ def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
   rows hold a whole tile; a smaller cache gets the largest smaller tile that
   fits (64 or 128 rows for wgmma, not `head_dim`: square tiles are served but not
   chosen, see `config.default_varlen_attention_config`), and is
-  padded up to one tile when none fits. Both variants use this geometry, so
-  the interpreter exercises the padding the production kernel runs.
+  padded up to one tile when none fits. Both variants use this geometry; the
+  compiled kernel reads an unaligned cache of at least one tile in place instead
+  of padding it (`reads_in_place`; the padded row count then goes unused).
   """
   padded_rows = _cdiv(num_rows, ROW_ALIGN) * ROW_ALIGN
   if config.block_k <= padded_rows:
@@ -182,6 +183,30 @@ def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
   fitting = [b for b in sizes if b <= padded_rows]
   block_k = max(fitting) if fitting else min(sizes + [config.block_k])
   return block_k, max(padded_rows, block_k)
+
+
+# A cache whose row count is not a multiple of 8 (most rings: `window + W - 1`) but
+# holds at least one K/V tile is read in place by the compiled kernel, through
+# swizzle-only TMA views of one-atom column parts (`varlen_kernel_sm90.column_parts`
+# with `atoms`), instead of copied with zero rows appended (`_padded_caches`).
+# False copies as before (A/B timing, `benchmarks/kernel_trace.py`); read when traced.
+UNALIGNED_ROWS_IN_PLACE = True
+# Tests only: every call reads K/V in one-atom column parts, so the interpreter runs
+# that index math on CPU (it still pads; it reads no swizzle). Read when traced.
+FORCE_ATOM_PARTS = False
+
+
+def reads_in_place(num_rows: int, head_dim: int, *, config) -> bool:
+  """Whether the compiled kernel reads an unaligned cache of `num_rows` rows in place.
+
+  True for the wgmma path when the rows are not a multiple of 8 and hold at least
+  one K/V tile (`tile_geometry`): the TMA boxes then never start past the array
+  and zero-fill the rows they run past. Smaller caches (under one tile) are still
+  padded by a copy, which is at most one tile per column.
+  """
+  block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
+  return (config.use_wgmma and UNALIGNED_ROWS_IN_PLACE and padded_rows != num_rows
+          and num_rows >= block_k)
 
 
 def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
@@ -214,24 +239,30 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
   group = num_q_heads // num_kv_heads
   tile_rows = q_tile_rows(config.block_q, group)
   block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
-  k_cache, v_cache, seq_info = _padded_caches(k_cache, v_cache, seq_info,
-                                              padded_rows=padded_rows)
+  in_place = reads_in_place(num_rows, head_dim, config=config)
+  if in_place:
+    padded_rows = num_rows
+  else:
+    k_cache, v_cache, seq_info = _padded_caches(k_cache, v_cache, seq_info,
+                                                padded_rows=padded_rows)
   config = bounded_config(config, num_rows, block_k=block_k, window=window)
   seg = _segment_plan(seq_info, n_segments, num_rows=num_rows, window=window, group=group,
                       tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
   return run_items(attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
                    cache_rows=padded_rows, window=window, scale=scale, config=config,
-                   interpret=_compat.resolve_interpret(interpret))
+                   interpret=_compat.resolve_interpret(interpret),
+                   atom_parts=in_place or FORCE_ATOM_PARTS)
 
 
 def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, scale, config,
-              interpret):
+              interpret, atom_parts=False):
   """The item table, q's layout, the Mosaic GPU call and the epilogue for a segment plan.
 
   Shared by this module's wrapper and the paged one (`paged_sm90`): `kernel` is
   `attention_kernel` or a variant that takes more inputs after V (the page
   table), and `kv_inputs` are the arrays it reads after q (K, V, ...).
-  `interpret` is resolved (`_compat.resolve_interpret`).
+  `interpret` is resolved (`_compat.resolve_interpret`). `atom_parts`: see
+  `varlen_kernel_sm90.attention_kernel`.
   """
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = num_q_heads // group
@@ -256,12 +287,12 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   kernel = functools.partial(
       kernel, group=group, block_q=block_q, block_k=block_k,
       num_stages=config.num_stages, cache_rows=cache_rows, window=window,
-      use_wgmma=config.use_wgmma, num_workers=num_workers)
+      use_wgmma=config.use_wgmma, num_workers=num_workers, atom_parts=atom_parts)
   o_part, lse_part = plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
-      scratch_types=q_scratch(config.use_wgmma, block_q, head_dim, dtype),
+      scratch_types=q_scratch(config.use_wgmma, block_q, head_dim, dtype, atoms=atom_parts),
       grid=(num_workers, num_kv_heads),
       grid_names=("worker", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),

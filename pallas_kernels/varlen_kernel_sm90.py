@@ -89,7 +89,7 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, cache_rows, window,
-                      use_wgmma, num_workers, address=None, tile_pieces=1):
+                      use_wgmma, num_workers, address=None, tile_pieces=1, atom_parts=False):
   """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
   Grid axes: "worker" (`num_workers` programs per head, each looping over the
@@ -111,6 +111,9 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   one run per page when pages are smaller than the tile); masks and key
   positions keep the logical rows. Each run is one TMA per K and V, all of a
   stage's arriving on its one barrier (`num_arrivals=tile_pieces`).
+  `atom_parts`: K/V and q in one-swizzle-atom column parts read through
+  swizzle-only TMA views (`column_parts`), which do not tile the arrays' row
+  axis: a cache whose row count is not a multiple of 8 is read in place.
   """
   head = lax.axis_index("head")
   dtype = k_ref.dtype
@@ -144,9 +147,10 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
 
     q_rows = pl.ds(field(IT_Q_ROW0), block_q)
     # One copy per column part (`q_column_parts`), all arriving on `q_bar`.
-    q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, dtype)[0])
-    for (c0, width), (part_smem, _) in zip(q_column_parts(use_wgmma, head_dim), q_views,
-                                           strict=True):
+    q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, dtype,
+                                           atoms=atom_parts)[0])
+    for (c0, width), (part_smem, _) in zip(
+        q_column_parts(use_wgmma, head_dim, atoms=atom_parts), q_views, strict=True):
       src = q_ref.at[head, q_rows] if width == head_dim else q_ref.at[
           head, q_rows, pl.ds(c0, width)]
       plgpu.copy_gmem_to_smem(src, part_smem, q_bar)
@@ -159,9 +163,11 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
           head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
           kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
           block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
-          address=address, tile_pieces=tile_pieces, full_range=full_range)
+          address=address, tile_pieces=tile_pieces, full_range=full_range,
+          atom_parts=atom_parts)
 
-    stages = kv_stage_scratch(use_wgmma, num_stages, block_k, head_dim, dtype)
+    stages = kv_stage_scratch(use_wgmma, num_stages, block_k, head_dim, dtype,
+                              atoms=atom_parts)
     # A stage's phase completes once all of its copies have arrived, one per piece
     # (`tile_pieces`) and column part: each `copy_gmem_to_smem` arrives once with its
     # own byte count (jax 0.11.2 and 0.12 alike).
@@ -272,7 +278,7 @@ def online_softmax(s, m_i, l_i, acc, mask, dtype):
 def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
                   head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
                   group, block_q, block_k, num_stages, window, use_wgmma, address=None,
-                  tile_pieces=1, full_range=None):
+                  tile_pieces=1, full_range=None, atom_parts=False):
   """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
 
   `q_smem`, `k_smem`, `v_smem`: one `(copy view, matmul view)` pair per column
@@ -284,7 +290,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
   """
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
-  parts = column_parts(head_dim)
+  parts = column_parts(head_dim, atoms=atom_parts)
   piece_rows = block_k // tile_pieces
   if tile_pieces > 1:   # checked by the caller (`paged_sm90.check_request`)
     assert piece_rows * tile_pieces == block_k and piece_rows % ROW_ALIGN == 0, (
@@ -330,7 +336,7 @@ def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *
     def _prologue():
       fetch(t_begin + stage, stage, first[stage])
   plgpu.barrier_wait(q_bar)
-  q_cols = q_column_parts(use_wgmma, head_dim)
+  q_cols = q_column_parts(use_wgmma, head_dim, atoms=atom_parts)
 
   def load_q():
     """q's column parts as values (the WGMMA register layout on the wgmma path)."""
@@ -497,7 +503,7 @@ Q_PART_MAX_COLS = 128
 PART_WIDTHS = (64, 32, 16)
 
 
-def column_parts(head_dim: int) -> tuple[tuple[int, int], ...]:
+def column_parts(head_dim: int, *, atoms: bool = False) -> tuple[tuple[int, int], ...]:
   """`(first column, width)` of each column part of a K/V tile in shared memory.
 
   Head dims whose 16-bit rows take only the 32-byte swizzle as a whole (80, 112:
@@ -511,10 +517,19 @@ def column_parts(head_dim: int) -> tuple[tuple[int, int], ...]:
   (multiples of 32, below 64, not a multiple of 16), or `KV_COLUMN_PARTS` off:
   one part of the whole row. The interpreter variant splits the same way, so CPU
   tests run the part index math.
+
+  `atoms`: every head dim that is a multiple of 16 in such parts (128: two of 64;
+  64: one), for caches read in place through swizzle-only views (`attention_kernel`).
   """
+  if atoms and head_dim % PART_WIDTHS[-1] == 0:
+    return _greedy_parts(head_dim)
   if (not KV_COLUMN_PARTS or head_dim < PART_WIDTHS[0] or head_dim % PART_WIDTHS[-1]
       or head_dim % (2 * PART_WIDTHS[-1]) == 0):   # 64-byte atoms or wider: one part
     return ((0, head_dim),)
+  return _greedy_parts(head_dim)
+
+
+def _greedy_parts(head_dim: int) -> tuple[tuple[int, int], ...]:
   parts, c0 = [], 0
   for width in PART_WIDTHS:
     while head_dim - c0 >= width:
@@ -523,17 +538,18 @@ def column_parts(head_dim: int) -> tuple[tuple[int, int], ...]:
   return tuple(parts)
 
 
-def q_column_parts(use_wgmma: bool, head_dim: int) -> tuple[tuple[int, int], ...]:
+def q_column_parts(use_wgmma: bool, head_dim: int, *,
+                   atoms: bool = False) -> tuple[tuple[int, int], ...]:
   """`(first column, width)` of each column part of the q tile.
 
   On the wgmma path a q tile wider than 128 columns loads in 128-column parts;
   otherwise q is split like K (`column_parts`), so each part of QK^T meets one
   K part.
   """
-  if use_wgmma and head_dim > Q_PART_MAX_COLS:
+  if use_wgmma and head_dim > Q_PART_MAX_COLS and not atoms:
     assert head_dim % Q_PART_MAX_COLS == 0, head_dim   # static_check's head dims
     return tuple((c0, Q_PART_MAX_COLS) for c0 in range(0, head_dim, Q_PART_MAX_COLS))
-  return column_parts(head_dim)
+  return column_parts(head_dim, atoms=atoms)
 
 
 def q_parts(use_wgmma: bool, head_dim: int) -> int:
@@ -541,7 +557,7 @@ def q_parts(use_wgmma: bool, head_dim: int) -> int:
   return len(q_column_parts(use_wgmma, head_dim))
 
 
-def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype):
+def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype, *, atoms: bool = False):
   """The q tile's column parts in shared memory (a tuple) and their barrier (one
   arrival per part).
 
@@ -551,15 +567,16 @@ def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype):
   G`, and 80 columns are not a multiple of 64). Other parts have no explicit
   transforms (Mosaic GPU infers them, as before parts).
   """
-  parts = q_column_parts(use_wgmma, head_dim)
-  if use_wgmma and len(column_parts(head_dim)) > 1:
+  parts = q_column_parts(use_wgmma, head_dim, atoms=atoms)
+  if use_wgmma and (atoms or len(column_parts(head_dim)) > 1):
     types = tuple(_atom_union((block_q, width), dtype) for _, width in parts)
   else:
     types = tuple(plgpu.SMEM((block_q, width), dtype) for _, width in parts)
   return [types, plgpu.Barrier(num_arrivals=len(parts))]
 
 
-def kv_stage_scratch(use_wgmma: bool, num_stages: int, block_k: int, head_dim: int, dtype):
+def kv_stage_scratch(use_wgmma: bool, num_stages: int, block_k: int, head_dim: int, dtype, *,
+                     atoms: bool = False):
   """The K (or V) pipeline stages: one `(copy view, matmul view)` pair per column part.
 
   One part (`column_parts`): one buffer, both views, `(8, swizzle)`-tiled as wgmma
@@ -572,8 +589,8 @@ def kv_stage_scratch(use_wgmma: bool, num_stages: int, block_k: int, head_dim: i
   Returns the scratch types, one per part; `part_views` turns the allocated refs
   into the pairs.
   """
-  parts = column_parts(head_dim)
-  if len(parts) == 1 or not use_wgmma:
+  parts = column_parts(head_dim, atoms=atoms)
+  if not use_wgmma or (len(parts) == 1 and not atoms):
     return tuple(plgpu.SMEM((num_stages, block_k, width), dtype,
                             transforms=smem_transforms(use_wgmma, dtype, width))
                  for _, width in parts)

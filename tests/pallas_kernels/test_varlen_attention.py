@@ -108,6 +108,14 @@ UNALIGNED_GPU_FAMILIES = [
            max_seqs=3, capacity=130, num_steps=6),
     Family("fp16-ring69-rows72-mha-d64", jnp.float16, 69, 2, 2, 64, width=4, max_seqs=3,
            capacity=200, num_steps=6),
+    # Read in place (`reads_in_place`: unaligned, at least one tile) at head dims 128,
+    # 256 and 80: K/V in one-atom column parts of 64 (and 16) columns.
+    Family("bf16-ring256-rows319-gqa4x2-d128", jnp.bfloat16, 256, 8, 2, 128, width=64,
+           max_seqs=3, capacity=900, num_steps=6),
+    Family("fp16-ring190-rows201-gqa2x1-d256", jnp.float16, 190, 2, 1, 256, width=12,
+           max_seqs=3, capacity=500, num_steps=6),
+    Family("bf16-ring100-rows115-gqa4x1-d80", jnp.bfloat16, 100, 4, 1, 80, width=16,
+           max_seqs=3, capacity=400, num_steps=6),
     Family("bf16-ring37-rows40-gqa8x2-d128", jnp.bfloat16, 37, 8, 2, 128, width=4,
            max_seqs=3, capacity=120, num_steps=6),
 ]
@@ -164,6 +172,62 @@ def test_interpreted_kernel_serves_unaligned_and_tiny_row_counts(family, rng):
 @pytest.mark.parametrize("family", LARGE_UNALIGNED_INTERPRET_FAMILIES, ids=str)
 def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
   check_family(family, rng, config=INTERPRET_BLOCK64_CONFIG, interpret=True)
+
+
+@pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[1],
+                                    LARGE_UNALIGNED_INTERPRET_FAMILIES[0]], ids=str)
+def test_interpreted_kernel_matches_reference_in_one_atom_column_parts(family, rng,
+                                                                      monkeypatch):
+  """The column-part index math that caches read in place use (K/V and q in parts of 64
+  columns: one at head dim 64, two at 128), run by the interpreter: flat and ring, splits."""
+  monkeypatch.setattr(varlen_attention_sm90, "FORCE_ATOM_PARTS", True)
+  jax.clear_caches()   # the switch is read when traced
+  try:
+    config = (INTERPRET_BLOCK64_CONFIG if family in LARGE_UNALIGNED_INTERPRET_FAMILIES
+              else INTERPRET_SPLIT_CONFIG)
+    check_family(family, rng, config=config, interpret=True)
+  finally:
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("rows, head_dim, block_k, want", [
+    (575, 128, 64, True), (575, 64, 128, True), (319, 256, 64, True), (115, 80, 64, True),
+    (576, 128, 64, False),   # aligned: nothing to pad
+    (37, 128, 64, False), (100, 64, 128, False), (5, 64, 128, False)])   # under one tile
+def test_which_unaligned_caches_are_read_in_place(rows, head_dim, block_k, want):
+  config = config_lib.VarlenAttentionConfig(block_k=block_k)
+  assert varlen_attention_sm90.reads_in_place(rows, head_dim, config=config) == want
+  assert not varlen_attention_sm90.reads_in_place(
+      rows, head_dim, config=dataclasses.replace(config, use_wgmma=False))
+
+
+@pytest.mark.parametrize("rows, head_dim, tokens", [(575, 128, 8), (575, 64, 64),
+                                                    (201, 256, 4), (115, 80, 16)])
+def test_unaligned_cache_reaches_the_kernel_without_a_copy(rows, head_dim, tokens):
+  """Lowered for CUDA: a cache of unaligned rows (at least one tile) reaches the kernel as
+  is, with no pad or gather of K/V (before: a copy with zero rows appended); with
+  `UNALIGNED_ROWS_IN_PLACE` off the padded copy is back, so the check can fail."""
+  shapes = _shapes(tokens, 8, rows, 2, head_dim, jnp.bfloat16)
+  padded = -(-rows // 8) * 8
+
+  def lowered_text():
+    jax.clear_caches()
+    attend = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=rows - tokens + 1,
+                                       scale=0.1))
+    return attend.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+  def kv_copies(text):
+    return [line for line in text.splitlines()
+            if re.search(rf"tensor<{padded}x\d+x2x{head_dim}x", line)]
+  try:
+    text = lowered_text()
+    assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, head_dim)
+    assert kv_copies(text) == []
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(varlen_attention_sm90, "UNALIGNED_ROWS_IN_PLACE", False)
+      assert kv_copies(lowered_text())
+  finally:
+    jax.clear_caches()
 
 
 def _lowered_calls(head_dim, *, config, window=None):
