@@ -125,6 +125,12 @@ SPLIT_CONFIGS = {
                                          max_splits=4),
     128: config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
                                           max_splits=4),
+    # Head dims 80 and 256 (the unaligned families read in place); two stages keep 256
+    # within shared memory.
+    80: config_lib.VarlenAttentionConfig(block_k=64, split_len=64, split_budget=16,
+                                         max_splits=4),
+    256: config_lib.VarlenAttentionConfig(block_k=64, num_stages=2, split_len=64,
+                                          split_budget=16, max_splits=4),
 }
 INTERPRET_SPLIT_CONFIG = config_lib.VarlenAttentionConfig(
     block_q=8, block_k=8, num_stages=3, split_len=8, split_budget=2, max_splits=3,
