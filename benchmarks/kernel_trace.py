@@ -274,6 +274,9 @@ VARIANTS = {
     # Unaligned ring rows copied with zero rows appended, as before
     # `varlen_attention_sm90.UNALIGNED_ROWS_IN_PLACE`.
     "padded copy": dict(UNALIGNED_ROWS_IN_PLACE=False),
+    # Every call's K/V and q in one-swizzle-atom column parts through swizzle-only TMA
+    # views, as unaligned rings are read (`varlen_attention_sm90.FORCE_ATOM_PARTS`).
+    "atom parts": dict(FORCE_ATOM_PARTS=True),
 }
 
 
@@ -289,6 +292,7 @@ def variants(names, calls, cases):
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
            "V_FIXUP": body, "KV_COLUMN_PARTS": body, "UNALIGNED_ROWS_IN_PLACE": column,
+           "FORCE_ATOM_PARTS": column,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -76,3 +76,15 @@ def attention_calls(group: int, head_dim: int, config=None) -> list[str]:
   fused = config is not None and config.fused_combine and combine_sm90.supported(
       group=group, head_dim=head_dim)
   return ["mosaic_gpu_v2"] * (2 if fused else 1)
+
+
+def check_family_with_switch(module, name, value, family, rng, *, config, interpret):
+  """`check_family` with a kernel module's trace-time switch `module.name` set to `value`
+  (caches cleared before and after, since the switch is read when a call is traced)."""
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(module, name, value)
+    jax.clear_caches()
+    try:
+      check_family(family, rng, config=config, interpret=interpret)
+    finally:
+      jax.clear_caches()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from attention_checks import check_family
+from attention_checks import check_family_with_switch
 from attention_checks import attention_calls
 from attention_checks import requires_hopper
 from kernel_cases import Family
@@ -141,15 +142,11 @@ def test_column_parts_are_whole_swizzle_atoms(head_dim, want):
 
 @pytest.mark.parametrize("family", [f for f in INTERPRET_LAYOUT_FAMILIES
                                     if f.head_dim in (80, 112)][:2], ids=str)
-def test_interpreted_kernel_serves_head_layout_in_one_column_part(family, rng, monkeypatch):
+def test_interpreted_kernel_serves_head_layout_in_one_column_part(family, rng):
   """`KV_COLUMN_PARTS` off (the layout before column parts, kept for A/B timing) still
   serves head dims 80 and 112 right."""
-  monkeypatch.setattr(varlen_kernel_sm90, "KV_COLUMN_PARTS", False)
-  jax.clear_caches()   # the switch is read when traced
-  try:
-    check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
-  finally:
-    jax.clear_caches()
+  check_family_with_switch(varlen_kernel_sm90, "KV_COLUMN_PARTS", False, family, rng,
+                           config=INTERPRET_SPLIT_CONFIG, interpret=True)
 
 
 @pytest.mark.parametrize("head_dim, dtype, want", [

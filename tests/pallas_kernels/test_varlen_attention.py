@@ -13,6 +13,7 @@ import pytest
 
 from attention_checks import _reference
 from attention_checks import check_family
+from attention_checks import check_family_with_switch
 from attention_checks import attention_calls
 from attention_checks import requires_hopper
 from drivers import has_hopper_gpu
@@ -149,17 +150,12 @@ def test_interpreted_kernel_with_splits_matches_reference(family, rng):
 
 @pytest.mark.parametrize("loops", ["one", "three"])
 @pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[2]], ids=str)
-def test_interpreted_kernel_matches_reference_with_one_or_three_tile_loops(family, loops, rng,
-                                                                          monkeypatch):
+def test_interpreted_kernel_matches_reference_with_one_or_three_tile_loops(family, loops, rng):
   """The tile loop split around the tiles that need no mask, forced on or off for the
   family's head dim (the production choice is per head dim), flat and ring."""
   dims = frozenset({family.head_dim}) if loops == "three" else frozenset()
-  monkeypatch.setattr(varlen_kernel_sm90, "FULL_TILE_LOOP_HEAD_DIMS", dims)
-  jax.clear_caches()   # the switch is read when traced
-  try:
-    check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
-  finally:
-    jax.clear_caches()
+  check_family_with_switch(varlen_kernel_sm90, "FULL_TILE_LOOP_HEAD_DIMS", dims, family, rng,
+                           config=INTERPRET_SPLIT_CONFIG, interpret=True)
 
 
 @requires_hopper
@@ -182,18 +178,13 @@ def test_interpreted_kernel_serves_large_unaligned_row_counts(family, rng):
 
 @pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[1],
                                     LARGE_UNALIGNED_INTERPRET_FAMILIES[0]], ids=str)
-def test_interpreted_kernel_matches_reference_in_one_atom_column_parts(family, rng,
-                                                                      monkeypatch):
+def test_interpreted_kernel_matches_reference_in_one_atom_column_parts(family, rng):
   """The column-part index math that caches read in place use (K/V and q in parts of 64
   columns: one at head dim 64, two at 128), run by the interpreter: flat and ring, splits."""
-  monkeypatch.setattr(varlen_attention_sm90, "FORCE_ATOM_PARTS", True)
-  jax.clear_caches()   # the switch is read when traced
-  try:
-    config = (INTERPRET_BLOCK64_CONFIG if family in LARGE_UNALIGNED_INTERPRET_FAMILIES
-              else INTERPRET_SPLIT_CONFIG)
-    check_family(family, rng, config=config, interpret=True)
-  finally:
-    jax.clear_caches()
+  config = (INTERPRET_BLOCK64_CONFIG if family in LARGE_UNALIGNED_INTERPRET_FAMILIES
+            else INTERPRET_SPLIT_CONFIG)
+  check_family_with_switch(varlen_attention_sm90, "FORCE_ATOM_PARTS", True, family, rng,
+                           config=config, interpret=True)
 
 
 @pytest.mark.parametrize("rows, head_dim, block_k, want", [
