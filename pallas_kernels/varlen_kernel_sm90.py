@@ -74,14 +74,13 @@ ROW_BOUND_MASK = True
 # (`benchmarks/kernel_trace.py` variant "no V fix-up (timing only)"); read when traced.
 V_FIXUP = True
 
-# Head dims that are not a multiple of 64 (80, 96, 112) hold their K/V (and q) tiles
-# in shared memory as two column parts: the leading `64 * (D // 64)` columns with
-# the 128-byte swizzle, the rest with the widest swizzle that divides it (32 bytes
-# for 16 columns, 64 for 32), instead of the whole row at the rest's narrow
-# swizzle (`column_parts`). QK^T accumulates one wgmma per part; P @ V runs one per
-# part into that part's columns of the accumulator. False keeps one part of the
-# whole row (the layout before; same results up to summation order, for A/B
-# timing, `benchmarks/kernel_trace.py`); read when traced.
+# Head dims whose rows take only the 32-byte swizzle as a whole (80, 112) hold their
+# K/V (and q) tiles in shared memory as column parts of 64, 32 and 16 columns, each
+# in its own swizzle atom (128, 64, 32 bytes), instead of the whole row at 32 bytes
+# (`column_parts`). QK^T accumulates one wgmma per part; P @ V runs one per part
+# into that part's columns of the accumulator. False keeps one part of the whole
+# row (the layout before; bitwise the same outputs on the H200, for A/B timing,
+# `benchmarks/kernel_trace.py`); read when traced.
 KV_COLUMN_PARTS = True
 
 
@@ -561,7 +560,7 @@ def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype, *, atoms: boo
   """The q tile's column parts in shared memory (a tuple) and their barrier (one
   arrival per part).
 
-  The parts of `column_parts` (80, 96, 112 on the wgmma path) are swizzle-atom
+  Split q tiles (80 and 112, or every head dim with `atoms`) are swizzle-atom
   unions like K's (`kv_stage_scratch`): with the tiled view's transforms on the
   copy, TMA would tile q's row and column axes (an item's first q row is `token *
   G`, and 80 columns are not a multiple of 64). Other parts have no explicit
