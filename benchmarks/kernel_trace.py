@@ -68,10 +68,15 @@ def _decode_case(num_seqs, head_dim, min_len, max_len, config=None, heads=(32, 8
   # (read just before as K), which made cuDNN look faster than HBM allows.
   kp = jax.random.normal(jax.random.key(3), (num_seqs, pad, num_kv, head_dim), DTYPE)
   vp = jax.random.normal(jax.random.key(4), (num_seqs, pad, num_kv, head_dim), DTYPE)
-  cudnn = (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
+  return jaxkv, _cudnn_decode(q, kp, vp, jnp.asarray(lengths))
+
+
+def _cudnn_decode(q, kp, vp, lengths):
+  """cuDNN's decode call: one query per sequence over padded `[B, L, H, D]` K and V,
+  reading `lengths` keys each."""
+  return (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
       q_, k_, v_, key_value_seq_lengths=l_, implementation="cudnn")),
-           (q[:, None], kp, vp, jnp.asarray(lengths)))
-  return jaxkv, cudnn
+          (q[:, None], kp, vp, lengths))
 
 
 def _ring_decode_case(num_seqs, head_dim, window, width, config=None, heads=(32, 8)):
@@ -90,10 +95,7 @@ def _ring_decode_case(num_seqs, head_dim, window, width, config=None, heads=(32,
            (q, k, v, seq_info, n))
   kp = jax.random.normal(jax.random.key(3), (num_seqs, window, num_kv, head_dim), DTYPE)
   vp = jax.random.normal(jax.random.key(4), (num_seqs, window, num_kv, head_dim), DTYPE)
-  cudnn = (jax.jit(lambda q_, k_, v_, l_: jax.nn.dot_product_attention(
-      q_, k_, v_, key_value_seq_lengths=l_, implementation="cudnn")),
-           (q[:, None], kp, vp, jnp.full((num_seqs,), window, jnp.int32)))
-  return jaxkv, cudnn
+  return jaxkv, _cudnn_decode(q, kp, vp, jnp.full((num_seqs,), window, jnp.int32))
 
 
 # Rows of the segment table the prefill and mixed cases pass: "tokens" (one per token, as a

@@ -131,7 +131,7 @@ def static_check(q, k_cache, *, config):
                               "use fewer stages or a smaller block_k")
   if head_dim > Q_PART_MAX_COLS and head_dim % Q_PART_MAX_COLS:
     # A q tile wider than 128 columns is loaded in 128-column parts, QK^T one wgmma per
-    # part (`varlen_kernel_sm90.q_parts`): the one layout Mosaic GPU lowers for it.
+    # part (`varlen_kernel_sm90.q_column_parts`): the one layout Mosaic GPU lowers for it.
     raise NotImplementedError(f"{head_dim=}: head dims above {Q_PART_MAX_COLS} must be a "
                               f"multiple of {Q_PART_MAX_COLS} for the compiled Mosaic GPU "
                               "kernel (its q tile loads in 128-column parts); use "

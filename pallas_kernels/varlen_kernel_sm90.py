@@ -551,11 +551,6 @@ def q_column_parts(use_wgmma: bool, head_dim: int, *,
   return column_parts(head_dim, atoms=atoms)
 
 
-def q_parts(use_wgmma: bool, head_dim: int) -> int:
-  """How many column parts the q tile loads in (`q_column_parts`)."""
-  return len(q_column_parts(use_wgmma, head_dim))
-
-
 def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype, *, atoms: bool = False):
   """The q tile's column parts in shared memory (a tuple) and their barrier (one
   arrival per part).
@@ -567,7 +562,7 @@ def q_scratch(use_wgmma: bool, block_q: int, head_dim: int, dtype, *, atoms: boo
   transforms (Mosaic GPU infers them, as before parts).
   """
   parts = q_column_parts(use_wgmma, head_dim, atoms=atoms)
-  if use_wgmma and (atoms or len(column_parts(head_dim)) > 1):
+  if _atom_views(use_wgmma, head_dim, atoms):
     types = tuple(_atom_union((block_q, width), dtype) for _, width in parts)
   else:
     types = tuple(plgpu.SMEM((block_q, width), dtype) for _, width in parts)
@@ -589,11 +584,18 @@ def kv_stage_scratch(use_wgmma: bool, num_stages: int, block_k: int, head_dim: i
   into the pairs.
   """
   parts = column_parts(head_dim, atoms=atoms)
-  if not use_wgmma or (len(parts) == 1 and not atoms):
+  if not _atom_views(use_wgmma, head_dim, atoms):
     return tuple(plgpu.SMEM((num_stages, block_k, width), dtype,
                             transforms=smem_transforms(use_wgmma, dtype, width))
                  for _, width in parts)
   return tuple(_atom_union((num_stages, block_k, width), dtype) for _, width in parts)
+
+
+def _atom_views(use_wgmma: bool, head_dim: int, atoms: bool) -> bool:
+  """Whether q's and K/V's column parts are swizzle-atom unions (`_atom_union`): on the
+  wgmma path, for split head dims (80, 112) or with `atoms`. One rule for both, since
+  `part_views` pairs q's and K's parts the same way."""
+  return use_wgmma and (atoms or len(column_parts(head_dim)) > 1)
 
 
 def _atom_union(shape, dtype):

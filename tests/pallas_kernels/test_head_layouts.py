@@ -98,7 +98,7 @@ def test_compiled_kernel_serves_head_layout(family, splits, rng):
 
 @pytest.mark.parametrize("head_dim", [144, 192, 240])
 def test_compiled_kernel_refuses_wide_head_dims_not_in_128_column_parts(head_dim):
-  """Above 128 columns the q tile loads in 128-column parts (`q_parts`); other wide head
+  """Above 128 columns the q tile loads in 128-column parts (`q_column_parts`); other wide head
   dims are refused by a shape check, before anything is traced, needing no GPU."""
   q = jax.ShapeDtypeStruct((40, 4, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((64, 5, 1, head_dim), jnp.bfloat16)
@@ -190,8 +190,10 @@ def test_head_dim_256_kernel_lowers_with_q_in_column_parts(group, window):
   head_dim, dtype = 256, jnp.bfloat16
   config = config_lib.default_varlen_attention_config(group=group, head_dim=head_dim,
                                                       interpret=False)
-  assert config.use_wgmma and varlen_kernel_sm90.q_parts(True, head_dim) == 2
-  assert varlen_kernel_sm90.q_parts(True, 128) == 1 and varlen_kernel_sm90.q_parts(False, 256) == 1
+  assert config.use_wgmma
+  assert varlen_kernel_sm90.q_column_parts(True, head_dim) == ((0, 128), (128, 128))
+  assert varlen_kernel_sm90.q_column_parts(True, 128) == ((0, 128),)
+  assert varlen_kernel_sm90.q_column_parts(False, 256) == ((0, 256),)
   attend = jax.jit(functools.partial(varlen_attention_sm90._varlen_attention,  # pylint: disable=protected-access
                                      window=window, scale=0.1, config=config, interpret=None))
   lowered = attend.trace(*_shapes(16, group, 2, 128, head_dim, dtype)).lower(
