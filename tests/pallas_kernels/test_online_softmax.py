@@ -1,0 +1,98 @@
+"""The kernel's online-softmax update, tile by tile, against a float64 softmax.
+
+`varlen_kernel_sm90.online_softmax` is plain jnp on `[rows, block_k]` tiles, so it
+runs here outside any kernel. The lazy rescale (`LAZY_RESCALE_LOG2`) keeps a row's
+running max while tiles raise it by at most 2^threshold and skips the accumulator's
+multiply when no row's max moved; these tests drive scores whose max creeps up
+below the threshold, jumps past it, and rows masked for whole tiles, and compare
+the normalized output and log-sum-exp (base 2) with the oracle, which shares no
+code with the kernel.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import varlen_kernel_sm90 as body
+from pallas_kernels.common import MASK_VALUE
+
+ROWS, BLOCK_K, D, TILES = 16, 8, 4, 6
+
+
+def _run(scores, values, valid):
+  """The kernel's per-tile loop and its final normalization (`store_partial`)."""
+  m_i = jnp.full((ROWS,), MASK_VALUE, jnp.float32)
+  l_i = jnp.zeros((ROWS,), jnp.float32)
+  acc = (jnp.zeros((ROWS, D), jnp.float32),)
+  for t in range(TILES):
+    cols = slice(t * BLOCK_K, (t + 1) * BLOCK_K)
+    s = jnp.asarray(scores[:, cols], jnp.float32)
+    mask = jnp.asarray(valid[:, cols])
+    m_i, l_i, acc, p = body.online_softmax(s, m_i, l_i, acc, mask, jnp.float32)
+    acc = (acc[0] + p @ jnp.asarray(values[cols], jnp.float32),)
+  has = l_i > 0
+  out = np.asarray(acc[0] / jnp.where(has, l_i, 1.0)[:, None])
+  lse = np.asarray(jnp.where(has, m_i + jnp.log2(jnp.where(has, l_i, 1.0)), MASK_VALUE))
+  return out, lse
+
+
+def _oracle(scores, values, valid):
+  out = np.zeros((ROWS, D))
+  lse = np.full((ROWS,), np.nan)
+  for r in range(ROWS):
+    s = scores[r, valid[r]].astype(np.float64)
+    if s.size:
+      w = np.exp2(s - s.max())
+      out[r] = w @ values[valid[r]].astype(np.float64) / w.sum()
+      lse[r] = s.max() + np.log2(w.sum())
+  return out, lse
+
+
+def _scores(rng, kind):
+  n = TILES * BLOCK_K
+  base = rng.normal(size=(ROWS, n))
+  if kind == "creeping":      # each tile's max a little above the last: stays lazy
+    return base + np.repeat(np.arange(TILES) * 1.5, BLOCK_K)[None, :]
+  if kind == "jumps":         # past the threshold on some tiles, rows apart
+    steps = rng.choice([0.0, 3.0, 12.0, 40.0], size=(ROWS, TILES))
+    return base + np.repeat(np.cumsum(steps, axis=1), BLOCK_K, axis=1)
+  if kind == "falling":       # the first tile holds the max
+    return base - np.repeat(np.arange(TILES) * 5.0, BLOCK_K)[None, :]
+  return base * 4.0
+
+
+@pytest.mark.parametrize("threshold", [None, 8.0, 2.0])
+@pytest.mark.parametrize("kind", ["creeping", "jumps", "falling", "wide"])
+def test_online_softmax_matches_float64_softmax(kind, threshold, monkeypatch):
+  monkeypatch.setattr(body, "LAZY_RESCALE_LOG2", threshold)
+  rng = np.random.default_rng(7)
+  scores = _scores(rng, kind)
+  values = rng.normal(size=(TILES * BLOCK_K, D))
+  valid = rng.random(scores.shape) < 0.8
+  valid[0] = False                       # a row that sees no key at all
+  valid[1, : 3 * BLOCK_K] = False        # a row whose first tiles are all masked
+  valid[2, 2 * BLOCK_K:] = False         # a row masked from the third tile on
+  out, lse = _run(scores, values, valid)
+  want_out, want_lse = _oracle(scores, values, valid)
+  seen = valid.any(axis=1)
+  np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+  assert np.all(lse[~seen] == np.float32(MASK_VALUE)) and np.all(out[~seen] == 0.0)
+
+
+def test_lazy_rescale_keeps_the_max_below_the_threshold(monkeypatch):
+  """The running max moves only past the threshold, so the weights stay <= 2^threshold."""
+  monkeypatch.setattr(body, "LAZY_RESCALE_LOG2", 8.0)
+  m_i = jnp.zeros((ROWS,), jnp.float32)
+  s = jnp.zeros((ROWS, BLOCK_K), jnp.float32).at[:, 0].set(
+      jnp.where(jnp.arange(ROWS) % 2 == 0, 7.5, 8.5))
+  acc = (jnp.ones((ROWS, D), jnp.float32),)
+  m_new, _, acc, p = body.online_softmax(s, m_i, jnp.ones((ROWS,)), acc, None, jnp.float32)
+  even = np.arange(ROWS) % 2 == 0
+  np.testing.assert_array_equal(np.asarray(m_new), np.where(even, 0.0, 8.5))
+  assert float(jnp.max(p)) == pytest.approx(2.0 ** 7.5)
+  # Rows that kept their max keep their accumulator exactly; the others rescale.
+  np.testing.assert_array_equal(np.asarray(acc[0])[even], 1.0)
+  np.testing.assert_allclose(np.asarray(acc[0])[~even], 2.0 ** -8.5, rtol=1e-6)
