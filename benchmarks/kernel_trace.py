@@ -273,9 +273,6 @@ VARIANTS = {
     # Head dims 80/96/112 with K/V (and q) in shared memory as one row at the narrow
     # swizzle, as before `varlen_kernel_sm90.KV_COLUMN_PARTS` (64-column parts at 128 bytes).
     "one column part": dict(KV_COLUMN_PARTS=False),
-    # The online softmax's running max follows every tile and the accumulator is
-    # rescaled every tile, as before `varlen_kernel_sm90.LAZY_RESCALE_LOG2`.
-    "eager rescale": dict(LAZY_RESCALE_LOG2=None),
     # Unaligned ring rows copied with zero rows appended, as before
     # `varlen_attention_sm90.UNALIGNED_ROWS_IN_PLACE`.
     "padded copy": dict(UNALIGNED_ROWS_IN_PLACE=False),
@@ -296,7 +293,7 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "LAZY_RESCALE_LOG2": body, "UNALIGNED_ROWS_IN_PLACE": column,
+           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "UNALIGNED_ROWS_IN_PLACE": column,
            "FORCE_ATOM_PARTS": column,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}

@@ -83,14 +83,6 @@ V_FIXUP = True
 # `benchmarks/kernel_trace.py`); read when traced.
 KV_COLUMN_PARTS = True
 
-# Lazy rescaling of the online softmax (`online_softmax`): a row's running max
-# moves only when a tile raises it by more than 2^this (in base-2 log units), and
-# the accumulator's multiply is skipped for tiles where no row's max moved. Same
-# results up to rounding (the weights of a tile are then at most 2^this, in
-# float32). None: the max follows every tile and the accumulator is rescaled
-# every tile. Read when traced.
-LAZY_RESCALE_LOG2 = 8.0
-
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -269,40 +261,17 @@ def online_softmax(s, m_i, l_i, acc, mask, dtype):
 
   `acc` is a tuple of column parts. Returns `(m_new, l_i, acc, p)` with `acc`
   rescaled and `p` in `dtype` for P @ V.
-
-  With `LAZY_RESCALE_LOG2` a row keeps its running max unless the tile raises it
-  by more than that many powers of two, and the accumulator is multiplied only
-  when some row of the tile moved its max (`_rescale`).
   """
   if mask is not None:
     s = jnp.where(mask, s, MASK_VALUE)
-  m_tile = jnp.maximum(m_i, s.max(axis=1))
-  if LAZY_RESCALE_LOG2 is None:
-    m_new = m_tile
-  else:
-    # Keep the running max where the tile raises it by at most 2^LAZY_RESCALE_LOG2:
-    # the tile's weights are then at most that large, in float32, and the final
-    # normalization (acc / l, lse = m + log2 l) uses the same max, so the result is
-    # the same up to rounding. A row's first real score always moves it (m_i starts
-    # at MASK_VALUE).
-    m_new = jnp.where(m_tile - m_i > LAZY_RESCALE_LOG2, m_tile, m_i)
+  m_new = jnp.maximum(m_i, s.max(axis=1))
   alpha = jnp.exp2(m_i - m_new)
   p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
   l_i = l_i * alpha + p.sum(axis=1)
-  if LAZY_RESCALE_LOG2 is None:
-    acc = _rescale(acc, alpha)
-  else:
-    # alpha is exactly 1 on the rows that kept their max: skip the multiply when
-    # every row did (one reduction over the tile's rows decides for the program).
-    moved = (m_new - m_i).max() > 0.0
-    acc = lax.cond(moved, _rescale, lambda acc, alpha: acc, acc, alpha)
+  acc = tuple(part * lax.broadcast_in_dim(alpha, part.shape, [0]) for part in acc)
   return m_new, l_i, acc, p.astype(dtype)
-
-
-def _rescale(acc, alpha):
-  return tuple(part * lax.broadcast_in_dim(alpha, part.shape, [0]) for part in acc)
 
 
 def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,

@@ -1,12 +1,10 @@
 """The kernel's online-softmax update, tile by tile, against a float64 softmax.
 
 `varlen_kernel_sm90.online_softmax` is plain jnp on `[rows, block_k]` tiles, so it
-runs here outside any kernel. The lazy rescale (`LAZY_RESCALE_LOG2`) keeps a row's
-running max while tiles raise it by at most 2^threshold and skips the accumulator's
-multiply when no row's max moved; these tests drive scores whose max creeps up
-below the threshold, jumps past it, and rows masked for whole tiles, and compare
-the normalized output and log-sum-exp (base 2) with the oracle, which shares no
-code with the kernel.
+runs here outside any kernel, tile by tile as the kernel runs it, on scores whose
+max creeps up, jumps, falls, and rows masked for whole tiles (or entirely). The
+normalized output and log-sum-exp (base 2) are compared with a float64 softmax
+that shares no code with the kernel.
 """
 
 from __future__ import annotations
@@ -53,9 +51,9 @@ def _oracle(scores, values, valid):
 def _scores(rng, kind):
   n = TILES * BLOCK_K
   base = rng.normal(size=(ROWS, n))
-  if kind == "creeping":      # each tile's max a little above the last: stays lazy
+  if kind == "creeping":      # each tile's max a little above the last
     return base + np.repeat(np.arange(TILES) * 1.5, BLOCK_K)[None, :]
-  if kind == "jumps":         # past the threshold on some tiles, rows apart
+  if kind == "jumps":         # large steps on some tiles, rows apart
     steps = rng.choice([0.0, 3.0, 12.0, 40.0], size=(ROWS, TILES))
     return base + np.repeat(np.cumsum(steps, axis=1), BLOCK_K, axis=1)
   if kind == "falling":       # the first tile holds the max
@@ -63,10 +61,8 @@ def _scores(rng, kind):
   return base * 4.0
 
 
-@pytest.mark.parametrize("threshold", [None, 8.0, 2.0])
 @pytest.mark.parametrize("kind", ["creeping", "jumps", "falling", "wide"])
-def test_online_softmax_matches_float64_softmax(kind, threshold, monkeypatch):
-  monkeypatch.setattr(body, "LAZY_RESCALE_LOG2", threshold)
+def test_online_softmax_matches_float64_softmax(kind):
   rng = np.random.default_rng(7)
   scores = _scores(rng, kind)
   values = rng.normal(size=(TILES * BLOCK_K, D))
@@ -80,19 +76,3 @@ def test_online_softmax_matches_float64_softmax(kind, threshold, monkeypatch):
   np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-6)
   np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
   assert np.all(lse[~seen] == np.float32(MASK_VALUE)) and np.all(out[~seen] == 0.0)
-
-
-def test_lazy_rescale_keeps_the_max_below_the_threshold(monkeypatch):
-  """The running max moves only past the threshold, so the weights stay <= 2^threshold."""
-  monkeypatch.setattr(body, "LAZY_RESCALE_LOG2", 8.0)
-  m_i = jnp.zeros((ROWS,), jnp.float32)
-  s = jnp.zeros((ROWS, BLOCK_K), jnp.float32).at[:, 0].set(
-      jnp.where(jnp.arange(ROWS) % 2 == 0, 7.5, 8.5))
-  acc = (jnp.ones((ROWS, D), jnp.float32),)
-  m_new, _, acc, p = body.online_softmax(s, m_i, jnp.ones((ROWS,)), acc, None, jnp.float32)
-  even = np.arange(ROWS) % 2 == 0
-  np.testing.assert_array_equal(np.asarray(m_new), np.where(even, 0.0, 8.5))
-  assert float(jnp.max(p)) == pytest.approx(2.0 ** 7.5)
-  # Rows that kept their max keep their accumulator exactly; the others rescale.
-  np.testing.assert_array_equal(np.asarray(acc[0])[even], 1.0)
-  np.testing.assert_allclose(np.asarray(acc[0])[~even], 2.0 ** -8.5, rtol=1e-6)
