@@ -273,6 +273,10 @@ VARIANTS = {
     # Head dims 80/96/112 with K/V (and q) in shared memory as one row at the narrow
     # swizzle, as before `varlen_kernel_sm90.KV_COLUMN_PARTS` (64-column parts at 128 bytes).
     "one column part": dict(KV_COLUMN_PARTS=False),
+    # One item at a time, K/V stages and output staging sharing shared memory, the
+    # store awaited before the next item's loads, as before
+    # `varlen_kernel_sm90.ITEM_PREFETCH` (items back to back).
+    "items one at a time": dict(ITEM_PREFETCH=False),
     # Unaligned ring rows copied with zero rows appended, as before
     # `varlen_attention_sm90.UNALIGNED_ROWS_IN_PLACE`.
     "padded copy": dict(UNALIGNED_ROWS_IN_PLACE=False),
@@ -293,7 +297,7 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "UNALIGNED_ROWS_IN_PLACE": column,
+           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "ITEM_PREFETCH": body, "UNALIGNED_ROWS_IN_PLACE": column,
            "FORCE_ATOM_PARTS": column,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}

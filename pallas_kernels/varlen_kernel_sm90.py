@@ -83,6 +83,25 @@ V_FIXUP = True
 # `benchmarks/kernel_trace.py`); read when traced.
 KV_COLUMN_PARTS = True
 
+# Items back to back: a program keeps its K/V stages and a separate output
+# staging buffer for all of its items, and requests the next item's q tile and
+# first K/V tiles before it normalizes and stores the current item's output, so
+# the store and the next item's first loads overlap; the store then waits only
+# for TMA to have read the staging (not for the global writes). Used where the
+# extra staging keeps as many programs per SM as the shared layout
+# (`item_prefetch_cols`); False: one item at a time, stages and staging sharing
+# shared memory (the layout before; the same outputs bitwise). Read when traced.
+ITEM_PREFETCH = True
+
+# Shared memory of one SM on sm90 and what each resident program costs beyond its
+# own allocation (the driver's reserve; Mosaic GPU's reduction scratch, barriers
+# and 1 KiB alignment of each buffer, counted generously).
+SM_SMEM_BYTES = 228 * 1024
+PROGRAM_SMEM_OVERHEAD = 1024 + 3 * 1024
+# Programs per SM the register file allows: ~240 registers per thread of one
+# 128-thread warpgroup (ptxas report, docs/PERFORMANCE.md).
+MAX_PROGRAMS_PER_SM = 2
+
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref,                   # Outputs
@@ -115,26 +134,35 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   axis: a cache whose row count is not a multiple of 8 is read in place.
   """
   head = lax.axis_index("head")
+  worker = lax.axis_index("worker")
+  num_items = items_ref[0]
   dtype = k_ref.dtype
   head_dim = k_ref.shape[-1]
+  q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, dtype,
+                                         atoms=atom_parts)[0])
+  stages = kv_stage_scratch(use_wgmma, num_stages, block_k, head_dim, dtype, atoms=atom_parts)
+  # A stage's phase completes once all of its copies have arrived, one per piece
+  # (`tile_pieces`) and column part: each `copy_gmem_to_smem` arrives once with its
+  # own byte count (jax 0.11.2 and 0.12 alike).
+  arrivals = tile_pieces * len(stages)
+  stage_bars = lambda: plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages)
 
-  @pl.loop(lax.axis_index("worker"), items_ref[0], step=num_workers)
-  def _run(item):
+  def item_view(item):
+    """The item's table row as the closures `_stream_tiles` and its prologue read."""
     field = lambda f: items_ref[1 + item * NUM_ITEM_FIELDS + f]
-    slot = field(IT_SLOT)
-    col, kind = field(IT_COL), field(IT_KIND)
-    q_tok0, pos0, lo, end = field(IT_Q_TOK0), field(IT_POS0), field(IT_LO), field(IT_END)
-    tile_args = (lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
+    it = dict(slot=field(IT_SLOT), col=field(IT_COL), kind=field(IT_KIND),
+              q_row0=field(IT_Q_ROW0), q_tok0=field(IT_Q_TOK0), pos0=field(IT_POS0),
+              lo=field(IT_LO), end=field(IT_END), t_begin=field(IT_T_BEGIN),
+              t_end=field(IT_T_END), all_start=field(IT_ALL_START),
+              all_stop=field(IT_ALL_STOP), num_rows=field(IT_ROWS))
+    tile_args = (it["lo"], field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
                  field(IT_TILE0_ROW), field(IT_NUM_FIRST))
-    t_begin, t_end = field(IT_T_BEGIN), field(IT_T_END)
-    all_start, all_stop = field(IT_ALL_START), field(IT_ALL_STOP)
-    full_range = None
+    it["full_range"] = None
     if head_dim in FULL_TILE_LOOP_HEAD_DIMS:
       full_begin, full_end = indexing.full_tile_range(
-          lo, field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_TILE0_ROW),
-          field(IT_NUM_FIRST), all_start, all_stop, block=block_k)
-      full_begin = jnp.clip(full_begin, t_begin, t_end)
-      full_range = (full_begin, jnp.clip(full_end, full_begin, t_end))
+          *tile_args[:3], *tile_args[4:], it["all_start"], it["all_stop"], block=block_k)
+      full_begin = jnp.clip(full_begin, it["t_begin"], it["t_end"])
+      it["full_range"] = (full_begin, jnp.clip(full_end, full_begin, it["t_end"]))
 
     def span(t):
       tile_row, rows_start, rows_end, key0 = indexing.tile_span(t, *tile_args, block=block_k)
@@ -143,79 +171,205 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       # variant loads the last `block_k` rows instead and masks the overlap.
       load_row = tile_row if use_wgmma else jnp.minimum(tile_row, cache_rows - block_k)
       return load_row, rows_start, rows_end, key0
+    it["span"] = span
+    return it
 
-    q_rows = pl.ds(field(IT_Q_ROW0), block_q)
-    # One copy per column part (`q_column_parts`), all arriving on `q_bar`.
-    q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, dtype,
-                                           atoms=atom_parts)[0])
+  def load_q_tile(it):
+    """The item's q tile: one copy per column part (`q_column_parts`), all arriving on `q_bar`."""
+    q_rows = pl.ds(it["q_row0"], block_q)
     for (c0, width), (part_smem, _) in zip(
         q_column_parts(use_wgmma, head_dim, atoms=atom_parts), q_views, strict=True):
       src = q_ref.at[head, q_rows] if width == head_dim else q_ref.at[
           head, q_rows, pl.ds(c0, width)]
       plgpu.copy_gmem_to_smem(src, part_smem, q_bar)
 
-    def stream(k_smem, v_smem, k_bars, v_bars):
-      """Streams the item's K/V tiles; returns `(acc, m_i, l_i)`."""
-      k_smem, v_smem = part_views(k_smem, stages), part_views(v_smem, stages)
-      return _stream_tiles(
-          k_ref, v_ref, q_views, q_bar, k_smem, v_smem, k_bars, v_bars, span=span, col=col,
-          head=head, t_begin=t_begin, t_end=t_end, pos0=pos0, q_tok0=q_tok0, lo=lo, end=end,
-          kind=kind, all_start=all_start, all_stop=all_stop, group=group, block_q=block_q,
-          block_k=block_k, num_stages=num_stages, window=window, use_wgmma=use_wgmma,
-          address=address, tile_pieces=tile_pieces, full_range=full_range,
-          atom_parts=atom_parts)
+  def tiles(it, k_smem, v_smem, k_bars, v_bars):
+    return _Tiles(k_ref, v_ref, part_views(k_smem, stages), part_views(v_smem, stages),
+                  k_bars, v_bars, span=it["span"], col=it["col"], head=head,
+                  t_begin=it["t_begin"], t_end=it["t_end"], num_stages=num_stages,
+                  block_k=block_k, use_wgmma=use_wgmma, address=address,
+                  tile_pieces=tile_pieces, atom_parts=atom_parts)
 
-    stages = kv_stage_scratch(use_wgmma, num_stages, block_k, head_dim, dtype,
-                              atoms=atom_parts)
-    # A stage's phase completes once all of its copies have arrived, one per piece
-    # (`tile_pieces`) and column part: each `copy_gmem_to_smem` arrives once with its
-    # own byte count (jax 0.11.2 and 0.12 alike).
-    arrivals = tile_pieces * len(stages)
-    acc, m_i, l_i = pl.run_scoped(
-        stream, stages, stages,
-        plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=arrivals, num_barriers=num_stages))
+  def stream(it, kv, *, prologue):
+    """Streams the item's K/V tiles; returns `(acc, m_i, l_i)`."""
+    return _stream_tiles(
+        tiles(it, *kv), q_views, q_bar, pos0=it["pos0"], q_tok0=it["q_tok0"], lo=it["lo"],
+        end=it["end"], kind=it["kind"], all_start=it["all_start"], all_stop=it["all_stop"],
+        group=group, block_q=block_q, window=window, prologue=prologue,
+        full_range=it["full_range"])
 
-    def store(o_smem, lse_smem):
-      store_partial(acc, m_i, l_i, o_smem, lse_smem, o_ref.at[slot, head], lse_ref.at[slot, head],
-                    num_rows=field(IT_ROWS), block_q=block_q)
+  def store(it, acc, m_i, l_i, o_smem, lse_smem, *, chunk_cols=None):
+    store_partial(acc, m_i, l_i, o_smem, lse_smem, o_ref.at[it["slot"], head],
+                  lse_ref.at[it["slot"], head], num_rows=it["num_rows"], block_q=block_q,
+                  chunk_cols=chunk_cols)
 
-    pl.run_scoped(store, plgpu.SMEM((block_q, head_dim), jnp.float32),
-                  plgpu.SMEM((block_q,), jnp.float32))
+  chunk_cols = item_prefetch_cols(block_q=block_q, block_k=block_k, num_stages=num_stages,
+                                  head_dim=head_dim, dtype=dtype, atoms=atom_parts)
+  if chunk_cols is None:
+    # One item at a time: the K/V stages and the output staging share shared memory.
+    @pl.loop(worker, num_items, step=num_workers)
+    def _run(item):
+      it = item_view(item)
+      load_q_tile(it)
+      acc, m_i, l_i = pl.run_scoped(lambda *kv: stream(it, kv, prologue=True), stages, stages,
+                                    stage_bars(), stage_bars())
+      pl.run_scoped(lambda o_smem, lse_smem: store(it, acc, m_i, l_i, o_smem, lse_smem),
+                    plgpu.SMEM((block_q, head_dim), jnp.float32),
+                    plgpu.SMEM((block_q,), jnp.float32))
+    return
+
+  def program(k_smem, v_smem, k_bars, v_bars, o_smem, lse_smem):
+    """Items back to back (`ITEM_PREFETCH`): the next item's q tile and first K/V
+    tiles are requested before this item's output is normalized and stored."""
+    kv = (k_smem, v_smem, k_bars, v_bars)
+
+    def begin(item):
+      it = item_view(item)
+      load_q_tile(it)
+      tiles(it, *kv).prologue()
+
+    @pl.when(worker < num_items)
+    def _first():
+      begin(worker)
+
+    @pl.loop(worker, num_items, step=num_workers)
+    def _run(item):
+      it = item_view(item)
+      acc, m_i, l_i = stream(it, kv, prologue=False)
+
+      @pl.when(item + num_workers < num_items)
+      def _next():
+        # q and the stages were last read by ordinary loads (q into registers; the
+        # interpreter's tiles, the V fix-up): order those before the TMA writes.
+        plgpu.commit_smem()
+        begin(item + num_workers)
+
+      store(it, acc, m_i, l_i, o_smem, lse_smem, chunk_cols=chunk_cols)
+
+    # The staging must stay allocated until TMA has read it (the writes to global
+    # memory complete on their own before the kernel ends).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  pl.run_scoped(program, stages, stages, stage_bars(), stage_bars(),
+                plgpu.SMEM((block_q, chunk_cols), jnp.float32),
+                plgpu.SMEM((block_q,), jnp.float32))
 
 
-def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, block_q):
+def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, block_q,
+                  chunk_cols=None):
   """Normalizes an item's accumulator and stores its real rows and log-sum-exp (base 2).
 
   `acc`: the float32 accumulator as a tuple of column parts (`column_parts`).
 
   `o_dst` `[block_q, D]` and `lse_dst` `[block_q]` are the item's slot of the
   float32 partial outputs; `o_smem`, `lse_smem` the staging buffers.
+  `chunk_cols`: None stages the whole row (`o_smem` is `[block_q, D]`) and
+  waits until the stores are done; a width stages chunks of at most that many
+  columns (`o_smem` is `[block_q, chunk_cols]`, `output_chunks`), each written
+  once TMA has read
+  the staging's previous contents, and waits for nothing after the last (the
+  items-back-to-back program, `ITEM_PREFETCH`).
   """
   has_keys = l_i > 0.0
   l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
-  head_dim = o_smem.shape[-1]
-  c0 = 0
-  for part in acc:   # the accumulator's column parts, left to right
-    width = part.shape[-1]
-    dst = o_smem if width == head_dim else o_smem.at[:, pl.ds(c0, width)]
-    dst[...] = part / lax.broadcast_in_dim(l_safe, part.shape, [0])
-    c0 += width
-  lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
-  plgpu.commit_smem()
+  head_dim = o_dst.shape[-1]
   # Store only the item's real rows, rounded up to 8: a decode item has G of
   # 64. TMA sizes are static, so the count is stored as a sum of powers of two.
   num_rows8 = (num_rows + 7) // 8 * 8
-  size = 1 << (block_q.bit_length() - 1)
-  while size >= 8:
-    @pl.when(num_rows8 & size != 0)
-    def _store_rows(size=size):
-      offset = num_rows8 & -(2 * size)    # the larger chunks come first
-      rows = pl.ds(offset, size)
-      plgpu.copy_smem_to_gmem(o_smem.at[rows], o_dst.at[rows])
-    size //= 2
-  plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
-  plgpu.wait_smem_to_gmem(0)
+
+  def store_rows(src, dst):
+    size = 1 << (block_q.bit_length() - 1)
+    while size >= 8:
+      @pl.when(num_rows8 & size != 0)
+      def _store_rows(size=size):
+        offset = num_rows8 & -(2 * size)    # the larger chunks come first
+        rows = pl.ds(offset, size)
+        plgpu.copy_smem_to_gmem(src.at[rows], dst.at[rows])
+      size //= 2
+
+  def stage_parts(parts, stage):
+    """Writes the normalized accumulator parts side by side into `stage`."""
+    c0 = 0
+    for part in parts:
+      width = part.shape[-1]
+      dst = stage if width == stage.shape[-1] else stage.at[:, pl.ds(c0, width)]
+      dst[...] = part / lax.broadcast_in_dim(l_safe, part.shape, [0])
+      c0 += width
+
+  def stage_lse():
+    lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
+
+  if chunk_cols is None:
+    stage_parts(acc, o_smem)
+    stage_lse()
+    plgpu.commit_smem()
+    store_rows(o_smem, o_dst)
+    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+    plgpu.wait_smem_to_gmem(0)
+    return
+
+  chunks = output_chunks(tuple(part.shape[-1] for part in acc), chunk_cols)
+  for i, (p, c, width) in enumerate(chunks):
+    # The staging's previous chunk (or the previous item's) has been read by TMA.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if p is None:   # the whole row, every part
+      stage_parts(acc, o_smem)
+    else:
+      part = acc[p]
+      stage_parts((part if width == part.shape[-1] else part[:, c:c + width],), o_smem)
+    if i == 0:
+      stage_lse()
+    plgpu.commit_smem()
+    c_out = sum(w for _, _, w in chunks[:i])
+    store_rows(o_smem, o_dst if width == head_dim else o_dst.at[:, pl.ds(c_out, width)])
+    if i == 0:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+
+
+def output_chunks(part_widths, chunk_cols):
+  """`(part, first column in the part, width)` of each staged chunk of the output, left
+  to right: `(None, 0, D)` for the whole row (`chunk_cols == D`), else every column part
+  of the accumulator cut into pieces of `chunk_cols` (which divides each part)."""
+  if chunk_cols == sum(part_widths):
+    return ((None, 0, chunk_cols),)
+  assert all(width % chunk_cols == 0 for width in part_widths), (part_widths, chunk_cols)
+  return tuple((p, c, chunk_cols) for p, width in enumerate(part_widths)
+               for c in range(0, width, chunk_cols))
+
+
+def _programs_per_sm(smem_bytes: int) -> int:
+  return min(MAX_PROGRAMS_PER_SM, SM_SMEM_BYTES // (smem_bytes + PROGRAM_SMEM_OVERHEAD))
+
+
+def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=False):
+  """The output staging's width for items back to back (`ITEM_PREFETCH`), or None for
+  one item at a time.
+
+  Back to back, a program holds q, the K/V stages and the float32 staging at
+  once; one at a time the staging reuses the stages' memory. The widest staging
+  (the whole row, else halves, else quarters of the accumulator's column parts)
+  that keeps as many programs per SM as one at a time is chosen: at head dim
+  128 with 64-row tiles and two stages, a 64-column staging (96 KiB a program,
+  two per SM) where the whole row would leave room for one.
+  """
+  if not ITEM_PREFETCH:
+    return None
+  itemsize = np.dtype(dtype).itemsize
+  q_bytes = block_q * head_dim * itemsize
+  stage_bytes = num_stages * 2 * block_k * head_dim * itemsize
+  lse_bytes = block_q * 4
+  shared = _programs_per_sm(q_bytes + max(stage_bytes, block_q * head_dim * 4 + lse_bytes))
+  widths = [width for _, width in column_parts(head_dim, atoms=atoms)]
+  # Narrower chunks than the row are stored by TMA into column slices of the float32
+  # partials, which Mosaic GPU takes for row widths that are multiples of 32 elements.
+  narrower = [] if head_dim % 32 else [
+      cols for cols in (max(widths), max(widths) // 2, max(widths) // 4)
+      if cols < head_dim and cols % 8 == 0 and all(width % cols == 0 for width in widths)]
+  for cols in (head_dim, *narrower):
+    smem = q_bytes + stage_bytes + block_q * cols * 4 + lse_bytes
+    if smem + PROGRAM_SMEM_OVERHEAD <= SM_SMEM_BYTES and _programs_per_sm(smem) >= shared:
+      return cols
+  return None
 
 
 def tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, *, lo, end, kind,
@@ -274,66 +428,96 @@ def online_softmax(s, m_i, l_i, acc, mask, dtype):
   return m_new, l_i, acc, p.astype(dtype)
 
 
-def _stream_tiles(k_ref, v_ref, q_smem, q_bar, k_smem, v_smem, k_bars, v_bars, *, span, col,
-                  head, t_begin, t_end, pos0, q_tok0, lo, end, kind, all_start, all_stop,
-                  group, block_q, block_k, num_stages, window, use_wgmma, address=None,
-                  tile_pieces=1, full_range=None, atom_parts=False):
-  """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
+class _Tiles:
+  """Where an item's K/V tiles are and how they are requested: the TMA side of the
+  pipeline (`_stream_tiles` consumes it).
 
-  `q_smem`, `k_smem`, `v_smem`: one `(copy view, matmul view)` pair per column
-  part (`q_column_parts`, `column_parts`; `part_views`); the returned
-  accumulator is a tuple of `column_parts`.
-  `address`, `tile_pieces`: see `attention_kernel`. `full_range`: None, or tiles
-  `[begin, end)` within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP_HEAD_DIMS`):
-  they run in a loop of their own with the unmasked softmax.
+  `k_smem`, `v_smem`: one `(copy view, matmul view)` pair per column part
+  (`column_parts`, `part_views`). `address`, `tile_pieces`: see `attention_kernel`.
   """
-  dtype = k_ref.dtype
-  head_dim = k_ref.shape[-1]
-  parts = column_parts(head_dim, atoms=atom_parts)
-  piece_rows = block_k // tile_pieces
-  if tile_pieces > 1:   # checked by the caller (`paged_sm90.check_request`)
-    assert piece_rows * tile_pieces == block_k and piece_rows % ROW_ALIGN == 0, (
-        block_k, tile_pieces)
 
-  def locate(t):
+  def __init__(self, k_ref, v_ref, k_smem, v_smem, k_bars, v_bars, *, span, col, head, t_begin,
+               t_end, num_stages, block_k, use_wgmma, address=None, tile_pieces=1,
+               atom_parts=False):
+    self.k_ref, self.v_ref, self.k_smem, self.v_smem = k_ref, v_ref, k_smem, v_smem
+    self.k_bars, self.v_bars = k_bars, v_bars
+    self.span, self.col, self.head, self.t_begin, self.t_end = span, col, head, t_begin, t_end
+    self.num_stages, self.block_k, self.use_wgmma = num_stages, block_k, use_wgmma
+    self.address, self.tile_pieces, self.atom_parts = address, tile_pieces, atom_parts
+    self.head_dim = k_ref.shape[-1]
+    self.parts = column_parts(self.head_dim, atoms=atom_parts)
+    self.piece_rows = block_k // tile_pieces
+    if tile_pieces > 1:   # checked by the caller (`paged_sm90.check_request`)
+      assert self.piece_rows * tile_pieces == block_k and self.piece_rows % ROW_ALIGN == 0, (
+          block_k, tile_pieces)
+
+  def locate(self, t):
     """Where tile `t` is stored: one `(first row, column)` of the K/V arrays per piece."""
-    load_row = span(t)[0]
-    where = [(load_row, col)] if address is None else address(col, load_row)
-    assert len(where) == tile_pieces, (len(where), tile_pieces)
+    load_row = self.span(t)[0]
+    where = [(load_row, self.col)] if self.address is None else self.address(self.col, load_row)
+    assert len(where) == self.tile_pieces, (len(where), self.tile_pieces)
     return where
 
-  def stage_rows(smem, stage, piece):
+  def _stage_rows(self, smem, stage, piece):
     # Static row slices at multiples of 8 rows: whole (8, swizzle)-tiles of the stage.
-    if tile_pieces == 1:
+    if self.tile_pieces == 1:
       return smem.at[stage]
-    return smem.at[stage, pl.ds(piece * piece_rows, piece_rows)]
+    return smem.at[stage, pl.ds(piece * self.piece_rows, self.piece_rows)]
 
-  def fetch(t, stage, where=None, names=("k", "v")):
-    pieces = locate(t) if where is None else where
+  def fetch(self, t, stage, where=None, names=("k", "v")):
+    pieces = self.locate(t) if where is None else where
     loads = []
     for load_row, load_col in pieces:
-      if use_wgmma:
+      if self.use_wgmma:
         load_row = pl.multiple_of(load_row, ROW_ALIGN)
-      loads.append((pl.ds(load_row, piece_rows), load_col))
+      loads.append((pl.ds(load_row, self.piece_rows), load_col))
     # K first: its tile is waited on first.
-    chosen = {"k": (k_ref, k_smem, k_bars), "v": (v_ref, v_smem, v_bars)}
+    chosen = {"k": (self.k_ref, self.k_smem, self.k_bars),
+              "v": (self.v_ref, self.v_smem, self.v_bars)}
     for cache_ref, part_smems, bars in (chosen[name] for name in names):
-      for (c0, width), (smem, _) in zip(parts, part_smems, strict=True):
+      for (c0, width), (smem, _) in zip(self.parts, part_smems, strict=True):
         for piece, (rows, load_col) in enumerate(loads):
-          src = cache_ref.at[rows, load_col, head]
-          if width != head_dim:   # one column part of the rows (`column_parts`)
-            src = cache_ref.at[rows, load_col, head, pl.ds(c0, width)]
-          plgpu.copy_gmem_to_smem(src, stage_rows(smem, stage, piece), bars.at[stage])
+          src = cache_ref.at[rows, load_col, self.head]
+          if width != self.head_dim:   # one column part of the rows (`column_parts`)
+            src = cache_ref.at[rows, load_col, self.head, pl.ds(c0, width)]
+          plgpu.copy_gmem_to_smem(src, self._stage_rows(smem, stage, piece), bars.at[stage])
 
-  # Paged storage: the first stages' page-table loads are issued together, before
-  # the first TMA has to wait on one (the tile is clamped into the item's range).
-  first = [None] * num_stages if address is None else [
-      locate(jnp.minimum(t_begin + stage, jnp.maximum(t_end - 1, t_begin)))
-      for stage in range(num_stages)]
-  for stage in range(num_stages):
-    @pl.when(t_begin + stage < t_end)
-    def _prologue():
-      fetch(t_begin + stage, stage, first[stage])
+  def prologue(self):
+    """Requests the item's first `num_stages` tiles, one per stage."""
+    t_begin, t_end = self.t_begin, self.t_end
+    # Paged storage: the first stages' page-table loads are issued together, before
+    # the first TMA has to wait on one (the tile is clamped into the item's range).
+    first = [None] * self.num_stages if self.address is None else [
+        self.locate(jnp.minimum(t_begin + stage, jnp.maximum(t_end - 1, t_begin)))
+        for stage in range(self.num_stages)]
+    for stage in range(self.num_stages):
+      @pl.when(t_begin + stage < t_end)
+      def _prologue():
+        self.fetch(t_begin + stage, stage, first[stage])
+
+
+def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_start, all_stop,
+                  group, block_q, window, prologue=True, full_range=None):
+  """The TMA pipeline and online softmax over tiles `[t_begin, t_end)` of one item.
+
+  `tiles`: the item's `_Tiles`. `q_smem`: one `(copy view, matmul view)` pair per
+  column part (`q_column_parts`); the returned accumulator is a tuple of
+  `column_parts`. `prologue`: False when the caller has already requested the
+  first tiles (`_Tiles.prologue`). `full_range`: None, or tiles `[begin, end)`
+  within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP_HEAD_DIMS`): they
+  run in a loop of their own with the unmasked softmax.
+  """
+  k_ref, k_smem, v_smem = tiles.k_ref, tiles.k_smem, tiles.v_smem
+  k_bars, v_bars = tiles.k_bars, tiles.v_bars
+  span, t_begin, t_end = tiles.span, tiles.t_begin, tiles.t_end
+  num_stages, block_k, use_wgmma = tiles.num_stages, tiles.block_k, tiles.use_wgmma
+  address, locate, fetch = tiles.address, tiles.locate, tiles.fetch
+  dtype = k_ref.dtype
+  head_dim = tiles.head_dim
+  parts = tiles.parts
+  atom_parts = tiles.atom_parts
+  if prologue:
+    tiles.prologue()
   plgpu.barrier_wait(q_bar)
   q_cols = q_column_parts(use_wgmma, head_dim, atoms=atom_parts)
 

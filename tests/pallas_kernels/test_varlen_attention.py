@@ -488,10 +488,11 @@ def test_configs_are_hashable_static_arguments():
                                                         interpret=True).use_wgmma
 
 
-def _outputs_per_mask(family, rng, *, config, interpret):
-  """`[(step, args, (row-bound output, per-score output))]` for `family.num_steps` random
-  Steps (padded or not, with or without owner blocks); `args` are the call's positional
-  arguments. Each mask traces once (the Steps share their shapes)."""
+def _outputs_per_switch(family, rng, patches, *, config, interpret):
+  """`[(step, args, outputs)]` for `family.num_steps` random Steps (padded or not, with or
+  without owner blocks), `outputs` one per entry of `patches` (a list of `{name: value}`
+  settings of `varlen_kernel_sm90`'s trace-time switches); `args` are the call's
+  positional arguments. Each setting traces once (the Steps share their shapes)."""
   scale = 1.0 / np.sqrt(family.head_dim)
   cases = []
   for index in range(family.num_steps):
@@ -499,16 +500,23 @@ def _outputs_per_mask(family, rng, *, config, interpret):
     k, v = resident_storage(rng, family, step)
     cases.append((step, (queries(rng, family, step), k, v, jnp.asarray(step.seq_info),
                          jnp.int32(step.n_segments))))
-  outs = {}
-  for row_bound in (True, False):
+  outs = []
+  for setting in patches:
     with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(varlen_kernel_sm90, "ROW_BOUND_MASK", row_bound)
-      jax.clear_caches()   # the switch is read when traced
-      outs[row_bound] = [np.asarray(pallas_kernels.varlen_attention(
+      for name, value in setting.items():
+        patch.setattr(varlen_kernel_sm90, name, value)
+      jax.clear_caches()   # the switches are read when traced
+      outs.append([np.asarray(pallas_kernels.varlen_attention(
           *args, window=family.window, scale=scale, config=config, interpret=interpret),
-          np.float32) for _, args in cases]
+          np.float32) for _, args in cases])
   jax.clear_caches()
-  return [(step, args, (outs[True][i], outs[False][i])) for i, (step, args) in enumerate(cases)]
+  return [(step, args, tuple(out[i] for out in outs)) for i, (step, args) in enumerate(cases)]
+
+
+def _outputs_per_mask(family, rng, *, config, interpret):
+  """`_outputs_per_switch` for (row-bound mask, per-score mask)."""
+  return _outputs_per_switch(family, rng, [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}],
+                             config=config, interpret=interpret)
 
 
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
@@ -536,4 +544,44 @@ def test_compiled_masks_agree_bitwise_and_match_reference(family, splits, rng):
     expected = np.asarray(_reference(*args, window=family.window, scale=scale), np.float32)
     real = slice(0, step.n_tokens)
     np.testing.assert_allclose(row_bound[real], expected[real], atol=tol(family.dtype),
+                               rtol=out_rtol(args[0].dtype), err_msg=step.description)
+
+
+def _half_row_staging(**kwargs):
+  """`item_prefetch_cols` forced to half the row: the output stored in two chunks."""
+  return kwargs["head_dim"] // 2
+
+
+@pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
+def test_items_back_to_back_give_the_same_outputs_bitwise(family, rng):
+  """`ITEM_PREFETCH` (the default) requests an item's first tiles before the previous
+  item's store, from buffers the program keeps for all of its items; the tiles, their
+  order and the arithmetic are unchanged, so the outputs are bitwise those of one item
+  at a time, with the output staged whole or in two column chunks. One program per KV
+  head, so every program runs many items back to back (flat and ring, padded steps,
+  owner blocks, key splits); the interpreter checks the index math and barrier order."""
+  config = dataclasses.replace(INTERPRET_SPLIT_CONFIG, max_programs=family.num_kv_heads)
+  settings = [{"ITEM_PREFETCH": False}, {"ITEM_PREFETCH": True},
+              {"ITEM_PREFETCH": True, "item_prefetch_cols": _half_row_staging}]
+  for step, _, (one, back, halves) in _outputs_per_switch(family, rng, settings, config=config,
+                                                         interpret=True):
+    np.testing.assert_array_equal(back, one, err_msg=step.description)
+    np.testing.assert_array_equal(halves, one, err_msg=step.description)
+
+
+@requires_hopper
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
+@pytest.mark.parametrize("family", GPU_FAMILIES[:2], ids=str)
+def test_compiled_items_back_to_back_agree_bitwise_and_match_reference(family, splits, rng):
+  """Compiled: items back to back (D128's staging in 64-column halves, D64's whole) give
+  the outputs of one item at a time bitwise, and both match the reference."""
+  config = SPLIT_CONFIGS[family.head_dim] if splits else None
+  scale = 1.0 / np.sqrt(family.head_dim)
+  settings = [{"ITEM_PREFETCH": True}, {"ITEM_PREFETCH": False}]
+  for step, args, (back, one) in _outputs_per_switch(family, rng, settings, config=config,
+                                                     interpret=False):
+    np.testing.assert_array_equal(back, one, err_msg=step.description)
+    expected = np.asarray(_reference(*args, window=family.window, scale=scale), np.float32)
+    real = slice(0, step.n_tokens)
+    np.testing.assert_allclose(back[real], expected[real], atol=tol(family.dtype),
                                rtol=out_rtol(args[0].dtype), err_msg=step.description)
