@@ -75,8 +75,10 @@ SMEM_BYTES = 227 * 1024    # dynamic shared memory one sm90 program may use
 def _smem_bytes(config, head_dim: int, itemsize: int) -> int:
   """Shared memory of one program: the q tile, then K/V stages or output staging.
 
-  The stages and the float32 output staging live in consecutive scopes (see
-  `attention_kernel`), so only the larger of the two counts.
+  One item at a time, the stages and the float32 output staging live in
+  consecutive scopes (see `attention_kernel`), so only the larger of the two
+  counts; items back to back (`varlen_kernel_sm90.item_prefetch_cols`) are used
+  only where both fit, so this is what a config needs at least.
   """
   stages = config.num_stages * 2 * config.block_k * head_dim * itemsize
   staging = config.block_q * (head_dim + 1) * 4
