@@ -88,9 +88,12 @@ KV_COLUMN_PARTS = True
 # first K/V tiles before it normalizes and stores the current item's output, so
 # the store and the next item's first loads overlap; the store then waits only
 # for TMA to have read the staging (not for the global writes). Used where the
-# extra staging keeps as many programs per SM as the shared layout
-# (`item_prefetch_cols`); False: one item at a time, stages and staging sharing
-# shared memory (the layout before; the same outputs bitwise). Read when traced.
+# extra staging keeps two programs per SM (`item_prefetch_cols`); False: one item
+# at a time, stages and staging sharing shared memory (the layout before; the
+# same outputs bitwise). Measured on the H200 (kernel GPU time, docs/
+# PERFORMANCE.md): decode -0.1% to -2% (short D64 histories most), the mixed step
+# -1%, prefill -0.4%; D256 (one program per SM) +4.5%, so it keeps one at a time.
+# Read when traced.
 ITEM_PREFETCH = True
 
 # Shared memory of one SM on sm90 and what each resident program costs beyond its
@@ -348,9 +351,10 @@ def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=F
   Back to back, a program holds q, the K/V stages and the float32 staging at
   once; one at a time the staging reuses the stages' memory. The widest staging
   (the whole row, else halves, else quarters of the accumulator's column parts)
-  that keeps as many programs per SM as one at a time is chosen: at head dim
-  128 with 64-row tiles and two stages, a 64-column staging (96 KiB a program,
-  two per SM) where the whole row would leave room for one.
+  that keeps two programs per SM is chosen: at head dim 128 with 64-row tiles
+  and two stages, a 64-column staging (96 KiB a program) where the whole row
+  would leave room for one. Configs that fit one program per SM either way keep
+  one item at a time.
   """
   if not ITEM_PREFETCH:
     return None
@@ -359,6 +363,10 @@ def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=F
   stage_bytes = num_stages * 2 * block_k * head_dim * itemsize
   lse_bytes = block_q * 4
   shared = _programs_per_sm(q_bytes + max(stage_bytes, block_q * head_dim * 4 + lse_bytes))
+  if shared < MAX_PROGRAMS_PER_SM:
+    # One program per SM (head dim 256; 128-key tiles or three stages at 128): items back
+    # to back measured 4.5% slower at D256 decode on the H200 (docs/PERFORMANCE.md).
+    return None
   widths = [width for _, width in column_parts(head_dim, atoms=atoms)]
   # Narrower chunks than the row are stored by TMA into column slices of the float32
   # partials, which Mosaic GPU takes for row widths that are multiples of 32 elements.

@@ -585,3 +585,23 @@ def test_compiled_items_back_to_back_agree_bitwise_and_match_reference(family, s
     real = slice(0, step.n_tokens)
     np.testing.assert_allclose(back[real], expected[real], atol=tol(family.dtype),
                                rtol=out_rtol(args[0].dtype), err_msg=step.description)
+
+
+@pytest.mark.parametrize("head_dim, block_k, num_stages, want", [
+    (64, 128, 2, 64), (80, 64, 2, 80), (96, 64, 2, 96), (112, 64, 2, 112),
+    (128, 64, 2, 64),                         # whole rows would leave room for one program
+    (128, 64, 3, None), (128, 128, 2, None),  # one program per SM either way
+    (256, 64, 2, None)])                      # measured slower back to back (one per SM)
+def test_which_configs_run_items_back_to_back(head_dim, block_k, num_stages, want, monkeypatch):
+  """The output staging's width back to back (`item_prefetch_cols`): the widest that keeps
+  two programs per SM, by the shared memory each needs; None keeps one item at a time."""
+  cols = functools.partial(varlen_kernel_sm90.item_prefetch_cols, block_q=64, block_k=block_k,
+                           num_stages=num_stages, head_dim=head_dim, dtype=jnp.bfloat16)
+  assert cols() == want
+  if want is not None:
+    itemsize = 2
+    smem = (64 * head_dim * itemsize + num_stages * 2 * block_k * head_dim * itemsize
+            + 64 * want * 4 + 64 * 4)
+    assert 2 * (smem + varlen_kernel_sm90.PROGRAM_SMEM_OVERHEAD) <= 228 * 1024
+  monkeypatch.setattr(varlen_kernel_sm90, "ITEM_PREFETCH", False)
+  assert cols() is None
