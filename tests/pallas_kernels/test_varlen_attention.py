@@ -513,19 +513,14 @@ def _outputs_per_switch(family, rng, patches, *, config, interpret):
   return [(step, args, tuple(out[i] for out in outs)) for i, (step, args) in enumerate(cases)]
 
 
-def _outputs_per_mask(family, rng, *, config, interpret):
-  """`_outputs_per_switch` for (row-bound mask, per-score mask)."""
-  return _outputs_per_switch(family, rng, [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}],
-                             config=config, interpret=interpret)
-
-
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
 def test_row_bound_mask_gives_the_per_score_masks_outputs_bitwise(family, rng):
   """`ROW_BOUND_MASK` (the default) changes how a tile's mask is computed, not which
   scores it keeps, so the outputs are bitwise those of the per-score mask: flat and
   ring layers, padded steps, owner blocks, key splits."""
-  for step, _, (row_bound, per_score) in _outputs_per_mask(
-      family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True):
+  for step, _, (row_bound, per_score) in _outputs_per_switch(
+      family, rng, [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}],
+      config=INTERPRET_SPLIT_CONFIG, interpret=True):
     np.testing.assert_array_equal(row_bound, per_score, err_msg=step.description)
 
 
@@ -536,14 +531,22 @@ def test_compiled_masks_agree_bitwise_and_match_reference(family, splits, rng):
   """Compiled: the row-bound and per-score masks give the same outputs bitwise, and both
   match the reference within the storage tolerance plus one unit of the output's
   precision (flat GQA D128 and a D64 ring)."""
+  _check_compiled_settings_agree(family, splits, rng,
+                                 [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}])
+
+
+def _check_compiled_settings_agree(family, splits, rng, settings):
+  """Compiled, two settings of the kernel's switches (`_outputs_per_switch`): the same
+  outputs bitwise, and the first's match the reference within the storage tolerance
+  plus one unit of the output's precision."""
   config = SPLIT_CONFIGS[family.head_dim] if splits else None
   scale = 1.0 / np.sqrt(family.head_dim)
-  for step, args, (row_bound, per_score) in _outputs_per_mask(family, rng, config=config,
-                                                              interpret=False):
-    np.testing.assert_array_equal(row_bound, per_score, err_msg=step.description)
+  for step, args, (first, second) in _outputs_per_switch(family, rng, settings, config=config,
+                                                         interpret=False):
+    np.testing.assert_array_equal(first, second, err_msg=step.description)
     expected = np.asarray(_reference(*args, window=family.window, scale=scale), np.float32)
     real = slice(0, step.n_tokens)
-    np.testing.assert_allclose(row_bound[real], expected[real], atol=tol(family.dtype),
+    np.testing.assert_allclose(first[real], expected[real], atol=tol(family.dtype),
                                rtol=out_rtol(args[0].dtype), err_msg=step.description)
 
 
@@ -575,16 +578,8 @@ def test_items_back_to_back_give_the_same_outputs_bitwise(family, rng):
 def test_compiled_items_back_to_back_agree_bitwise_and_match_reference(family, splits, rng):
   """Compiled: items back to back (D128's staging in 64-column halves, D64's whole) give
   the outputs of one item at a time bitwise, and both match the reference."""
-  config = SPLIT_CONFIGS[family.head_dim] if splits else None
-  scale = 1.0 / np.sqrt(family.head_dim)
-  settings = [{"ITEM_PREFETCH": True}, {"ITEM_PREFETCH": False}]
-  for step, args, (back, one) in _outputs_per_switch(family, rng, settings, config=config,
-                                                     interpret=False):
-    np.testing.assert_array_equal(back, one, err_msg=step.description)
-    expected = np.asarray(_reference(*args, window=family.window, scale=scale), np.float32)
-    real = slice(0, step.n_tokens)
-    np.testing.assert_allclose(back[real], expected[real], atol=tol(family.dtype),
-                               rtol=out_rtol(args[0].dtype), err_msg=step.description)
+  _check_compiled_settings_agree(family, splits, rng,
+                                 [{"ITEM_PREFETCH": True}, {"ITEM_PREFETCH": False}])
 
 
 @pytest.mark.parametrize("head_dim, block_k, num_stages, want", [
