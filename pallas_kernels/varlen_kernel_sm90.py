@@ -123,8 +123,10 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
   log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
   Scratch: the q tile and its barrier; the K/V stages and the output staging
-  buffers live in two consecutive scopes, so they share shared memory (two
-  programs fit on one SM).
+  either live for all of the program's items, the next item's first tiles
+  requested before the current item's store (`ITEM_PREFETCH`,
+  `item_prefetch_cols`), or, where that would cost the SM its second program,
+  in two consecutive scopes per item that share shared memory.
   `address`: None reads tile rows `[row, row + block_k)` of column `col`; a
   function `(col, row) -> [(row', col'), ...]` maps each tile's first (logical)
   row to where the K/V arrays hold its `tile_pieces` runs of
