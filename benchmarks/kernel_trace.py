@@ -297,8 +297,8 @@ def variants(names, calls, cases):
   # Each switch is a module global read when a call is traced: the kernel body's, or
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "ITEM_PREFETCH": body, "UNALIGNED_ROWS_IN_PLACE": column,
-           "FORCE_ATOM_PARTS": column,
+           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "ITEM_PREFETCH": body,
+           "UNALIGNED_ROWS_IN_PLACE": column, "FORCE_ATOM_PARTS": column,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
   saved = {k: getattr(m, k) for k, m in owner.items()}

@@ -53,6 +53,7 @@ from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
 from pallas_kernels.varlen_kernel_sm90 import attention_kernel
 from pallas_kernels.varlen_kernel_sm90 import Q_PART_MAX_COLS
 from pallas_kernels.varlen_kernel_sm90 import q_scratch
+from pallas_kernels.varlen_kernel_sm90 import shared_layout_bytes
 from pallas_kernels.varlen_plan import _item_table
 from pallas_kernels.varlen_plan import _segment_plan
 from pallas_kernels.varlen_plan import bounded_config
@@ -80,9 +81,9 @@ def _smem_bytes(config, head_dim: int, itemsize: int) -> int:
   counts; items back to back (`varlen_kernel_sm90.item_prefetch_cols`) are used
   only where both fit, so this is what a config needs at least.
   """
-  stages = config.num_stages * 2 * config.block_k * head_dim * itemsize
-  staging = config.block_q * (head_dim + 1) * 4
-  return config.block_q * head_dim * itemsize + max(stages, staging)
+  return shared_layout_bytes(
+      block_q=config.block_q, block_k=config.block_k, num_stages=config.num_stages,
+      head_dim=head_dim, itemsize=itemsize)
 
 
 def q_tile_rows(block_q: int, group: int) -> int:

@@ -269,11 +269,10 @@ def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, 
   `o_dst` `[block_q, D]` and `lse_dst` `[block_q]` are the item's slot of the
   float32 partial outputs; `o_smem`, `lse_smem` the staging buffers.
   `chunk_cols`: None stages the whole row (`o_smem` is `[block_q, D]`) and
-  waits until the stores are done; a width stages chunks of at most that many
-  columns (`o_smem` is `[block_q, chunk_cols]`, `output_chunks`), each written
-  once TMA has read
-  the staging's previous contents, and waits for nothing after the last (the
-  items-back-to-back program, `ITEM_PREFETCH`).
+  waits until the stores are done; a width stages chunks of that many columns
+  (`o_smem` is `[block_q, chunk_cols]`, `output_chunks`), each written once TMA
+  has read the staging's previous contents, and waits for nothing after the
+  last (the items-back-to-back program, `ITEM_PREFETCH`).
   """
   has_keys = l_i > 0.0
   l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
@@ -301,34 +300,27 @@ def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, 
       dst[...] = part / lax.broadcast_in_dim(l_safe, part.shape, [0])
       c0 += width
 
-  def stage_lse():
-    lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
-
-  if chunk_cols is None:
-    stage_parts(acc, o_smem)
-    stage_lse()
-    plgpu.commit_smem()
-    store_rows(o_smem, o_dst)
-    plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
-    plgpu.wait_smem_to_gmem(0)
-    return
-
-  chunks = output_chunks(tuple(part.shape[-1] for part in acc), chunk_cols)
+  # One item at a time (`chunk_cols` None): the whole row, then a wait for the stores.
+  # Back to back: each chunk waits for TMA to have read the staging's previous contents.
+  back_to_back = chunk_cols is not None
+  chunks = output_chunks(tuple(part.shape[-1] for part in acc), chunk_cols or head_dim)
   for i, (p, c, width) in enumerate(chunks):
-    # The staging's previous chunk (or the previous item's) has been read by TMA.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if back_to_back:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if p is None:   # the whole row, every part
       stage_parts(acc, o_smem)
     else:
       part = acc[p]
       stage_parts((part if width == part.shape[-1] else part[:, c:c + width],), o_smem)
     if i == 0:
-      stage_lse()
+      lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
     plgpu.commit_smem()
     c_out = sum(w for _, _, w in chunks[:i])
     store_rows(o_smem, o_dst if width == head_dim else o_dst.at[:, pl.ds(c_out, width)])
     if i == 0:
       plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+  if not back_to_back:
+    plgpu.wait_smem_to_gmem(0)
 
 
 def output_chunks(part_widths, chunk_cols):
@@ -340,6 +332,14 @@ def output_chunks(part_widths, chunk_cols):
   assert all(width % chunk_cols == 0 for width in part_widths), (part_widths, chunk_cols)
   return tuple((p, c, chunk_cols) for p, width in enumerate(part_widths)
                for c in range(0, width, chunk_cols))
+
+
+def shared_layout_bytes(*, block_q, block_k, num_stages, head_dim, itemsize) -> int:
+  """Shared memory of one program one item at a time: the q tile, then the K/V stages
+  or the float32 output staging (and its log-sum-exp), which share memory."""
+  stages = num_stages * 2 * block_k * head_dim * itemsize
+  staging = block_q * (head_dim + 1) * 4
+  return block_q * head_dim * itemsize + max(stages, staging)
 
 
 def _programs_per_sm(smem_bytes: int) -> int:
@@ -364,7 +364,9 @@ def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=F
   q_bytes = block_q * head_dim * itemsize
   stage_bytes = num_stages * 2 * block_k * head_dim * itemsize
   lse_bytes = block_q * 4
-  shared = _programs_per_sm(q_bytes + max(stage_bytes, block_q * head_dim * 4 + lse_bytes))
+  shared = _programs_per_sm(shared_layout_bytes(block_q=block_q, block_k=block_k,
+                                                num_stages=num_stages, head_dim=head_dim,
+                                                itemsize=itemsize))
   if shared < MAX_PROGRAMS_PER_SM:
     # One program per SM (head dim 256; 128-key tiles or three stages at 128): items back
     # to back measured 4.5% slower at D256 decode on the H200 (docs/PERFORMANCE.md).
