@@ -130,7 +130,7 @@ def _page_row(table_ref, col, row, *, page_size, pages_per_col):
 
 
 def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
-                  o_ref, lse_ref,                             # Outputs
+                  o_ref, lse_ref, out_ref,                    # Outputs
                   q_smem, q_bar,                              # Scratch
                   *, page_size, pages_per_col, block_k, **kwargs):
   """`varlen_kernel_sm90.attention_kernel` with each tile's rows looked up in the page table.
@@ -158,7 +158,7 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
               for i in range(pieces)]
 
   kernel_body.attention_kernel(
-      items_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, q_bar, address=address,
+      items_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, out_ref, q_smem, q_bar, address=address,
       block_k=block_k, tile_pieces=pieces, **kwargs)
 
 

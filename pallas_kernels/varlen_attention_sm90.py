@@ -21,7 +21,11 @@ and writes its real rows of a normalized float32 partial output plus the
 log-sum-exp (base 2). The epilogue copies each token's partial back to
 ``[T, H_q, D]` in q's dtype, merging the splits of split segments: XLA
 operations (`varlen_epilogue.combine`), or, with `fused_combine=True` and a
-head layout it serves, one Mosaic GPU kernel (`combine_sm90`).
+head layout it serves, one Mosaic GPU kernel (`combine_sm90`). Calls whose
+epilogue would copy every token's partial (more tokens than may split:
+`tokens_in_place`) instead have the kernel write each
+unsplit token's rows into `[T, H_q, D]` itself; only the padding tokens' zeros and
+the split tokens' merge remain (`varlen_epilogue.finish_in_place`).
 
 A cache whose row count is not a multiple of 8 (most rings) or smaller than a
 K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
@@ -47,6 +51,7 @@ from pallas_kernels import combine_sm90
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
 from pallas_kernels import varlen_epilogue
+from pallas_kernels import varlen_kernel_sm90
 from pallas_kernels.common import SUPPORTED_KV_DTYPES
 from pallas_kernels.varlen_kernel_sm90 import LOG2E
 from pallas_kernels.varlen_kernel_sm90 import ROW_ALIGN
@@ -287,20 +292,36 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   if pad:
     qt = jnp.pad(qt, ((0, 0), (0, pad), (0, 0)))
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
+  in_place = tokens_in_place(config, num_tokens=num_tokens, group=group, head_dim=head_dim,
+                             block_k=block_k, kv_dtype=dtype, out_dtype=q.dtype,
+                             atom_parts=atom_parts)
   kernel = functools.partial(
       kernel, group=group, block_q=block_q, block_k=block_k,
       num_stages=config.num_stages, cache_rows=cache_rows, window=window,
       use_wgmma=config.use_wgmma, num_workers=num_workers, atom_parts=atom_parts)
-  o_part, lse_part = plgpu.kernel(
+  out_type = [jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
+              jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)]
+  if in_place:
+    tokens = combine_sm90.token_items(seg, num_tokens=num_tokens, group=group, block_q=block_q,
+                                      num_items=max_items)
+    out_type.append(jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype))
+  else:
+    num_refs = 4 + len(kv_inputs)   # items, q, the K/V inputs, the partials and lse
+    kernel = _without_output(kernel, num_refs)
+  outs = plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
-                jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)),
+      out_type=tuple(out_type),
       scratch_types=q_scratch(config.use_wgmma, block_q, head_dim, dtype, atoms=atom_parts),
       grid=(num_workers, num_kv_heads),
       grid_names=("worker", "head"),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interpret,
   )(items, qt, *kv_inputs)
+  o_part, lse_part = outs[:2]
+  if in_place:
+    return varlen_epilogue.finish_in_place(
+        outs[2], o_part, lse_part, tokens, group=group, block_q=block_q,
+        max_splits=config.max_splits, max_split_tokens=config.max_split_tokens)
   if config.fused_combine and combine_sm90.supported(group=group, head_dim=head_dim):
     return combine_sm90.combine_sm90(
         o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
@@ -308,6 +329,58 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   return varlen_epilogue.combine(
       o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
       max_splits=config.max_splits, max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
+
+
+def _without_output(kernel, num_refs):
+  """`kernel` called with `out_ref` None (after its first `num_refs` refs): every item
+  writes its partial."""
+  def body(*refs):
+    return kernel(*refs[:num_refs], None, *refs[num_refs:])
+  return body
+
+
+def tokens_in_place(config, *, num_tokens, group, head_dim, block_k, kv_dtype, out_dtype,
+                    atom_parts=False) -> bool:
+  """Whether the kernel writes unsplit tokens' rows in place
+  (`varlen_kernel_sm90.TOKENS_IN_PLACE`).
+
+  Yes for calls of more than `max_split_tokens` tokens (prefill and mixed steps),
+  whose epilogue would otherwise gather every token's partial. Narrower calls (decode
+  steps) keep their partials: where every token may split, one pass merges them all
+  (`varlen_epilogue.DIRECT_MERGE`), and where none can (a cache too short to split)
+  the gather measured ~1 us cheaper per call than the padding scatter and the
+  kernel's stores by token (64 x 8..272 D64 on the H200, docs/PERFORMANCE.md); so
+  does the fused combine kernel. The compiled kernel stores each token's G rows of a staged
+  chunk by TMA (with G = 1, runs of 2^j tokens from a multiple of 2^(j+1);
+  `store_tokens`), which reads shared memory from 128-byte-aligned addresses, so a
+  token's rows of a chunk (two tokens' with G = 1) must span a multiple of 128 bytes:
+  every 16-bit layout staged in 64-column chunks or whole rows of 64 or 128
+  columns; head dims 80, 96 and 112 only with some groups; not head dim 256
+  (`MAX_TOKEN_STAGING_COLS`).
+  """
+  if not varlen_kernel_sm90.TOKENS_IN_PLACE:
+    return False
+  if config.fused_combine and combine_sm90.supported(group=group, head_dim=head_dim):
+    return False
+  if num_tokens <= config.max_split_tokens:
+    return False
+  if not config.use_wgmma:
+    return True
+  chunk = varlen_kernel_sm90.item_prefetch_cols(block_q=config.block_q, block_k=block_k,
+      num_stages=config.num_stages, head_dim=head_dim, dtype=kv_dtype,
+      atoms=atom_parts) or head_dim
+  cols = varlen_kernel_sm90.token_staging_cols(chunk, head_dim, out_dtype)
+  if cols > MAX_TOKEN_STAGING_COLS:
+    return False
+  token_bytes = group * cols * np.dtype(out_dtype).itemsize
+  return (token_bytes * (2 if group == 1 else 1)) % 128 == 0
+
+
+# The widest output staging in the output's dtype the kernel writes tokens in place
+# from: jax 0.12's Mosaic GPU layout inference searched for minutes for a `(64, 256)`
+# 16-bit register store (head dim 256 one item at a time), so head dim 256 keeps its
+# tokens in float32 partials (a float32 staging of that width lowers at once).
+MAX_TOKEN_STAGING_COLS = 128
 
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,

@@ -28,8 +28,8 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
 # Columns of the per-item table the kernel reads.
 (IT_SLOT, IT_ACTIVE, IT_COL, IT_KIND, IT_Q_ROW0, IT_Q_TOK0, IT_POS0, IT_LO, IT_END,
  IT_FIRST_ROW, IT_FIRST_LEN, IT_SECOND_LEN, IT_TILE0_ROW, IT_NUM_FIRST, IT_T_BEGIN,
- IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS) = range(19)
-NUM_ITEM_FIELDS = 19
+ IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS, IT_WHOLE) = range(20)
+NUM_ITEM_FIELDS = 20
 
 # A switch for A/B timing only (benchmarks/kernel_trace.py --variants; read when a
 # kernel is traced, so changing it needs `jax.clear_caches()`): True refills a
@@ -96,6 +96,17 @@ KV_COLUMN_PARTS = True
 # Read when traced.
 ITEM_PREFETCH = True
 
+# Tokens in place: calls whose epilogue would copy every token's partial out (a gather
+# of the float32 partials the kernel wrote) instead have the kernel write each unsplit
+# token's rows straight into the `[T, H_q, D]` output in its dtype (`store_tokens`);
+# only split tokens go through partials and a merge
+# (`varlen_attention_sm90.tokens_in_place` says which calls: more tokens than may
+# split). False: every token through partials, the layout before (the same outputs
+# bitwise; A/B timing, `benchmarks/kernel_trace.py`). Read when traced. Measured on
+# the H200 (GPU time per call, docs/PERFORMANCE.md): causal 4 x 4,096 D128 -3.3%, the
+# mixed step -2.7%, 1 x 2,048 D64 -2%, 1 x 16,384 D128 level (its kernel +1%).
+TOKENS_IN_PLACE = True
+
 # Shared memory of one SM on sm90 and what each resident program costs beyond its
 # own allocation (the driver's reserve; Mosaic GPU's reduction scratch, barriers
 # and 1 KiB alignment of each buffer, counted generously).
@@ -107,7 +118,7 @@ MAX_PROGRAMS_PER_SM = 2
 
 
 def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
-                      o_ref, lse_ref,                   # Outputs
+                      o_ref, lse_ref, out_ref,          # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, cache_rows, window,
                       use_wgmma, num_workers, address=None, tile_pieces=1, atom_parts=False):
@@ -121,7 +132,12 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   (token, group head) pairs, pre-scaled by `scale * log2 e`), the K/V caches
   (`cache_rows` rows, padded per `tile_geometry`).
   Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
-  log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot.
+  log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot, and
+  `out_ref`: None, every item writing its partial; or the attention output
+  `[T, K, G, D]` in its own dtype (tokens in place, `TOKENS_IN_PLACE`), which
+  items whose segment is not split (`IT_WHOLE`) write their tokens' rows to
+  directly (`store_tokens`) instead of a partial (the caller zeros the padding
+  tokens' rows and merges the split ones).
   Scratch: the q tile and its barrier; the K/V stages and the output staging
   either live for all of the program's items, the next item's first tiles
   requested before the current item's store (`ITEM_PREFETCH`,
@@ -159,7 +175,7 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
               q_row0=field(IT_Q_ROW0), q_tok0=field(IT_Q_TOK0), pos0=field(IT_POS0),
               lo=field(IT_LO), end=field(IT_END), t_begin=field(IT_T_BEGIN),
               t_end=field(IT_T_END), all_start=field(IT_ALL_START),
-              all_stop=field(IT_ALL_STOP), num_rows=field(IT_ROWS))
+              all_stop=field(IT_ALL_STOP), num_rows=field(IT_ROWS), whole=field(IT_WHOLE))
     tile_args = (it["lo"], field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
                  field(IT_TILE0_ROW), field(IT_NUM_FIRST))
     it["full_range"] = None
@@ -203,10 +219,26 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
         group=group, block_q=block_q, window=window, prologue=prologue,
         full_range=it["full_range"])
 
-  def store(it, acc, m_i, l_i, o_smem, lse_smem, *, chunk_cols=None):
-    store_partial(acc, m_i, l_i, o_smem, lse_smem, o_ref.at[it["slot"], head],
-                  lse_ref.at[it["slot"], head], num_rows=it["num_rows"], block_q=block_q,
-                  chunk_cols=chunk_cols)
+  out_dtype = None if out_ref is None else out_ref.dtype
+
+  def store(it, acc, m_i, l_i, staging, lse_smem, *, chunk_cols=None):
+    o_smem, out_smem = staging_views(staging, out_dtype)
+
+    def partial():
+      store_partial(acc, m_i, l_i, o_smem, lse_smem, o_ref.at[it["slot"], head],
+                    lse_ref.at[it["slot"], head], num_rows=it["num_rows"], block_q=block_q,
+                    chunk_cols=chunk_cols)
+    if out_ref is None:
+      partial()
+      return
+    pl.when(it["whole"] == 0)(partial)
+
+    @pl.when(it["whole"] != 0)
+    def _tokens():
+      # q_row0 is the tile's first (token, group head) row: G times its first token.
+      store_tokens(acc, l_i, out_smem, out_ref, tok0=div(it["q_row0"], group),
+                   num_tokens=div(it["num_rows"], group), head=head, group=group,
+                   block_q=block_q, back_to_back=chunk_cols is not None)
 
   chunk_cols = item_prefetch_cols(block_q=block_q, block_k=block_k, num_stages=num_stages,
                                   head_dim=head_dim, dtype=dtype, atoms=atom_parts)
@@ -218,8 +250,8 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
       load_q_tile(it)
       acc, m_i, l_i = pl.run_scoped(lambda *kv: stream(it, kv, prologue=True), stages, stages,
                                     stage_bars(), stage_bars())
-      pl.run_scoped(lambda o_smem, lse_smem: store(it, acc, m_i, l_i, o_smem, lse_smem),
-                    plgpu.SMEM((block_q, head_dim), jnp.float32),
+      pl.run_scoped(lambda staging, lse_smem: store(it, acc, m_i, l_i, staging, lse_smem),
+                    staging_type(block_q, head_dim, head_dim, out_dtype),
                     plgpu.SMEM((block_q,), jnp.float32))
     return
 
@@ -256,7 +288,7 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   pl.run_scoped(program, stages, stages, stage_bars(), stage_bars(),
-                plgpu.SMEM((block_q, chunk_cols), jnp.float32),
+                staging_type(block_q, chunk_cols, head_dim, out_dtype),
                 plgpu.SMEM((block_q,), jnp.float32))
 
 
@@ -268,15 +300,11 @@ def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, 
 
   `o_dst` `[block_q, D]` and `lse_dst` `[block_q]` are the item's slot of the
   float32 partial outputs; `o_smem`, `lse_smem` the staging buffers.
-  `chunk_cols`: None stages the whole row (`o_smem` is `[block_q, D]`) and
-  waits until the stores are done; a width stages chunks of that many columns
-  (`o_smem` is `[block_q, chunk_cols]`, `output_chunks`), each written once TMA
-  has read the staging's previous contents, and waits for nothing after the
-  last (the items-back-to-back program, `ITEM_PREFETCH`).
+  `chunk_cols`: None, the whole row one item at a time; a width, chunks of it back to
+  back (`o_smem` is `[block_q, chunk_cols]`; see `_staged_chunks`).
   """
   has_keys = l_i > 0.0
   l_safe = jnp.where(has_keys, l_i, 1.0)   # guarded: a row may see no key of this split
-  head_dim = o_dst.shape[-1]
   # Store only the item's real rows, rounded up to 8: a decode item has G of
   # 64. TMA sizes are static, so the count is stored as a sum of powers of two.
   num_rows8 = (num_rows + 7) // 8 * 8
@@ -291,36 +319,133 @@ def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, 
         plgpu.copy_smem_to_gmem(src.at[rows], dst.at[rows])
       size //= 2
 
-  def stage_parts(parts, stage):
+  def stage_lse(i):
+    if i == 0:
+      lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
+
+  def store(i, c_out, width):
+    store_rows(o_smem, o_dst if width == o_dst.shape[-1] else o_dst.at[:, pl.ds(c_out, width)])
+    if i == 0:
+      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+
+  _staged_chunks(acc, l_safe, o_smem, back_to_back=chunk_cols is not None,
+                 before_commit=stage_lse, store=store)
+
+
+def store_tokens(acc, l_i, stage, out_ref, *, tok0, num_tokens, head, group, block_q,
+                 back_to_back=False):
+  """Normalizes an item's accumulator into the output's dtype and stores its tokens' rows
+  in place: rows `(token, g)` of the tile to `out_ref[tok0 + token, head, g]`.
+
+  `out_ref` is the attention output `[T, K, G, D]` (`[T, H_q, D]` with the query
+  heads of a KV head side by side); `stage` the staging in its dtype; a tile holds
+  `block_q // G` whole tokens (`q_tile_rows`), the item's first `num_tokens` of them
+  real. One TMA per token, of its G rows (a token's rows are contiguous in the
+  staging but G rows apart from the next token's in the output, and Mosaic GPU does
+  not lower a `[tokens, G, D]` view of the staging); with G = 1, runs of tokens, as a
+  sum of powers of two, largest first (a run of `s` tokens starts at a multiple of
+  `2s`). TMA reads shared memory from 128-byte-aligned addresses, which
+  `tokens_in_place` checks. `stage`'s width and `back_to_back`: see `_staged_chunks`.
+  """
+  tile_tokens = block_q // group
+  head_dim = out_ref.shape[-1]
+
+  def columns(ref, c_out, width):
+    return ref if width == head_dim else ref.at[..., pl.ds(c_out, width)]
+
+  def store(i, c_out, width):
+    del i
+    if group == 1:
+      size = 1 << (tile_tokens.bit_length() - 1)
+      while size >= 1:
+        @pl.when(num_tokens & size != 0)
+        def _store_run(size=size):
+          first = num_tokens & -(2 * size)    # the larger runs come first
+          plgpu.copy_smem_to_gmem(
+              stage.at[pl.ds(first, size)],
+              columns(out_ref.at[pl.ds(tok0 + first, size), head, 0], c_out, width))
+        size //= 2
+      return
+    for token in range(tile_tokens):
+      @pl.when(token < num_tokens)
+      def _store_token(token=token):
+        plgpu.copy_smem_to_gmem(stage.at[pl.ds(token * group, group)],
+                                columns(out_ref.at[tok0 + token, head], c_out, width))
+
+  # Guarded: a row may see no key (its output is then zero).
+  _staged_chunks(acc, jnp.where(l_i > 0.0, l_i, 1.0), stage, back_to_back=back_to_back,
+                 before_commit=lambda i: None, store=store)
+
+
+def _staged_chunks(acc, l_safe, stage, *, back_to_back, before_commit, store):
+  """Normalizes the accumulator by `l_safe` (each row's sum, 1 where it has none) into
+  `stage`, in its dtype, chunk by chunk, and stores each chunk: `before_commit(i)`
+  stages more (the log-sum-exp), then the shared-memory writes are committed and
+  `store(i, first output column, width)` issues the TMAs.
+
+  `stage` is `[block_q, D]` (the whole row) or narrower (chunks of its width,
+  `output_chunks`). One item at a time (`back_to_back` False) waits until the
+  stores are done; back to back (`ITEM_PREFETCH`), each chunk is written once TMA
+  has read the staging's previous contents, and nothing is awaited after the last.
+  """
+  # One reciprocal per row and a multiply per element: the same arithmetic whichever
+  # chunks the row is staged in (a division by a broadcast may be compiled as either,
+  # depending on the fusion around it, as the interpreter's XLA CPU code showed).
+  inv_l = 1.0 / l_safe
+
+  def stage_parts(parts):
     """Writes the normalized accumulator parts side by side into `stage`."""
     c0 = 0
     for part in parts:
       width = part.shape[-1]
       dst = stage if width == stage.shape[-1] else stage.at[:, pl.ds(c0, width)]
-      dst[...] = part / lax.broadcast_in_dim(l_safe, part.shape, [0])
+      dst[...] = (part * lax.broadcast_in_dim(inv_l, part.shape, [0])).astype(stage.dtype)
       c0 += width
 
-  # One item at a time (`chunk_cols` None): the whole row, then a wait for the stores.
-  # Back to back: each chunk waits for TMA to have read the staging's previous contents.
-  back_to_back = chunk_cols is not None
-  chunks = output_chunks(tuple(part.shape[-1] for part in acc), chunk_cols or head_dim)
+  chunks = output_chunks(tuple(part.shape[-1] for part in acc), stage.shape[-1])
+  c_out = 0
   for i, (p, c, width) in enumerate(chunks):
     if back_to_back:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if p is None:   # the whole row, every part
-      stage_parts(acc, o_smem)
+      stage_parts(acc)
     else:
       part = acc[p]
-      stage_parts((part if width == part.shape[-1] else part[:, c:c + width],), o_smem)
-    if i == 0:
-      lse_smem[...] = jnp.where(has_keys, m_i + jnp.log(l_safe) * LOG2E, MASK_VALUE)
+      stage_parts((part if width == part.shape[-1] else part[:, c:c + width],))
+    before_commit(i)
     plgpu.commit_smem()
-    c_out = sum(w for _, _, w in chunks[:i])
-    store_rows(o_smem, o_dst if width == head_dim else o_dst.at[:, pl.ds(c_out, width)])
-    if i == 0:
-      plgpu.copy_smem_to_gmem(lse_smem, lse_dst)
+    store(i, c_out, width)
+    c_out += width
   if not back_to_back:
     plgpu.wait_smem_to_gmem(0)
+
+
+def token_staging_cols(cols: int, head_dim: int, out_dtype) -> int:
+  """Columns of the in-place token staging (`store_tokens`) in a float32 staging of
+  `cols` columns: as many of the output's dtype as fit its bytes (a 16-bit output
+  stages twice the columns, so head dim 128 back to back stages whole rows: half the
+  copies), at most the row."""
+  return min(head_dim, cols * 4 // np.dtype(out_dtype).itemsize)
+
+
+def staging_type(block_q: int, cols: int, head_dim: int, out_dtype):
+  """The output staging, `[block_q, cols]` float32 for partials, and, when items may
+  write their tokens in place (`out_dtype` not None), a view in the output's dtype
+  over the same bytes (`staging_views`; `token_staging_cols` columns)."""
+  f32 = plgpu.SMEM((block_q, cols), jnp.float32)
+  if out_dtype is None or np.dtype(out_dtype) == np.dtype(jnp.float32):
+    return f32
+  return plgpu.RefUnion(f32, plgpu.SMEM(
+      (block_q, token_staging_cols(cols, head_dim, out_dtype)), out_dtype))
+
+
+def staging_views(staging, out_dtype):
+  """`(float32 view, output-dtype view or None)` of a staging of `staging_type`."""
+  if out_dtype is None:
+    return staging, None
+  if np.dtype(out_dtype) == np.dtype(jnp.float32):
+    return staging, staging
+  return tuple(staging)
 
 
 def output_chunks(part_widths, chunk_cols):

@@ -170,7 +170,8 @@ def _item_table(seg, *, max_items, group, tile_rows, block_k, window, sort_items
       item, active.astype(jnp.int32), f["col"], f["kind"],
       f["q_start"] * group + q_tok0, q_tok0, f["pos0"], f["lo"], f["end"],
       f["first_row"], f["first_len"], f["second_len"], f["tile0_row"], f["num_first"],
-      t_begin, t_end, all_start, all_stop, rows], axis=1).astype(jnp.int32)
+      t_begin, t_end, all_start, all_stop, rows,
+      (f["splits"] == 1).astype(jnp.int32)], axis=1).astype(jnp.int32)   # IT_WHOLE
   if sort_items:
     # Longest first: workers take items in table order, so this shortens the tail.
     # Active items stay first.

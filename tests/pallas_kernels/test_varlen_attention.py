@@ -25,6 +25,7 @@ from oracle import out_rtol
 from oracle import tol
 import pallas_kernels
 from pallas_kernels import _compat
+from pallas_kernels import combine_sm90
 from pallas_kernels import config as config_lib
 from pallas_kernels import varlen_attention_sm90
 from pallas_kernels import varlen_kernel_sm90
@@ -535,11 +536,17 @@ def test_compiled_masks_agree_bitwise_and_match_reference(family, splits, rng):
                                  [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}])
 
 
-def _check_compiled_settings_agree(family, splits, rng, settings):
+def _check_compiled_settings_agree(family, splits, rng, settings, **config_changes):
   """Compiled, two settings of the kernel's switches (`_outputs_per_switch`): the same
   outputs bitwise, and the first's match the reference within the storage tolerance
-  plus one unit of the output's precision."""
+  plus one unit of the output's precision. `config_changes` apply to the split config
+  (`splits`) or the default one."""
   config = SPLIT_CONFIGS[family.head_dim] if splits else None
+  if config_changes:
+    config = dataclasses.replace(
+        config or config_lib.default_varlen_attention_config(
+            group=family.num_q_heads // family.num_kv_heads, head_dim=family.head_dim,
+            interpret=False), **config_changes)
   scale = 1.0 / np.sqrt(family.head_dim)
   for step, args, (first, second) in _outputs_per_switch(family, rng, settings, config=config,
                                                          interpret=False):
@@ -580,6 +587,77 @@ def test_compiled_items_back_to_back_agree_bitwise_and_match_reference(family, s
   the outputs of one item at a time bitwise, and both match the reference."""
   _check_compiled_settings_agree(family, splits, rng,
                                  [{"ITEM_PREFETCH": True}, {"ITEM_PREFETCH": False}])
+
+
+# Every token of a step may split only up to `max_split_tokens` tokens: with 3 (the
+# interpreter split config) or 4, a step of more tokens writes its unsplit tokens in
+# place and merges the split ones (`varlen_attention_sm90.tokens_in_place`).
+@pytest.mark.parametrize("family", INTERPRET_FAMILIES[:4], ids=str)
+def test_tokens_in_place_give_the_partials_outputs_bitwise(family, rng):
+  """`TOKENS_IN_PLACE` (the default): the kernel writes each unsplit token's rows into
+  the output in its dtype (one copy per token, runs of tokens multi-head), and the
+  epilogue zeros the padding tokens' rows, where every token went through a float32
+  partial and the epilogue's gather before; split tokens are merged as before. The arithmetic is the
+  same, so the outputs are bitwise equal, padding rows included (the interpreter
+  fills fresh memory with NaN, so a padding or real row left unwritten shows), for
+  one item at a time and back to back (with the float32 staging whole or in halves:
+  a 16-bit output then stages whole rows in the halves' bytes, a float32 one
+  halves), flat and ring, owner blocks, key splits."""
+  config = dataclasses.replace(INTERPRET_SPLIT_CONFIG, max_programs=2 * family.num_kv_heads)
+  settings = [{"TOKENS_IN_PLACE": False}, {"TOKENS_IN_PLACE": True},
+              {"TOKENS_IN_PLACE": True, "ITEM_PREFETCH": False},
+              {"TOKENS_IN_PLACE": True, "item_prefetch_cols": _half_row_staging}]
+  for step, args, (partials, *in_place) in _outputs_per_switch(
+      family, rng, settings, config=config, interpret=True):
+    for out in in_place:
+      np.testing.assert_array_equal(out, partials, err_msg=step.description)
+    assert not np.any(in_place[0][step.n_tokens:]), step.description
+
+
+@pytest.mark.parametrize("group, head_dim, dtype, width, chunks, want", [
+    (4, 64, jnp.bfloat16, 300, None, True),      # a wide call: unsplit tokens in place
+    (4, 64, jnp.bfloat16, 200, None, False),     # may split every token: one merge pass
+    (4, 64, jnp.bfloat16, 200, "no splits", False),  # a short cache: the gather is cheaper
+    (4, 64, jnp.bfloat16, 300, "fused", False),  # the fused combine kernel keeps partials
+    (1, 128, jnp.bfloat16, 300, None, True),     # runs of 2 tokens: 512 bytes
+    (1, 80, jnp.bfloat16, 300, None, False),     # 2 x 160 bytes: TMA needs 128-aligned
+    (4, 80, jnp.bfloat16, 300, None, True),      # 4 x 160 = 640 bytes a token
+    (3, 96, jnp.bfloat16, 300, None, False),     # 3 x 192 = 576 bytes
+    (2, 96, jnp.float32, 300, None, True),       # float32 output: 2 x 384 bytes
+    (2, 256, jnp.bfloat16, 300, None, False),    # a 256-column staging: not lowered in time
+])
+def test_which_calls_write_tokens_in_place(group, head_dim, dtype, width, chunks, want,
+                                           monkeypatch):
+  """`tokens_in_place`: calls of more tokens than may split, whose epilogue would gather
+  every token's partial, and whose token rows TMA can read from the staging
+  (128-byte-aligned starts)."""
+  config = config_lib.default_varlen_attention_config(group=group, head_dim=head_dim,
+                                                      interpret=False)
+  if chunks == "no splits":
+    config = dataclasses.replace(config, max_splits=1)
+  elif chunks == "fused":
+    config = dataclasses.replace(config, fused_combine=True)
+  decide = functools.partial(varlen_attention_sm90.tokens_in_place, config,
+                             num_tokens=width, group=group, head_dim=head_dim,
+                             block_k=config.block_k, kv_dtype=jnp.bfloat16, out_dtype=dtype)
+  if chunks == "fused" and not combine_sm90.supported(group=group, head_dim=head_dim):
+    want = True
+  assert decide() == want
+  monkeypatch.setattr(varlen_kernel_sm90, "TOKENS_IN_PLACE", False)
+  assert not decide()
+
+
+@requires_hopper
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
+@pytest.mark.parametrize("family", GPU_FAMILIES[:4], ids=str)
+def test_compiled_tokens_in_place_agree_bitwise_and_match_reference(family, splits, rng):
+  """Compiled: unsplit tokens written in place (and padding zeros) give the outputs of
+  every token through partials bitwise, and both match the reference; GQA 4 (a TMA per
+  token) and multi-head (runs of tokens) at head dims 64 and 128, bf16, fp16 and a
+  float32 output, with splits (at most 4 split tokens: the rest in place)."""
+  _check_compiled_settings_agree(family, splits, rng,
+                                 [{"TOKENS_IN_PLACE": True}, {"TOKENS_IN_PLACE": False}],
+                                 max_split_tokens=4)
 
 
 @pytest.mark.parametrize("head_dim, block_k, num_stages, want", [
