@@ -283,6 +283,9 @@ VARIANTS = {
     # Every call's K/V and q in one-swizzle-atom column parts through swizzle-only TMA
     # views, as unaligned rings are read (`varlen_attention_sm90.FORCE_ATOM_PARTS`).
     "atom parts": dict(FORCE_ATOM_PARTS=True),
+    # Every token through a float32 partial and the epilogue's gather, as before
+    # `varlen_kernel_sm90.TOKENS_IN_PLACE` (unsplit tokens written in place).
+    "tokens through partials": dict(TOKENS_IN_PLACE=False),
 }
 
 
@@ -298,6 +301,7 @@ def variants(names, calls, cases):
   # the plan helpers' (`common`).
   owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
            "V_FIXUP": body, "KV_COLUMN_PARTS": body, "ITEM_PREFETCH": body,
+           "TOKENS_IN_PLACE": body,
            "UNALIGNED_ROWS_IN_PLACE": column, "FORCE_ATOM_PARTS": column,
            "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
            "TABLE_ROWS": sys.modules[__name__]}
