@@ -364,8 +364,8 @@ def tokens_in_place(config, *, num_tokens, group, head_dim, block_k, kv_dtype, o
     return False
   if num_tokens <= config.max_split_tokens:
     return False
-  if not config.use_wgmma:
-    return True
+  # The same rule for the interpreter variant, which checks no alignment, so that it runs
+  # the layouts the compiled kernel does.
   chunk = varlen_kernel_sm90.item_prefetch_cols(block_q=config.block_q, block_k=block_k,
       num_stages=config.num_stages, head_dim=head_dim, dtype=kv_dtype,
       atoms=atom_parts) or head_dim
