@@ -310,14 +310,10 @@ def store_partial(acc, m_i, l_i, o_smem, lse_smem, o_dst, lse_dst, *, num_rows, 
   num_rows8 = (num_rows + 7) // 8 * 8
 
   def store_rows(src, dst):
-    size = 1 << (block_q.bit_length() - 1)
-    while size >= 8:
-      @pl.when(num_rows8 & size != 0)
-      def _store_rows(size=size):
-        offset = num_rows8 & -(2 * size)    # the larger chunks come first
-        rows = pl.ds(offset, size)
-        plgpu.copy_smem_to_gmem(src.at[rows], dst.at[rows])
-      size //= 2
+    def store_run(offset, size):
+      rows = pl.ds(offset, size)
+      plgpu.copy_smem_to_gmem(src.at[rows], dst.at[rows])
+    _power_of_two_runs(num_rows8, largest=block_q, smallest=8, store=store_run)
 
   def stage_lse(i):
     if i == 0:
@@ -356,15 +352,11 @@ def store_tokens(acc, l_i, stage, out_ref, *, tok0, num_tokens, head, group, blo
   def store(i, c_out, width):
     del i
     if group == 1:
-      size = 1 << (tile_tokens.bit_length() - 1)
-      while size >= 1:
-        @pl.when(num_tokens & size != 0)
-        def _store_run(size=size):
-          first = num_tokens & -(2 * size)    # the larger runs come first
-          plgpu.copy_smem_to_gmem(
-              stage.at[pl.ds(first, size)],
-              columns(out_ref.at[pl.ds(tok0 + first, size), head, 0], c_out, width))
-        size //= 2
+      def store_run(first, size):
+        plgpu.copy_smem_to_gmem(
+            stage.at[pl.ds(first, size)],
+            columns(out_ref.at[pl.ds(tok0 + first, size), head, 0], c_out, width))
+      _power_of_two_runs(num_tokens, largest=tile_tokens, smallest=1, store=store_run)
       return
     for token in range(tile_tokens):
       @pl.when(token < num_tokens)
@@ -375,6 +367,19 @@ def store_tokens(acc, l_i, stage, out_ref, *, tok0, num_tokens, head, group, blo
   # Guarded: a row may see no key (its output is then zero).
   _staged_chunks(acc, jnp.where(l_i > 0.0, l_i, 1.0), stage, back_to_back=back_to_back,
                  before_commit=lambda i: None, store=store)
+
+
+def _power_of_two_runs(count, *, largest: int, smallest: int, store):
+  """Issues `store(first, size)` for `[0, count)` cut into runs of powers of two from
+  the largest power of two up to `largest` down to `smallest`, larger runs first (a
+  run of `s` starts at a multiple of `2s`): TMA sizes are static, `count` is not.
+  `count` is a multiple of `smallest`."""
+  size = 1 << (largest.bit_length() - 1)
+  while size >= smallest:
+    @pl.when(count & size != 0)
+    def _store_run(size=size):
+      store(count & -(2 * size), size)
+    size //= 2
 
 
 def _staged_chunks(acc, l_safe, stage, *, back_to_back, before_commit, store):
