@@ -1,4 +1,4 @@
-"""Serving sizes from memory: how much K/V, how many sequences, how long, for `LLM` and `jaxkv serve`.
+"""Serving sizes from memory: K/V bytes, sequences at once, max_len (`LLM`, `jaxkv serve`).
 
 `plan_serving` turns a model's geometry and a memory budget into a
 `ServingPlan`: the `jaxkv.CacheConfig` an engine serves on, with the numbers

@@ -188,7 +188,8 @@ def _resolve_dtypes(ckpt: Checkpoint, meta: dict, dtype, param_dtype, kv_dtype):
 
 def _cache_config(config: ModelConfig, *, capacity, max_seqs, max_write, kv_dtype,
                   initial_capacity, page_size, max_seq_len, kv_budget_bytes):
-  """The load's `jaxkv.CacheConfig`: from `capacity`, or the largest pool `kv_budget_bytes` holds."""
+  """The load's `jaxkv.CacheConfig`: from `capacity`, or the largest pool `kv_budget_bytes`
+  holds."""
   if (capacity is None) == (kv_budget_bytes is None):
     raise ValueError(f"give exactly one of capacity={capacity!r} and "
                      f"kv_budget_bytes={kv_budget_bytes!r}")

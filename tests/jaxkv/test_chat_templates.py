@@ -90,7 +90,8 @@ CASES = {
     "default_system": (SYSTEM, CHAT[1:3], dict(add_generation_prompt=False),
                        "<s>[SYS]You are helpful.[/SYS]\n<user>Héllo 你好</user>\n"
                        "<assistant>Hi.</assistant>\n"),
-    "loops": (LOOPS, LOOP_CHAT, dict(add_generation_prompt=False), "1:user=a\n3:assistant=b\n</s>"),
+    "loops": (LOOPS, LOOP_CHAT, dict(add_generation_prompt=False),
+              "1:user=a\n3:assistant=b\n</s>"),
     "tools": (TOOLS, CHAT[1:3], dict(add_generation_prompt=True, tools=TOOL_LIST),
               'Tools: [{"type": "function", "function": {"name": "météo"}}]\nDate: {today}\n'
               'USER: "  Héllo 你好  "\nASSISTANT: "Hi."\n'),
