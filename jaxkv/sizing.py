@@ -133,10 +133,7 @@ def device_memory_bytes(device=None) -> tuple[int, str]:
   """`(bytes, source)`: the device's memory (`bytes_limit`), else `CPU_DEVICE_BYTES`."""
   import jax   # pylint: disable=g-import-not-at-top
   device = jax.devices()[0] if device is None else device
-  try:
-    stats = device.memory_stats()
-  except (AttributeError, NotImplementedError, RuntimeError):   # backends without stats
-    stats = None
+  stats = _memory.device_stats(device)
   if stats and "bytes_limit" in stats:
     return int(stats["bytes_limit"]), f"{device.device_kind} bytes_limit"
   return CPU_DEVICE_BYTES, (f"{device.platform} reports no memory figure: "
