@@ -45,7 +45,7 @@ class CompletionOutput:
 
   Attributes:
     index: the sample's index (0..n-1).
-    text: its text (the stop token's text left out).
+    text: its text (the stop token's text left out; "" without a tokenizer).
     token_ids: its generated tokens (a stop token kept, last).
     finish_reason: `"stop"` (a stop token) or `"length"` (`max_tokens`).
     seed: the seed it was drawn with.

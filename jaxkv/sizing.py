@@ -113,7 +113,7 @@ class ServingPlan:
 
   def lines(self) -> list[str]:
     """The human-readable startup block, one line each (no trailing newlines)."""
-    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
     page = f", page size {self.page_size}" if self.page_size is not None else ""
     return [
         f"model: {self.model or '(unnamed)'}",
@@ -148,7 +148,7 @@ def _positive_int(name: str, value, spelled: str, lo: int = 1) -> int:
   return int(value)
 
 
-def _budget(model_config, *, names, kv_cache_memory, gpu_memory_utilization, weights_bytes,
+def _budget(*, names, kv_cache_memory, gpu_memory_utilization, weights_bytes,
             device) -> tuple[int | None, int, str]:
   """`(kv_cache_memory or None, bytes left for K/V + loop + control, source text)`."""
   if kv_cache_memory is not None:
@@ -283,7 +283,7 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
   shards = _positive_int("shards", shards, "shards")
   kv_dtype, dtype = np.dtype(kv_dtype), np.dtype(dtype)
   fixed, budget, budget_text = _budget(
-      model_config, names=names, kv_cache_memory=kv_cache_memory,
+      names=names, kv_cache_memory=kv_cache_memory,
       gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes, device=device)
   geometry = lambda seqs, capacity: _geometry(
       model_config, kv_dtype=kv_dtype, max_write=max_write, max_len=max_len, max_seqs=seqs,
@@ -317,6 +317,11 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
         f"({names['kv_cache_memory']} or {names['gpu_memory_utilization']})")
   if not paged:
     capacity = seqs * max_len
+  if fixed is None:
+    budget_text += (f" - {budget - kv_budget // shards:,} bytes of loop buffers and control "
+                    "values")
+  if shards > 1:
+    budget_text = f"{shards} devices x ({budget_text})"
   config = geometry(seqs, capacity)
   kv_bytes = _memory.kv_formula(config, config.initial_flat_rows)[0]
   return ServingPlan(

@@ -47,6 +47,13 @@ def test_paged_sizes_from_kv_cache_memory(budget):
   assert (cc.page_size, cc.max_seq_len, cc.max_seqs, cc.capacity) == (64, 128, seqs, capacity)
 
 
+def test_tensor_parallel_shards_multiply_the_per_device_budget():
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, shards=2, **F32)
+  seqs, capacity = _paged_expectation(2 * (4 << 20), 128, sizing.DEFAULT_MAX_WRITE)
+  assert (plan.max_seqs, plan.capacity, plan.kv_budget_bytes) == (seqs, capacity, 8 << 20)
+  assert plan.budget_source.startswith("2 devices x (")
+
+
 def test_the_budget_caps_max_seqs_at_the_step_width_and_256():
   plan = sizing.plan_serving(CONFIG, kv_cache_memory=64 << 20, max_write=16, **F32)
   assert plan.max_seqs == 16
