@@ -111,7 +111,13 @@ def test_paths_that_are_not_directories_are_named(tmp_path):
 
 
 def test_a_missing_optional_package_names_the_extra(monkeypatch):
+  pytest.importorskip("tokenizers", reason="the tokenizer is read before jinja2 goes missing")
+  from jaxkv.tokenizer import Tokenizer   # pylint: disable=g-import-not-at-top
+  tok = Tokenizer.from_checkpoint(LLAMA)
   # A None entry in sys.modules makes the import raise ImportError, as a missing package does.
+  monkeypatch.setitem(sys.modules, "jinja2", None)
+  with pytest.raises(ImportError, match=r"chat template needs .*jinja2.*jaxkv\[serve\]"):
+    tok.render_chat([{"role": "user", "content": "x"}])
   monkeypatch.setitem(sys.modules, "huggingface_hub", None)
   monkeypatch.setitem(sys.modules, "tokenizers", None)
   with pytest.raises(ImportError, match=r"huggingface_hub.*pip install \"jaxkv\[serve\]\""):
