@@ -18,13 +18,19 @@ import jax.numpy as jnp
 from jaxkv._config import CacheConfig
 
 
+def device_stats(device=None) -> dict | None:
+  """`device.memory_stats()` (default device: the first), or None where the backend has none."""
+  device = jax.devices()[0] if device is None else device
+  try:
+    return device.memory_stats()
+  except (AttributeError, NotImplementedError, RuntimeError):   # backends without stats
+    return None
+
+
 def available_bytes(device=None) -> tuple[int, str]:
   """`(bytes, source)`: memory `device` can still hold, and where the figure comes from."""
   device = jax.devices()[0] if device is None else device
-  try:
-    stats = device.memory_stats()
-  except (AttributeError, NotImplementedError, RuntimeError):   # backends without stats
-    stats = None
+  stats = device_stats(device)
   if stats and "bytes_limit" in stats:
     free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return free, f"{device.device_kind} bytes_limit - bytes_in_use"

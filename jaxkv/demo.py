@@ -37,7 +37,7 @@ from jaxkv._memory import check_fits
 from jaxkv.models import hf
 from jaxkv.serve.report import gemm_line, implementation_lines
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": "auto"}
 _INT32_LIMIT = 2**31
 _MAX_STOP = 8
 
@@ -60,8 +60,9 @@ def _parse_args(argv=None):
                  help="random model: head dimension (default: 64 where the Mosaic GPU kernels "
                       "serve, a Hopper GPU; else 16)")
   m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                 help="parameters, activations and K/V storage (default: bfloat16 where the "
-                      "Mosaic GPU kernels serve, a Hopper GPU; else float32)")
+                 help="parameters, activations and K/V storage (default: with --checkpoint "
+                      "auto, the checkpoint's; a random model bfloat16 where the Mosaic GPU "
+                      "kernels serve, a Hopper GPU, else float32)")
   c = p.add_argument_group("cache and engine")
   c.add_argument("--max-seqs", type=int, default=8, help="sequence columns (default 8)")
   c.add_argument("--max-write", type=int, default=32,
@@ -129,11 +130,13 @@ def kernels_serve(implementation: str | None) -> bool:
 
 
 def _device_defaults(args) -> None:
-  """Fills `--dtype` and `--head-dim` left unset: what the compiled kernels serve on a Hopper
-  GPU (bfloat16, head_dim 64; float32 storage and head_dim 16 would run the reference),
-  today's small float32 model elsewhere."""
+  """Fills `--dtype` and `--head-dim` left unset: a checkpoint's own dtype ("auto"); for a
+  random model what the compiled kernels serve on a Hopper GPU (bfloat16, head_dim 64; float32
+  storage and head_dim 16 would run the reference), today's small float32 model elsewhere."""
   kernels = kernels_serve(args.implementation)
-  if args.dtype is None:
+  if args.dtype is None and args.checkpoint:
+    args.dtype = "auto"   # resolved by the loader; `_build` records the result
+  elif args.dtype in (None, "auto") and not args.checkpoint:
     args.dtype = "bfloat16" if kernels else "float32"
   if args.head_dim is None and not args.checkpoint:
     args.head_dim = 64 if kernels else 16
@@ -184,8 +187,9 @@ def _build(args):
   cache = dict(capacity=args.capacity, max_seqs=args.max_seqs, max_write=args.max_write,
                kv_dtype=dtype, initial_capacity=args.initial_capacity)
   if args.checkpoint:
-    model, config, _ = hf.load_model(args.checkpoint, dtype=dtype, param_dtype=dtype,
+    model, config, _ = hf.load_model(args.checkpoint, dtype=dtype,
                                      implementation=args.implementation, **cache)
+    args.dtype = np.dtype(model.dtype).name   # "auto" resolved, for the report
     return model, config, hf.load_tokenizer(args.checkpoint)
   config = _model_config(args, args.layers)
   model = models.build(config, config.cache_config(**cache), seed=args.seed, dtype=dtype,
@@ -197,7 +201,7 @@ def _stop_ids(args, config) -> tuple[int, ...]:
   """The stop ids: generation_config.json's when the checkpoint names them (as `transformers`'
   `generate` does), else config.json's `eos_token_id`."""
   if args.checkpoint:
-    from jaxkv.server.text import generation_eos_ids   # pylint: disable=g-import-not-at-top
+    from jaxkv.tokenizer import generation_eos_ids   # pylint: disable=g-import-not-at-top
     ids = generation_eos_ids(args.checkpoint)
     if ids:
       bad = [t for t in ids if t >= config.vocab_size]

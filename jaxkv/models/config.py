@@ -43,6 +43,9 @@ class ModelConfig:
     qk_norm: None, `"llama"` (Qwen3: `weight * x̂` per head) or `"gemma"`
       (`(1 + weight) * x̂`); Gemma 3 always has `"gemma"` (set when None).
     bos_token_id, eos_token_ids: special tokens (eos ids end a request).
+    max_position_embeddings: the checkpoint's context length (None: not
+      given); the default `max_len` of `jaxkv.sizing.plan_serving`. The math
+      does not read it.
   """
 
   arch: str = LLAMA
@@ -66,6 +69,7 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   attention_bias: bool = False
   qk_norm: str | None = None
+  max_position_embeddings: int | None = None
 
   def __post_init__(self):
     if self.arch not in (LLAMA, GEMMA3):
@@ -75,6 +79,11 @@ class ModelConfig:
     allowed = ("gemma",) if self.arch == GEMMA3 else (None, "llama")
     if self.qk_norm not in allowed:
       raise ValueError(f"qk_norm={self.qk_norm!r} must be one of {allowed} for arch={self.arch!r}")
+    if self.max_position_embeddings is not None and (
+        isinstance(self.max_position_embeddings, bool)
+        or not isinstance(self.max_position_embeddings, int) or self.max_position_embeddings < 1):
+      raise ValueError(f"max_position_embeddings={self.max_position_embeddings!r} must be an "
+                       "int >= 1 or None")
     if not isinstance(self.attention_bias, bool):
       raise TypeError(f"attention_bias={self.attention_bias!r} must be a bool")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

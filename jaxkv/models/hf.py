@@ -28,10 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import _optional
 from jaxkv._gemm import resolve_gemm
 from jaxkv.models import hf_config
 from jaxkv.models.decoder import GEMMA3, Decoder, ModelConfig, param_spec
 from jaxkv.models.safetensors_io import FLOAT_DTYPES, Checkpoint
+from jaxkv.sizing import DEFAULT_MAX_WRITE, DEFAULT_PAGE_SIZE
 
 # Derived buffers some exporters save; the config determines them.
 _DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -42,14 +44,16 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def read_config(checkpoint: str) -> ModelConfig:
-  """The `ModelConfig` of a checkpoint directory's `config.json` (validated strictly).
+  """The `ModelConfig` of a checkpoint's `config.json` (validated strictly; no sizes needed).
+
+  `checkpoint` is a directory or a Hugging Face model id (`resolve_checkpoint`).
 
   Raises:
     ValueError, TypeError: no config.json, an unsupported `model_type`, a
       missing, mistyped or out-of-range field, or a key that may change the
       math and is not understood (each naming the file and key).
   """
-  return hf_config.read(checkpoint)[0]
+  return hf_config.read(resolve_checkpoint(checkpoint))[0]
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -174,10 +178,41 @@ def _place(ckpt: Checkpoint, name: str, transpose: bool, shape, dtype, sharding)
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
-def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
-               kv_dtype=jnp.float32, dtype=jnp.float32, param_dtype=None,
+def _resolve_dtypes(ckpt: Checkpoint, meta: dict, dtype, param_dtype, kv_dtype):
+  """`(dtype, param_dtype, kv_dtype)` as NumPy dtypes, `"auto"` resolved against the checkpoint."""
+  auto = meta["dtype"] or FLOAT_DTYPES[ckpt.dtypes["model.embed_tokens.weight"]]
+  dtype = _dtype("dtype", dtype, auto)
+  param_dtype = dtype if param_dtype is None else _dtype("param_dtype", param_dtype, dtype)
+  return dtype, param_dtype, _dtype("kv_dtype", kv_dtype, dtype)
+
+
+def _cache_config(config: ModelConfig, *, capacity, max_seqs, max_write, kv_dtype,
+                  initial_capacity, page_size, max_seq_len, kv_budget_bytes):
+  """The load's `jaxkv.CacheConfig`: from `capacity`, or the largest pool `kv_budget_bytes`
+  holds."""
+  if (capacity is None) == (kv_budget_bytes is None):
+    raise ValueError(f"give exactly one of capacity={capacity!r} and "
+                     f"kv_budget_bytes={kv_budget_bytes!r}")
+  if kv_budget_bytes is None:
+    return config.cache_config(capacity=capacity, max_seqs=max_seqs, max_write=max_write,
+                               kv_dtype=kv_dtype, initial_capacity=initial_capacity,
+                               max_seq_len=max_seq_len, page_size=page_size)
+  from jaxkv import sizing   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.memory import paged_cache_config   # pylint: disable=g-import-not-at-top
+  page = sizing.DEFAULT_PAGE_SIZE if page_size is None else page_size
+  # The geometry only: paged_cache_config replaces capacity (a page or max_seq_len here).
+  probe = max(page, max_seq_len or 1)
+  geometry = config.cache_config(capacity=probe, max_seqs=max_seqs, max_write=max_write,
+                                 kv_dtype=kv_dtype, max_seq_len=max_seq_len, page_size=page)
+  return paged_cache_config(geometry, kv_budget_bytes, page_size=page)
+
+
+def load_model(checkpoint: str, *, max_seqs: int, max_write: int, capacity: int | None = None,
+               kv_dtype="auto", dtype="auto", param_dtype=None,
                implementation: str | None = None, initial_capacity: int | None = None,
-               gemm: str | None = None, mesh=None, kv_axis: str = "tp"):
+               gemm: str | None = None, mesh=None, kv_axis: str = "tp",
+               page_size: int | None = None, max_seq_len: int | None = None,
+               kv_budget_bytes: int | None = None):
   """Builds the checkpoint's model on a fresh cache config and loads its weights.
 
   The model is built abstractly and each weight read lazily, cast on the host
@@ -186,11 +221,21 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
   every device receives only its shard; the rest is replicated.
 
   Args:
-    checkpoint: the checkpoint directory.
-    capacity, max_seqs, max_write, initial_capacity: the cache config.
-    kv_dtype: K/V storage dtype, or `"auto"` (the compute dtype).
-    dtype: computation dtype, or `"auto"`: the checkpoint's (`config.json`'s
-      `torch_dtype`/`dtype`, else the embedding tensor's; float64 serves as float32).
+    checkpoint: the checkpoint directory, or a Hugging Face model id
+      (`resolve_checkpoint`).
+    max_seqs, max_write, initial_capacity, max_seq_len: the cache config.
+    capacity: cache positions of all sequences; or give `kv_budget_bytes`.
+    kv_budget_bytes: instead of `capacity`: K/V bytes, and the paged pool
+      with the largest capacity they hold (`jaxkv.serve.paged_cache_config`;
+      `page_size` defaults to `jaxkv.sizing.DEFAULT_PAGE_SIZE` then). To size
+      everything from device memory, use `load_for_serving`.
+    page_size: None: column storage; an int: flat layers in a pool of pages of
+      that many positions (serve with `jaxkv.serve.Engine(model, prefix_cache=True)`
+      to reuse prompt pages).
+    kv_dtype: K/V storage dtype, or `"auto"` (the default: the compute dtype).
+    dtype: computation dtype, or `"auto"` (the default): the checkpoint's
+      (`config.json`'s `torch_dtype`/`dtype`, else the embedding tensor's;
+      float64 serves as float32).
     param_dtype: parameter dtype; None or `"auto"` follows `dtype`.
     implementation: attention implementation of every layer.
     gemm: the decode-width output/down projection GEMM (`jaxkv.models.Decoder`'s `gemm`).
@@ -202,19 +247,27 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
   Raises:
     ValueError, TypeError: a bad argument, config or checkpoint (named).
   """
-  from flax import nnx   # pylint: disable=g-import-not-at-top
   resolve_gemm(gemm, mesh)   # a bad choice is named before the checkpoint is read
+  checkpoint = resolve_checkpoint(checkpoint)
   config, meta = hf_config.read(checkpoint)
+  with Checkpoint(checkpoint) as ckpt:
+    dtype, param_dtype, kv_dtype = _resolve_dtypes(ckpt, meta, dtype, param_dtype, kv_dtype)
+  cache_config = _cache_config(config, capacity=capacity, max_seqs=max_seqs,
+                               max_write=max_write, kv_dtype=kv_dtype,
+                               initial_capacity=initial_capacity, page_size=page_size,
+                               max_seq_len=max_seq_len, kv_budget_bytes=kv_budget_bytes)
+  model = _build(checkpoint, config, meta, cache_config, dtype=dtype, param_dtype=param_dtype,
+                 implementation=implementation, gemm=gemm, mesh=mesh, kv_axis=kv_axis)
+  return model, config, cache_config
+
+
+def _build(checkpoint: str, config: ModelConfig, meta: dict, cache_config, *, dtype,
+           param_dtype, implementation, gemm, mesh, kv_axis):
+  """The `Decoder` of `config` on `cache_config`, its weights read from `checkpoint`."""
+  from flax import nnx   # pylint: disable=g-import-not-at-top
   config_path = os.path.join(os.fspath(checkpoint), "config.json")
   with Checkpoint(checkpoint) as ckpt:
     check_tensors(ckpt, config, config_path=config_path, multimodal=meta["multimodal"])
-    auto = meta["dtype"] or FLOAT_DTYPES[ckpt.dtypes["model.embed_tokens.weight"]]
-    dtype = _dtype("dtype", dtype, auto)
-    param_dtype = dtype if param_dtype is None else _dtype("param_dtype", param_dtype, dtype)
-    kv_dtype = _dtype("kv_dtype", kv_dtype, dtype)
-    cache_config = config.cache_config(capacity=capacity, max_seqs=max_seqs,
-                                       max_write=max_write, kv_dtype=kv_dtype,
-                                       initial_capacity=initial_capacity)
     abstract = nnx.eval_shape(lambda: Decoder(
         config, cache_config, dtype=dtype, param_dtype=param_dtype,
         implementation=implementation, gemm=gemm, mesh=mesh, kv_axis=kv_axis,
@@ -232,8 +285,133 @@ def load_model(checkpoint: str, *, capacity: int, max_seqs: int, max_write: int,
       sharding = (jax.sharding.NamedSharding(mesh, param_spec(path, kv_axis)) if mesh is not None
                   else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
       values.append(_place(ckpt, name, transpose, leaf.shape, leaf.dtype, sharding))
-  model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
-  return model, config, cache_config
+  return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
+
+
+def load_for_serving(checkpoint: str, *, dtype="auto", kv_cache_dtype="auto",
+                     max_len: int | None = None, max_seqs: int | None = None,
+                     page_size: int | None = DEFAULT_PAGE_SIZE,
+                     kv_cache_memory: int | None = None,
+                     gpu_memory_utilization: float | None = None, prefix_caching: bool = True,
+                     max_write: int = DEFAULT_MAX_WRITE, implementation: str | None = None,
+                     mesh=None, kv_axis: str = "tp", flags: bool = False):
+  """`(model, tokenizer, plan)`: a checkpoint sized from memory, ready for `jaxkv.serve.Engine`.
+
+  The one place a checkpoint and serving sizes become a model (`jaxkv.LLM` and
+  `jaxkv serve` call it). The sizes come from `jaxkv.sizing.plan_serving` (its
+  docstring: the rules); serve the model with
+  `Engine(model, max_len=plan.max_len, prefix_cache=plan.prefix_caching)`.
+
+  Args:
+    checkpoint: a directory or a Hugging Face model id (`resolve_checkpoint`).
+    dtype, kv_cache_dtype: compute and K/V dtypes, `"auto"`: the checkpoint's
+      (K/V: the compute dtype).
+    max_len, max_seqs, page_size, kv_cache_memory, gpu_memory_utilization,
+      prefix_caching, max_write, flags: `plan_serving`'s.
+    implementation: attention implementation of every layer (None: automatic).
+    mesh, kv_axis: optional tensor parallelism (K/V and weights split over
+      `kv_axis`; the budget is per device, so the pool holds that many times more).
+
+  Returns:
+    `(model, tokenizer, plan)`: the `Decoder`, the `jaxkv.tokenizer.Tokenizer`
+    (None when the checkpoint has no tokenizer.json) and the `ServingPlan`.
+
+  Raises:
+    ValueError, TypeError: a bad checkpoint or size (named).
+    ImportError: an optional package a hub id or the tokenizer needs.
+  """
+  from jaxkv import sizing   # pylint: disable=g-import-not-at-top
+  from jaxkv import tokenizer as tokenizer_lib   # pylint: disable=g-import-not-at-top
+  name = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
+  directory = resolve_checkpoint(checkpoint)
+  config, meta = hf_config.read(directory)
+  with Checkpoint(directory) as ckpt:
+    dtype, param_dtype, kv_dtype = _resolve_dtypes(ckpt, meta, dtype, None, kv_cache_dtype)
+  shards = 1 if mesh is None else int(mesh.shape[kv_axis])
+  weights = config.num_params * param_dtype.itemsize
+  plan = sizing.plan_serving(
+      config, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=-(-weights // shards),
+      max_len=max_len, max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
+      gpu_memory_utilization=gpu_memory_utilization, max_write=max_write,
+      device=None if mesh is None else mesh.devices.flat[0], prefix_caching=prefix_caching,
+      model=name, flags=flags, shards=shards)
+  tokenizer = (tokenizer_lib.Tokenizer.from_checkpoint(directory)
+               if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None)
+  if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+    raise ValueError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens; config.json's "
+                     f"vocab_size is {config.vocab_size}")
+  model = _build(directory, config, meta, plan.cache_config, dtype=dtype,
+                 param_dtype=param_dtype, implementation=implementation, gemm=None, mesh=mesh,
+                 kv_axis=kv_axis)
+  return model, tokenizer, plan
+
+
+# What `resolve_checkpoint` fetches of a hub repository: the model, tokenizer and templates.
+HUB_FILES = ("config.json", "generation_config.json", "*.safetensors",
+             "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+             "additional_chat_templates/*.jinja")
+
+
+def _truthy(name: str) -> bool:
+  return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache_dir() -> str | None:
+  """The Hugging Face cache directory the environment names now (`HF_HUB_CACHE`, else
+  `HF_HOME/hub`), or None: huggingface_hub's default (`~/.cache/huggingface/hub`)."""
+  if os.environ.get("HF_HUB_CACHE"):
+    return os.environ["HF_HUB_CACHE"]
+  if os.environ.get("HF_HOME"):
+    return os.path.join(os.environ["HF_HOME"], "hub")
+  return None
+
+
+def resolve_checkpoint(checkpoint, *, revision: str | None = None) -> str:
+  """A checkpoint directory: `checkpoint` itself, or a Hugging Face model id's snapshot.
+
+  A path that is not a directory and reads as a model id (`name` or
+  `org/name`) is fetched with `huggingface_hub.snapshot_download`, only the
+  `HUB_FILES` (config, safetensors and index, tokenizer files, generation
+  config, chat templates), into the cache named by `HF_HUB_CACHE` / `HF_HOME`
+  (read at each call). With `HF_HUB_OFFLINE=1` nothing is downloaded: the
+  cached snapshot is used, or the error says it is missing.
+
+  Raises:
+    TypeError: `checkpoint` is not a path.
+    ValueError: no such directory, or the model id cannot be fetched (naming
+      the id, the cache directory and whether offline mode is set).
+    ImportError: a model id without the `huggingface_hub` package.
+  """
+  if not isinstance(checkpoint, (str, os.PathLike)):
+    raise TypeError(f"checkpoint={checkpoint!r} must be a directory path or a model id")
+  path = os.fspath(checkpoint)
+  if os.path.isdir(path):
+    return path
+  if os.path.exists(path):
+    raise ValueError(f"checkpoint={path!r} is a file; give the checkpoint's directory")
+  looks_local = (os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
+                 or "\\" in path or not path.strip())
+  if looks_local:
+    raise ValueError(f"checkpoint={path!r}: no such directory")
+  hub = _optional.require("huggingface_hub", f"loading the Hugging Face model id {path!r}")
+  from huggingface_hub import errors   # pylint: disable=g-import-not-at-top
+  offline = _truthy("HF_HUB_OFFLINE") or _truthy("TRANSFORMERS_OFFLINE")
+  cache = hub_cache_dir()
+  where = (f"the Hugging Face cache {cache or '(huggingface_hub default)'}"
+           f"{', HF_HUB_OFFLINE is set: nothing is downloaded' if offline else ''}")
+  try:
+    return hub.snapshot_download(path, revision=revision, cache_dir=cache,
+                                 allow_patterns=list(HUB_FILES), local_files_only=offline)
+  except errors.HFValidationError as e:
+    raise ValueError(f"checkpoint={path!r} is neither a directory nor a valid model id: {e}"
+                     ) from None
+  except errors.LocalEntryNotFoundError as e:
+    raise ValueError(f"checkpoint={path!r} is not a directory, and the model id is not in "
+                     f"{where}: {e}") from None
+  except (errors.HfHubHTTPError, OSError) as e:
+    raise ValueError(f"checkpoint={path!r}: fetching the model id failed ({where}): "
+                     f"{type(e).__name__}: {e}") from None
 
 
 def load_weights(model: Decoder, tensors: dict[str, np.ndarray]) -> None:
@@ -270,16 +448,19 @@ def read_tensors(checkpoint: str) -> dict[str, np.ndarray]:
 
 
 def load_tokenizer(checkpoint: str):
-  """A `tokenizers.Tokenizer` from `tokenizer.json`, or None (no file or no package)."""
+  """A `tokenizers.Tokenizer` from `tokenizer.json`, or None when the checkpoint has none.
+
+  Raises:
+    ImportError: tokenizer.json exists but the `tokenizers` package is missing
+      (naming the extra to install).
+  """
   path = os.path.join(checkpoint, "tokenizer.json")
   if not os.path.isfile(path):
     return None
-  try:
-    import tokenizers   # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
+  tokenizers = _optional.require("tokenizers", f"reading {path}")
   return tokenizers.Tokenizer.from_file(path)
 
 
-__all__ = ["check_tensors", "expected_tensors", "hf_name", "load_model", "load_tokenizer",
-           "load_weights", "read_config", "read_tensors"]
+__all__ = ["HUB_FILES", "check_tensors", "expected_tensors", "hf_name", "hub_cache_dir",
+           "load_for_serving", "load_model", "load_tokenizer", "load_weights", "read_config",
+           "read_tensors", "resolve_checkpoint"]

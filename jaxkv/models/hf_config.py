@@ -27,7 +27,7 @@ FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "
 # Metadata, training-only and generation settings: none changes the logits of a forward pass.
 HARMLESS = frozenset({
     "_name_or_path", "name_or_path", "architectures", "model_type", "transformers_version",
-    "torch_dtype", "dtype", "use_cache", "initializer_range", "max_position_embeddings",
+    "torch_dtype", "dtype", "use_cache", "initializer_range",
     "attention_dropout", "hidden_dropout", "pad_token_id", "sep_token_id",
     "decoder_start_token_id", "output_attentions", "output_hidden_states", "return_dict",
     "torchscript", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "id2label", "label2id",
@@ -49,7 +49,7 @@ WRAPPER_HARMLESS = HARMLESS | {"text_config", "vision_config", "boi_token_index"
 _COMMON = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
            "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
-           "bos_token_id", "eos_token_id"}
+           "bos_token_id", "eos_token_id", "max_position_embeddings"}
 _QWEN_WINDOWS = {"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
 UNDERSTOOD = {
     "llama": _COMMON,
@@ -344,7 +344,8 @@ def _parse(cfg: dict, path: str) -> tuple[ModelConfig, dict]:
   common = dict(vocab_size=vocab, hidden_size=hidden,
                 intermediate_size=r.int("intermediate_size"), num_layers=num_layers,
                 num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                rms_eps=r.float("rms_norm_eps", 1e-6), bos_token_id=bos, eos_token_ids=eos)
+                rms_eps=r.float("rms_norm_eps", 1e-6), bos_token_id=bos, eos_token_ids=eos,
+                max_position_embeddings=r.int("max_position_embeddings", None, allow_none=True))
   if family != "gemma3":
     theta, scaling = _rope(r, cfg.get("rope_parameters"), "rope_parameters", "rope_theta",
                            10000.0, "rope_scaling")

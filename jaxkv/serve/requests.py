@@ -79,7 +79,8 @@ class SamplingParams:
   Attributes:
     max_tokens: most new tokens (`>= 1`).
     temperature: 0 is greedy; otherwise logits are divided by it.
-    top_k: keep the `top_k` most likely tokens (0: all).
+    top_k: keep the `top_k` most likely tokens (0 or -1, vLLM's spelling: all;
+      -1 is stored as 0).
     top_p: keep the smallest set whose probability reaches `top_p` (1: all).
     seed: the request's seed; sample `i`'s token `t` uses
       `fold_in(fold_in(key(seed), i), t)`, independent of batching. None: the
@@ -121,6 +122,8 @@ class SamplingParams:
 
   def __post_init__(self):
     fields = {}
+    if _as_int("top_k", self.top_k) == -1:   # vLLM's "off"
+      object.__setattr__(self, "top_k", 0)
     for name, lo in (("max_tokens", 1), ("top_k", 0), ("n", 1), ("seed", 0)):
       if name == "seed" and self.seed is None:   # drawn by the engine on the host
         fields[name] = None

@@ -1,0 +1,138 @@
+"""`jaxkv.LLM` on the Llama fixture: text in, text out, stopping at the checkpoint's EOS ids.
+
+Oracles: the token prompt's first greedy token comes from transformers' own logits
+(`logits.npz`, teacher-forced by scripts/make_hf_fixtures.py); the text prompt's
+greedy continuation from `jaxkv.serve.decoding.greedy_generate` on a separately
+loaded model (step-by-step `ModelRunner` calls, not the engine's jitted loop). The
+checkpoint copy's generation_config.json names those greedy tokens as its EOS ids,
+so the requests stop there deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers", reason="LLM text needs the tokenizers package")
+pytest.importorskip("jinja2", reason="chat templates need jinja2 (the serve extra)")
+
+import jaxkv  # noqa: E402
+from jaxkv import serve  # noqa: E402
+from jaxkv.models import hf  # noqa: E402
+from jaxkv.serve.decoding import greedy_generate  # noqa: E402
+from jaxkv.tokenizer import Tokenizer  # noqa: E402
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
+TEXT = "hello world"
+SIZES = dict(max_write=16, max_seqs=4, kv_cache_memory=1 << 20)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  """`(llm, token prompt, its EOS, text prompt's greedy continuation, EOS ids)`."""
+  ckpt = tmp_path_factory.mktemp("llm") / "ckpt"
+  shutil.copytree(FIXTURE, ckpt)
+  data = np.load(os.path.join(FIXTURE, "logits.npz"))
+  tokens = [int(t) for t in data["tokens_3"]]
+  token_eos = int(np.argmax(data["logits_3"][-1]))   # transformers' greedy first token
+  model, _, _ = hf.load_model(FIXTURE, capacity=256, max_seqs=2, max_write=8)
+  text_ids = Tokenizer.from_checkpoint(FIXTURE).encode(TEXT)
+  continuation = greedy_generate(serve.ModelRunner(model), [text_ids], 12)[0]
+  eos = [token_eos]
+  if not set(continuation[:4]) & set(eos):   # the text prompt stops after 2 tokens or more
+    eos.append(next(t for i, t in enumerate(continuation) if i >= 2 and t not in continuation[:i]))
+  with open(ckpt / "generation_config.json", "w", encoding="utf-8") as f:
+    json.dump({"eos_token_id": eos, "bos_token_id": 1}, f)
+  return jaxkv.LLM(str(ckpt), **SIZES), tokens, token_eos, continuation, eos
+
+
+def test_a_token_prompt_stops_at_the_checkpoints_eos(setup):
+  llm, tokens, token_eos, _, eos = setup
+  assert llm.eos_ids == tuple(eos)
+  [out] = llm.generate(tokens, serve.SamplingParams(max_tokens=8))
+  assert out.prompt is None and out.prompt_token_ids == tokens
+  assert out.token_ids == [token_eos] and out.finish_reason == "stop" and out.text == ""
+  # ignore_eos runs to max_tokens.
+  [out] = llm.generate(tokens, serve.SamplingParams(max_tokens=3), ignore_eos=True)
+  assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_a_text_prompt_returns_text_and_stops_at_eos(setup):
+  llm, _, _, continuation, eos = setup
+  [out] = llm.generate(TEXT, serve.SamplingParams(max_tokens=12))
+  stop = next(i for i, t in enumerate(continuation) if t in eos)
+  assert out.token_ids == continuation[:stop + 1] and out.finish_reason == "stop"
+  assert out.text == llm.tokenizer.decode(continuation[:stop]) and out.text   # eos text left out
+  assert out.prompt == TEXT and out.prompt_token_ids == llm.tokenizer.encode(TEXT)
+  timing = out.outputs[0].timing
+  assert timing.first_token_seconds is not None and timing.total_seconds >= 0
+
+
+def test_generate_over_token_ids_equals_engine_run(setup):
+  llm, tokens, _, _, eos = setup
+  prompts = [tokens, tokens[:5], [5, 9, 11]]
+  params = serve.SamplingParams(max_tokens=6, seed=3)
+  outs = llm.generate(prompts, params)
+  want = llm.engine.run([serve.Request(p, serve.SamplingParams(max_tokens=6, seed=3,
+                                                               stop_tokens=tuple(eos)))
+                         for p in prompts])
+  assert [o.token_ids for o in outs] == [c.tokens for c in want]
+  assert [o.finish_reason for o in outs] == [c.finish_reason for c in want]
+  assert [o.request_id for o in outs] == [0, 1, 2]
+
+
+def test_seeds_are_random_unless_given(setup):
+  llm, tokens, _, _, _ = setup
+  seeds = {llm.generate(tokens[:4])[0].outputs[0].seed for _ in range(3)}
+  assert len(seeds) == 3   # three draws from 2**31 seeds
+  assert llm.generate(tokens[:4], serve.SamplingParams(seed=7))[0].outputs[0].seed == 7
+
+
+def test_chat_renders_through_the_template(setup):
+  llm, _, _, _, eos = setup
+  conversation = [{"role": "system", "content": "S"}, {"role": "user", "content": TEXT}]
+  outs = llm.chat([conversation, conversation[1:]], serve.SamplingParams(max_tokens=5))
+  assert outs[0].prompt == f"<s><|system|>S<|end|><|user|>{TEXT}<|end|><|assistant|>"
+  assert outs[1].prompt == f"<s><|user|>{TEXT}<|end|><|assistant|>"
+  for out in outs:
+    assert out.prompt_token_ids == llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+    [same] = llm.generate(out.prompt_token_ids, serve.SamplingParams(max_tokens=5))
+    assert same.token_ids == out.token_ids and same.text == out.text
+  with pytest.raises(ValueError, match="unknown role: tool"):
+    llm.chat([{"role": "tool", "content": "x"}])
+
+
+def test_stream_concatenates_to_generates_text(setup):
+  llm, _, _, _, _ = setup
+  params = serve.SamplingParams(max_tokens=12)
+  deltas = list(llm.stream(TEXT, params))
+  assert "".join(deltas) == llm.generate(TEXT, params)[0].text and len(deltas) >= 1
+  ignored = "".join(llm.stream(TEXT, serve.SamplingParams(max_tokens=6), ignore_eos=True))
+  assert ignored == llm.generate(TEXT, serve.SamplingParams(max_tokens=6), ignore_eos=True)[0].text
+  # Closing early aborts the request and leaves the engine idle.
+  stream = llm.stream(TEXT, serve.SamplingParams(max_tokens=12), ignore_eos=True)
+  next(stream)
+  stream.close()
+  assert not llm.engine.has_unfinished()
+
+
+def test_bad_prompts_are_named(setup):
+  llm = setup[0]
+  with pytest.raises(TypeError, match="prompts=.* must be a str"):
+    llm.generate([])
+  with pytest.raises(TypeError, match="prompts=.* must be a str"):
+    llm.generate([1.5])
+  with pytest.raises(ValueError, match="params has 1 entries for 2 prompts"):
+    llm.generate(["a", "b"], [serve.SamplingParams()])
+  with pytest.raises(ValueError, match="n=2 must be 1"):
+    next(llm.stream(TEXT, serve.SamplingParams(n=2)))
+
+
+def test_top_k_minus_one_means_off():
+  assert serve.SamplingParams(top_k=-1) == serve.SamplingParams(top_k=0)
+  with pytest.raises(ValueError, match="top_k=-2"):
+    serve.SamplingParams(top_k=-2)

@@ -1,0 +1,154 @@
+"""`jaxkv.sizing.plan_serving`: sizes from a memory budget, re-derived here by hand.
+
+The fixture model (tests/fixtures/hf_llama: 2 flat layers, 2 KV heads of dim 8,
+max_position_embeddings 128) in float32 costs 2 layers x 2 (K, V) x 2 heads x 8
+x 4 bytes = 256 bytes per position; a page of 64 positions over both layers
+16,384 bytes. The expected numbers below follow the documented rules with that
+arithmetic, not the library's helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import sizing
+from jaxkv.models import ModelConfig, hf
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
+CONFIG = hf.read_config(os.path.join(FIXTURES, "hf_llama"))
+POSITION_BYTES = 2 * 2 * 2 * 8 * 4
+PAGE_BYTES = 64 * POSITION_BYTES
+F32 = dict(dtype=jnp.float32, kv_dtype=jnp.float32, weights_bytes=CONFIG.num_params * 4)
+
+
+def _paged_expectation(budget: int, max_len: int, max_write: int) -> tuple[int, int]:
+  """`(max_seqs, capacity)` by the documented rules for a K/V budget of `budget` bytes."""
+  seqs = max(1, min(256, max_write, budget // POSITION_BYTES // min(max_len, 2048)))
+  pages = budget // PAGE_BYTES - seqs - 1   # the pool: ceil(capacity / 64) + max_seqs + 1 pages
+  ceiling = -(-seqs * max_len // 64) * 64
+  return seqs, min(pages * 64, ceiling)
+
+
+@pytest.mark.parametrize("budget", [4 << 20, 64 << 20])
+def test_paged_sizes_from_kv_cache_memory(budget):
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=budget, **F32)
+  seqs, capacity = _paged_expectation(budget, 128, sizing.DEFAULT_MAX_WRITE)
+  assert (plan.max_seqs, plan.capacity, plan.token_capacity) == (seqs, capacity, capacity)
+  assert (plan.storage, plan.page_size, plan.prefix_caching) == ("paged", 64, True)
+  assert (plan.max_len, plan.max_len_source) == (128, "checkpoint max_position_embeddings")
+  pages = -(-capacity // 64) + seqs + 1
+  assert plan.kv_bytes == pages * PAGE_BYTES <= budget
+  cc = plan.cache_config
+  assert (cc.page_size, cc.max_seq_len, cc.max_seqs, cc.capacity) == (64, 128, seqs, capacity)
+
+
+def test_tensor_parallel_shards_multiply_the_per_device_budget():
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, shards=2, **F32)
+  seqs, capacity = _paged_expectation(2 * (4 << 20), 128, sizing.DEFAULT_MAX_WRITE)
+  assert (plan.max_seqs, plan.capacity, plan.kv_budget_bytes) == (seqs, capacity, 8 << 20)
+  assert plan.budget_source.startswith("2 devices x (")
+
+
+def test_the_budget_caps_max_seqs_at_the_step_width_and_256():
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=64 << 20, max_write=16, **F32)
+  assert plan.max_seqs == 16
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=1 << 30, max_write=4096, **F32)
+  assert plan.max_seqs == 256 and plan.capacity == 256 * 128   # every column full, no more
+
+
+def test_columns_take_as_many_sequences_as_fit():
+  # 1171 positions: the rule's first guess is 9 sequences, but 9 + 1 (scratch) columns of 128
+  # rows cost 327,680 bytes > 300,000; 8 + 1 cost 294,912.
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=300_000, page_size=None, **F32)
+  assert (plan.storage, plan.page_size, plan.prefix_caching) == ("columns", None, False)
+  assert plan.max_seqs == 8 and plan.capacity == 8 * 128
+  assert plan.kv_bytes == 9 * 128 * POSITION_BYTES
+  assert plan.cache_config.initial_flat_rows == 128   # allocated whole
+
+
+class _Device:
+  """A device reporting `bytes_limit`, as a GPU does."""
+  platform, device_kind = "gpu", "Fake GPU"
+
+  def __init__(self, limit):
+    self.limit = limit
+
+  def memory_stats(self):
+    return {"bytes_limit": self.limit, "bytes_in_use": 123}
+
+
+def test_gpu_memory_utilization_counts_weights_and_loop_buffers():
+  limit, util, weights = 8 << 20, 0.5, 3 << 20   # 1 MiB left: the pool, not the columns, binds
+  plan = sizing.plan_serving(CONFIG, dtype=jnp.float32, kv_dtype=jnp.float32,
+                             weights_bytes=weights, gpu_memory_utilization=util,
+                             device=_Device(limit), max_write=64)
+  seqs = min(256, 64, (int(util * limit) - weights) // POSITION_BYTES // 128)
+  assert plan.max_seqs == seqs == 32 and plan.capacity < seqs * 128
+  loop = seqs * (4 * 128 + 4 * 8 + 23 * 4)   # token buffer, stop tokens, per-column values
+  spare = int(util * limit) - weights - loop - plan.kv_bytes
+  assert 0 <= spare < PAGE_BYTES + (1 << 16)   # one more page would not fit (control values)
+  assert "0.5 x 8,388,608 bytes (Fake GPU bytes_limit)" in plan.budget_source
+  # Without a memory figure (a CPU) the device counts as CPU_DEVICE_BYTES.
+  cpu = sizing.plan_serving(CONFIG, gpu_memory_utilization=util, **F32)
+  assert f"{util} x {sizing.CPU_DEVICE_BYTES:,} bytes" in cpu.budget_source
+
+
+def test_kv_cache_memory_wins_over_gpu_memory_utilization():
+  alone = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, **F32)
+  both = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, gpu_memory_utilization=0.01,
+                             device=_Device(1 << 20), **F32)
+  assert both == alone
+
+
+def test_max_len_comes_from_the_argument_or_the_checkpoint():
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, max_len=100, **F32)
+  assert (plan.max_len, plan.max_len_source, plan.cache_config.max_seq_len) == (
+      100, "max_len argument", 100)
+  flags = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, max_len=100, flags=True, **F32)
+  assert flags.max_len_source == "--max-len"
+  big = dataclasses.replace(CONFIG, max_position_embeddings=131072)
+  plan = sizing.plan_serving(big, kv_cache_memory=64 << 30, **F32)
+  assert plan.max_len == 131072   # no silent cap
+  with pytest.raises(ValueError, match="no max_position_embeddings: give max_len"):
+    sizing.plan_serving(ModelConfig.llama(), kv_cache_memory=1 << 20, **F32)
+
+
+def test_refusals_name_the_argument_and_the_numbers():
+  with pytest.raises(ValueError, match=r"max_len=100 \(max_len argument\) does not fit: one "
+                                       r"sequence of max_len needs 25,600 bytes"):
+    sizing.plan_serving(CONFIG, kv_cache_memory=10_000, max_len=100, **F32)
+  with pytest.raises(ValueError, match=r"--max-len=128 \(checkpoint max_position_embeddings\) "
+                                       r"does not fit.*--kv-cache-memory=10,000 bytes"):
+    sizing.plan_serving(CONFIG, kv_cache_memory=10_000, flags=True, **F32)
+  with pytest.raises(ValueError, match="max_seqs=200 sequences of max_len=128"):
+    sizing.plan_serving(CONFIG, kv_cache_memory=1 << 20, max_seqs=200, page_size=None, **F32)
+  with pytest.raises(ValueError, match=r"--gpu-memory-utilization=1.5 must be in \(0, 1\]"):
+    sizing.plan_serving(CONFIG, gpu_memory_utilization=1.5, flags=True, **F32)
+  with pytest.raises(ValueError, match="no memory is left for the K/V cache"):
+    sizing.plan_serving(CONFIG, dtype=jnp.float32, kv_dtype=jnp.float32,
+                        weights_bytes=1 << 30, device=_Device(1 << 20))
+  with pytest.raises(TypeError, match="page_size=1.5 must be an int"):
+    sizing.plan_serving(CONFIG, kv_cache_memory=1 << 20, page_size=1.5, **F32)
+
+
+def test_a_model_of_ring_layers_only_is_sized_in_columns():
+  config = hf.read_config(os.path.join(FIXTURES, "hf_mistral"))
+  plan = sizing.plan_serving(config, kv_cache_memory=1 << 20, max_write=16, **F32)
+  assert plan.storage == "columns" and plan.page_size is None and not plan.prefix_caching
+
+
+def test_startup_lines_say_what_was_chosen():
+  plan = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, model="ckpt", **F32)
+  text = "\n".join(plan.lines())
+  for part in ("model: ckpt", "dtype: float32", "K/V dtype float32", "paged, page size 64",
+               "prefix caching on", f"{plan.kv_bytes:,} bytes", f"{plan.capacity:,} tokens",
+               "max_len: 128 (checkpoint max_position_embeddings)",
+               f"{plan.max_seqs} sequences at once"):
+    assert part in text, part
+  assert np.isclose(plan.capacity / plan.max_len, float(text.split("holds ")[1].split("x")[0]),
+                    atol=0.01)
