@@ -118,7 +118,12 @@ def main(argv=None) -> int:
   p.add_argument("--mgpu", action="store_true",
                  help="also time pallas_kernels/skinny_gemm.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
+  p.add_argument("--small", action="store_true",
+                 help="one GEMM (o) at 8 rows, XLA's default compilation, one traced call: a "
+                 "smoke test of the script, not a measurement")
   args = p.parse_args(argv)
+  if args.small:
+    args.rows, args.shapes, args.default_only, args.calls = "8", "o", True, 1
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
         f"{_copy_tbs():.2f} TB/s (read + write)")
   key = jax.random.key(0)
