@@ -13,7 +13,7 @@ run() {  # run NAME SECONDS CMD...
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; echo "rc=$?" >> "$out/$name.log"
   grep -v "^[WI][0-9]\{4\} " "$out/$name.log" | tail -n "${TAIL:-8}"
 }
-issue_cases="decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048,decode 64 seqs 32/8 D64 8..272,decode 64 seqs 32/8 D64 128..2304,decode 256 seqs 32/8 D64 128..2048,decode 64 seqs 32/32 D80 512..4096,mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 4x4096 32/8 D128,prefill 1x16384 32/8 D128,prefill 1x2048 32/8 D64,prefill 4x512 32/8 D64"
+issue_cases="decode 64 seqs 32/8 D128 512..8192,decode 256 seqs 32/8 D128 128..2048,decode 64 seqs 32/8 D64 8..272,decode 64 seqs 32/8 D64 128..2304,decode 256 seqs 32/8 D64 128..2048,decode 64 seqs 32/32 D80 512..4096,mixed 8x512 over 2048 + 56 decodes 32/8 D128,prefill 4x4096 32/8 D128,prefill 1x16384 32/8 D128,prefill 1x2048 32/8 D64,decode 16 seqs 16/16 D64 1024..32768"
 ring_cases="decode 64 seqs 32/8 D128 ring 1024 rows 1087,decode 64 seqs 32/8 D64 ring 512 rows 575,decode 64 seqs 16/8 D256 ring 1024 rows 1087"
 for w in "$@"; do
   case $w in

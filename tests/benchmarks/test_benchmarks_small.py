@@ -23,13 +23,16 @@ BENCHMARKS = ROOT / "benchmarks"
 # script, arguments, a regex the output must match (the result line), extra environment.
 CPU_RUNS = {
     "e2e.py": (["--small"], r"speed-up jaxkv / baseline: \d+\.\d+x; first tokens agree", {}),
-    "e2e.py mixed paged": (["--small", "--workload", "mixed", "--paged", "16"],
-                           r"jaxkv paged \(page_size 16\): \d+\.\d+ s, \d+ steps, .* = \d+\.\d+x the columns", {}),
-    "paged_step_ops.py": (["--small"],
-                          r"pages of \d+ - columns, kernels per call \(outside loops\): \{'prepare_step'", {}),
+    "e2e.py mixed paged": (
+        ["--small", "--workload", "mixed", "--paged", "16"],
+        r"jaxkv paged \(page_size 16\): \d+\.\d+ s, \d+ steps, .* = \d+\.\d+x the columns", {}),
+    "paged_step_ops.py": (
+        ["--small"],
+        r"pages of \d+ - columns, kernels per call \(outside loops\): \{'prepare_step'", {}),
     "paged_memory.py": (["--small"], r"\| mix: [^|]+\| paged \| \d+\.\d+ \| \d+\.\d+x \|", {}),
     "prefix_cache.py": (["--small"], r'"mean_in_flight": \d', {}),
-    "sharded.py": (["--small"], r"greedy tokens equal between 1 and 2 devices: (\d+)/\1 ",
+    "sharded.py": (["--small"], r"(?s)max \|2-GPU - 1-GPU\| = .*\| 2 \| \d+\.\d+ \| .*"
+                   r"greedy tokens equal between 1 and 2 devices: \d+/\d+ .*\| 2 \| \d+\.\d+ \|",
                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
 }
 GPU_RUNS = {
@@ -50,7 +53,8 @@ def _run(args, env=None, timeout=600):
                      PYTHONPATH=str(ROOT), **(env or {}))
   proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=environment, capture_output=True,
                         text=True, timeout=timeout, check=False)
-  assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+  assert proc.returncode == 0, (
+      f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
   return proc.stdout
 
 
@@ -58,7 +62,8 @@ def test_every_benchmark_script_is_listed_here():
   scripts = {p.name for p in BENCHMARKS.glob("*.py")}
   listed = {name.split()[0] for name in [*CPU_RUNS, *GPU_RUNS, *NOT_RUN, "hlo_kernel_map.py",
                                          "profile_step.py"]}
-  assert scripts == listed, f"unlisted: {sorted(scripts - listed)}, gone: {sorted(listed - scripts)}"
+  assert scripts == listed, (
+      f"unlisted: {sorted(scripts - listed)}, gone: {sorted(listed - scripts)}")
   readme = (BENCHMARKS / "README.md").read_text()
   for script in scripts - {"skinny_gemm.py"}:
     assert f"`{script}`" in readme, f"benchmarks/README.md does not describe {script}"
@@ -91,8 +96,8 @@ def test_profile_step_small_and_its_kernel_map(tmp_path):
   assert re.search(r"engine W=512, decode-heavy .*: \d+\.\d+ s, \d+ steps", out), out[-3000:]
   hlo_path = tmp_path / "loop_W512.hlo.txt"
   hlo = hlo_path.read_text()
-  names = [m[1] for m in re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = \S+ .*kind=k\w+.*stack_frame_id=",
-                                     hlo, re.M)][:3]
+  fusion = r"^\s*(?:ROOT )?%([\w.\-]+) = \S+ .*kind=k\w+.*stack_frame_id="
+  names = [m[1] for m in re.finditer(fusion, hlo, re.M)][:3]
   assert len(names) == 3, "the dumped loop HLO has no fusions with stack frames"
   kernels = tmp_path / "kernels.txt"
   kernels.write_text("".join(f"1.00 0.002 {n.replace('.', '_')}\n" for n in names))
