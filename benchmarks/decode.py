@@ -7,7 +7,10 @@ and `pallas_kernels.varlen_attention` over the ANCHORS.md shapes, plus a mixed
 step, a 16384-token causal prefill and a 64-token `kv_write` into a 1 GB cache.
 Effective TB/s = live K/V bytes (real lengths x heads x dim x 2 bytes x 2) / time.
 
-Usage: python benchmarks/decode.py [--quick | --e2e | --prefill] [--out results.json]
+Usage: python benchmarks/decode.py [--quick | --e2e | --prefill | --small] [--out results.json]
+`--small` runs tiny shapes once each (on a machine without a GPU the jaxkv rows run the kernels
+under the Mosaic GPU interpreter and the cuDNN rows report that they cannot run): a smoke test
+of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import pallas_kernels
 from pallas_kernels import config as kernel_config
 
 DTYPE = jnp.bfloat16
+# `--small` sets these: one call per timing, the kernels interpreted where there is no GPU.
+SMALL = {"on": False, "interpret": False}
 
 
 @dataclasses.dataclass
@@ -40,6 +45,8 @@ class Row:
 
 def bench(fn, *args, iters=20, reps=5):
   """Median over `reps` of the mean time of `iters` back-to-back calls, in ms."""
+  if SMALL["on"]:
+    iters, reps = 1, 1
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):
@@ -125,7 +132,7 @@ def run_decode(rows, name, num_seqs, num_q_heads, num_kv_heads, head_dim, min_le
     if cfg is not None and cfg.block_k == head_dim:   # square tiles are refused
       cfg = dataclasses.replace(cfg, block_k=128)
     fn = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None, scale=scale,
-                                   config=cfg))
+                                   config=cfg, interpret=SMALL["interpret"]))
     try:
       ms = bench(fn, q, k_cache, v_cache, seq_info, n_segments)
       note = ""
@@ -241,7 +248,8 @@ def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_
   default_out = None   # the default config's output, which other configs are compared with
   for cname, cfg in configs.items():
     fn = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None,
-                                   scale=head_dim ** -0.5, config=cfg))
+                                   scale=head_dim ** -0.5, config=cfg,
+                                   interpret=SMALL["interpret"]))
     try:
       ms = bench(fn, q, k_cache, v_cache, seq_info, n_segments, iters=iters, reps=3)
       note = ""
@@ -288,18 +296,21 @@ def run_prefill(rows, configs, length=16384, num_seqs=1, num_q_heads=32, num_kv_
       rows.append(Row(label, name, None, note=f"{type(e).__name__}: {e}"[:200]))
 
 
-def run_write(rows, steps=100):
-  """`steps` writes of 64 tokens inside one donated jit (the decode-loop setting)."""
-  num_rows, num_seqs, num_kv_heads, head_dim, tokens = 8192, 64, 8, 128, 64
+def run_write(rows, steps=100, num_rows=8192, num_seqs=64, num_kv_heads=8, head_dim=128,
+              tokens=64):
+  """`steps` writes of `tokens` tokens inside one donated jit (the decode-loop setting)."""
   shape = (num_rows, num_seqs + 1, num_kv_heads, head_dim)
   nbytes = 2 * np.prod(shape) * 2
+  cache_type = f"bf16[{','.join(map(str, shape))}]"
   rng = np.random.default_rng(0)
   cols = jnp.asarray(rng.permutation(num_seqs)[:tokens].astype(np.int32))
   rows_ = jnp.asarray(rng.integers(0, num_rows - steps, tokens).astype(np.int32))
   k_new, v_new = jax.random.normal(jax.random.key(12), (2, tokens, num_kv_heads, head_dim),
                                    DTYPE)
-  label = f"kv_write 64 tokens into 2 x [8192,65,8,128] bf16 ({nbytes / 1e9:.1f} GB, donated)"
-  for variant, op in (("jaxkv kv_write", pallas_kernels.kv_write),
+  label = (f"kv_write {tokens} tokens into 2 x [{num_rows},{num_seqs + 1},{num_kv_heads},"
+           f"{head_dim}] bf16 ({nbytes / 1e9:.1f} GB, donated)")
+  kernel = functools.partial(pallas_kernels.kv_write, interpret=SMALL["interpret"])
+  for variant, op in (("jaxkv kv_write", kernel),
                       ("XLA scatter (reference)", pallas_kernels.kv_write_reference)):
     def loop(k_cache, v_cache, k_new, v_new, cols, rows, op=op):
       def body(i, caches):
@@ -309,12 +320,12 @@ def run_write(rows, steps=100):
     caches = (jnp.zeros(shape, DTYPE), jnp.zeros(shape, DTYPE))
     compiled = fn.lower(*caches, k_new, v_new, cols, rows_).compile()
     copies = sum(1 for line in compiled.as_text().splitlines()
-                 if " copy(" in line and "bf16[8192,65,8,128]" in line)
+                 if " copy(" in line and cache_type in line)
     aliased = compiled.memory_analysis().alias_size_in_bytes
     caches = compiled(*caches, k_new, v_new, cols, rows_)
     jax.block_until_ready(caches)
     times = []
-    for _ in range(5):
+    for _ in range(1 if SMALL["on"] else 5):
       start = time.perf_counter()
       caches = compiled(*caches, k_new, v_new, cols, rows_)
       jax.block_until_ready(caches)
@@ -325,6 +336,15 @@ def run_write(rows, steps=100):
                     note=f"cache-sized copies: {copies}; aliased {aliased / 1e9:.2f} GB; "
                     f"rows correct: {ok}"))
     del caches
+
+
+def run_small(rows):
+  """Tiny shapes, one call each: the script's every path, in seconds (a smoke test)."""
+  default = {"default": None}
+  run_decode(rows, "decode 4 seqs 8/2 D64 16..120", 4, 8, 2, 64, 16, 120, default, check=True)
+  run_prefill(rows, default, length=64, num_seqs=2, num_q_heads=8, num_kv_heads=2, head_dim=64,
+              iters=1)
+  run_write(rows, steps=2, num_rows=64, num_seqs=4, num_kv_heads=2, head_dim=64, tokens=4)
 
 
 def run_e2e_shapes(rows):
@@ -382,9 +402,17 @@ def main():
                       help="only the e2e model's shapes (32/8 heads of 64) and 4x4096 prefill")
   parser.add_argument("--prefill", action="store_true",
                       help="only the causal prefill rows, with jax's FA3-structured kernel")
+  parser.add_argument("--small", action="store_true",
+                      help="tiny shapes, one call each (interpreted without a GPU): a smoke test")
   args = parser.parse_args()
   print(jax.devices(), jax.__version__)
   rows = []
+  if args.small:
+    SMALL["on"] = True
+    SMALL["interpret"] = jax.default_backend() != "gpu"
+    run_small(rows)
+    print_table(rows)
+    return
   if args.prefill:
     run_prefill_anchors(rows)
     print_table(rows)

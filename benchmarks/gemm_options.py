@@ -2,7 +2,7 @@
 
 A decode step of the e2e model (Llama-3.2-1B shapes: hidden 2,048, q/k/v 3,072 outputs,
 MLP 8,192) multiplies `[M, 2048]` activations (`M` = the step's tokens, 64 in decode) by
-each layer's weights. The device trace of that step (docs/PERFORMANCE.md, "Serving speed")
+each layer's weights. The device trace of that step (docs/performance-history.md, "Serving speed")
 shows the q/k/v and output projections far below the copy ceiling (12.6 MB in 7.3 us and
 8.4 MB in 6.8 us: 1.2-1.7 TB/s), while the MLP's larger GEMMs reach ~3 TB/s. This script
 times the same GEMMs (each layer its own weights, so they stream from HBM, not L2: 16
@@ -14,7 +14,7 @@ same process. Outputs are compared with the default compilation's (bf16 toleranc
 Isolated GEMMs are not the model: on H200 cuBLAS ran these GEMMs 11-30% faster than XLA's
 Triton split-K GEMMs, yet the whole e2e step was 31% slower with Triton GEMMs off (the
 GEMM fusions' fused producers and consumers became kernels of their own;
-docs/PERFORMANCE.md, "Serving speed" §10). Check an option end to end
+docs/performance-history.md, "Serving speed" §10). Check an option end to end
 (`benchmarks/e2e.py --also-compiler-options`) before adopting it.
 
 Usage (GPU machine): PYTHONPATH=. python3 benchmarks/gemm_options.py [--rows 64,128]
@@ -118,7 +118,12 @@ def main(argv=None) -> int:
   p.add_argument("--mgpu", action="store_true",
                  help="also time pallas_kernels/skinny_gemm.py's Mosaic GPU GEMM over a sweep "
                  "of tilings (checked against a float32 product)")
+  p.add_argument("--small", action="store_true",
+                 help="one GEMM (o) at 8 rows, XLA's default compilation, one traced call: a "
+                 "smoke test of the script, not a measurement")
   args = p.parse_args(argv)
+  if args.small:
+    args.rows, args.shapes, args.default_only, args.calls = "8", "o", True, 1
   print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; copy ceiling "
         f"{_copy_tbs():.2f} TB/s (read + write)")
   key = jax.random.key(0)

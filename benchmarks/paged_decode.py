@@ -38,14 +38,24 @@ CAPACITY = 8192
 LENGTHS = [512, 1024, 2048, 4096, 8192]
 PAGE_SIZES = [64, 128]   # the default; --page-sizes 16,32,64,128 adds pages smaller than a tile
 SCALE = 1.0 / HEAD_DIM ** 0.5
+INTERPRET = False   # `--small` without a GPU: the kernels under the Mosaic GPU interpreter
+REPS = 5
+
+
+def use_small_shapes():
+  """`--small`: 4 sequences of 2/1 heads of 64 over 256 rows, one timed call per row."""
+  global NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, CAPACITY, LENGTHS, SCALE, INTERPRET, REPS
+  NUM_SEQS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, CAPACITY = 4, 2, 1, 64, 256
+  LENGTHS, SCALE, REPS = [64, 256], 1.0 / 64 ** 0.5, 1
+  INTERPRET = jax.default_backend() != "gpu"
 
 
 def mean_ms(fn, *args, iters):
-  """Median over 5 repetitions of the mean time of `iters` back-to-back calls, in ms."""
+  """Median over `REPS` repetitions of the mean time of `iters` back-to-back calls, in ms."""
   jax.block_until_ready(fn(*args))
   jax.block_until_ready(fn(*args))
   means = []
-  for _ in range(5):
+  for _ in range(REPS):
     start = time.perf_counter()
     for _ in range(iters):
       out = fn(*args)
@@ -91,21 +101,29 @@ def main():
   parser.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)),
                       help="comma-separated page sizes; pages of 8, 16 or 32 rows make each "
                       "64-row K/V tile several pages, one TMA per page")
+  parser.add_argument("--small", action="store_true",
+                      help="tiny shapes, one call per row (interpreted without a GPU): a smoke "
+                      "test, not a measurement")
   args = parser.parse_args()
+  if args.small:
+    use_small_shapes()
+    args.iters = 1
   page_sizes = [int(p) for p in args.page_sizes.split(",")]
   rng = np.random.default_rng(0)
   shape = (CAPACITY, NUM_SEQS + 1, NUM_KV_HEADS, HEAD_DIM)
   k_cols = jax.random.normal(jax.random.key(1), shape, DTYPE)
   v_cols = jax.random.normal(jax.random.key(2), shape, DTYPE)
   q = jax.random.normal(jax.random.key(3), (NUM_SEQS, NUM_Q_HEADS, HEAD_DIM), DTYPE)
-  columns = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None, scale=SCALE))
+  columns = jax.jit(functools.partial(pallas_kernels.varlen_attention, window=None, scale=SCALE,
+                                      interpret=INTERPRET))
   paged = jax.jit(functools.partial(pallas_kernels.paged_varlen_attention, window=None,
-                                    scale=SCALE))
+                                    scale=SCALE, interpret=INTERPRET))
   layouts = {}
   for page_size in page_sizes:
     # Compiled or refused, never the reference: the paged entry point has no fallback.
     config = paged_sm90.check_request(
-        q, jax.ShapeDtypeStruct((1, page_size, NUM_KV_HEADS, HEAD_DIM), DTYPE))
+        q, jax.ShapeDtypeStruct((1, page_size, NUM_KV_HEADS, HEAD_DIM), DTYPE),
+        interpret=INTERPRET)
     print(f"page {page_size}: K/V tiles of {config.block_k} rows, "
           f"{paged_sm90.tile_pages(page_size, config.block_k)} page(s) and TMA(s) per tile "
           "for K and for V")
@@ -149,8 +167,10 @@ def write_rows(k_cols, v_cols, layouts, rng, *, iters):
   cols = jnp.arange(NUM_SEQS, dtype=jnp.int32)
   new = jax.random.normal(jax.random.key(4), (NUM_SEQS, NUM_KV_HEADS, HEAD_DIM), DTYPE)
   n = jnp.int32(NUM_SEQS)
-  write = jax.jit(pallas_kernels.kv_write, donate_argnums=(0, 1))
-  paged_write = jax.jit(pallas_kernels.paged_kv_write, donate_argnums=(0, 1))
+  write = jax.jit(functools.partial(pallas_kernels.kv_write, interpret=INTERPRET),
+                  donate_argnums=(0, 1))
+  paged_write = jax.jit(functools.partial(pallas_kernels.paged_kv_write, interpret=INTERPRET),
+                        donate_argnums=(0, 1))
   rows, stores = [], {"columns": (k_cols, v_cols, None)} | layouts
   print(f"\nwrite: {NUM_SEQS} tokens, donated stores; mean of {iters} back-to-back calls")
   for name, (k, v, table) in stores.items():

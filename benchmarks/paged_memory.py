@@ -17,7 +17,7 @@ For each case and storage (page_size 64):
     (`pos` of each sequence: a fork holds its own copy of the prompt).
   live: distinct tokens whose K/V the sequences need (a shared prompt once).
 
-Usage: python benchmarks/paged_memory.py [--page-size 64]
+Usage: python benchmarks/paged_memory.py [--page-size 64] [--small]
 """
 
 from __future__ import annotations
@@ -87,14 +87,14 @@ class Analogue:
     return int(np.asarray(state.pos)[np.asarray(state.live) == 1].sum())
 
 
-def case_mix(page_size: int):
-  lengths = [8192] + [256] * 63
+def case_mix(page_size: int, lengths=(8192,) + (256,) * 63):
+  lengths = list(lengths)
   capacity, live = sum(lengths), sum(lengths)
   kw = dict(capacity=capacity, max_seqs=len(lengths), max_write=512)
   analogue = Analogue(page_size=page_size, **kw)
   analogue.prefill([(analogue.cache.seq_new(), n) for n in lengths])
   return dict(
-      name="mix: 1 x 8k + 63 x 256", live=live,
+      name=f"mix: 1 x {lengths[0]} + {len(lengths) - 1} x {lengths[1]}", live=live,
       columns_alloc=allocated_bytes(model_config(rows=max(lengths), **kw)),
       columns_use=analogue.rows_written() * TOKEN_BYTES,
       paged_alloc=allocated_bytes(model_config(page_size=page_size, **kw)),
@@ -122,12 +122,20 @@ def case_samples(page_size: int, n=8, prompt=2000, new=256):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--page-size", type=int, default=64)
+  parser.add_argument("--small", action="store_true",
+                      help="both cases at a sixteenth of the tokens (a smoke test of the script; "
+                      "the ratios differ from the full cases')")
   args = parser.parse_args(argv)
   print(f"8B-shaped K/V: {LAYERS} layers x 2 x {KV_HEADS} heads x {HEAD_DIM} x bf16 = "
         f"{TOKEN_BYTES:,} bytes per token; page_size {args.page_size}\n")
   print("| case | storage | allocated GiB | allocated / live | in use GiB | in use / live |")
   print("|---|---|---|---|---|---|")
-  for case in (case_mix(args.page_size), case_samples(args.page_size)):
+  if args.small:
+    cases = (case_mix(args.page_size, (512,) + (16,) * 15),
+             case_samples(args.page_size, n=2, prompt=125, new=16))
+  else:
+    cases = (case_mix(args.page_size), case_samples(args.page_size))
+  for case in cases:
     live = case["live"] * TOKEN_BYTES
     for storage in ("columns", "paged"):
       alloc, use = case[f"{storage}_alloc"], case[f"{storage}_use"]

@@ -1,6 +1,6 @@
 """XLA work of one paged step against one column step, counted on CPU (a proxy for GPU launches).
 
-The paged engine's step costs more than the column step on the GPU (docs/PERFORMANCE.md,
+The paged engine's step costs more than the column step on the GPU (docs/performance-history.md,
 "Paged engine on the GPU"); the difference is XLA work only the paged step does: page
 bookkeeping in `prepare_step` and the pool-row lookup of the paged K/V write. This script
 counts that work without a GPU:
@@ -28,7 +28,7 @@ counts that work without a GPU:
 
 - `--serving`: the serving loop's step-loop body and condition (a tiny model, both storages):
   the widest step loop of the general loop, and every width's of the greedy loop (the
-  narrowest width's is the decode step; docs/PERFORMANCE.md, "Per-step bookkeeping kernels").
+  narrowest width's is the decode step; docs/performance-history.md, "Per-step bookkeeping kernels").
 - `--plan`: the Mosaic GPU attention's XLA plan (segment plan, item table, the epilogue's
   token lookup), which runs once per step on the GPU only (`plan_kernels`).
 

@@ -12,7 +12,7 @@ Two measurements, both from `EngineStats`, neither a timing:
    (`jaxkv.serve.paged_cache_config`): the mean and peak number of sequences
    per step.
 
-Usage: `python benchmarks/prefix_cache.py [--requests 256 --system 2000]`.
+Usage: `python benchmarks/prefix_cache.py [--requests 256 --system 2000] [--small]`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,13 @@ def main():
   parser.add_argument("--flight-paged-seqs", type=int, default=32)
   parser.add_argument("--skip-flight", action="store_true")
   parser.add_argument("--skip-prefix", action="store_true")
+  parser.add_argument("--small", action="store_true",
+                      help="4 requests over a 32-token system prompt and 8 in flight: a smoke "
+                      "test of the script, not the measurement")
   args = parser.parse_args()
+  if args.small:
+    args.requests, args.system, args.seqs, args.width = 4, 32, 4, 64
+    args.flight, args.long, args.flight_columns, args.flight_paged_seqs = 8, 64, 2, 4
   rng = np.random.default_rng(0)
   result = {"machine": platform.processor() or platform.machine(), "date": time.strftime(
       "%Y-%m-%d")}

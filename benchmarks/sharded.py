@@ -16,10 +16,10 @@ with `jaxkv.serve.Engine` on a 1-device mesh and on an N-device mesh (heads and
 MLP split over "tp"), and reports tokens/s of `--seqs` requests of
 `--prompt-len` prompt tokens and `--new-tokens` greedy tokens each (compile
 excluded: a warm-up run first).
-CPU smoke test (tiny sizes, two forced host devices):
+CPU smoke test (tiny sizes, two forced host devices; `--small` runs both parts tiny):
 
   XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
-    python benchmarks/sharded.py --model --tiny
+    python benchmarks/sharded.py --small
 """
 
 from __future__ import annotations
@@ -204,6 +204,10 @@ def main():
   model = parser.add_argument_group("--model: serve the example Llama-style model")
   model.add_argument("--model", action="store_true", help="run the model benchmark")
   model.add_argument("--tiny", action="store_true", help="tiny model sizes (CPU smoke test)")
+  parser.add_argument("--small", action="store_true",
+                      help="the decode step over histories of at most 128 tokens, then the tiny "
+                      "model (--model --tiny): a smoke test, not a measurement; on CPU give it "
+                      "devices with XLA_FLAGS=--xla_force_host_platform_device_count=2")
   model.add_argument("--no-mesh-row", action="store_true",
                      help="also serve on one device without a mesh")
   model.add_argument("--seqs", type=int, default=None, help="requests (64; 4 with --tiny)")
@@ -214,7 +218,10 @@ def main():
   for name in ("layers", "hidden", "heads", "kv-heads", "head-dim", "intermediate", "vocab"):
     model.add_argument(f"--model-{name}", type=int, default=None)
   args = parser.parse_args()
-  if args.model:
+  if args.small:
+    args.max_len, args.iters, args.reps, args.tiny = 128, 1, 1, True
+    decode_main(args)
+  if args.model or args.small:
     defaults = dict(seqs=(4, 64), prompt_len=(8, 512), new_tokens=(8, 128), width=(16, 512))
     for name, (tiny, full) in defaults.items():
       if getattr(args, name) is None:
@@ -223,6 +230,11 @@ def main():
       raise SystemExit(f"--devices={args.devices} but only {len(jax.devices())} devices")
     model_main(args)
     return
+  decode_main(args)
+
+
+def decode_main(args):
+  """One decode step of 64 sequences on 1 and `args.devices` devices."""
   devices = jax.devices()
   if len(devices) < args.devices:
     raise SystemExit(f"--devices={args.devices} but only {len(devices)} devices")

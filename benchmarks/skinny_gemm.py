@@ -3,8 +3,8 @@
 Each program streams a `[K / splits, bn]` slice of `w` in `bk`-row tiles (Triton pipelines the
 loads `num_stages` deep) and keeps the `[M, bn]` float32 product in registers; with
 `splits > 1`, float32 partials are summed by one XLA reduction, as split-K GEMMs do. On
-H200 (jax 0.11.2; `benchmarks/gemm_options.py --pallas`, docs/PERFORMANCE.md, "Twelfth
-round") its best tilings ran the e2e model's decode GEMMs 1.6-3x slower than XLA's own
+H200 (jax 0.11.2; `benchmarks/gemm_options.py --pallas`, docs/performance-history.md, "Serving
+speed" §14) its best tilings ran the e2e model's decode GEMMs 1.6-3x slower than XLA's own
 Triton GEMMs, so the model does not use it. Only for GPU; `interpret=True` runs it anywhere.
 """
 

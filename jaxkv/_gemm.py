@@ -3,7 +3,7 @@
 A decode step multiplies a few rows (one per decoding sequence) by every layer's weights, so
 it is weight reads. XLA's split-K GEMMs stream the o and down weights well below the copy
 ceiling; `pallas_kernels.skinny_gemm.skinny_matmul` streams them faster on Hopper
-(docs/PERFORMANCE.md, "Serving speed" §17). `linear_dot_general(gemm)` is the `dot_general` a
+(docs/performance-history.md, "Serving speed" §17). `linear_dot_general(gemm)` is the `dot_general` a
 Linear is built with: a `[M, K] @ [K, N]` that `skinny_matmul` serves (`M <= 128` rows, bf16
 or fp16, whole tiles) goes to it; anything else (wider steps, other shapes, dtypes, sharded
 outputs) to `jax.lax.dot_general`, unchanged.

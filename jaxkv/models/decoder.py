@@ -56,7 +56,7 @@ class MLP(nnx.Module):
         rngs=rngs)
     # Megatron: gate/up split over their outputs, down over its inputs. Only down's decode
     # GEMM may run the skinny kernel (`gemm`, resolved): XLA's merged gate+up GEMM already
-    # streams its weights near the copy ceiling (docs/PERFORMANCE.md "Serving speed" §17).
+    # streams its weights near the copy ceiling (docs/performance-history.md "Serving speed" §17).
     self.gate_proj = linear(config.hidden_size, config.intermediate_size, (None, kv_axis))
     self.up_proj = linear(config.hidden_size, config.intermediate_size, (None, kv_axis))
     self.down_proj = linear(config.intermediate_size, config.hidden_size, (kv_axis, None), gemm)

@@ -8,9 +8,9 @@ from typing import Sequence
 
 from jaxkv import CacheConfig, CacheState, _memory
 
-# Flat growth rounds rows up to this multiple (capped at capacity): the Mosaic GPU
-# kernels need a row count that is a multiple of 8 and at least their key block
-# (128), and refuse (falling back to the reference) otherwise.
+# Flat growth rounds rows up to this multiple (capped at capacity), a multiple of every
+# K/V tile the Mosaic GPU kernels use. They serve any row count, but read one that is not
+# a multiple of 8 in one-atom column parts (under one tile, through a padded copy): slower.
 ROW_MULTIPLE = 128
 
 

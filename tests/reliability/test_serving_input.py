@@ -270,8 +270,22 @@ def test_cached_attention_on_an_unprepared_state_does_not_pass_silently(model):
 def test_readme_example_runs_and_attends_every_layer():
   """Before: the README's example attended layer 0 of 2 and committed (and used undefined q)."""
   text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-  code = re.search(r"## Example\n\n```python\n(.*?)```", text, re.S).group(1)
+  code = re.search(r"## Quick start: the cache API\n.*?```python\n(.*?)```", text, re.S).group(1)
   scope: dict = {}
   exec(compile(code, "README.md", "exec"), scope)   # pylint: disable=exec-used
   cache = scope["cache"]
   assert (cache.pos(scope["a"]), cache.pos(scope["b"])) == (3, 1) and scope["fork"] is not None
+
+
+def test_readme_flax_quick_start_runs_one_step():
+  """The README's `CachedAttention` quick start runs as printed: one jitted step of two sequences."""
+  text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  code = re.search(r"## Quick start: `CachedAttention` in a Flax model\n.*?```python\n(.*?)```",
+                   text, re.S).group(1)
+  scope: dict = {}
+  exec(compile(code, "README.md", "exec"), scope)   # pylint: disable=exec-used
+  state, y, config = scope["state"], scope["y"], scope["config"]
+  assert int(scope["status"]) == jaxkv.Status.OK
+  assert np.asarray(state.pos).tolist()[:3] == [3, 1, 0]
+  assert np.asarray(state.live).tolist()[:3] == [1, 1, 0]
+  assert y.shape == (config.max_write, 64) and bool(jnp.all(jnp.isfinite(y[:4])))
