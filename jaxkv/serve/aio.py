@@ -1,17 +1,24 @@
 """`AsyncEngine`: the incremental engine API from asyncio.
 
-One driver task steps the `Engine` while any request is unfinished; each step
-(one blocking loop entry of at most `interval` steps) runs in a worker thread
-(`asyncio.to_thread`), so the event loop keeps serving while the device
-works, and only one loop entry runs at a time. Deltas are routed to one
-`asyncio.Queue` per request; `generate` yields them. A consumer that stops
-early (a closed generator, a cancelled task: a client that went away) aborts
-its request, which frees its columns at the next step.
+One driver thread owns the stepping: while any request is unfinished it runs
+loop entries back to back (`Engine.step`), so the device never waits for the
+event loop, and hands each entry's deltas to the event loop in one call
+(`call_soon_threadsafe`), where they are routed to one `asyncio.Queue` per
+request. While it steps, the event loop keeps serving: detokenising, writing
+streams and accepting requests, which join the loop at the next entry.
+
+An entry runs `interval` steps while requests wait for a column (each entry
+costs a fixed host round trip, paid once per `interval` steps), and
+`min_interval` steps while a column is free and nothing waits, so a request
+that arrives then waits at most `min_interval` steps for its admission. A
+consumer that stops early (a closed generator, a cancelled task: a client that
+went away) aborts its request, which frees its columns at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import AsyncIterator, Callable
 
 from jaxkv.serve.engine import Engine
@@ -23,34 +30,56 @@ class AsyncEngine:
 
   Args:
     engine: the `Engine` (only this object should drive its incremental API).
-    interval: the streaming interval `k`: most steps per loop entry, so new
-      tokens reach consumers every `k` steps at the latest.
+    interval: most steps per loop entry while requests wait for a column: new
+      tokens reach consumers every `interval` steps at the latest.
+    min_interval: steps per entry while a column is free and no request waits
+      (default `max(1, interval // 4)`): a new request waits at most this many
+      steps before it joins the loop.
     on_step: optional callback after every step, called on the event loop
       with the step's deltas (metrics).
   """
 
-  def __init__(self, engine: Engine, *, interval: int = 8,
+  def __init__(self, engine: Engine, *, interval: int = 8, min_interval: int | None = None,
                on_step: Callable[[list[Delta]], None] | None = None):
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-      raise ValueError(f"interval={interval!r} must be an int >= 1")
+    for name, value in (("interval", interval), ("min_interval", min_interval)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value < 1):
+        raise ValueError(f"{name}={value!r} must be an int >= 1")
     self.engine, self.interval, self.on_step = engine, interval, on_step
+    self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
+                                                                               interval)
     self._queues: dict = {}
-    self._driver: asyncio.Task | None = None
+    self._loop: asyncio.AbstractEventLoop | None = None
+    self._wake = threading.Event()
+    self._closed = False
+    self._thread: threading.Thread | None = None
 
   def add_request(self, request: Request):
     """Checks and queues `request` (raising ValueError/TypeError as `Engine.add_request`); its id.
 
     Call `deltas(request_id)` next to consume its output.
     """
+    if self._closed:
+      raise RuntimeError("the AsyncEngine is closed")
+    self._loop = asyncio.get_running_loop()
     rid = self.engine.add_request(request)
     self._queues[rid] = (asyncio.Queue(), request.params.n)
-    if self._driver is None or self._driver.done():
-      self._driver = asyncio.get_running_loop().create_task(self._drive())
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._drive, name="jaxkv-driver", daemon=True)
+      self._thread.start()
+    self._wake.set()
     return rid
 
   def abort(self, request_id, index: int | None = None) -> bool:
     """`Engine.abort`: ends the request (or one running sample) at the next step."""
     return self.engine.abort(request_id, index)
+
+  def close(self, timeout: float | None = None) -> None:
+    """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
+    self._closed = True
+    self._wake.set()
+    if self._thread is not None:
+      self._thread.join(timeout)
 
   async def deltas(self, request_id) -> AsyncIterator[Delta]:
     """The request's deltas until each sample has finished; leaving early aborts it.
@@ -77,23 +106,44 @@ class AsyncEngine:
     async for delta in self.deltas(rid):
       yield delta
 
-  async def _drive(self) -> None:
-    # No await between the check and the return: an add_request on the event loop
-    # either sees this task running (and is served by it) or done (and starts another).
-    while self.engine.has_unfinished():
-      try:
-        deltas = await asyncio.to_thread(self.engine.step, self.interval)
-      except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
-        failed = getattr(e, "failed", None)
-        for rid in list(self._queues) if failed is None else failed:
-          if rid in self._queues:
-            self._queues[rid][0].put_nowait(e)
-        if failed is None:   # not the engine's own failure report: stop driving
-          return
+  def _steps(self) -> int:
+    running, waiting = self.engine.counts()
+    idle_column = not waiting and running < self.engine.config.max_seqs
+    return self.min_interval if idle_column else self.interval
+
+  def _drive(self) -> None:
+    engine = self.engine
+    while not self._closed:
+      self._wake.clear()   # cleared before the check: an add_request after it sets it again
+      if not engine.has_unfinished():
+        self._wake.wait()
         continue
-      for delta in deltas:
-        entry = self._queues.get(delta.request_id)
-        if entry is not None:
-          entry[0].put_nowait(delta)
-      if self.on_step is not None:
-        self.on_step(deltas)
+      try:
+        deltas = engine.step(self._steps())
+      except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
+        self._post(self._fail, e)
+        if getattr(e, "failed", None) is None:   # not the engine's own report: wait for news
+          self._wake.wait(1.0)
+        continue
+      if deltas or self.on_step is not None:
+        self._post(self._route, deltas)
+
+  def _post(self, fn, arg) -> None:
+    try:
+      self._loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:   # the event loop is closed: nobody is listening any more
+      self._closed = True
+
+  def _fail(self, e: Exception) -> None:
+    failed = getattr(e, "failed", None)
+    for rid in list(self._queues) if failed is None else failed:
+      if rid in self._queues:
+        self._queues[rid][0].put_nowait(e)
+
+  def _route(self, deltas: list[Delta]) -> None:
+    for delta in deltas:
+      entry = self._queues.get(delta.request_id)
+      if entry is not None:
+        entry[0].put_nowait(delta)
+    if self.on_step is not None:
+      self.on_step(deltas)

@@ -14,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve.admission import (ADMISSION_ORDERS, admission_order, check_admission, labelled,
+                                   plain_greedy, queue_order)
+from jaxkv.serve.errors import EngineError
 from jaxkv.serve.live import LiveQueue
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows, check_engine_fits
@@ -52,13 +55,6 @@ MIN_MIDDLE_WIDTH = 128
 HALVING_WIDTH = 512
 
 
-def plain_greedy(params: SamplingParams) -> bool:
-  """The token is the argmax: no temperature, no penalty, no logprobs (`serve_loop(greedy=True)`)."""
-  return (params.temperature == 0 and params.repetition_penalty == 1
-          and params.presence_penalty == 0 and params.frequency_penalty == 0
-          and params.logprobs is None)
-
-
 def default_widths(config: CacheConfig) -> tuple[int, ...]:
   """`(W, W / 2, ..., 512, 128, ..., narrow)`: the full width, prefill widths, decode.
 
@@ -88,50 +84,6 @@ def default_widths(config: CacheConfig) -> tuple[int, ...]:
 
 def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
   return dataclasses.replace(ls, cache=pure.grow(config, ls.cache, rows))
-
-
-def labelled(requests: Sequence[Request]) -> list[Request]:
-  """The queue as a list of `Request`s, each without a `request_id` labelled by its index."""
-  if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
-    raise TypeError("requests must be a sequence of jaxkv.serve.Request")
-  return [r if r.request_id is not None else r.replace(request_id=i)
-          for i, r in enumerate(requests)]
-
-
-def queue_order(requests: Sequence[Request]) -> dict:
-  """`request_id -> position` of a labelled queue; raises ValueError on a repeated id."""
-  order = {r.request_id: i for i, r in enumerate(requests)}
-  if len(order) != len(requests):
-    raise ValueError("request_id values must be unique")
-  return order
-
-
-ADMISSION_ORDERS = ("longest_first", "fcfs")
-
-
-def check_admission(admission) -> None:
-  """Raises ValueError, naming the argument, unless `admission` is one of `ADMISSION_ORDERS`."""
-  if admission not in ADMISSION_ORDERS:
-    raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
-
-
-def admission_order(requests: Sequence[Request], admission: str) -> list[Request]:
-  """The queue in the order `Engine.run(admission=...)` admits it (see there).
-
-  Longest first sorts by `max_tokens`, descending; the sort is stable, so
-  requests of equal budgets keep their queue order.
-  """
-  if admission == "fcfs":
-    return list(requests)
-  return sorted(requests, key=lambda r: -r.params.max_tokens)
-
-
-class EngineError(RuntimeError):
-  """`Engine.run` failed; `completions` holds every sample finished before the failure."""
-
-  def __init__(self, message: str, completions: list[Completion]):
-    super().__init__(message)
-    self.completions = completions
 
 
 class Engine:
@@ -170,6 +122,12 @@ class Engine:
       sequences, evicted least recently used) and a request whose prompt starts
       with them adopts them instead of prefilling them (`paged_loop.py`). They
       live as long as the loop state: one `run`, or the incremental API's cache.
+    scheduling: the order in which the incremental API (`add_request`, the
+      server) moves waiting requests into the loop: `"fcfs"` (arrival order,
+      the default) or `"longest_first"` (the largest `max_tokens` first, ties in
+      arrival order: `Engine.run`'s default, which keeps a long request from
+      decoding alone at the end of a burst, at the cost of later first tokens
+      for short ones).
     compiler_options: XLA options for compiling the serving loop (`jax.jit`'s
       `compiler_options`: a mapping of XLA option name to value, e.g.
       `{"xla_gpu_enable_triton_gemm": False}`); default none (XLA's defaults,
@@ -195,13 +153,17 @@ class Engine:
   def __init__(self, model, *, max_len: int | None = None, max_steps: int = 4096,
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
                kv_axis: str | None = None, device=None, max_logprobs: int | None = None,
-               prefix_cache: bool = False, compiler_options: Mapping[str, object] | None = None):
+               prefix_cache: bool = False, compiler_options: Mapping[str, object] | None = None,
+               scheduling: str = "fcfs"):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
         raise TypeError(f"{name}={value!r} must be an int")
     self.config, self.vocab_size = check_step_model(model)
     config = self.config
+    if scheduling not in ADMISSION_ORDERS:
+      raise ValueError(f"scheduling={scheduling!r} must be one of {ADMISSION_ORDERS}")
+    self.scheduling = scheduling
     if not isinstance(prefix_cache, bool):
       raise TypeError(f"prefix_cache={prefix_cache!r} must be a bool")
     if prefix_cache and not config.is_paged:
@@ -248,21 +210,37 @@ class Engine:
     self.graphdef, self.params = _split_placed(model, self.mesh)
     if device is not None:
       self.params = jax.device_put(self.params, device)
+    # The parameters travel as a flat list of arrays: flattening the model's nnx.State on
+    # every loop entry is Python work per parameter, paid once per entry on the host.
+    self._param_leaves, treedef = jax.tree.flatten(self.params)
     # Looked up here, not at import, so a test can wrap `serve_loop` (chex.assert_max_traces).
-    # The static arguments are bound once: as jit static arguments, the model's
-    # GraphDef was hashed on every loop entry (~12 ms for a 16-layer model on CPU,
-    # paid per `step()` of the incremental API). `self._loop(params, ls, max_steps)`.
-    self._loop = jit(functools.partial(serve_loop, self.graphdef, self.config, self.widths))
+    # The static arguments are bound once: as jit static arguments, the model's GraphDef
+    # would be hashed on every loop entry. `self._loop(leaves, ls, max_steps)`.
+    loop_fn = serve_loop
+
+    def entry(greedy):
+      return jit(lambda leaves, ls, max_steps: loop_fn(
+          self.graphdef, self.config, self.widths, jax.tree.unflatten(treedef, leaves), ls,
+          max_steps, greedy=greedy))
+    self._loop = entry(False)
     # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
-    self._greedy_loop = jit(functools.partial(serve_loop, self.graphdef, self.config,
-                                              self.widths, greedy=True))
+    self._greedy_loop = entry(True)
+    self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
     self.state: LoopState | None = None
     self.implementations = layer_implementations(model, config)
     self.gemm = getattr(model, "gemm", None)   # the decode GEMM (CONTRACT §10.8), if it says
     self.stats = EngineStats(implementations=self.implementations)
     self.completions: list[Completion] = []   # of the last run, also when it failed
     self._live: LiveQueue | None = None
+
+  def enter(self, ls: LoopState, max_steps: int, *, greedy: bool = False) -> LoopState:
+    """One loop entry of at most `max_steps` steps over `ls` (donated); the new loop state."""
+    budget = self._budgets.get(max_steps)
+    if budget is None:
+      budget = self._budgets[max_steps] = jnp.int32(max_steps)
+    loop = self._greedy_loop if greedy else self._loop
+    return loop(self._param_leaves, ls, budget)
 
   def check(self, request: Request) -> None:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
@@ -351,7 +329,7 @@ class Engine:
         owner[base + j] = (r, j)
         if r.params.logprobs is not None:   # pack_queue's order: logprob rows in queue order
           lp_rows[base + j] = len(lp_rows)
-    loop = self._greedy_loop if all(plain_greedy(r.params) for r in requests) else self._loop
+    greedy = all(plain_greedy(r.params) for r in requests)
     collected = np.zeros((host_queue.rows,), bool)
     collected[len(owner):] = True   # padding rows
     step_counts = []   # (completion, admitted, first token, finished) for its timing
@@ -360,7 +338,7 @@ class Engine:
       while True:
         self.state = None   # donated below: never left pointing at a deleted buffer
         entered = time.perf_counter()
-        ls = loop(self.params, ls, jnp.int32(self.max_steps))
+        ls = self.enter(ls, self.max_steps, greedy=greedy)
         self.state = ls
         stats.loop_entries += 1
         host = jax.device_get({k: getattr(ls, k) for k in (
@@ -470,6 +448,15 @@ class Engine:
   def has_unfinished(self) -> bool:
     """Whether a request added with `add_request` has not finished yet."""
     return self._live is not None and self._live.has_unfinished()
+
+  def counts(self) -> tuple[int, int]:
+    """`(running, waiting)` requests of the incremental API: admitted into the loop, and not yet."""
+    return (0, 0) if self._live is None else self._live.counts()
+
+  @property
+  def held(self) -> int:
+    """Cache positions held by the incremental API's sequences after its last step."""
+    return 0 if self._live is None else self._live.held
 
   def step(self, max_steps: int | None = None) -> list[Delta]:
     """One loop entry of at most `max_steps` steps over the persistent cache.

@@ -34,8 +34,8 @@ Everything here runs on the host between loop entries; the jitted loop
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import heapq
 import itertools
 import secrets
 import threading
@@ -47,9 +47,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxkv import Status
-from jaxkv.serve.live_ops import abort_columns, clear_rows
-from jaxkv.serve.requests import (PAGED_COUNTERS, Delta, Request, RequestTiming,
-                                  read_paged_counters, token_logprobs)
+from jaxkv.serve.admission import check_admission
+from jaxkv.serve.errors import EngineError
+from jaxkv.serve.live_ops import abort_columns, clear_rows, snapshot, unpack_snapshot
+from jaxkv.serve.requests import (Delta, Request, RequestTiming, read_paged_counters,
+                                  token_logprobs)
 from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
                                pack_queue)
 from jaxkv.serve.timing import compile_seconds
@@ -74,6 +76,45 @@ class _Tracked:
     return None if self.request.params.logprobs is None else ()
 
 
+class _Waiting:
+  """Requests waiting on the host, in admission order: arrival (`"fcfs"`) or the largest
+  `max_tokens` first (`"longest_first"`, ties by arrival); push, pop and remove in O(log n)."""
+
+  def __init__(self, order: str):
+    self.longest_first = order == "longest_first"
+    self._heap: list = []
+    self._live: set = set()
+    self._seq = itertools.count()
+
+  def append(self, rid, max_tokens: int) -> None:
+    key = -max_tokens if self.longest_first else 0
+    heapq.heappush(self._heap, (key, next(self._seq), rid))
+    self._live.add(rid)
+
+  def _settle(self) -> None:   # drops removed entries off the top
+    while self._heap and self._heap[0][2] not in self._live:
+      heapq.heappop(self._heap)
+
+  def peek(self):
+    self._settle()
+    return self._heap[0][2]
+
+  def popleft(self):
+    self._settle()
+    rid = heapq.heappop(self._heap)[2]
+    self._live.discard(rid)
+    return rid
+
+  def remove(self, rid) -> None:
+    self._live.discard(rid)   # its heap entry goes when it reaches the top
+
+  def __contains__(self, rid) -> bool:
+    return rid in self._live
+
+  def __len__(self) -> int:
+    return len(self._live)
+
+
 class LiveQueue:
   """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
 
@@ -84,6 +125,7 @@ class LiveQueue:
   """
 
   def __init__(self, engine, *, queue_size: int | None = None, out_rows: int | None = None):
+    check_admission(engine.scheduling)
     s = engine.config.max_seqs
     self.engine = engine
     self.queue_size = _bucket(2 * s if queue_size is None else queue_size)
@@ -92,7 +134,7 @@ class LiveQueue:
     self._lock = threading.Lock()        # host bookkeeping (add_request/abort from any thread)
     self._stepping = threading.Lock()    # one loop entry at a time
     self._tracked: dict = {}             # request_id -> _Tracked, in arrival order
-    self._waiting = collections.deque()  # on the host, not yet in the device queue
+    self._waiting = _Waiting(engine.scheduling)  # on the host, not yet in the device queue
     self._queued: list = []              # == device queue[next:count]
     self._head_copies = 0
     self._dev_next = 0                   # the device queue's `next` when the host last saw it
@@ -129,7 +171,7 @@ class LiveQueue:
       self._tracked[rid] = _Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
                                     finished=[False] * p.n)
-      self._waiting.append(rid)
+      self._waiting.append(rid, p.max_tokens)
     return rid
 
   def abort(self, request_id, index: int | None = None) -> bool:
@@ -171,7 +213,6 @@ class LiveQueue:
         deltas = self._step(int(k))
       except Exception as e:   # pylint: disable=broad-except  (model, device or status failure)
         failed = self._reset()
-        from jaxkv.serve.engine import EngineError   # pylint: disable=g-import-not-at-top
         err = EngineError(f"step failed; requests {failed} were dropped: "
                           f"{type(e).__name__}: {e}", [])
         err.failed = failed
@@ -194,11 +235,11 @@ class LiveQueue:
     if idle:
       return deltas
     ls, engine.state = engine.state, None   # donated below
-    loop = engine._loop   # pylint: disable=protected-access
-    ls = loop(engine.params, ls, jnp.int32(k))
+    ls = engine.enter(ls, k)
     engine.state = ls
     engine.stats.loop_entries += 1
-    return deltas + self._collect()
+    window = _bucket(k)   # one snapshot compiled per power of two, not per k
+    return deltas + self._collect(snapshot(ls, window), window)
 
   def _init_state(self) -> None:
     engine, q = self.engine, self.queue_size
@@ -235,7 +276,7 @@ class LiveQueue:
     with self._lock:
       moved = []
       while self._waiting and len(self._queued) < self.queue_size:
-        t = self._tracked[self._waiting[0]]
+        t = self._tracked[self._waiting.peek()]
         base = _first_fit(self._free, t.n)
         if base is None:
           break   # in order: a later request never overtakes one waiting for rows
@@ -335,14 +376,12 @@ class LiveQueue:
     between = (now - t.first_token) / (tokens - 1) if tokens > 1 else None
     return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
 
-  def _collect(self) -> list[Delta]:
-    """Reads the entry's outputs: deltas, finishes, admissions; host-side stops."""
+  def _collect(self, vec, window: int) -> list[Delta]:
+    """Reads the entry's outputs from its `snapshot` vector: deltas, finishes, admissions; host-side stops."""
     engine = self.engine
     ls = engine.state
-    host = jax.device_get({k: getattr(ls, k) for k in (
-        "out_done", "out_len", "out_stop", "status", "used", "out_row", "fed", "steps",
-        "step_tokens", "occupancy", "peak_rows", "width_steps", *PAGED_COUNTERS)}
-        | {"next": ls.queue.next, "copies": ls.queue.copies})
+    host = unpack_snapshot(np.asarray(vec), num_widths=len(engine.widths),
+                           columns=engine.config.max_seqs, rows=self.out_rows, window=window)
     self._host = host
     now = time.perf_counter()
     stats = engine.stats
@@ -372,9 +411,13 @@ class LiveQueue:
           row = t.base + j
           if t.finished[j] or host["out_len"][row] <= t.emitted[j] and not host["out_done"][row]:
             continue
-          if out is None:
-            out = np.asarray(jax.device_get(ls.out_tokens))
-          new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
+          count = int(host["out_len"][row]) - t.emitted[j]
+          if count <= window:
+            new = host["last"][row, window - count:].tolist() if count > 0 else []
+          else:   # more tokens than one entry adds (not expected): read the row itself
+            if out is None:
+              out = np.asarray(jax.device_get(ls.out_tokens))
+            new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
           reason = None
           if host["out_done"][row]:
             reason = "stop" if host["out_stop"][row] else "length"

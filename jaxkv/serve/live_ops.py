@@ -11,11 +11,13 @@ the host hands them to a new request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve.requests import PAGED_COUNTERS
 from jaxkv.serve.state import LoopState
 
 
@@ -49,3 +51,43 @@ def clear_rows(out_len, out_stop, out_done, clear):
   """Zeroes `out_len/out_stop/out_done` at the rows in `clear` (`bool[R]`) before their reuse."""
   zero = lambda a: jnp.where(clear, 0, a)
   return zero(out_len), zero(out_stop), zero(out_done)
+
+
+# The scalars `snapshot` packs first, in this order (the paged counters follow).
+SNAPSHOT_SCALARS = ("status", "steps", "step_tokens", "occupancy", "peak_rows")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def snapshot(ls: LoopState, window: int):
+  """Everything the host reads after a loop entry, as one `int32` vector (one transfer).
+
+  Layout: `SNAPSHOT_SCALARS`, the paged counters, the queue's `next` and
+  `copies`, `width_steps`, then per column `used`, `out_row`, `fed`, per
+  output row `out_done`, `out_len`, `out_stop`, and each output row's last
+  `window` tokens (`out_tokens[r, out_len - window : out_len]`, clipped at 0):
+  a loop entry of at most `window` steps adds at most that many tokens to a row,
+  so the host finds every new token there without reading `out_tokens` whole.
+  """
+  scalars = [getattr(ls, f) for f in SNAPSHOT_SCALARS + PAGED_COUNTERS]
+  scalars += [ls.queue.next, ls.queue.copies]
+  max_new = ls.out_tokens.shape[1]
+  at = jnp.clip(ls.out_len[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :],
+                0, max_new - 1)
+  last = jnp.take_along_axis(ls.out_tokens, at, axis=1)
+  i32 = lambda a: jnp.ravel(a).astype(jnp.int32)
+  return jnp.concatenate([i32(jnp.stack(scalars)), i32(ls.width_steps), i32(ls.used),
+                          i32(ls.out_row), i32(ls.fed), i32(ls.out_done), i32(ls.out_len),
+                          i32(ls.out_stop), i32(last)])
+
+
+def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: int) -> dict:
+  """The host dict of a `snapshot` vector (NumPy views; `last` is `[rows, window]`)."""
+  names = SNAPSHOT_SCALARS + PAGED_COUNTERS + ("next", "copies")
+  host = {name: int(v) for name, v in zip(names, vec[:len(names)])}
+  at = len(names)
+  for name, size in (("width_steps", num_widths), ("used", columns), ("out_row", columns),
+                     ("fed", columns), ("out_done", rows), ("out_len", rows), ("out_stop", rows)):
+    host[name] = vec[at:at + size]
+    at += size
+  host["last"] = vec[at:at + rows * window].reshape(rows, window)
+  return host

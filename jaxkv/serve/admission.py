@@ -1,0 +1,52 @@
+"""How a queue of requests is ordered and checked before it is served (no device work here)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jaxkv.serve.requests import Request, SamplingParams
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+  """The token is the argmax: no temperature, no penalty, no logprobs (`serve_loop(greedy=True)`)."""
+  return (params.temperature == 0 and params.repetition_penalty == 1
+          and params.presence_penalty == 0 and params.frequency_penalty == 0
+          and params.logprobs is None)
+
+
+def labelled(requests: Sequence[Request]) -> list[Request]:
+  """The queue as a list of `Request`s, each without a `request_id` labelled by its index."""
+  if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):
+    raise TypeError("requests must be a sequence of jaxkv.serve.Request")
+  return [r if r.request_id is not None else r.replace(request_id=i)
+          for i, r in enumerate(requests)]
+
+
+def queue_order(requests: Sequence[Request]) -> dict:
+  """`request_id -> position` of a labelled queue; raises ValueError on a repeated id."""
+  order = {r.request_id: i for i, r in enumerate(requests)}
+  if len(order) != len(requests):
+    raise ValueError("request_id values must be unique")
+  return order
+
+
+ADMISSION_ORDERS = ("longest_first", "fcfs")
+
+
+def check_admission(admission) -> None:
+  """Raises ValueError, naming the argument, unless `admission` is one of `ADMISSION_ORDERS`."""
+  if admission not in ADMISSION_ORDERS:
+    raise ValueError(f"admission={admission!r} must be one of {ADMISSION_ORDERS}")
+
+
+def admission_order(requests: Sequence[Request], admission: str) -> list[Request]:
+  """The queue in the order `Engine.run(admission=...)` admits it (see there).
+
+  Longest first sorts by `max_tokens`, descending; the sort is stable, so
+  requests of equal budgets keep their queue order.
+  """
+  if admission == "fcfs":
+    return list(requests)
+  return sorted(requests, key=lambda r: -r.params.max_tokens)
+
+
