@@ -1,82 +1,134 @@
 """The `jaxkv` console script: `jaxkv serve --checkpoint DIR` starts the OpenAI-compatible server.
 
 The server's packages come with the `serve` extra (`pip install "jaxkv[serve]"`).
-Before it listens, `jaxkv serve` prints which attention implementation serves
-each layer and why, and compiles the serving loop with a warm-up request (so
-the first client does not wait for the compiler) and prints how long that
-took; when it stops, it prints the tokens served and the serving tokens/s,
-compilation excluded.
+With no sizing flags the K/V storage is sized from device memory (paged, prefix
+caching on, `max_len` the checkpoint's context: `jaxkv.sizing`). Before it
+listens, `jaxkv serve` prints one block: which attention implementation serves
+each layer and why, the decode GEMM, the model, dtypes, storage, K/V bytes and
+token capacity, `max_len` and where it came from, the concurrency, the
+compilation cache, and the compile time of a warm-up request (so the first
+client does not wait for the compiler); when it stops, it prints the tokens
+served and the serving tokens/s, compilation excluded.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
+import time
 
-_DTYPES = ("auto", "float32", "bfloat16")
+import numpy as np
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jax")
 
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
+  p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", required=True)
   s = sub.add_parser("serve", help="serve a Hugging Face checkpoint over an OpenAI-compatible API")
   s.add_argument("--checkpoint", required=True,
-                 help="checkpoint directory: config.json, *.safetensors, tokenizer.json "
-                      "(tokenizer_config.json for chat, generation_config.json for stop ids)")
+                 help="checkpoint directory or Hugging Face model id: config.json, *.safetensors, "
+                      "tokenizer.json (tokenizer_config.json / chat_template.jinja for chat, "
+                      "generation_config.json for stop ids)")
   s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-  s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+  s.add_argument("--port", type=int, default=8000, help="port, 1..65535 (default 8000)")
   s.add_argument("--model-name", default=None,
                  help="the model id clients send (default: the checkpoint's directory name)")
-  s.add_argument("--max-seqs", type=int, default=8, help="sequences served at once (default 8)")
-  s.add_argument("--max-len", type=int, default=None,
-                 help="longest prompt + completion (default: max_position_embeddings, at most "
-                      "4096)")
-  s.add_argument("--capacity", type=int, default=None,
-                 help="cache positions shared by all sequences (default max_seqs * max_len)")
-  s.add_argument("--max-write", type=int, default=64,
-                 help="step width W: tokens per step (default 64)")
-  s.add_argument("--dtype", choices=_DTYPES, default="auto",
-                 help="compute and K/V dtype (default auto: the checkpoint's)")
-  s.add_argument("--interval", type=int, default=8,
-                 help="steps per loop entry: streaming granularity (default 8)")
-  s.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
+  g = s.add_argument_group("sizing (default: from device memory)")
+  g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                 help="bytes for K/V storage (wins over --gpu-memory-utilization)")
+  g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                 help="fraction of the device's memory for weights, K/V and the loop (default "
+                      "0.9); ignored when --kv-cache-memory is given")
+  g.add_argument("--max-seqs", type=int, default=None,
+                 help="sequences served at once (default: what the K/V budget holds, at most "
+                      "256 and the step width)")
+  g.add_argument("--max-len", type=int, default=None,
+                 help="longest prompt + completion (default: the checkpoint's "
+                      "max_position_embeddings; refused if one sequence of it cannot fit)")
+  g.add_argument("--page-size", type=int, default=64,
+                 help="positions per K/V page (default 64, served at full speed by the kernels "
+                      "for head dims 64/128/256); 0: one column of max_len per sequence")
+  g.add_argument("--no-prefix-caching", action="store_true",
+                 help="do not keep and reuse prompt pages across requests (on by default with "
+                      "paged storage)")
+  g.add_argument("--max-write", type=int, default=512,
+                 help="step width W: most tokens per step (default 512)")
+  g.add_argument("--tensor-parallel-size", type=int, default=1,
+                 help="split K/V heads and weights over this many local devices (default 1)")
+  g.add_argument("--dtype", choices=_DTYPES, default="auto",
+                 help="compute dtype (default auto: the checkpoint's)")
+  g.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
+                 help="K/V storage dtype (default auto: the compute dtype)")
+  r = s.add_argument_group("serving")
+  r.add_argument("--interval", type=int, default=16,
+                 help="steps per loop entry while requests wait for a column: tokens stream in "
+                      "chunks of at most this many (default 16)")
+  r.add_argument("--min-interval", type=int, default=None,
+                 help="steps per loop entry while a column is free and nothing waits: the "
+                      "longest a new request waits to join (default interval / 4)")
+  r.add_argument("--scheduling", choices=("fcfs", "longest_first"), default="fcfs",
+                 help="admission order of waiting requests (default fcfs)")
+  r.add_argument("--max-queued", type=int, default=4096,
+                 help="requests waiting for admission beyond which new ones get 503 with "
+                      "Retry-After (default 4096)")
+  r.add_argument("--stats-interval", type=float, default=10.0,
+                 help="seconds between one-line stats logs while serving; 0: none (default 10)")
+  r.add_argument("--compilation-cache", default=DEFAULT_COMPILATION_CACHE,
+                 help="JAX persistent compilation cache directory, or 'none' (default "
+                      f"{DEFAULT_COMPILATION_CACHE})")
+  r.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
                  default=None, help="attention implementation (default: automatic)")
-  s.add_argument("--max-logprobs", type=int, default=None,
+  r.add_argument("--max-logprobs", type=int, default=None,
                  help="most top logprobs a request may ask for per token (default 20, or the "
                       "vocabulary if smaller)")
-  s.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+  r.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
   return p
 
 
-def build_server(checkpoint: str, *, max_seqs: int = 8, max_len: int | None = None,
-                 capacity: int | None = None, max_write: int = 64, dtype: str = "auto",
-                 implementation: str | None = None, max_logprobs: int | None = None):
-  """`(engine, tokenizer)` for a checkpoint: the model loaded, the engine built, the tokenizer read.
+def _version() -> str:
+  from jaxkv import __version__   # pylint: disable=g-import-not-at-top
+  return __version__
+
+
+def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int | None = None,
+                 max_write: int = 512, page_size: int | None = 64, dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float | None = None, prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, implementation: str | None = None,
+                 max_logprobs: int | None = None, scheduling: str = "fcfs", flags: bool = False):
+  """`(engine, tokenizer, plan)` for a checkpoint: sized from memory, loaded, the engine built.
+
+  Sizing follows `jaxkv.sizing.plan_serving` (through `jaxkv.models.hf.load_for_serving`).
 
   Raises:
     ValueError: a bad checkpoint or size (named).
   """
   from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
   from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
-  from jaxkv.server.text import Tokenizer   # pylint: disable=g-import-not-at-top
-  tokenizer = Tokenizer.from_checkpoint(checkpoint)
-  with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-    positions = json.load(f).get("max_position_embeddings") or 4096
-  max_len = min(int(positions), 4096) if max_len is None else max_len
-  capacity = max_seqs * max_len if capacity is None else capacity
-  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
-  kv = "auto" if dtype == "auto" else getattr(jnp, dtype)
-  model, _, _ = hf.load_model(checkpoint, capacity=capacity, max_seqs=max_seqs,
-                              max_write=max_write, dtype=kv, kv_dtype=kv,
-                              implementation=implementation)
-  engine = Engine(model, max_len=max_len, max_logprobs=max_logprobs)
-  if tokenizer.vocab_size > engine.vocab_size:
-    raise ValueError(f"{checkpoint}: the tokenizer has {tokenizer.vocab_size} tokens; the model's "
-                     f"vocab_size is {engine.vocab_size}")
-  return engine, tokenizer
+  mesh = None
+  if tensor_parallel_size != 1:
+    import jax   # pylint: disable=g-import-not-at-top
+    devices = jax.local_devices()
+    if tensor_parallel_size > len(devices):
+      raise ValueError(f"--tensor-parallel-size={tensor_parallel_size}: only {len(devices)} "
+                       "local devices")
+    mesh = jax.sharding.Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
+  model, tokenizer, plan = hf.load_for_serving(
+      checkpoint, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_len=max_len, max_seqs=max_seqs,
+      page_size=page_size, kv_cache_memory=kv_cache_memory,
+      gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
+      max_write=max_write, implementation=implementation, mesh=mesh, flags=flags)
+  if tokenizer is None:
+    path = os.path.join(hf.resolve_checkpoint(checkpoint), "tokenizer.json")
+    raise ValueError(f"{path} does not exist: the server needs the checkpoint's tokenizer")
+  engine = Engine(model, max_len=plan.max_len, max_logprobs=max_logprobs,
+                  prefix_cache=plan.prefix_caching, scheduling=scheduling)
+  return engine, tokenizer, plan
 
 
 def warm_up(engine) -> float:
@@ -105,6 +157,39 @@ def summary(stats, since) -> str:
           f"compilation excluded); compile {stats.compile_seconds:.2f} s in all")
 
 
+def _check_args(args) -> str | None:
+  """The first bad flag's message, or None (checked before anything is loaded)."""
+  for name in ("max_write", "interval", "tensor_parallel_size", "max_queued"):
+    if getattr(args, name) < 1:
+      return f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
+  for name in ("max_seqs", "max_len", "min_interval", "kv_cache_memory"):
+    if getattr(args, name) is not None and getattr(args, name) < 1:
+      return f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
+  if args.page_size < 0:
+    return f"--page-size={args.page_size} must be >= 0 (0: column storage)"
+  if not 1 <= args.port <= 65535:
+    return f"--port={args.port} must be in [1, 65535]"
+  if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+    return f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]"
+  if args.max_logprobs is not None and args.max_logprobs < 0:
+    return f"--max-logprobs={args.max_logprobs} must be >= 0"
+  if args.stats_interval < 0:
+    return f"--stats-interval={args.stats_interval} must be >= 0"
+  return None
+
+
+def use_compilation_cache(directory: str) -> str | None:
+  """Points JAX's persistent compilation cache at `directory` (`none`: off); the directory used."""
+  if directory.lower() == "none":
+    return None
+  import jax   # pylint: disable=g-import-not-at-top
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  # The serving loop and its helpers: every compile is worth keeping across restarts.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return directory
+
+
 def serve(args) -> int:
   try:
     import uvicorn   # pylint: disable=g-import-not-at-top
@@ -112,31 +197,39 @@ def serve(args) -> int:
   except ImportError as e:
     print(f"jaxkv serve needs the serve extra (pip install 'jaxkv[serve]'): {e}", file=sys.stderr)
     return 2
-  for name in ("max_seqs", "max_write", "interval"):
-    if getattr(args, name) < 1:
-      print(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1", file=sys.stderr)
-      return 2
-  if args.max_logprobs is not None and args.max_logprobs < 0:
-    print(f"--max-logprobs={args.max_logprobs} must be >= 0", file=sys.stderr)
+  problem = _check_args(args)
+  if problem:
+    print(problem, file=sys.stderr)
     return 2
+  started = time.perf_counter()
+  cache_dir = use_compilation_cache(args.compilation_cache)
   try:
-    engine, tokenizer = build_server(args.checkpoint, max_seqs=args.max_seqs, max_len=args.max_len,
-                                     capacity=args.capacity, max_write=args.max_write,
-                                     dtype=args.dtype, implementation=args.implementation,
-                                     max_logprobs=args.max_logprobs)
-  except (ValueError, OSError) as e:
+    engine, tokenizer, plan = build_server(
+        args.checkpoint, max_seqs=args.max_seqs, max_len=args.max_len, max_write=args.max_write,
+        page_size=args.page_size or None, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size, implementation=args.implementation,
+        max_logprobs=args.max_logprobs, scheduling=args.scheduling, flags=True)
+  except (ValueError, OSError, ImportError) as e:
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
   from jaxkv.serve.report import gemm_line, implementation_lines   # pylint: disable=g-import-not-at-top
   for line in implementation_lines(engine.implementations):
     print(f"jaxkv serve: {line}", flush=True)
   print(f"jaxkv serve: {gemm_line(engine.gemm)}", flush=True)
+  for line in plan.lines():
+    print(f"jaxkv serve: {line}", flush=True)
+  print(f"jaxkv serve: compilation cache: {cache_dir or 'off'}", flush=True)
   # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
   print(f"jaxkv serve: compiled the serving loop in {warm_up(engine):.2f} s (before the first "
-        "client)", flush=True)
+        f"client); ready {time.perf_counter() - started:.2f} s after start", flush=True)
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-  app = create_app(engine, tokenizer, model_name=name, interval=args.interval)
+  app = create_app(engine, tokenizer, model_name=name, interval=args.interval,
+                   min_interval=args.min_interval, max_queued=args.max_queued,
+                   stats_interval=args.stats_interval)
   warm = dataclasses.replace(engine.stats)
   uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
   print(summary(engine.stats, warm), flush=True)

@@ -11,6 +11,7 @@ closed stream, a dropped connection) aborts its requests in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -24,19 +25,20 @@ from jaxkv.serve.requests import Request as EngineRequest
 from jaxkv.server.logprobs import LogprobFormatter
 from jaxkv.server.metrics import Metrics
 from jaxkv.server.protocol import ChatRequest, CompletionRequest
-from jaxkv.server.text import TextStream, Tokenizer
+from jaxkv.tokenizer import TextStream, Tokenizer
 
 
 class BadRequest(Exception):
   def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-               kind: str = "invalid_request_error"):
+               kind: str = "invalid_request_error", headers: dict | None = None):
     super().__init__(message)
     self.message, self.status, self.param, self.kind = message, status, param, kind
+    self.headers = headers
 
 
-def _error(status: int, message: str, kind: str, param=None) -> JSONResponse:
+def _error(status: int, message: str, kind: str, param=None, headers=None) -> JSONResponse:
   return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                 "code": None}}, status_code=status)
+                                 "code": None}}, status_code=status, headers=headers)
 
 
 class _Sample:
@@ -60,19 +62,40 @@ class _Sample:
     return text, self.logprobs.format(entries)
 
 
-def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 8) -> FastAPI:
-  """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O."""
-  app = FastAPI(title="jaxkv", version=_version())
-  metrics = Metrics(engine.config.capacity)
-  aio = AsyncEngine(engine, interval=interval,
+def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 16,
+               min_interval: int | None = None, max_queued: int = 4096,
+               stats_interval: float = 0.0) -> FastAPI:
+  """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
+
+  `interval` and `min_interval` are the `AsyncEngine`'s steps per loop entry while
+  requests wait, and while a column is free. A request that would put more than
+  `max_queued` requests in the waiting queue is answered 503 with `Retry-After`
+  (nothing already accepted is dropped). Every `stats_interval` seconds (0: never)
+  one line of serving stats is printed while requests are in flight.
+  """
+  if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
+    raise ValueError(f"max_queued={max_queued!r} must be an int >= 1")
+  metrics = Metrics(engine.config.capacity, model_name)
+  aio = AsyncEngine(engine, interval=interval, min_interval=min_interval,
                     on_step=lambda deltas: metrics.after_step(engine, deltas))
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_):
+    logger = (asyncio.ensure_future(_log_stats(engine, metrics, stats_interval))
+              if stats_interval > 0 else None)
+    yield
+    if logger is not None:
+      logger.cancel()
+    await asyncio.to_thread(aio.close, 60.0)   # the driver thread ends with the app
+
+  app = FastAPI(title="jaxkv", version=_version(), lifespan=lifespan)
   app.state.engine, app.state.aio, app.state.metrics = engine, aio, metrics
   created = int(time.time())
 
   @app.exception_handler(BadRequest)
   async def _bad(_, e: BadRequest):
     metrics.errors.labels(str(e.status)).inc()
-    return _error(e.status, e.message, e.kind, e.param)
+    return _error(e.status, e.message, e.kind, e.param, e.headers)
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(_, e: RequestValidationError):
@@ -127,6 +150,11 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   async def serve(http: Request, requests, stop, chat: bool) -> tuple[list, list, dict]:
     """Adds every request (all or none); returns its ids, samples and an event stream."""
     arrived = time.perf_counter()
+    waiting = engine.counts()[1]
+    if waiting + len(requests) > max_queued:
+      raise BadRequest(f"the server is busy: {waiting} requests are waiting (at most "
+                       f"{max_queued}); retry later", status=503, kind="server_busy",
+                       headers={"Retry-After": "1"})
     ids = []
     try:
       for r in requests:
@@ -135,7 +163,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       for rid in ids:
         aio.abort(rid)
       raise BadRequest(str(e)) from e
-    metrics.prompt_tokens.inc(sum(len(r.prompt) for r in requests))
+    metrics.accepted(sum(len(r.prompt) for r in requests))
     samples = [[_Sample(tokenizer, stop, arrived,
                         None if r.params.logprobs is None else LogprobFormatter(tokenizer,
                                                                                 chat=chat))
@@ -154,14 +182,26 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         await queue.put((i, e))
       await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(ids)]
-    try:
+    async def merged():
       live = len(tasks)
       while live:
         i, d = await queue.get()
         if d is None:
           live -= 1
-          continue
+        else:
+          yield i, d
+
+    async def single():   # one prompt (the common request): no pump task, no second queue
+      try:
+        async for d in aio.deltas(ids[0]):
+          yield 0, d
+      except Exception as e:   # pylint: disable=broad-except  (reported to the client)
+        yield 0, e
+
+    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(ids)] if len(ids) > 1 else []
+    source = merged() if tasks else single()
+    try:
+      async for i, d in source:
         if isinstance(d, BaseException):
           raise BadRequest(f"the engine failed: {d}", status=500, kind="server_error")
         s = samples[i][d.index]
@@ -191,6 +231,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
           metrics.queue.observe(d.timing.queue_seconds)
         yield i, d.index, text, s.finish, logprobs
     finally:
+      await source.aclose()
       for t in tasks:
         t.cancel()   # their generators close and abort whatever has not finished
       for i, rid in enumerate(ids):
@@ -297,6 +338,20 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     return await respond(http, body, build(body, [prompt], limit), chat=True)
 
   return app
+
+
+async def _log_stats(engine, metrics: Metrics, every: float) -> None:
+  """Prints one line of serving stats every `every` seconds while anything is in flight."""
+  last_tokens, last_time = engine.stats.generated, time.perf_counter()
+  while True:
+    await asyncio.sleep(every)
+    running, waiting = engine.counts()
+    now, tokens = time.perf_counter(), engine.stats.generated
+    if running or waiting or tokens != last_tokens:
+      print(f"jaxkv serve: {(tokens - last_tokens) / (now - last_time):.1f} tokens/s, "
+            f"running {running}, waiting {waiting}, K/V {100 * engine.held / engine.config.capacity:.1f}%, "
+            f"preemptions {engine.stats.preemptions}", flush=True)
+    last_tokens, last_time = tokens, now
 
 
 async def _disconnected(http: Request) -> None:

@@ -11,54 +11,78 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
             60.0, 120.0)
 
 
+class _Bound:
+  """A labelled metric with its `model_name` label bound: `.labels(...)` takes the others."""
+
+  def __init__(self, metric, model_name: str):
+    self.metric, self.model_name = metric, model_name
+
+  def labels(self, *values):
+    return self.metric.labels(self.model_name, *values)
+
+
 class Metrics:
-  """What `/metrics` exposes.
+  """What `/metrics` exposes, every series labelled with `model_name` (as vLLM's are).
 
   Time to first token, inter-token latency, queue time and end-to-end latency
   are histograms (seconds, measured on the server around each request); K/V
-  use, running/waiting requests, tokens/s and compile time are gauges refreshed
-  after every engine step; token and request counters carry the totals.
+  use, running/waiting requests, preemptions, the prefix-cache hit rate,
+  tokens/s and compile time are gauges refreshed after every engine step; token
+  and request counters carry the totals.
   """
 
-  def __init__(self, capacity: int):
+  def __init__(self, capacity: int, model_name: str = ""):
     self.registry = r = CollectorRegistry()
     self.capacity = capacity
-    hist = lambda name, doc: Histogram(name, doc, registry=r, buckets=_BUCKETS)
+    label = ["model_name"]
+    hist = lambda name, doc: Histogram(name, doc, label, registry=r,
+                                       buckets=_BUCKETS).labels(model_name)
+    gauge = lambda name, doc: Gauge(name, doc, label, registry=r).labels(model_name)
+    counter = lambda name, doc: Counter(name, doc, label, registry=r).labels(model_name)
     self.ttft = hist("jaxkv_time_to_first_token_seconds", "Request arrival to its first token")
     self.itl = hist("jaxkv_inter_token_latency_seconds",
                     "Time between a request's consecutive tokens (a delta of m tokens counts m "
                     "times, each at the delta's interval / m)")
     self.queue = hist("jaxkv_queue_time_seconds", "Request arrival to its admission into the loop")
     self.e2e = hist("jaxkv_e2e_request_latency_seconds", "Request arrival to its last token")
-    self.kv_usage = Gauge("jaxkv_kv_cache_usage_ratio",
-                          "Cache positions held by live sequences / capacity", registry=r)
-    self.running = Gauge("jaxkv_requests_running", "Requests admitted into the loop", registry=r)
-    self.waiting = Gauge("jaxkv_requests_waiting", "Requests waiting for admission", registry=r)
-    self.tokens_per_second = Gauge(
+    self.kv_usage = gauge("jaxkv_kv_cache_usage_ratio",
+                          "Cache positions held by live sequences / capacity (0 when idle)")
+    self.running = gauge("jaxkv_requests_running", "Requests admitted into the loop")
+    self.waiting = gauge("jaxkv_requests_waiting", "Requests waiting for admission")
+    self.preempted = gauge("jaxkv_requests_preempted",
+                           "Sequences preempted (paged storage: pages dropped, recomputed later) "
+                           "since the engine's cache was made")
+    self.prefix_hit_rate = gauge("jaxkv_prefix_cache_hit_rate",
+                                 "Prompt tokens adopted from cached pages / prompt tokens accepted")
+    self.tokens_per_second = gauge(
         "jaxkv_generation_tokens_per_second",
-        "Tokens generated per second over the last engine step (compilation excluded)", registry=r)
-    self.compile_seconds = Gauge(
+        "Tokens generated per second over the last engine step (compilation excluded)")
+    self.compile_seconds = gauge(
         "jaxkv_compile_seconds", "Seconds the engine spent tracing and compiling since its cache "
-        "was made (apart from serving time)", registry=r)
-    self.prompt_tokens = Counter("jaxkv_prompt_tokens", "Prompt tokens of accepted requests",
-                                 registry=r)
-    self.generation_tokens = Counter("jaxkv_generation_tokens", "Tokens generated", registry=r)
-    self.finished = Counter("jaxkv_requests_finished", "Finished samples by finish reason",
-                            ["reason"], registry=r)
-    self.errors = Counter("jaxkv_request_errors", "Requests answered with an error, by status",
-                          ["status"], registry=r)
+        "was made (apart from serving time)")
+    self.prompt_tokens = counter("jaxkv_prompt_tokens", "Prompt tokens of accepted requests")
+    self.generation_tokens = counter("jaxkv_generation_tokens", "Tokens generated")
+    self.finished = _Bound(Counter("jaxkv_requests_finished", "Finished samples by finish reason",
+                                   label + ["reason"], registry=r), model_name)
+    self.errors = _Bound(Counter("jaxkv_request_errors", "Requests answered with an error, by "
+                                 "status", label + ["status"], registry=r), model_name)
+    self._prompt_total = 0
     self._last = (time.perf_counter(), 0.0, 0.0)
+
+  def accepted(self, prompt_tokens: int) -> None:
+    self._prompt_total += prompt_tokens
+    self.prompt_tokens.inc(prompt_tokens)
 
   def after_step(self, engine, deltas) -> None:
     """Refreshes the gauges from the engine after one step."""
-    live = engine._live   # pylint: disable=protected-access
-    if live is None:
-      return
-    running, waiting = live.counts()
+    running, waiting = engine.counts()
     self.running.set(running)
     self.waiting.set(waiting)
-    self.kv_usage.set(live.held / self.capacity)
+    self.kv_usage.set(engine.held / self.capacity)
     stats = engine.stats
+    self.preempted.set(stats.preemptions)
+    if self._prompt_total:
+      self.prefix_hit_rate.set(stats.cached_tokens / self._prompt_total)
     self.compile_seconds.set(stats.compile_seconds)
     new = sum(len(d.tokens) for d in deltas)
     self.generation_tokens.inc(new)

@@ -16,12 +16,17 @@ FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "
 
 def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
   assert cli.main(["serve", "--checkpoint", str(tmp_path)]) == 2
-  assert "tokenizer.json does not exist" in capsys.readouterr().err
+  assert "has no config.json" in capsys.readouterr().err
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-seqs", "0"]) == 2
   assert "--max-seqs=0 must be >= 1" in capsys.readouterr().err
-  shutil.copy(os.path.join(FIXTURE, "tokenizer.json"), tmp_path / "tokenizer.json")
-  assert cli.main(["serve", "--checkpoint", str(tmp_path)]) == 2
-  assert "config.json" in capsys.readouterr().err
+  for name in ("--port", "99999"), ("--page-size", "-1"), ("--gpu-memory-utilization", "1.5"):
+    assert cli.main(["serve", "--checkpoint", FIXTURE, *name]) == 2
+    assert f"{name[0]}={name[1]} must be" in capsys.readouterr().err
+  untokenized = tmp_path / "no-tokenizer"
+  shutil.copytree(FIXTURE, untokenized)
+  os.remove(untokenized / "tokenizer.json")
+  assert cli.main(["serve", "--checkpoint", str(untokenized), "--max-len", "64"]) == 2
+  assert "tokenizer.json does not exist" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     cli.main(["serve"])   # --checkpoint is required
   assert "--checkpoint" in capsys.readouterr().err
@@ -33,7 +38,7 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
 
 
 def test_max_logprobs_reaches_the_engine():
-  engine, _ = cli.build_server(FIXTURE, max_seqs=2, max_len=64, max_logprobs=3)
+  engine, _, _ = cli.build_server(FIXTURE, max_seqs=2, max_len=64, max_logprobs=3)
   assert engine.max_logprobs == 3
 
 
@@ -54,13 +59,20 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
     ran["compile_after"] = engine.stats.compile_seconds
 
   monkeypatch.setattr(uvicorn, "run", fake_run)
-  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2"]) == 0
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2",
+                   "--compilation-cache", "none"]) == 0
   out = capsys.readouterr().out.splitlines()
   assert out[0] == ("jaxkv serve: attention: reference on layers 0-1 (2 of 2): the default "
                     "device (cpu: cpu) is not an NVIDIA GPU of compute capability >= 9.0")
   assert out[1] == "jaxkv serve: decode GEMM: gemm='xla': XLA's for every product"
-  assert out[2] == "jaxkv serve: compiling the serving loop with a warm-up request ..."
-  compiled = float(out[3].split("compiled the serving loop in ")[1].split(" s")[0])
+  # The startup block: the sizing plan's lines, then the compilation cache.
+  block = out[2:out.index("jaxkv serve: compiling the serving loop with a warm-up request ...")]
+  assert [line.split(":")[1].strip() for line in block] == [
+      "model", "dtype", "storage", "K/V", "max_len", "max concurrency", "compilation cache"]
+  assert "storage: paged, page size 64, prefix caching on" in block[2]
+  assert block[4].endswith("(--max-len)")
+  compiled_line = out[2 + len(block) + 1]
+  compiled = float(compiled_line.split("compiled the serving loop in ")[1].split(" s")[0])
   # The engine's first compile was the warm-up's (printed to 2 decimals).
   assert compiled > 0 and compiled == pytest.approx(ran["compile_before"], abs=0.006)
   # The warm-up compiled the loop: serving the request compiled (almost) nothing more.

@@ -37,7 +37,7 @@ STOP_IDS = (2, 7)   # generation_config.json's eos_token_id
 
 @pytest.fixture(scope="module")
 def server():
-  engine, tokenizer = build_server(CHECKPOINT, max_seqs=4, max_len=MAX_LEN, max_write=16)
+  engine, tokenizer, _ = build_server(CHECKPOINT, max_seqs=4, max_len=MAX_LEN, max_write=16)
   # interval=1: a token per loop entry, so a 120-token stream outlives a client that leaves early.
   app = create_app(engine, tokenizer, model_name=MODEL, interval=1)
   sock = socket.socket()
@@ -103,8 +103,8 @@ def test_models_health_and_metrics(server, client):
 def test_metrics_report_compile_time_apart_from_serving(server, client):
   client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
   text = httpx.get(server[0] + "/metrics").text
-  value = lambda name: float(next(line.split()[1] for line in text.splitlines()
-                                  if line.startswith(name + " ")))
+  value = lambda name: float(next(line.split()[-1] for line in text.splitlines()
+                                  if line.startswith(f'{name}{{model_name="{MODEL}"}} ')))
   # The app's engine compiled its loop for the first request it served.
   assert value("jaxkv_compile_seconds") == pytest.approx(server[1].stats.compile_seconds)
   assert value("jaxkv_compile_seconds") > 0
@@ -186,7 +186,8 @@ def test_client_disconnect_aborts_the_request(server, client):
   while engine.has_unfinished() or engine.stats.aborted == before:
     assert time.monotonic() < deadline, "the engine did not abort the request"
     time.sleep(0.05)
-  assert 'jaxkv_requests_finished_total{reason="abort"}' in httpx.get(url + "/metrics").text
+  assert (f'jaxkv_requests_finished_total{{model_name="{MODEL}",reason="abort"}}'
+          in httpx.get(url + "/metrics").text)
 
 
 @pytest.mark.parametrize("call, status, match", [

@@ -12,7 +12,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers", reason="text I/O needs the tokenizers package")
 pytest.importorskip("jinja2", reason="chat templates need jinja2 (the serve extra)")
 
-from jaxkv.server.text import TextStream, Tokenizer  # noqa: E402
+from jaxkv.tokenizer import TextStream, Tokenizer  # noqa: E402
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
 TEXT = "héllo wörld, 你好! The naïve café — déjà vu. 🙂 ok"
