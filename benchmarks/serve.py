@@ -1,0 +1,560 @@
+"""The serving benchmark: the OpenAI server under load, beside the offline engine on the same queue.
+
+A request mix (lognormal prompt and output lengths, seeded) is sent to a jaxkv
+server by the official `openai` client (streaming completions over token-id
+prompts, greedy, `max_tokens` = the drawn output length), either all at once
+or with Poisson arrivals at given rates. The client runs in separate processes
+(`--client-procs`), so its own parsing does not share the server's interpreter.
+
+Against `--url` it measures a running server. Without it, it builds the engine
+in this process over `--checkpoint` (or a random-weights checkpoint it writes
+with `--write-checkpoint DIR`: the Llama 3.2 1B shape with a word-level
+tokenizer covering the whole vocabulary), first serves the same queue offline
+with `Engine.run` (the anchor: same engine, same weights), then puts the
+OpenAI app on the same engine and sends the queue through HTTP.
+
+Reported per run: wall time, useful (generated) tokens/s, TTFT, time per output
+token (TPOT, per request) and inter-chunk latency (ITL) percentiles, end-to-end
+latency, goodput (requests/s meeting `--slo-ttft` and `--slo-tpot`), and the
+server-to-offline throughput ratio. Writes JSON (`--out`) and a PNG (`--png`:
+TTFT CDFs, throughput and p99 TTFT against the arrival rate).
+
+Usage:
+  python benchmarks/serve.py --small                          # CPU smoke, a tiny model
+  python benchmarks/serve.py --write-checkpoint /tmp/llama1b --rates inf,4,16,64
+  python benchmarks/serve.py --url http://127.0.0.1:8000 --model NAME --rates inf
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--small", action="store_true", help="a tiny model and queue (CPU smoke)")
+  p.add_argument("--url", default=None, help="measure this running server (no offline anchor)")
+  p.add_argument("--model", default=None, help="with --url: the model id to send")
+  p.add_argument("--checkpoint", default=None, help="serve this checkpoint directory")
+  p.add_argument("--write-checkpoint", default=None, metavar="DIR",
+                 help="write a random-weights checkpoint here (reused if present) and serve it")
+  p.add_argument("--requests", type=int, default=256)
+  p.add_argument("--prompt-median", type=int, default=300)
+  p.add_argument("--output-median", type=int, default=150)
+  p.add_argument("--slots", type=int, default=64, help="engine columns (max_seqs)")
+  p.add_argument("--max-write", type=int, default=512, help="step width W")
+  p.add_argument("--vocab", type=int, default=None,
+                 help="with --url: prompt token ids are drawn below this (the model's vocab_size)")
+  p.add_argument("--rates", default="inf",
+                 help="comma-separated arrival rates in requests/s; inf = all at once")
+  p.add_argument("--rate-requests", type=int, default=0,
+                 help="requests per finite-rate run (default: --requests)")
+  p.add_argument("--client-procs", type=int, default=4)
+  p.add_argument("--server-configs", default="16:fcfs",
+                 help="in-process server settings to measure, comma-separated INTERVAL:SCHEDULING "
+                      "(steps per loop entry while requests wait; fcfs or longest_first), each "
+                      "on an engine of its own over the same weights")
+  p.add_argument("--compilation-cache", default="none",
+                 help="JAX persistent compilation cache directory (default none): later "
+                      "engines of the run load the serving loop from it")
+  p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
+  p.add_argument("--slo-tpot", type=float, default=0.05, help="goodput: TPOT bound, seconds")
+  p.add_argument("--no-offline", action="store_true", help="skip the offline Engine.run anchor")
+  p.add_argument("--offline-entry-steps", default="",
+                 help="also run offline with at most these many steps per loop entry (comma-"
+                      "separated): the cost of visiting the host more often")
+  p.add_argument("--profile", default="",
+                 help="comma-separated module:Class.method names to time in the server process")
+  p.add_argument("--cprofile", action="store_true",
+                 help="print cProfile tables: the offline run with the first --offline-entry-steps "
+                      "value and the server's driver (the method named by --driver-method)")
+  p.add_argument("--driver-method", default="jaxkv.serve.live:LiveQueue.step",
+                 help="with --cprofile: the driver's per-entry method to profile")
+  p.add_argument("--out", default=None, help="write results JSON here")
+  p.add_argument("--png", default=None, help="write the plots here (needs matplotlib)")
+  args = p.parse_args(argv)
+  if args.small:
+    args.requests, args.prompt_median, args.output_median = 12, 12, 6
+    args.slots, args.max_write, args.client_procs = 4, 32, 2
+  try:
+    args.rate_list = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
+  except ValueError:
+    p.error(f"--rates {args.rates!r}: comma-separated numbers or inf")
+  if any(r <= 0 for r in args.rate_list):
+    p.error("--rates must be positive")
+  if args.url and (not args.model or not args.vocab):
+    p.error("--url needs --model and --vocab")
+  if not args.url and not (args.checkpoint or args.write_checkpoint or args.small):
+    p.error("give --checkpoint, --write-checkpoint or --url (or --small)")
+  return args
+
+
+# ------------------------------------------------------------------ the workload
+
+def lengths(rng, n, median, cap, sigma=0.8, floor=1) -> list[int]:
+  """Lognormal lengths around `median`, clipped to [floor, cap] (benchmarks/e2e.py's mixed draw)."""
+  return [int(min(cap, max(floor, round(x)))) for x in rng.lognormal(np.log(median), sigma, n)]
+
+
+def workload(n, prompt_median, output_median, vocab, *, seed=0, prompt_cap=2048, output_cap=768):
+  """`(prompts, max_tokens)`: random token-id prompts and output lengths, seeded."""
+  rng = np.random.default_rng(seed)
+  plens = lengths(rng, n, prompt_median, prompt_cap, floor=4)
+  outs = lengths(rng, n, output_median, output_cap)
+  prompts = [rng.integers(0, vocab, size=m).astype(np.int32).tolist() for m in plens]
+  return prompts, outs
+
+
+# ------------------------------------------------------------------ a checkpoint
+
+def write_checkpoint(path: str, *, small: bool) -> str:
+  """A random-weights Llama checkpoint (bf16 safetensors, config.json, tokenizer.json) at `path`.
+
+  The tokenizer is word-level over the whole vocabulary (`t0`, `t1`, ...), so every id the random
+  model samples decodes; it has no EOS, so requests end at `max_tokens`, as offline.
+  """
+  if os.path.exists(os.path.join(path, "config.json")):
+    return path
+  import jax   # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
+  from safetensors.flax import save_file   # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, models, pre_tokenizers   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import ModelConfig   # pylint: disable=g-import-not-at-top
+  from jaxkv.models.hf import expected_tensors   # pylint: disable=g-import-not-at-top
+  shape = (dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=16) if small else
+           dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                num_heads=32, num_kv_heads=8, head_dim=64))
+  cfg = ModelConfig.llama(tie_embeddings=True, **shape)
+  os.makedirs(path, exist_ok=True)
+  key = jax.random.PRNGKey(0)
+  tensors = {}
+  for i, (name, tshape) in enumerate(sorted(expected_tensors(cfg).items())):
+    if name.endswith("norm.weight"):
+      tensors[name] = jnp.ones(tshape, jnp.bfloat16)
+    else:
+      scale = 1.0 / math.sqrt(tshape[-1])
+      tensors[name] = (jax.random.normal(jax.random.fold_in(key, i), tshape, jnp.float32)
+                       * scale).astype(jnp.bfloat16)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+            "vocab_size": shape["vocab_size"], "hidden_size": shape["hidden_size"],
+            "intermediate_size": shape["intermediate_size"],
+            "num_hidden_layers": shape["num_layers"], "num_attention_heads": shape["num_heads"],
+            "num_key_value_heads": shape["num_kv_heads"], "head_dim": shape["head_dim"],
+            "max_position_embeddings": 4096 if small else 131072, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False}
+  with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(config, f, indent=1)
+  vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(os.path.join(path, "tokenizer.json"))
+  return path
+
+
+# ------------------------------------------------------------------ the client
+
+def _percentiles(xs) -> dict:
+  if not xs:
+    return {"p50": None, "p90": None, "p99": None, "mean": None}
+  a = np.asarray(xs, float)
+  return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+          "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+async def _one(client, model, prompt, max_tokens, send_at, start):
+  await asyncio.sleep(max(0.0, start + send_at - time.time()))
+  sent = time.time()
+  chunks, tokens, error = [], None, None
+  try:
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    async for chunk in stream:
+      if chunk.usage is not None:
+        tokens = chunk.usage.completion_tokens
+      if chunk.choices and chunk.choices[0].text:
+        chunks.append(time.time())
+  except Exception as e:   # pylint: disable=broad-except  (counted as a failed request)
+    error = f"{type(e).__name__}: {e}"
+  return {"sent": sent, "chunks": chunks, "tokens": tokens, "done": time.time(), "error": error}
+
+
+def _client_main(url, model, jobs, start, conn):
+  """One client process: sends its `jobs` (index, prompt, max_tokens, send offset), returns results."""
+  import openai   # pylint: disable=g-import-not-at-top
+  try:   # the client's HTTP package: httpx2 from openai 3 on, httpx before
+    import httpx2 as httpx   # pylint: disable=g-import-not-at-top
+  except ImportError:
+    import httpx   # pylint: disable=g-import-not-at-top
+
+  async def main():
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=4096,
+                                                              max_keepalive_connections=4096))
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get("JAXKV_API_KEY", "x"),
+                                max_retries=0, timeout=3600.0, http_client=http)
+    out = await asyncio.gather(*[_one(client, model, p, m, at, start) for _, p, m, at in jobs])
+    await client.close()
+    return out
+
+  results = asyncio.run(main())
+  conn.send([(j[0], r) for j, r in zip(jobs, results)])
+  conn.close()
+
+
+def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0) -> dict:
+  """Sends the queue (all at once for rate inf, else Poisson arrivals); per-request records."""
+  rng = np.random.default_rng(seed + 1)
+  n = len(prompts)
+  offsets = (np.zeros(n) if math.isinf(rate)
+             else np.cumsum(rng.exponential(1.0 / rate, n)) - 0.0)
+  ctx = multiprocessing.get_context("spawn")
+  start = time.time() + 2.0   # every process is up before the first send
+  workers = []
+  for k in range(procs):
+    jobs = [(i, prompts[i], max_tokens[i], float(offsets[i])) for i in range(k, n, procs)]
+    if not jobs:
+      continue
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_client_main, args=(url, model, jobs, start, child), daemon=True)
+    proc.start()
+    workers.append((proc, parent))
+  records = [None] * n
+  for proc, parent in workers:
+    while not parent.poll(1.0):   # a client process that died would leave recv() waiting
+      if not proc.is_alive():
+        raise RuntimeError(f"a client process exited with code {proc.exitcode} (see its error)")
+    for i, r in parent.recv():
+      records[i] = r
+    proc.join()
+  return summarize(records, max_tokens)
+
+
+def summarize(records, max_tokens, slo_ttft=2.0, slo_tpot=0.05) -> dict:
+  ok = [r for r in records if r["error"] is None]
+  ttft = [r["chunks"][0] - r["sent"] for r in ok if r["chunks"]]
+  tpot = [(r["chunks"][-1] - r["chunks"][0]) / (r["tokens"] - 1) for r in ok
+          if r["chunks"] and r["tokens"] and r["tokens"] > 1]
+  itl = [b - a for r in ok for a, b in zip(r["chunks"], r["chunks"][1:])]
+  e2e = [r["done"] - r["sent"] for r in ok]
+  first = min(r["sent"] for r in records)
+  last = max(r["done"] for r in records)
+  generated = sum(r["tokens"] or 0 for r in ok)
+  good = sum(1 for r in ok if r["chunks"] and r["chunks"][0] - r["sent"] <= slo_ttft and (
+      not r["tokens"] or r["tokens"] < 2
+      or (r["chunks"][-1] - r["chunks"][0]) / (r["tokens"] - 1) <= slo_tpot))
+  short = sum(1 for r, m in zip(records, max_tokens) if r["error"] is None and r["tokens"] != m)
+  wall = last - first
+  return {"requests": len(records), "failed": len(records) - len(ok),
+          "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+          "short": short, "wall_s": wall, "generated": generated,
+          "tokens_per_s": generated / wall, "goodput_rps": good / wall,
+          "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot), "itl_s": _percentiles(itl),
+          "e2e_s": _percentiles(e2e), "ttft_all": sorted(ttft)}
+
+
+# ------------------------------------------------------------------ in-process server
+
+def _print_profile(title, prof, n=22):
+  import io   # pylint: disable=g-import-not-at-top
+  import pstats   # pylint: disable=g-import-not-at-top
+  for key in ("tottime", "cumulative"):
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(n)
+    body = [l for l in buf.getvalue().splitlines() if l.strip()][3:]
+    print(f"--- cProfile {title} by {key}\n" + "\n".join(body), flush=True)
+
+
+def _profile_method(name, prof):
+  """Wraps `module:Class.method` so each call runs under `prof` (in whichever thread calls it)."""
+  import importlib   # pylint: disable=g-import-not-at-top
+  mod, attr = name.split(":")
+  owner = importlib.import_module(mod)
+  parts = attr.split(".")
+  for part in parts[:-1]:
+    owner = getattr(owner, part)
+  fn = getattr(owner, parts[-1])
+
+  def profiled(*a, **k):
+    prof.enable()
+    try:
+      return fn(*a, **k)
+    finally:
+      prof.disable()
+  setattr(owner, parts[-1], profiled)
+
+
+class _Timers:
+  """Wraps `module:Class.method` callables to count calls and seconds (`--profile`)."""
+
+  def __init__(self, names):
+    import importlib   # pylint: disable=g-import-not-at-top
+    self.totals = {}
+    for name in filter(None, (n.strip() for n in names.split(","))):
+      mod, attr = name.split(":")
+      owner = importlib.import_module(mod)
+      parts = attr.split(".")
+      for part in parts[:-1]:
+        owner = getattr(owner, part)
+      self._wrap(owner, parts[-1], name)
+
+  def _wrap(self, owner, attr, name):
+    fn = getattr(owner, attr)
+    self.totals[name] = [0, 0.0]
+    totals = self.totals[name]
+
+    def timed(*a, **k):
+      t = time.perf_counter()
+      try:
+        return fn(*a, **k)
+      finally:
+        totals[0] += 1
+        totals[1] += time.perf_counter() - t
+    setattr(owner, attr, timed)
+
+  def snapshot(self):
+    return {k: (v[0], v[1]) for k, v in self.totals.items()}
+
+
+class InProcessServer:
+  """The OpenAI app over `engine` on 127.0.0.1, run by uvicorn in a thread, with a loop-lag probe."""
+
+  def __init__(self, app):
+    import uvicorn   # pylint: disable=g-import-not-at-top
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      self.port = s.getsockname()[1]
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                log_level="warning", lifespan="on"))
+    self.lags = []
+    self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+    self.thread.start()
+    deadline = time.time() + 60
+    while not self.server.started:
+      if time.time() > deadline or not self.thread.is_alive():
+        raise RuntimeError("the in-process server did not start")
+      time.sleep(0.05)
+
+  async def _main(self):
+    probe = asyncio.ensure_future(self._probe())
+    try:
+      await self.server.serve()
+    finally:
+      probe.cancel()
+
+  async def _probe(self):   # how late the event loop wakes from a 10 ms sleep
+    while True:
+      t = time.perf_counter()
+      await asyncio.sleep(0.01)
+      self.lags.append(time.perf_counter() - t - 0.01)
+
+  def stop(self):
+    self.server.should_exit = True
+    self.thread.join(timeout=30)
+
+
+def build_engine(checkpoint, args, prompts, max_tokens):
+  """`(model, max_len, tokenizer)`: the checkpoint loaded as bf16 over a cache sized for the queue."""
+  import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
+  from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
+  from jaxkv.tokenizer import Tokenizer   # pylint: disable=g-import-not-at-top
+  longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+  rows = -(-longest // 128) * 128
+  capacity = max(min(sum(len(p) + m for p, m in zip(prompts, max_tokens)), args.slots * rows), rows)
+  kwargs = dict(capacity=capacity, max_seqs=args.slots, max_write=args.max_write,
+                dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, initial_capacity=rows)
+  model, _, _ = hf.load_model(checkpoint, **kwargs)
+  return model, rows, Tokenizer.from_checkpoint(checkpoint)
+
+
+def run_offline(engine, prompts, max_tokens, admission, max_steps=None, prof=None) -> dict:
+  from jaxkv.serve import Request, SamplingParams   # pylint: disable=g-import-not-at-top
+  reqs = [Request(tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
+          for p, m in zip(prompts, max_tokens)]
+  saved = engine.max_steps
+  engine.max_steps = saved if max_steps is None else max_steps   # a traced loop argument
+  try:
+    engine.run(reqs, admission=admission)   # compiles
+    t = time.perf_counter()
+    if prof is not None:
+      prof.enable()
+    done = engine.run(reqs, admission=admission)
+    if prof is not None:
+      prof.disable()
+    wall = time.perf_counter() - t
+  finally:
+    engine.max_steps = saved
+  generated = sum(len(c.tokens) for c in done)
+  stats = engine.stats
+  ttft = [c.timing.first_token_seconds for c in done if c.timing.first_token_seconds is not None]
+  return {"admission": admission, "wall_s": wall, "generated": generated,
+          "tokens_per_s": generated / wall, "steps": stats.steps,
+          "step_ms": 1e3 * stats.step_seconds, "loop_entries": stats.loop_entries,
+          "ttft_s": _percentiles(ttft),
+          "tokens": {c.request_id: c.tokens for c in done}}
+
+
+def _line(name, r) -> str:
+  t, p, i = r["ttft_s"], r.get("tpot_s", {}), r.get("itl_s", {})
+  fmt = lambda x: "-" if x is None else f"{1e3 * x:.1f}"
+  return (f"{name:<28} {r['wall_s']:8.2f} s {r['tokens_per_s']:10.0f} tok/s  TTFT p50/p90/p99 "
+          f"{fmt(t['p50'])}/{fmt(t['p90'])}/{fmt(t['p99'])} ms  TPOT p50 {fmt(p.get('p50'))} ms  "
+          f"ITL p50/p99 {fmt(i.get('p50'))}/{fmt(i.get('p99'))} ms")
+
+
+def plot(results, path):
+  import matplotlib   # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt   # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for name, r in results["server"].items():
+    xs = r["ttft_all"]
+    axes[0].plot(xs, np.arange(1, len(xs) + 1) / max(1, len(xs)), label=f"rate {name}")
+  axes[0].set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
+  axes[0].legend(fontsize=7)
+  series = {}
+  for name, r in results["server"].items():
+    tag, _, rate = name.rpartition("/")
+    if rate != "inf":
+      series.setdefault(tag, []).append((float(rate), r))
+  for tag, points in series.items():
+    points.sort(key=lambda p: p[0])
+    axes[1].plot([k for k, _ in points], [v["tokens_per_s"] for _, v in points], "o-", label=tag)
+    axes[2].plot([k for k, _ in points], [v["ttft_s"]["p99"] for _, v in points], "o-", label=tag)
+  for ax, title in ((axes[1], "throughput (tok/s)"), (axes[2], "TTFT p99 (s)")):
+    ax.set(xlabel="arrival rate (requests/s)", title=title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def run_rates(args, results, url, model_name, prompts, max_tokens, server, timers, tag):
+  """Sends the queue at every rate of `--rates` and records each run under `tag/rate`."""
+  send_queue(url, model_name, prompts[:4], [2] * 4, math.inf, 1)   # the app's paths, warm
+  for rate in args.rate_list:
+    n = args.requests if math.isinf(rate) or not args.rate_requests else args.rate_requests
+    if server is not None:
+      server.lags.clear()
+      before = timers.snapshot()
+    r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    if server is not None:
+      r["loop_lag_s"] = _percentiles(server.lags) | {"max": max(server.lags, default=0.0)}
+      after = timers.snapshot()
+      r["profile"] = {k: {"calls": after[k][0] - before[k][0],
+                          "seconds": after[k][1] - before[k][1]} for k in after}
+    name = "inf" if math.isinf(rate) else f"{rate:g}"
+    results["server"][f"{tag}/{name}" if tag else name] = r
+    print(_line(f"server {tag} rate {name}", r) + f"  failed {r['failed']} short {r['short']}",
+          flush=True)
+    if r["errors"]:
+      print(f"  errors: {r['errors']}", flush=True)
+    if "loop_lag_s" in r:
+      lag = r["loop_lag_s"]
+      print(f"  event-loop lag p50/p99/max {1e3 * (lag['p50'] or 0):.1f}/"
+            f"{1e3 * (lag['p99'] or 0):.1f}/{1e3 * lag['max']:.1f} ms", flush=True)
+    for k, v in r.get("profile", {}).items():
+      print(f"  {k}: {v['calls']} calls, {v['seconds']:.3f} s", flush=True)
+    for admission in ("longest_first", "fcfs"):
+      off = results.get(f"offline_{admission}")
+      if off and math.isinf(rate) and n == len(prompts):
+        ratio = r["tokens_per_s"] / off["tokens_per_s"]
+        r[f"vs_offline_{admission}"] = ratio
+        ttft = lambda q: (r["ttft_s"][q] or 0) / max(1e-9, off["ttft_s"][q] or 0)
+        print(f"  server / offline ({admission}): throughput {ratio:.2f}x, TTFT p50 "
+              f"{ttft('p50'):.2f}x, p99 {ttft('p99'):.2f}x", flush=True)
+
+
+def main(argv=None) -> int:
+  args = _args(argv)
+  results = {"args": {k: v for k, v in vars(args).items() if k != "rate_list"}, "server": {}}
+  if args.url:
+    url, model_name, vocab = args.url.rstrip("/"), args.model, args.vocab
+  else:
+    import jax   # pylint: disable=g-import-not-at-top
+    checkpoint = args.checkpoint or write_checkpoint(
+        args.write_checkpoint or os.path.join("/tmp", "jaxkv-bench-small"), small=args.small)
+    from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
+    vocab = hf.read_config(checkpoint).vocab_size
+  prompts, max_tokens = workload(args.requests, args.prompt_median, args.output_median, vocab)
+  print(f"queue: {len(prompts)} requests, prompts {min(map(len, prompts))}..{max(map(len, prompts))} "
+        f"(sum {sum(map(len, prompts))}), outputs {min(max_tokens)}..{max(max_tokens)} "
+        f"(sum {sum(max_tokens)})", flush=True)
+  configs = []
+  for item in args.server_configs.split(","):
+    interval, _, scheduling = item.partition(":")
+    configs.append((int(interval), scheduling or "fcfs"))
+  if args.url:
+    run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
+  else:
+    from jaxkv.cli import use_compilation_cache, warm_up   # pylint: disable=g-import-not-at-top
+    from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
+    from jaxkv.server.app import create_app   # pylint: disable=g-import-not-at-top
+    import cProfile   # pylint: disable=g-import-not-at-top
+    use_compilation_cache(args.compilation_cache)
+    t = time.perf_counter()
+    model, max_len, tokenizer = build_engine(checkpoint, args, prompts, max_tokens)
+    engine = Engine(model, max_len=max_len)
+    print(f"device {jax.devices()[0].device_kind}; model loaded in {time.perf_counter() - t:.1f} s "
+          f"({args.slots} slots, W={args.max_write}, max_len={max_len})", flush=True)
+    if not args.no_offline:
+      for admission in ("longest_first", "fcfs"):
+        off = run_offline(engine, prompts, max_tokens, admission)
+        results[f"offline_{admission}"] = {k: v for k, v in off.items() if k != "tokens"}
+        print(_line(f"offline ({admission})", off) + f"  step {off['step_ms']:.2f} ms",
+              flush=True)
+      for j, k in enumerate(filter(None, args.offline_entry_steps.split(","))):
+        prof = cProfile.Profile() if args.cprofile and j == 0 else None
+        off = run_offline(engine, prompts, max_tokens, "fcfs", int(k), prof)
+        if prof is not None:
+          _print_profile(f"offline, {k}-step entries", prof)
+        results[f"offline_fcfs_{k}_steps"] = {k2: v for k2, v in off.items() if k2 != "tokens"}
+        print(_line(f"offline (fcfs, {k}-step entries)", off)
+              + f"  step {off['step_ms']:.2f} ms, {off['loop_entries']} entries", flush=True)
+    del engine
+    for interval, scheduling in configs:
+      engine = Engine(model, max_len=max_len, scheduling=scheduling)
+      app = create_app(engine, tokenizer, model_name="bench", interval=interval)
+      t = time.perf_counter()
+      warm_up(engine)
+      print(f"server: interval {interval}, {scheduling}: warmed up in "
+            f"{time.perf_counter() - t:.1f} s", flush=True)
+      timers = _Timers(args.profile)
+      driver_prof = None
+      if args.cprofile:   # one profiler at a time in Python 3.12: the driver's
+        driver_prof = cProfile.Profile()
+        _profile_method(args.driver_method, driver_prof)
+      server = InProcessServer(app)
+      try:
+        run_rates(args, results, server.url, "bench", prompts, max_tokens, server, timers,
+                  f"i{interval}-{scheduling}")
+      finally:
+        server.stop()
+        if driver_prof is not None:
+          _print_profile("server driver", driver_prof)
+      del engine, app
+  if args.out:
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)
+  if args.png:
+    plot(results, args.png)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
