@@ -1,7 +1,7 @@
 """A minimal reproduction of the square-tile miscompute outside jaxkv (issue 12 item 5).
 
 jaxkv's attention kernel computed wrong results with K/V tiles of `head_dim` rows
-until it reloaded q into registers for every tile (`varlen_kernel_sm90.SQUARE_Q_RELOAD`).
+until it reloaded q into registers for every tile (`varlen_kernel_sm90._stream_tiles`).
 This script asks whether plain Mosaic GPU does the same, with none of jaxkv's code: one
 warpgroup, q `[64, D]` loaded into registers once, a loop over `n` K/V tiles of `T` rows
 (each brought in by TMA), `S = q K_t^T` by wgmma with q from registers, then

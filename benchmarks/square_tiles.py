@@ -2,7 +2,7 @@
 
 `varlen_attention_sm90.static_check` refused `block_k == head_dim` because such tiles gave
 wrong results on the H200 (jax 0.11.2) until the kernel reloaded q per tile for them
-(`varlen_kernel_sm90.SQUARE_Q_RELOAD`, the cause this script found). It calls the jitted
+(`varlen_kernel_sm90._stream_tiles`, the cause this script found). It calls the jitted
 `_varlen_attention` directly on small inputs: one segment in one column, one KV
 head shared by `G` query heads, `block_q` 64, no key splits, and compares the kernel's
 rows with float64 oracles, each written here in numpy:
@@ -17,11 +17,10 @@ rows with float64 oracles, each written here in numpy:
 The swapped readings are defined for one tile only (keys = block_k). Over several tiles
 three more oracles ask what the loop lost: the first tile alone, the last tile alone, the
 tiles' partial sums added without rescaling to a common maximum. `SQUARE_MULTI_ONLY=1`
-runs the multi-tile square cases alone; `SQUARE_EARLY_K=0` refills K with V (after P @ V)
-instead of right after QK^T; `SQUARE_Q_HOLD=1` keeps q in registers across the tiles of
-square cases as the kernel did before (`varlen_kernel_sm90.SQUARE_Q_RELOAD = False`), which
-reproduces the miscompute. A case matches an oracle when its largest error is below 2e-2 (bf16 inputs). Non-square tiles (block_k 128
-at head_dim 64, 64 at 128) are the controls. Usage (GPU machine):
+runs the multi-tile square cases alone (`square_repro.py` reproduces the miscompute with q
+held in registers, outside jaxkv). A case matches an oracle when its largest error is
+below 2e-2 (bf16 inputs). Non-square tiles (block_k 128 at head_dim 64, 64 at 128) are the
+controls. Usage (GPU machine):
 `PYTHONPATH=. python3 benchmarks/square_tiles.py`
 """
 
@@ -115,13 +114,7 @@ def run_case(head_dim, block_k, tokens, keys, group=1, stages=2, seed=0):
 
 
 def main() -> int:
-  from pallas_kernels import varlen_kernel_sm90   # pylint: disable=g-import-not-at-top
-  if os.environ.get("SQUARE_EARLY_K") == "0":   # K refilled with V, after P @ V
-    varlen_kernel_sm90.EARLY_K_REFILL = False
-  if os.environ.get("SQUARE_Q_HOLD") == "1":   # q held in registers across square tiles
-    varlen_kernel_sm90.SQUARE_Q_RELOAD = False
-  print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}; "
-        f"EARLY_K_REFILL={varlen_kernel_sm90.EARLY_K_REFILL} SQUARE_Q_RELOAD={varlen_kernel_sm90.SQUARE_Q_RELOAD}")
+  print(f"device {jax.devices()[0].device_kind}; jax {jax.__version__}")
   cases = [
       # (head_dim, block_k, tokens, keys, group): squares, then non-square controls
       (64, 64, 1, 64, 1), (64, 64, 64, 64, 1), (64, 64, 8, 64, 1),

@@ -16,14 +16,8 @@ Variants:
   the split merge (three XLA kernels per layer) is compiled out: measures the
   merge's cost on a workload that never splits.
 - `both`: `sample_cond` and `no_splits`.
-- `compacted_merge`: the XLA epilogue's older form on narrow steps too (a copy of
-  every token's first partial, the split tokens compacted, merged and scattered
-  back) instead of merging every token over its splits (`DIRECT_MERGE`).
 - `kernel_epilogue`: the attention epilogue as the Mosaic GPU kernel
   (`fused_combine=True`, `combine_sm90`) instead of XLA operations (the default).
-- `unbounded_splits`: the epilogue merges `max_splits` (16) partials per token
-  instead of the static bound the cache's rows allow
-  (`varlen_plan.BOUND_SPLITS`).
 - `mlp_apart`: narrow steps keep the MLP's gate and up matmuls apart too
   (`decoder._MERGE_ROWS = 0`), so XLA may fuse the activation into the down
   GEMM instead of running it as a kernel of its own.
@@ -66,8 +60,6 @@ from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.models import decoder as decoder_module   # pylint: disable=wrong-import-position
 from jaxkv.serve import engine as engine_module   # pylint: disable=wrong-import-position
 from pallas_kernels import config as kernel_config   # pylint: disable=wrong-import-position
-from pallas_kernels import varlen_plan   # pylint: disable=wrong-import-position
-from pallas_kernels import varlen_epilogue   # pylint: disable=wrong-import-position
 from pallas_kernels import skinny_gemm   # pylint: disable=wrong-import-position
 
 
@@ -105,10 +97,6 @@ def _variant(name, model=None):
   if name in ("no_splits", "both"):
     stack.enter_context(_patched(kernel_config, "default_varlen_attention_config",
                                  _no_split_default))
-  if name == "compacted_merge":
-    stack.enter_context(_patched(varlen_epilogue, "DIRECT_MERGE", False))
-  if name == "unbounded_splits":
-    stack.enter_context(_patched(varlen_plan, "BOUND_SPLITS", False))
   if name == "mlp_apart":
     stack.enter_context(_patched(decoder_module, "_MERGE_ROWS", 0))
   if name == "no_refusal_selects":
