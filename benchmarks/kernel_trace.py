@@ -100,7 +100,7 @@ def _ring_decode_case(num_seqs, head_dim, window, width, config=None, heads=(32,
 
 # Rows of the segment table the prefill and mixed cases pass: "tokens" (one per token, as a
 # cache step's) or "segments" (the real rows only, which bounds the kernel's plan:
-# `varlen_plan.item_capacity`). A switch for `--variants`; read when a case is built.
+# `varlen_plan.item_capacity`); set by `--table-rows` before any case is built.
 TABLE_ROWS = "tokens"
 
 
@@ -244,79 +244,35 @@ def sweep(calls):
         print(f"sweep {name} | {vname}: {type(e).__name__}: {str(e)[:150]}")
 
 
-# Kernel pipeline variants (`varlen_kernel_sm90`'s switches, then config changes).
+# Config variants of the kernel: changes to the case's default `VarlenAttentionConfig`.
 VARIANTS = {
-    "before": dict(EARLY_K_REFILL=False),
-    "early K": dict(EARLY_K_REFILL=True),
-    "early K+stages3": dict(EARLY_K_REFILL=True, config=dict(num_stages=3)),
     "defaults": {},
-    "one tile loop": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset()),
-    # 128-row K/V tiles (the D64 default) for head dims whose default is 64 rows
-    # (80, 96: never timed with larger tiles), with two or three stages.
-    "128-key tiles": dict(config=dict(block_k=128)),
-    "128-key tiles 3 stages": dict(config=dict(block_k=128, num_stages=3)),
-    "three tile loops": dict(FULL_TILE_LOOP_HEAD_DIMS=frozenset({64, 80, 96, 128, 256})),
-    # The plan's token and item searches compared pair by pair up to 2^25 pairs and
-    # sorted past it, as before `common.searchsorted_iota`'s linear form.
-    "searches as before": dict(SEARCH_COMPARE_PAIRS=1 << 62),
-    # The plan's prefix sums and longest-first orders as compare-and-sums up to 2^22
-    # elements (n <= 2,048) only, as before `varlen_plan.PLAN_COMPARE_ELEMENTS`.
-    "plan compares as before": dict(PLAN_COMPARE_ELEMENTS=None),
-    # The prefill and mixed cases pass a segment table of their real rows only.
-    "segment rows": dict(TABLE_ROWS="segments"),
-    # A masked tile's mask evaluated score by score, as before
-    # `varlen_kernel_sm90.ROW_BOUND_MASK` (two column limits per row).
-    "per-score mask": dict(ROW_BOUND_MASK=False),
-    # The partial tiles' V rows outside the read range left as they are (timing only: the
-    # output may differ wherever those rows are not zero; `varlen_kernel_sm90.V_FIXUP`).
-    "no V fix-up (timing only)": dict(V_FIXUP=False),
-    # Head dims 80/96/112 with K/V (and q) in shared memory as one row at the narrow
-    # swizzle, as before `varlen_kernel_sm90.KV_COLUMN_PARTS` (64-column parts at 128 bytes).
-    "one column part": dict(KV_COLUMN_PARTS=False),
-    # One item at a time, K/V stages and output staging sharing shared memory, the
-    # store awaited before the next item's loads, as before
-    # `varlen_kernel_sm90.ITEM_PREFETCH` (items back to back).
-    "items one at a time": dict(ITEM_PREFETCH=False),
-    # Unaligned ring rows copied with zero rows appended, as before
-    # `varlen_attention_sm90.UNALIGNED_ROWS_IN_PLACE`.
-    "padded copy": dict(UNALIGNED_ROWS_IN_PLACE=False),
-    # Every call's K/V and q in one-swizzle-atom column parts through swizzle-only TMA
-    # views, as unaligned rings are read (`varlen_attention_sm90.FORCE_ATOM_PARTS`).
-    "atom parts": dict(FORCE_ATOM_PARTS=True),
-    # Every token through a float32 partial and the epilogue's gather, as before
-    # `varlen_kernel_sm90.TOKENS_IN_PLACE` (unsplit tokens written in place).
-    "tokens through partials": dict(TOKENS_IN_PLACE=False),
+    # Tiles that need no mask in a loop of their own, or one loop choosing per tile, at
+    # every head dim (`full_tile_loop`; the default picks by head dim).
+    "one tile loop": dict(full_tile_loop=False),
+    "three tile loops": dict(full_tile_loop=True),
+    # 128-row K/V tiles (the D64 default) for head dims whose default is 64 rows, with two
+    # or three stages.
+    "128-key tiles": dict(block_k=128),
+    "128-key tiles 3 stages": dict(block_k=128, num_stages=3),
 }
 
 
 def variants(names, calls, cases):
-  """GPU time of the attention call per kernel variant, cuDNN beside each case."""
+  """GPU time of the attention call per config variant, cuDNN beside each case; every
+  variant's output is compared with the first's."""
   import dataclasses   # pylint: disable=g-import-not-at-top
   from pallas_kernels import config as kc   # pylint: disable=g-import-not-at-top
-  from pallas_kernels import common   # pylint: disable=g-import-not-at-top
-  from pallas_kernels import varlen_kernel_sm90 as body   # pylint: disable=g-import-not-at-top
-  from pallas_kernels import varlen_plan   # pylint: disable=g-import-not-at-top
-  from pallas_kernels import varlen_attention_sm90 as column   # pylint: disable=g-import-not-at-top
-  # Each switch is a module global read when a call is traced: the kernel body's, or
-  # the plan helpers' (`common`).
-  owner = {"EARLY_K_REFILL": body, "FULL_TILE_LOOP_HEAD_DIMS": body, "ROW_BOUND_MASK": body,
-           "V_FIXUP": body, "KV_COLUMN_PARTS": body, "ITEM_PREFETCH": body,
-           "TOKENS_IN_PLACE": body,
-           "UNALIGNED_ROWS_IN_PLACE": column, "FORCE_ATOM_PARTS": column,
-           "SEARCH_COMPARE_PAIRS": common, "PLAN_COMPARE_ELEMENTS": varlen_plan,
-           "TABLE_ROWS": sys.modules[__name__]}
-  saved = {k: getattr(m, k) for k, m in owner.items()}
+  unknown = [name for name in names if name not in VARIANTS]
+  if unknown:
+    raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
   for name in cases:
     (_, _), (cfn, cargs) = CASES[name]()
     busy, _ = trace_kernels(cfn, cargs, calls)
     print(f"variant {name} | cuDNN: busy {busy:.1f} us")
     first = None   # the first variant's output, which every other variant's is compared with
     for vname in names:
-      switches = dict(VARIANTS[vname])
-      changes = switches.pop("config", {})
-      for k, v in switches.items():
-        setattr(owner[k], k, v)
-      jax.clear_caches()
+      changes = VARIANTS[vname]
       try:
         config = None
         if changes:
@@ -324,7 +280,7 @@ def variants(names, calls, cases):
           config = dataclasses.replace(
               kc.default_varlen_attention_config(group=4, head_dim=d, interpret=False),
               **changes)
-        (fn, fargs), _ = CASES[name](config=config) if config else CASES[name]()
+        (fn, fargs), _ = CASES[name](config=config)
         busy, kernels = trace_kernels(fn, fargs, calls)
         mosaic = sum(us for k, (us, _) in kernels.items() if "mosaic" in k)
         out = np.asarray(fn(*fargs).astype(jnp.float32))
@@ -334,9 +290,6 @@ def variants(names, calls, cases):
               f"{float(np.max(np.abs(out - first))):.3g}")
       except Exception as e:  # pylint: disable=broad-except
         print(f"variant {name} | {vname}: {type(e).__name__}: {str(e)[:150]}")
-      finally:
-        for k, v in saved.items():
-          setattr(owner[k], k, v)
 
 
 def main(argv=None) -> int:
@@ -347,8 +300,13 @@ def main(argv=None) -> int:
   p.add_argument("--top", type=int, default=8)
   p.add_argument("--sweep", action="store_true", help="decode kernel settings only")
   p.add_argument("--variants", default=None,
-                 help=f"comma-separated kernel pipeline variants of {list(VARIANTS)}")
+                 help=f"comma-separated config variants of {list(VARIANTS)}")
+  p.add_argument("--table-rows", choices=("tokens", "segments"), default="tokens",
+                 help="segment table rows of the prefill and mixed cases: one per token (as "
+                      "a cache step's) or the real segments only")
   args = p.parse_args(argv)
+  global TABLE_ROWS   # pylint: disable=global-statement
+  TABLE_ROWS = args.table_rows
   if args.variants:
     variants(args.variants.split(","), args.calls, args.cases.split(","))
     return 0

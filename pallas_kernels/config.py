@@ -42,6 +42,12 @@ class VarlenAttentionConfig:
       (`combine_sm90.supported`); False (the default: on H200 the kernel did not
       shorten the e2e decode step, docs/PERFORMANCE.md), or a layout it does not
       serve, runs it as XLA operations. Same results up to rounding.
+    full_tile_loop: how an item loops over its K/V tiles. True: the tiles of its
+      first run that need no mask (interior tiles) in a loop of their own, with
+      the unmasked softmax, between two loops that choose per tile; False: one
+      loop choosing per tile (a `lax.cond`); None (the default): True for the
+      head dims where that measured faster
+      (`varlen_kernel_sm90.FULL_TILE_LOOP_HEAD_DIMS`: 128). Same results bitwise.
     use_wgmma: True runs the production kernel (wgmma tensor-core matmuls on
       swizzled shared-memory tiles). False runs an otherwise identical variant
       whose matmuls are float32 `dot_general`s on plain tiles, which the Mosaic
@@ -59,6 +65,7 @@ class VarlenAttentionConfig:
   max_programs: int = 1056
   use_wgmma: bool = True
   fused_combine: bool = False
+  full_tile_loop: bool | None = None
 
   def __post_init__(self):
     for name in ("block_q", "block_k", "num_stages", "split_len", "max_splits",
@@ -68,6 +75,8 @@ class VarlenAttentionConfig:
     for name in ("sort_items", "use_wgmma", "fused_combine"):
       _require(isinstance(getattr(self, name), bool),
                f"{name}={getattr(self, name)!r} must be a bool")
+    _require(self.full_tile_loop is None or isinstance(self.full_tile_loop, bool),
+             f"full_tile_loop={self.full_tile_loop!r} must be a bool or None")
     _require(isinstance(self.split_budget, int) and self.split_budget >= 0,
              f"split_budget={self.split_budget!r} must be an int >= 0")
     if self.use_wgmma:
@@ -110,7 +119,7 @@ def default_varlen_attention_config(*, group: int, head_dim: int,
                                  split_len=16, split_budget=4, max_splits=4, max_programs=4,
                                  use_wgmma=False)
   # block_k != head_dim: square K/V tiles are served (q reloaded per tile, see
-  # varlen_kernel_sm90.SQUARE_Q_RELOAD) but were not faster where measured (docs/PERFORMANCE.md).
+  # varlen_kernel_sm90._stream_tiles) but were not faster where measured (docs/PERFORMANCE.md).
   # Stages and split lengths: the best of a small sweep on H200 (docs/PERFORMANCE.md).
   # Two stages keep a program at ~80 KB of shared memory, so two fit on one SM.
   block_k = 128 if head_dim == 64 else 64

@@ -105,7 +105,7 @@ def check_request(q, k_pool, *, config=None, interpret=False):
         f"multiple of {align} dividing it (a tile of whole pages)")
   if config.use_wgmma and config.block_k == head_dim:
     # Over columns square tiles run right since q is reloaded per tile
-    # (`varlen_kernel_sm90.SQUARE_Q_RELOAD`); the paged kernel shares that loop but has not
+    # (`varlen_kernel_sm90._stream_tiles`); the paged kernel shares that loop but has not
     # run square tiles on a GPU since.
     raise NotImplementedError(
         f"{config.block_k=} == {head_dim=}: square K/V tiles are served over columns but "

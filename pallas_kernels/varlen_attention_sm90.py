@@ -27,9 +27,11 @@ epilogue would copy every token's partial (more tokens than may split:
 unsplit token's rows into `[T, H_q, D]` itself; only the padding tokens' zeros and
 the split tokens' merge remain (`varlen_epilogue.finish_in_place`).
 
-A cache whose row count is not a multiple of 8 (most rings) or smaller than a
-K/V tile is padded with zero rows first (`tile_geometry`, `_padded_caches`):
-a copy of the step's columns of that layer, which Mosaic GPU's tiled TMA needs.
+A cache whose row count is not a multiple of 8 (most rings) is read in place by
+the compiled kernel when it holds at least one K/V tile (`reads_in_place`);
+smaller caches, and every such cache under the interpreter, are padded with zero
+rows first (`tile_geometry`, `_padded_caches`): a copy of the step's columns of
+that layer.
 
 Keys are selected with `jnp.where` on loaded tiles (rows outside the read range
 may hold NaN), and tiles with rows outside the read range have those V rows
@@ -193,28 +195,19 @@ def tile_geometry(num_rows: int, head_dim: int, *, config) -> tuple[int, int]:
   return block_k, max(padded_rows, block_k)
 
 
-# A cache whose row count is not a multiple of 8 (most rings: `window + W - 1`) but
-# holds at least one K/V tile is read in place by the compiled kernel, through
-# swizzle-only TMA views of one-atom column parts (`varlen_kernel_sm90.column_parts`
-# with `atoms`), instead of copied with zero rows appended (`_padded_caches`).
-# False copies as before (A/B timing, `benchmarks/kernel_trace.py`); read when traced.
-UNALIGNED_ROWS_IN_PLACE = True
-# Tests only: every call reads K/V in one-atom column parts, so the interpreter runs
-# that index math on CPU (it still pads; it reads no swizzle). Read when traced.
-FORCE_ATOM_PARTS = False
-
-
 def reads_in_place(num_rows: int, head_dim: int, *, config) -> bool:
   """Whether the compiled kernel reads an unaligned cache of `num_rows` rows in place.
 
   True for the wgmma path when the rows are not a multiple of 8 and hold at least
   one K/V tile (`tile_geometry`): the TMA boxes then never start past the array
-  and zero-fill the rows they run past. Smaller caches (under one tile) are still
-  padded by a copy, which is at most one tile per column.
+  and zero-fill the rows they run past, where a copy with zero rows appended
+  (`_padded_caches`) would read and write nearly the whole layer per call. K, V and
+  q are then read in one-swizzle-atom column parts (`varlen_kernel_sm90.column_parts`
+  with `atoms`), whose swizzle-only TMA views do not tile the row axis. Smaller
+  caches (under one tile) are still padded by a copy, at most one tile per column.
   """
   block_k, padded_rows = tile_geometry(num_rows, head_dim, config=config)
-  return (config.use_wgmma and UNALIGNED_ROWS_IN_PLACE and padded_rows != num_rows
-          and num_rows >= block_k)
+  return config.use_wgmma and padded_rows != num_rows and num_rows >= block_k
 
 
 def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
@@ -258,8 +251,7 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
                       tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
   return run_items(attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
                    cache_rows=padded_rows, window=window, scale=scale, config=config,
-                   interpret=_compat.resolve_interpret(interpret),
-                   atom_parts=in_place or FORCE_ATOM_PARTS)
+                   interpret=_compat.resolve_interpret(interpret), atom_parts=in_place)
 
 
 def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, scale, config,
@@ -295,10 +287,14 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   in_place = tokens_in_place(config, num_tokens=num_tokens, group=group, head_dim=head_dim,
                              block_k=block_k, kv_dtype=dtype, out_dtype=q.dtype,
                              atom_parts=atom_parts)
+  full_tile_loop = config.full_tile_loop
+  if full_tile_loop is None:
+    full_tile_loop = head_dim in varlen_kernel_sm90.FULL_TILE_LOOP_HEAD_DIMS
   kernel = functools.partial(
       kernel, group=group, block_q=block_q, block_k=block_k,
       num_stages=config.num_stages, cache_rows=cache_rows, window=window,
-      use_wgmma=config.use_wgmma, num_workers=num_workers, atom_parts=atom_parts)
+      use_wgmma=config.use_wgmma, num_workers=num_workers, atom_parts=atom_parts,
+      full_tile_loop=full_tile_loop)
   out_type = [jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q, head_dim), jnp.float32),
               jax.ShapeDtypeStruct((max_items, num_kv_heads, block_q), jnp.float32)]
   if in_place:
@@ -341,25 +337,21 @@ def _without_output(kernel, num_refs):
 
 def tokens_in_place(config, *, num_tokens, group, head_dim, block_k, kv_dtype, out_dtype,
                     atom_parts=False) -> bool:
-  """Whether the kernel writes unsplit tokens' rows in place
-  (`varlen_kernel_sm90.TOKENS_IN_PLACE`).
+  """Whether the kernel writes unsplit tokens' rows in place (`store_tokens`).
 
   Yes for calls of more than `max_split_tokens` tokens (prefill and mixed steps),
-  whose epilogue would otherwise gather every token's partial. Narrower calls (decode
-  steps) keep their partials: where every token may split, one pass merges them all
-  (`varlen_epilogue.DIRECT_MERGE`), and where none can (a cache too short to split)
-  the gather measured ~1 us cheaper per call than the padding scatter and the
-  kernel's stores by token (64 x 8..272 D64 on the H200, docs/PERFORMANCE.md); so
-  does the fused combine kernel. The compiled kernel stores each token's G rows of a staged
-  chunk by TMA (with G = 1, runs of 2^j tokens from a multiple of 2^(j+1);
-  `store_tokens`), which reads shared memory from 128-byte-aligned addresses, so a
-  token's rows of a chunk (two tokens' with G = 1) must span a multiple of 128 bytes:
-  every 16-bit layout staged in 64-column chunks or whole rows of 64 or 128
+  whose epilogue would otherwise gather every token's float32 partial. Narrower
+  calls (decode steps) keep their partials: where every token may split, one pass
+  merges them all (`varlen_epilogue.combine`), and where none can (a cache too short
+  to split) the gather measured cheaper than the padding scatter and the kernel's
+  stores by token; so does the fused combine kernel. The compiled kernel stores each
+  token's G rows of a staged chunk by TMA (with G = 1, runs of 2^j tokens from a
+  multiple of 2^(j+1)), which reads shared memory from 128-byte-aligned addresses, so
+  a token's rows of a chunk (two tokens' with G = 1) must span a multiple of 128
+  bytes: every 16-bit layout staged in 64-column chunks or whole rows of 64 or 128
   columns; head dims 80, 96 and 112 only with some groups; not head dim 256
   (`MAX_TOKEN_STAGING_COLS`).
   """
-  if not varlen_kernel_sm90.TOKENS_IN_PLACE:
-    return False
   if config.fused_combine and combine_sm90.supported(group=group, head_dim=head_dim):
     return False
   if num_tokens <= config.max_split_tokens:

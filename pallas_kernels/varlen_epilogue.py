@@ -19,9 +19,11 @@ def combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
              max_split_tokens, out_dtype):
   """Merges each token's split partials and returns `[T, H_q, D]` in `out_dtype`.
 
-  Every token's first (often only) partial is gathered once; tokens of split
-  segments (at most `max_split_tokens` of them, see `_segment_plan`) are
-  compacted and merged over their `max_splits` partials, then scattered back.
+  Steps whose every token may split (at most `max_split_tokens` tokens) merge every
+  token over its splits (`_merge_every_token`). Wider steps gather every token's
+  first (often only) partial once; tokens of split segments (at most
+  `max_split_tokens` of them, see `_segment_plan`) are compacted and merged over
+  their `max_splits` partials, then scattered back.
   """
   num_items, num_kv_heads, _, head_dim = o_part.shape
   tokens = combine_sm90.token_items(seg, num_tokens=num_tokens, group=group, block_q=block_q,
@@ -29,14 +31,14 @@ def combine(o_part, lse_part, seg, *, num_tokens, group, block_q, max_splits,
   is_token, item_base, splits, row_block = tokens
   o_part, lse_part = _token_rows(o_part, lse_part, group=group, block_q=block_q)
   heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]
-  if max_splits > 1 and num_tokens <= max_split_tokens and DIRECT_MERGE:
+  if max_splits > 1 and num_tokens <= max_split_tokens:
     return _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block,
                               heads=heads, max_splits=max_splits, out_dtype=out_dtype)
   out = o_part[item_base[:, None], heads, row_block[:, None]]            # [T, K, G, D]
   # Padding tokens gathered unwritten partials; give them zeros, deterministically.
   # Converted here, not after the scatter below: the gather, select and convert are
-  # one fusion writing `out_dtype` (on H200 the float32 `out` and a separate convert
-  # cost ~100 us more per 16,384 x 32 heads of 128); the values are the same.
+  # one fusion writing `out_dtype` (a float32 `out` and a separate convert measured
+  # slower on the H200 for wide prefills); the values are the same.
   out = jnp.where(is_token[:, None, None, None], out, 0.0).astype(out_dtype)
   out = _merge_split_tokens(out, o_part, lse_part, tokens, max_splits=max_splits,
                             max_split_tokens=max_split_tokens)
@@ -100,16 +102,12 @@ def _merge_split_tokens(out, o_part, lse_part, tokens, *, max_splits, max_split_
   return out
 
 
-# Narrow steps (every token may split, `num_tokens <= max_split_tokens`) merge every
-# token over its splits in place of a first-partial copy, a compaction and a scatter:
-# two to three XLA kernels per layer instead of five. A switch for A/B timing only
-# (benchmarks/step_levers.py); both give the same result up to rounding.
-DIRECT_MERGE = True
-
-
 def _merge_every_token(o_part, lse_part, is_token, item_base, splits, row_block, *, heads,
                        max_splits, out_dtype):
   """`combine` for steps whose every token may split: `[T, K, G, D]` merges, no scatter.
+
+  In place of a first-partial copy, a compaction and a scatter: two to three XLA
+  kernels per layer instead of five, for the narrow (decode) steps this serves.
 
   A token's unused split slots read its first partial again (written, and just
   read, so cached) and are selected away; a token with one split gets its

@@ -31,81 +31,12 @@ ROW_ALIGN = 8   # TMA into (8, 64)-tiled shared memory needs 8-aligned rows
  IT_T_END, IT_ALL_START, IT_ALL_STOP, IT_ROWS, IT_WHOLE) = range(20)
 NUM_ITEM_FIELDS = 20
 
-# A switch for A/B timing only (benchmarks/kernel_trace.py --variants; read when a
-# kernel is traced, so changing it needs `jax.clear_caches()`): True refills a
-# stage's K as soon as QK^T has read it, so the copy flies during the tile's
-# softmax and P @ V; False refills K and V together after P @ V. Measured on
-# H200: -3% kernel time for 256 decode segments, level elsewhere (PERFORMANCE).
-EARLY_K_REFILL = True
-
-# Square K/V tiles (`block_k == head_dim`) load q from shared memory into registers
-# for every tile's QK^T: held in registers across the tile loop, q is corrupted from
-# the second tile on when P has its shape (H200, jax 0.11.2: every multi-tile square
-# case wrong with q loaded once per item, right when loaded per tile; docs/
-# PERFORMANCE.md "Square tiles"). False reproduces the miscompute
-# (`benchmarks/square_tiles.py` with `SQUARE_Q_HOLD=1`); read when traced.
-SQUARE_Q_RELOAD = True
-
-# Head dims whose tile loop runs in three parts: the first run's tiles that need no
-# mask (`indexing.full_tile_range`) in a loop of their own with the unmasked softmax
-# and no V fix-up, and the tiles before and after it in loops that choose per tile
-# (`lax.cond`) as the single loop does. Other head dims: one loop choosing per tile.
-# Same results bitwise; read when traced. Measured on H200 (kernel GPU time,
-# docs/PERFORMANCE.md): D128 causal prefill -4% (1 x 16,384 and 4 x 4,096), D128
-# decode level; D64 decode +5% and 4 x 512 prefill +12% (the larger loop code), so
-# D64 keeps one loop; other head dims are unmeasured and keep it too.
+# Head dims whose items run, by default (`VarlenAttentionConfig.full_tile_loop` None),
+# the tiles that need no mask (`indexing.full_tile_range`) in a loop of their own with
+# the unmasked softmax and no V fix-up, between two loops that choose per tile: faster
+# at 128; at 64 the larger loop code costs more than the masks it skips; other head
+# dims are unmeasured and keep one loop. The same results bitwise either way.
 FULL_TILE_LOOP_HEAD_DIMS = frozenset({128})
-
-# How a tile that needs a mask computes it (the same mask bitwise; read when traced):
-# True bounds each row's keys by two column limits, computed per tile from scalars
-# and the row's query position (`row_bound_mask`: two compares per score); False
-# evaluates the read range and visibility per score (`tile_mask`: a dozen integer
-# ops per score), kept as the tests' second opinion. Measured on H200 (kernel GPU
-# time, docs/PERFORMANCE.md Serving speed §15): e2e decode shape 64 x 8..272 D64
-# -8%, 256 x 128..2,048 D64 -2%, D64 prefill chunks -5% (1 x 2,048) and -12%
-# (4 x 512), D128 level. Masking every tile instead of choosing per tile was slower
-# (+14% to +41% at D64) and is not kept.
-ROW_BOUND_MASK = True
-
-# A partial tile's V rows outside the read range are zeroed in shared memory before
-# P @ V (a load, select and store per such tile), so stale or NaN rows there never
-# reach the output even where P is zero. False skips it: WRONG under NaN poison and
-# over rows the step does not own, for timing the fix-up's cost only
-# (`benchmarks/kernel_trace.py` variant "no V fix-up (timing only)"); read when traced.
-V_FIXUP = True
-
-# Head dims whose rows take only the 32-byte swizzle as a whole (80, 112) hold their
-# K/V (and q) tiles in shared memory as column parts of 64, 32 and 16 columns, each
-# in its own swizzle atom (128, 64, 32 bytes), instead of the whole row at 32 bytes
-# (`column_parts`). QK^T accumulates one wgmma per part; P @ V runs one per part
-# into that part's columns of the accumulator. False keeps one part of the whole
-# row (the layout before; bitwise the same outputs on the H200, for A/B timing,
-# `benchmarks/kernel_trace.py`); read when traced.
-KV_COLUMN_PARTS = True
-
-# Items back to back: a program keeps its K/V stages and a separate output
-# staging buffer for all of its items, and requests the next item's q tile and
-# first K/V tiles before it normalizes and stores the current item's output, so
-# the store and the next item's first loads overlap; the store then waits only
-# for TMA to have read the staging (not for the global writes). Used where the
-# extra staging keeps two programs per SM (`item_prefetch_cols`); False: one item
-# at a time, stages and staging sharing shared memory (the layout before; the
-# same outputs bitwise). Measured on the H200 (kernel GPU time, docs/
-# PERFORMANCE.md): decode -0.1% to -2% (short D64 histories most), the mixed step
-# -1%, prefill -0.4%; D256 (one program per SM) +4.5%, so it keeps one at a time.
-# Read when traced.
-ITEM_PREFETCH = True
-
-# Tokens in place: calls whose epilogue would copy every token's partial out (a gather
-# of the float32 partials the kernel wrote) instead have the kernel write each unsplit
-# token's rows straight into the `[T, H_q, D]` output in its dtype (`store_tokens`);
-# only split tokens go through partials and a merge
-# (`varlen_attention_sm90.tokens_in_place` says which calls: more tokens than may
-# split). False: every token through partials, the layout before (the same outputs
-# bitwise; A/B timing, `benchmarks/kernel_trace.py`). Read when traced. Measured on
-# the H200 (GPU time per call, docs/PERFORMANCE.md): causal 4 x 4,096 D128 -3.3%, the
-# mixed step -2.7%, 1 x 2,048 D64 -2%, 1 x 16,384 D128 level (its kernel +1%).
-TOKENS_IN_PLACE = True
 
 # Shared memory of one SM on sm90 and what each resident program costs beyond its
 # own allocation (the driver's reserve; Mosaic GPU's reduction scratch, barriers
@@ -113,7 +44,7 @@ TOKENS_IN_PLACE = True
 SM_SMEM_BYTES = 228 * 1024
 PROGRAM_SMEM_OVERHEAD = 1024 + 3 * 1024
 # Programs per SM the register file allows: ~240 registers per thread of one
-# 128-thread warpgroup (ptxas report, docs/PERFORMANCE.md).
+# 128-thread warpgroup (ptxas report).
 MAX_PROGRAMS_PER_SM = 2
 
 
@@ -121,7 +52,8 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
                       o_ref, lse_ref, out_ref,          # Outputs
                       q_smem, q_bar,                    # Scratch
                       *, group, block_q, block_k, num_stages, cache_rows, window,
-                      use_wgmma, num_workers, address=None, tile_pieces=1, atom_parts=False):
+                      use_wgmma, num_workers, address=None, tile_pieces=1, atom_parts=False,
+                      full_tile_loop=False):
   """One program: items `w, w + num_workers, ...` (segment q tile x key split) of one KV head.
 
   Grid axes: "worker" (`num_workers` programs per head, each looping over the
@@ -134,13 +66,13 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   Outputs: normalized float32 partial outputs `[items, K, block_q, D]` and
   log-sum-exp `[items, K, block_q]` (base 2), indexed by the item's slot, and
   `out_ref`: None, every item writing its partial; or the attention output
-  `[T, K, G, D]` in its own dtype (tokens in place, `TOKENS_IN_PLACE`), which
-  items whose segment is not split (`IT_WHOLE`) write their tokens' rows to
-  directly (`store_tokens`) instead of a partial (the caller zeros the padding
-  tokens' rows and merges the split ones).
+  `[T, K, G, D]` in its own dtype (tokens in place,
+  `varlen_attention_sm90.tokens_in_place`), which items whose segment is not split
+  (`IT_WHOLE`) write their tokens' rows to directly (`store_tokens`) instead of a
+  partial (the caller zeros the padding tokens' rows and merges the split ones).
   Scratch: the q tile and its barrier; the K/V stages and the output staging
   either live for all of the program's items, the next item's first tiles
-  requested before the current item's store (`ITEM_PREFETCH`,
+  requested before the current item's store (items back to back,
   `item_prefetch_cols`), or, where that would cost the SM its second program,
   in two consecutive scopes per item that share shared memory.
   `address`: None reads tile rows `[row, row + block_k)` of column `col`; a
@@ -153,6 +85,8 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   `atom_parts`: K/V and q in one-swizzle-atom column parts read through
   swizzle-only TMA views (`column_parts`), which do not tile the arrays' row
   axis: a cache whose row count is not a multiple of 8 is read in place.
+  `full_tile_loop`: the tiles of the first run that need no mask run in a loop of
+  their own (`VarlenAttentionConfig.full_tile_loop`).
   """
   head = lax.axis_index("head")
   worker = lax.axis_index("worker")
@@ -179,7 +113,7 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
     tile_args = (it["lo"], field(IT_FIRST_ROW), field(IT_FIRST_LEN), field(IT_SECOND_LEN),
                  field(IT_TILE0_ROW), field(IT_NUM_FIRST))
     it["full_range"] = None
-    if head_dim in FULL_TILE_LOOP_HEAD_DIMS:
+    if full_tile_loop:
       full_begin, full_end = indexing.full_tile_range(
           *tile_args[:3], *tile_args[4:], it["all_start"], it["all_stop"], block=block_k)
       full_begin = jnp.clip(full_begin, it["t_begin"], it["t_end"])
@@ -256,8 +190,8 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
     return
 
   def program(k_smem, v_smem, k_bars, v_bars, o_smem, lse_smem):
-    """Items back to back (`ITEM_PREFETCH`): the next item's q tile and first K/V
-    tiles are requested before this item's output is normalized and stored."""
+    """Items back to back: the next item's q tile and first K/V tiles are requested
+    before this item's output is normalized and stored, so those loads overlap the store."""
     kv = (k_smem, v_smem, k_bars, v_bars)
 
     def begin(item):
@@ -390,7 +324,7 @@ def _staged_chunks(acc, l_safe, stage, *, back_to_back, before_commit, store):
 
   `stage` is `[block_q, D]` (the whole row) or narrower (chunks of its width,
   `output_chunks`). One item at a time (`back_to_back` False) waits until the
-  stores are done; back to back (`ITEM_PREFETCH`), each chunk is written once TMA
+  stores are done; back to back (`item_prefetch_cols`), each chunk is written once TMA
   has read the staging's previous contents, and nothing is awaited after the last.
   """
   # One reciprocal per row and a multiply per element: the same arithmetic whichever
@@ -477,19 +411,18 @@ def _programs_per_sm(smem_bytes: int) -> int:
 
 
 def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=False):
-  """The output staging's width for items back to back (`ITEM_PREFETCH`), or None for
-  one item at a time.
+  """The output staging's width for items back to back, or None for one item at a time.
 
-  Back to back, a program holds q, the K/V stages and the float32 staging at
-  once; one at a time the staging reuses the stages' memory. The widest staging
+  Back to back, a program requests the next item's q tile and first K/V tiles
+  before it stores the current item's output, so the store and those loads
+  overlap; it then holds q, the K/V stages and the float32 staging at once,
+  where one at a time the staging reuses the stages' memory. The widest staging
   (the whole row, else halves, else quarters of the accumulator's column parts)
   that keeps two programs per SM is chosen: at head dim 128 with 64-row tiles
   and two stages, a 64-column staging (96 KiB a program) where the whole row
   would leave room for one. Configs that fit one program per SM either way keep
   one item at a time.
   """
-  if not ITEM_PREFETCH:
-    return None
   itemsize = np.dtype(dtype).itemsize
   q_bytes = block_q * head_dim * itemsize
   stage_bytes = num_stages * 2 * block_k * head_dim * itemsize
@@ -498,8 +431,8 @@ def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=F
                                                 num_stages=num_stages, head_dim=head_dim,
                                                 itemsize=itemsize))
   if shared < MAX_PROGRAMS_PER_SM:
-    # One program per SM (head dim 256; 128-key tiles or three stages at 128): items back
-    # to back measured 4.5% slower at D256 decode on the H200 (docs/PERFORMANCE.md).
+    # One program per SM (head dim 256; 128-key tiles or three stages at 128): back to
+    # back measured slower there (the larger staging leaves less L1), and nothing hides it.
     return None
   widths = [width for _, width in column_parts(head_dim, atoms=atoms)]
   # Narrower chunks than the row are stored by TMA into column slices of the float32
@@ -514,26 +447,18 @@ def item_prefetch_cols(*, block_q, block_k, num_stages, head_dim, dtype, atoms=F
   return None
 
 
-def tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, *, lo, end, kind,
-              window):
-  """Which scores of a tile are real: rows in the read range whose keys the row's query sees."""
-  row = load_row + key_col
-  key_pos = key0 + (row - rows_start)
-  return (row >= rows_start) & (row < rows_end) & indexing.is_visible(
-      key_pos, query_pos, lo, end, kind, window=window)
-
-
 def row_bound_mask(load_row, rows_start, rows_end, key0, key_col, query_row, *, lo, end, kind,
                    window):
-  """`tile_mask` as two column limits per row: `lo_r <= col < hi_r`.
+  """Which scores of a tile are real, as two column limits per row: `lo_r <= col < hi_r`.
 
-  Row `load_row + c` of the tile holds key `c + key0 - c0`, `c0 = rows_start -
-  load_row`, so each condition of `tile_mask` on a score is a bound on its
-  column `c`: the read rows `[c0, rows_end - load_row)`, the read range
-  `[lo, end)`, causality (`key <= q`) and the ring's window (`key > q -
+  A score is real when its row is in the read rows and its key is in the read
+  range and visible to the row's query (CONTRACT §7.2). Row `load_row + c` of the
+  tile holds key `c + key0 - c0`, `c0 = rows_start - load_row`, so each condition
+  is a bound on the column `c`: the read rows `[c0, rows_end - load_row)`, the
+  read range `[lo, end)`, causality (`key <= q`) and the ring's window (`key > q -
   window`) for the row's query position `q` (`query_row`, one per row), none of
-  the last two for an owner block. Scalars and per-row vectors only; the score
-  array sees two compares.
+  the last two for an owner block. Scalars and per-row vectors only, so the score
+  array sees two compares rather than a dozen integer ops per score.
   """
   c0 = rows_start - load_row
   shift = c0 - key0                        # key k sits in column k + shift
@@ -646,8 +571,8 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
   column part (`q_column_parts`); the returned accumulator is a tuple of
   `column_parts`. `prologue`: False when the caller has already requested the
   first tiles (`_Tiles.prologue`). `full_range`: None, or tiles `[begin, end)`
-  within `[t_begin, t_end)` that need no mask (`FULL_TILE_LOOP_HEAD_DIMS`): they
-  run in a loop of their own with the unmasked softmax.
+  within `[t_begin, t_end)` that need no mask (`full_tile_loop`): they run in a
+  loop of their own with the unmasked softmax.
   """
   k_ref, k_smem, v_smem = tiles.k_ref, tiles.k_smem, tiles.v_smem
   k_bars, v_bars = tiles.k_bars, tiles.v_bars
@@ -676,8 +601,10 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
         return smem.at[stage] if width == p_width else smem.at[stage, :, pl.ds(c0 - p0, width)]
     raise AssertionError((parts, c0, width))
 
-  # Square tiles load q for every tile (`SQUARE_Q_RELOAD`): none is held across the loop.
-  q = None if use_wgmma and SQUARE_Q_RELOAD and block_k == head_dim else load_q()
+  # Square tiles (`block_k == head_dim`) load q for every tile: held in registers across
+  # the tile loop, q is corrupted from the second tile on when P has its shape (the
+  # Mosaic GPU miscompute `benchmarks/square_repro.py` reproduces).
+  q = None if use_wgmma and block_k == head_dim else load_q()
 
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = wgmma_layout.reduce(1)
@@ -685,8 +612,7 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
   # Query position of each row: rows are (token, group head) pairs.
   query_pos = pos0 + div(q_tok0 + iota((block_q, block_k), 0), group)
   key_col = iota((block_q, block_k), 1)
-  if ROW_BOUND_MASK:
-    query_row = query_pos.max(axis=1)   # one value per row, once per item
+  query_row = query_pos.max(axis=1)   # one value per row, once per item
 
   def body(t, carry, *, all_full=False):
     """One tile; `all_full` (static): the loop holds only tiles that need no mask."""
@@ -713,23 +639,19 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
                               preferred_element_type=jnp.float32)
               for (c0, width), q_part in zip(q_cols, q_now, strict=True))
 
-    if EARLY_K_REFILL:
-      # The K stage is free once QK^T has read it (wgmma is awaited above): its
-      # refill flies during this tile's softmax and P @ V, not after them.
-      @pl.when(t + num_stages < t_end)
-      def _refill_k():
-        if not use_wgmma:
-          plgpu.commit_smem()   # order the ordinary loads of K before the TMA (see below)
-        fetch(t + num_stages, stage, refill, names=("k",))
+    # The K stage is free once QK^T has read it (wgmma is awaited above): its
+    # refill flies during this tile's softmax and P @ V, not after them.
+    @pl.when(t + num_stages < t_end)
+    def _refill_k():
+      if not use_wgmma:
+        plgpu.commit_smem()   # order the ordinary loads of K before the TMA (see below)
+      fetch(t + num_stages, stage, refill, names=("k",))
 
     def softmax_update(s, m_i, l_i, acc, *, masked):
       mask = None
-      if masked and ROW_BOUND_MASK:
+      if masked:
         mask = row_bound_mask(load_row, rows_start, rows_end, key0, key_col, query_row, lo=lo,
                               end=end, kind=kind, window=window)
-      elif masked:
-        mask = tile_mask(load_row, rows_start, rows_end, key0, key_col, query_pos, lo=lo,
-                         end=end, kind=kind, window=window)
       return online_softmax(s, m_i, l_i, acc, mask, dtype)
 
     # A tile whose rows all hold read-range keys that every query of the item
@@ -751,7 +673,9 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
         v_row = load_row + iota((block_k, width), 0)
         v_valid.append((v_row >= rows_start) & (v_row < rows_end))
     if use_wgmma:
-      if not all_full and V_FIXUP:
+      if not all_full:
+        # Zeroed, not only masked in P: stale or NaN rows outside the read range would
+        # reach the output through 0 * NaN.
         @pl.when(is_partial)
         def _zero_rows_outside_read_range():
           for v_tile, valid in zip(v_tiles, v_valid, strict=True):
@@ -778,7 +702,7 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
         # (async proxy) overwrites the stage. wgmma already reads through the
         # async proxy, and the production V fix-up ends with this fence.
         plgpu.commit_smem()
-      fetch(t + num_stages, stage, refill, names=("v",) if EARLY_K_REFILL else ("k", "v"))
+      fetch(t + num_stages, stage, refill, names=("v",))
     return acc, m_new, l_i
 
   acc = tuple(plgpu.layout_cast(jnp.zeros((block_q, width), jnp.float32), wgmma_layout)
@@ -835,20 +759,18 @@ def column_parts(head_dim: int, *, atoms: bool = False) -> tuple[tuple[int, int]
   an odd multiple of 16 above 64) are split into parts of 64, 32 and 16 columns,
   largest first, each one swizzle atom wide and swizzled by it (128, 64 and 32
   bytes): one 160-byte row of head dim 80 was read in 32-byte atoms by TMA and
-  wgmma; in parts 80% of it goes in 128-byte atoms. Measured on the H200
-  (docs/PERFORMANCE.md, "Column parts"): decode -10% to -13% at 80 and 112,
-  prefill -11% at 80; at 96 (64-byte atoms as a whole) parts were level in
-  decode and 12% slower in prefill, so 96 stays one part. Every other head dim
-  (multiples of 32, below 64, not a multiple of 16), or `KV_COLUMN_PARTS` off:
-  one part of the whole row. The interpreter variant splits the same way, so CPU
-  tests run the part index math.
+  wgmma; in parts most of it goes in 128-byte atoms, which measured faster on the
+  H200. At 96 (64-byte atoms as a whole) parts only add instructions (slower in
+  prefill), so 96 stays one part, as does every other head dim (multiples of 32,
+  below 64, not a multiple of 16): one part of the whole row. The interpreter
+  variant splits the same way, so CPU tests run the part index math.
 
   `atoms`: every head dim that is a multiple of 16 in such parts (128: two of 64;
   64: one), for caches read in place through swizzle-only views (`attention_kernel`).
   """
   if atoms and head_dim % PART_WIDTHS[-1] == 0:
     return _greedy_parts(head_dim)
-  if (not KV_COLUMN_PARTS or head_dim < PART_WIDTHS[0] or head_dim % PART_WIDTHS[-1]
+  if (head_dim < PART_WIDTHS[0] or head_dim % PART_WIDTHS[-1]
       or head_dim % (2 * PART_WIDTHS[-1]) == 0):   # 64-byte atoms or wider: one part
     return ((0, head_dim),)
   return _greedy_parts(head_dim)

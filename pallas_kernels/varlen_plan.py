@@ -23,15 +23,11 @@ def _cdiv(a, b):
   return (a + b - 1) // b
 
 
-# A switch for A/B timing only (benchmarks/step_levers.py): False keeps `config.max_splits`.
-BOUND_SPLITS = True
-
 # The compared elements up to which the plan's prefix sums and longest-first orders are
 # compare-and-sums (`common.prefix_sum`, `sorted_prefix_sum`, `sort_rows`), for tables of
-# up to 5,792 entries; None: the helpers' own bound (`common.COMPARE_ELEMENTS`, 2^22).
-# Read when a call is traced. Measured on H200 (GPU time per call, docs/PERFORMANCE.md
-# "The plan of wide calls"): the mixed step (4,152 tokens) -58 us and a 2,048-token
-# prefill -13 us against 2^22, whose argsorts (two kernels each) and cumsums ran there.
+# up to 5,792 entries, above the helpers' own bound (`common.COMPARE_ELEMENTS`): for the
+# mixed step's and wide prefills' tables the compares measured faster on the H200 than
+# the argsorts (two kernels each) and cumsums they replace.
 PLAN_COMPARE_ELEMENTS = 1 << 25
 
 
@@ -54,9 +50,8 @@ def split_bound(num_rows: int, *, block_k: int, window, config) -> int:
 
 
 def bounded_config(config, num_rows: int, *, block_k: int, window):
-  """`config` with `max_splits` lowered to `split_bound` (when `BOUND_SPLITS`)."""
-  if not BOUND_SPLITS:
-    return config
+  """`config` with `max_splits` lowered to `split_bound`: the epilogue merges, and the
+  item table reserves, only as many splits as the cache's rows allow."""
   bound = split_bound(num_rows, block_k=block_k, window=window, config=config)
   return config if bound == config.max_splits else dataclasses.replace(config, max_splits=bound)
 

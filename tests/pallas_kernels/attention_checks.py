@@ -78,11 +78,12 @@ def attention_calls(group: int, head_dim: int, config=None) -> list[str]:
   return ["mosaic_gpu_v2"] * (2 if fused else 1)
 
 
-def check_family_with_switch(module, name, value, family, rng, *, config, interpret):
-  """`check_family` with a kernel module's trace-time switch `module.name` set to `value`
-  (caches cleared before and after, since the switch is read when a call is traced)."""
+def check_family_patched(module, name, replacement, family, rng, *, config, interpret):
+  """`check_family` with `module.name` replaced by `replacement` (a test hook that forces a
+  path the call would not take on its own; caches cleared before and after, since the
+  hook is read when a call is traced)."""
   with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(module, name, value)
+    patch.setattr(module, name, replacement)
     jax.clear_caches()
     try:
       check_family(family, rng, config=config, interpret=interpret)

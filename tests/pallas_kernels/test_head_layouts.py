@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import pytest
 
 from attention_checks import check_family
-from attention_checks import check_family_with_switch
 from attention_checks import attention_calls
 from attention_checks import requires_hopper
 from kernel_cases import Family
@@ -125,7 +124,7 @@ def test_column_parts_are_whole_swizzle_atoms(head_dim, want):
   """K/V tiles whose 16-bit rows take only the 32-byte swizzle as a whole (80, 112) sit in
   shared memory as parts of 64, 32 and 16 columns, each row one 128-, 64- or 32-byte
   swizzle atom; 96 (64-byte atoms) and multiples of 64 stay whole. q splits the same way
-  (wider than 128 columns on the wgmma path: 128-column parts). Switched off, one part."""
+  (wider than 128 columns on the wgmma path: 128-column parts)."""
   parts = varlen_kernel_sm90.column_parts(head_dim)
   assert parts == want
   assert sum(width for _, width in parts) == head_dim
@@ -135,18 +134,6 @@ def test_column_parts_are_whole_swizzle_atoms(head_dim, want):
   assert varlen_kernel_sm90.q_column_parts(False, head_dim) == parts
   assert varlen_kernel_sm90.q_column_parts(True, head_dim) == (
       ((0, 128), (128, 128)) if head_dim == 256 else parts)
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(varlen_kernel_sm90, "KV_COLUMN_PARTS", False)
-    assert varlen_kernel_sm90.column_parts(head_dim) == ((0, head_dim),)
-
-
-@pytest.mark.parametrize("family", [f for f in INTERPRET_LAYOUT_FAMILIES
-                                    if f.head_dim in (80, 112)][:2], ids=str)
-def test_interpreted_kernel_serves_head_layout_in_one_column_part(family, rng):
-  """`KV_COLUMN_PARTS` off (the layout before column parts, kept for A/B timing) still
-  serves head dims 80 and 112 right."""
-  check_family_with_switch(varlen_kernel_sm90, "KV_COLUMN_PARTS", False, family, rng,
-                           config=INTERPRET_SPLIT_CONFIG, interpret=True)
 
 
 @pytest.mark.parametrize("head_dim, dtype, want", [

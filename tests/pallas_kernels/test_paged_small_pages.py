@@ -181,6 +181,29 @@ def test_compiled_kernel_lowers_with_one_copy_per_page(head_dim, page_size, dtyp
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
+def test_full_tile_loop_is_a_static_choice_of_the_call(head_dim):
+  """`VarlenAttentionConfig.full_tile_loop` reaches the kernel and keys its trace: lowered
+  for the GPU one after the other (no caches cleared), True issues the K/V refills of
+  three tile loops, False those of one, and the default (None) the head dim's choice."""
+  q = jax.ShapeDtypeStruct((64, 4 * 8, head_dim), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((200, 128, 8, head_dim), jnp.bfloat16)   # a tile per page
+  small = (jax.ShapeDtypeStruct((9, 4), jnp.int32), jax.ShapeDtypeStruct((64, 5), jnp.int32),
+           jax.ShapeDtypeStruct((), jnp.int32))
+  default = paged_sm90.check_request(q, pool)
+  assert default.full_tile_loop is None
+  counts = {}
+  for loops in (True, False, None):
+    config = dataclasses.replace(default, full_tile_loop=loops)
+    attend = jax.jit(functools.partial(pallas_kernels.paged_varlen_attention, window=None,
+                                       scale=0.1, config=config))
+    counts[loops] = _count_tma_loads(
+        attend.trace(q, pool, pool, *small).lower(lowering_platforms=("cuda",)).as_text())
+  # Each tile loop refills K and V once; the prologues' loads are the same in all three.
+  assert counts[True] - counts[False] == 4
+  assert counts[None] == counts[head_dim in varlen_kernel_sm90.FULL_TILE_LOOP_HEAD_DIMS]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("page_size", [8, 16, 32])
 def test_the_paged_write_serves_small_pages(page_size, head_dim):
   """The write looks each token's row up itself, so any page size is served: the compiled

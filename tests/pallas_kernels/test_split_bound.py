@@ -25,6 +25,7 @@ from pallas_kernels import combine_sm90
 from pallas_kernels import common
 from pallas_kernels import config as config_lib
 from pallas_kernels import indexing
+from pallas_kernels import varlen_attention_sm90
 from pallas_kernels import varlen_plan as column
 
 
@@ -121,11 +122,19 @@ def test_bounded_and_unbounded_calls_agree_bitwise(family, split_len, rng, monke
     args = (q, k, v, jnp.asarray(step.seq_info), jnp.int32(step.n_segments))
     outs = []
     for bounded in (True, False):
-      monkeypatch.setattr(column, "BOUND_SPLITS", bounded)
+      # Unbounded: the wrapper's `bounded_config` keeps `config.max_splits`.
+      monkeypatch.setattr(varlen_attention_sm90, "bounded_config",
+                          column.bounded_config if bounded else _unbounded)
       jax.clear_caches()
       outs.append(np.asarray(pallas_kernels.varlen_attention(
           *args, window=family.window, scale=scale, config=config, interpret=True), np.float32))
     np.testing.assert_array_equal(outs[0], outs[1], err_msg=step.description)
+  jax.clear_caches()   # no later call reuses a trace made with the bound patched out
+
+
+def _unbounded(config, num_rows, *, block_k, window):
+  del num_rows, block_k, window
+  return config
 
 
 def test_bounded_config_keeps_other_fields():

@@ -1,11 +1,10 @@
-"""The attention kernel's two ways of masking a tile against a brute-force oracle.
+"""The attention kernel's tile mask against a brute-force oracle.
 
-`varlen_kernel_sm90.tile_mask` evaluates the read range and visibility per score;
-`row_bound_mask` (`ROW_BOUND_MASK`, the default) turns them into two column
-limits per row. Both must give the mask the oracle re-derives from CONTRACT §7.2,
-element by element, for any tile geometry: tiles cut by the read rows at either
-end, keys before or after the queries, rings (windows), owner blocks, rows whose
-queries see nothing. Plain arrays on CPU: the functions are the kernel's own.
+`varlen_kernel_sm90.row_bound_mask` turns the read range and visibility into two
+column limits per row. It must give the mask the oracle re-derives from CONTRACT
+§7.2, element by element, for any tile geometry: tiles cut by the read rows at
+either end, keys before or after the queries, rings (windows), owner blocks, rows
+whose queries see nothing. Plain arrays on CPU: the function is the kernel's own.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def _draw(rng, block_q, block_k, window):
 
 @pytest.mark.parametrize("window", [None, 1, 5, 64, 200], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("block_q, block_k", [(8, 8), (16, 64), (64, 128)])
-def test_both_tile_masks_match_the_oracle(window, block_q, block_k, rng):
+def test_row_bound_mask_matches_the_oracle(window, block_q, block_k, rng):
   key_col = jnp.broadcast_to(jnp.arange(block_k, dtype=jnp.int32), (block_q, block_k))
   for _ in range(25):
     load_row, rows_start, rows_end, key0, query_row, lo, end, kind = _draw(
@@ -62,10 +61,6 @@ def test_both_tile_masks_match_the_oracle(window, block_q, block_k, rng):
                    block_k)
     scalars = [jnp.int32(x) for x in (load_row, rows_start, rows_end, key0)]
     common = dict(lo=jnp.int32(lo), end=jnp.int32(end), kind=jnp.int32(kind), window=window)
-    query_pos = jnp.broadcast_to(jnp.asarray(query_row, jnp.int32)[:, None],
-                                 (block_q, block_k))
-    per_score = body.tile_mask(*scalars, key_col, query_pos, **common)
     by_rows = body.row_bound_mask(*scalars, key_col, jnp.asarray(query_row, jnp.int32),
                                   **common)
-    np.testing.assert_array_equal(np.asarray(per_score), want)
     np.testing.assert_array_equal(np.asarray(by_rows), want)

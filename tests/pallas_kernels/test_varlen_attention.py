@@ -13,7 +13,7 @@ import pytest
 
 from attention_checks import _reference
 from attention_checks import check_family
-from attention_checks import check_family_with_switch
+from attention_checks import check_family_patched
 from attention_checks import attention_calls
 from attention_checks import requires_hopper
 from drivers import has_hopper_gpu
@@ -149,14 +149,16 @@ def test_interpreted_kernel_with_splits_matches_reference(family, rng):
   check_family(family, rng, config=INTERPRET_SPLIT_CONFIG, interpret=True)
 
 
-@pytest.mark.parametrize("loops", ["one", "three"])
-@pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[2]], ids=str)
-def test_interpreted_kernel_matches_reference_with_one_or_three_tile_loops(family, loops, rng):
-  """The tile loop split around the tiles that need no mask, forced on or off for the
-  family's head dim (the production choice is per head dim), flat and ring."""
-  dims = frozenset({family.head_dim}) if loops == "three" else frozenset()
-  check_family_with_switch(varlen_kernel_sm90, "FULL_TILE_LOOP_HEAD_DIMS", dims, family, rng,
-                           config=INTERPRET_SPLIT_CONFIG, interpret=True)
+@pytest.mark.parametrize("family", [INTERPRET_FAMILIES[0], INTERPRET_FAMILIES[1],
+                                    INTERPRET_FAMILIES[2]], ids=str)
+def test_one_and_three_tile_loops_give_the_same_outputs_bitwise(family, rng):
+  """`full_tile_loop`: the tile loop split around the tiles that need no mask (True) or
+  one loop choosing per tile (False), either at any head dim (the default, None, picks by
+  head dim): the same tiles and arithmetic, so the outputs are bitwise equal and match
+  the reference; flat and ring, padded steps, owner blocks, key splits."""
+  settings = [(dataclasses.replace(INTERPRET_SPLIT_CONFIG, full_tile_loop=loops), ())
+              for loops in (True, False)]
+  _check_settings_agree(family, rng, settings, interpret=True)
 
 
 @requires_hopper
@@ -184,8 +186,19 @@ def test_interpreted_kernel_matches_reference_in_one_atom_column_parts(family, r
   columns: one at head dim 64, two at 128), run by the interpreter: flat and ring, splits."""
   config = (INTERPRET_BLOCK64_CONFIG if family in LARGE_UNALIGNED_INTERPRET_FAMILIES
             else INTERPRET_SPLIT_CONFIG)
-  check_family_with_switch(varlen_attention_sm90, "FORCE_ATOM_PARTS", True, family, rng,
-                           config=config, interpret=True)
+  check_family_patched(varlen_attention_sm90, "run_items", _in_atom_parts(), family, rng,
+                       config=config, interpret=True)
+
+
+def _in_atom_parts():
+  """`run_items` with `atom_parts` forced on: the interpreter (which pads every unaligned
+  cache, so the compiled path's reason for the parts never arises there) runs their
+  index math on every call."""
+  run_items = varlen_attention_sm90.run_items
+
+  def run(*args, **kwargs):
+    return run_items(*args, **dict(kwargs, atom_parts=True))
+  return run
 
 
 @pytest.mark.parametrize("rows, head_dim, block_k, want", [
@@ -203,8 +216,8 @@ def test_which_unaligned_caches_are_read_in_place(rows, head_dim, block_k, want)
                                                     (201, 256, 4), (115, 80, 16)])
 def test_unaligned_cache_reaches_the_kernel_without_a_copy(rows, head_dim, tokens):
   """Lowered for CUDA: a cache of unaligned rows (at least one tile) reaches the kernel as
-  is, with no pad or gather of K/V (before: a copy with zero rows appended); with
-  `UNALIGNED_ROWS_IN_PLACE` off the padded copy is back, so the check can fail."""
+  is, with no pad or gather of K/V; with `reads_in_place` forced off the padded copy
+  (zero rows appended) is found, so the check can fail."""
   shapes = _shapes(tokens, 8, rows, 2, head_dim, jnp.bfloat16)
   padded = -(-rows // 8) * 8
 
@@ -222,7 +235,7 @@ def test_unaligned_cache_reaches_the_kernel_without_a_copy(rows, head_dim, token
     assert re.findall(r"custom_call @(\w+)", text) == attention_calls(4, head_dim)
     assert kv_copies(text) == []
     with pytest.MonkeyPatch.context() as patch:
-      patch.setattr(varlen_attention_sm90, "UNALIGNED_ROWS_IN_PLACE", False)
+      patch.setattr(varlen_attention_sm90, "reads_in_place", lambda *args, **kwargs: False)
       assert kv_copies(lowered_text())
   finally:
     jax.clear_caches()
@@ -473,6 +486,7 @@ def test_interpreter_refuses_wgmma():
     (dict(block_k=96), "block_k=96 must be a multiple of 64"),
     (dict(num_stages=0), "num_stages=0 must be an int >= 1"),
     (dict(split_budget=-1), "split_budget=-1 must be an int >= 0"),
+    (dict(full_tile_loop=1), "full_tile_loop=1 must be a bool or None"),
 ])
 def test_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=re.escape(match)):
@@ -489,11 +503,12 @@ def test_configs_are_hashable_static_arguments():
                                                         interpret=True).use_wgmma
 
 
-def _outputs_per_switch(family, rng, patches, *, config, interpret):
+def _outputs_per_setting(family, rng, settings, *, interpret):
   """`[(step, args, outputs)]` for `family.num_steps` random Steps (padded or not, with or
-  without owner blocks), `outputs` one per entry of `patches` (a list of `{name: value}`
-  settings of `varlen_kernel_sm90`'s trace-time switches); `args` are the call's
-  positional arguments. Each setting traces once (the Steps share their shapes)."""
+  without owner blocks), `outputs` one per entry of `settings`: `(config, hooks)`, the
+  call's config (None: the default) and the test hooks `(module, name, replacement)`
+  patched in while it is traced; `args` are the call's positional arguments. Each setting
+  traces afresh (caches cleared), once for all the Steps (they share their shapes)."""
   scale = 1.0 / np.sqrt(family.head_dim)
   cases = []
   for index in range(family.num_steps):
@@ -502,11 +517,11 @@ def _outputs_per_switch(family, rng, patches, *, config, interpret):
     cases.append((step, (queries(rng, family, step), k, v, jnp.asarray(step.seq_info),
                          jnp.int32(step.n_segments))))
   outs = []
-  for setting in patches:
+  for config, hooks in settings:
     with pytest.MonkeyPatch.context() as patch:
-      for name, value in setting.items():
-        patch.setattr(varlen_kernel_sm90, name, value)
-      jax.clear_caches()   # the switches are read when traced
+      for module, name, replacement in hooks:
+        patch.setattr(module, name, replacement)
+      jax.clear_caches()   # the hooks are read when a call is traced
       outs.append([np.asarray(pallas_kernels.varlen_attention(
           *args, window=family.window, scale=scale, config=config, interpret=interpret),
           np.float32) for _, args in cases])
@@ -514,47 +529,30 @@ def _outputs_per_switch(family, rng, patches, *, config, interpret):
   return [(step, args, tuple(out[i] for out in outs)) for i, (step, args) in enumerate(cases)]
 
 
-@pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
-def test_row_bound_mask_gives_the_per_score_masks_outputs_bitwise(family, rng):
-  """`ROW_BOUND_MASK` (the default) changes how a tile's mask is computed, not which
-  scores it keeps, so the outputs are bitwise those of the per-score mask: flat and
-  ring layers, padded steps, owner blocks, key splits."""
-  for step, _, (row_bound, per_score) in _outputs_per_switch(
-      family, rng, [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}],
-      config=INTERPRET_SPLIT_CONFIG, interpret=True):
-    np.testing.assert_array_equal(row_bound, per_score, err_msg=step.description)
-
-
-@requires_hopper
-@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
-@pytest.mark.parametrize("family", GPU_FAMILIES[:2], ids=str)
-def test_compiled_masks_agree_bitwise_and_match_reference(family, splits, rng):
-  """Compiled: the row-bound and per-score masks give the same outputs bitwise, and both
-  match the reference within the storage tolerance plus one unit of the output's
-  precision (flat GQA D128 and a D64 ring)."""
-  _check_compiled_settings_agree(family, splits, rng,
-                                 [{"ROW_BOUND_MASK": True}, {"ROW_BOUND_MASK": False}])
-
-
-def _check_compiled_settings_agree(family, splits, rng, settings, **config_changes):
-  """Compiled, two settings of the kernel's switches (`_outputs_per_switch`): the same
-  outputs bitwise, and the first's match the reference within the storage tolerance
-  plus one unit of the output's precision. `config_changes` apply to the split config
-  (`splits`) or the default one."""
-  config = SPLIT_CONFIGS[family.head_dim] if splits else None
-  if config_changes:
-    config = dataclasses.replace(
-        config or config_lib.default_varlen_attention_config(
-            group=family.num_q_heads // family.num_kv_heads, head_dim=family.head_dim,
-            interpret=False), **config_changes)
+def _check_settings_agree(family, rng, settings, *, interpret):
+  """Every setting (`_outputs_per_setting`) gives the first's outputs bitwise, and the
+  first's match the reference within the storage tolerance plus one unit of the output's
+  precision."""
   scale = 1.0 / np.sqrt(family.head_dim)
-  for step, args, (first, second) in _outputs_per_switch(family, rng, settings, config=config,
-                                                         interpret=False):
-    np.testing.assert_array_equal(first, second, err_msg=step.description)
+  for step, args, (first, *others) in _outputs_per_setting(family, rng, settings,
+                                                           interpret=interpret):
+    for other in others:
+      np.testing.assert_array_equal(other, first, err_msg=step.description)
     expected = np.asarray(_reference(*args, window=family.window, scale=scale), np.float32)
     real = slice(0, step.n_tokens)
     np.testing.assert_allclose(first[real], expected[real], atol=tol(family.dtype),
                                rtol=out_rtol(args[0].dtype), err_msg=step.description)
+
+
+def _compiled_config(family, splits, **changes):
+  """The split config (`splits`) or the default one, with `changes`; None: the default."""
+  config = SPLIT_CONFIGS[family.head_dim] if splits else None
+  if changes:
+    config = dataclasses.replace(
+        config or config_lib.default_varlen_attention_config(
+            group=family.num_q_heads // family.num_kv_heads, head_dim=family.head_dim,
+            interpret=False), **changes)
+  return config
 
 
 def _half_row_staging(**kwargs):
@@ -562,21 +560,48 @@ def _half_row_staging(**kwargs):
   return kwargs["head_dim"] // 2
 
 
+def _one_item_at_a_time(**kwargs):
+  """`item_prefetch_cols` forced to None: one item at a time, the K/V stages and the
+  output staging sharing shared memory (the layout one-program-per-SM configs use)."""
+  del kwargs
+  return None
+
+
+def _through_partials(*args, **kwargs):
+  """`tokens_in_place` forced off: every token through a float32 partial and the
+  epilogue's gather (the path narrow calls take)."""
+  del args, kwargs
+  return False
+
+
+# Test hooks `(module, name, replacement)` for `_outputs_per_setting`.
+HALF_ROWS = (varlen_kernel_sm90, "item_prefetch_cols", _half_row_staging)
+ONE_AT_A_TIME = (varlen_kernel_sm90, "item_prefetch_cols", _one_item_at_a_time)
+THROUGH_PARTIALS = (varlen_attention_sm90, "tokens_in_place", _through_partials)
+
+
+@requires_hopper
+@pytest.mark.parametrize("splits", [False, True], ids=["default", "splits"])
+@pytest.mark.parametrize("family", GPU_FAMILIES[:2], ids=str)
+def test_compiled_tile_loops_agree_bitwise_and_match_reference(family, splits, rng):
+  """Compiled: one tile loop and three (`full_tile_loop`) give the same outputs bitwise, and
+  both match the reference (flat GQA D128 and a D64 ring)."""
+  _check_settings_agree(family, rng, [(_compiled_config(family, splits, full_tile_loop=loops), ())
+                                      for loops in (True, False)], interpret=False)
+
+
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES[:3], ids=str)
 def test_items_back_to_back_give_the_same_outputs_bitwise(family, rng):
-  """`ITEM_PREFETCH` (the default) requests an item's first tiles before the previous
-  item's store, from buffers the program keeps for all of its items; the tiles, their
-  order and the arithmetic are unchanged, so the outputs are bitwise those of one item
-  at a time, with the output staged whole or in two column chunks. One program per KV
-  head, so every program runs many items back to back (flat and ring, padded steps,
-  owner blocks, key splits); the interpreter checks the index math and barrier order."""
+  """Items back to back (`item_prefetch_cols`, where two programs share an SM) request an
+  item's first tiles before the previous item's store, from buffers the program keeps for
+  all of its items; the tiles, their order and the arithmetic are those of one item at a
+  time, so the outputs are bitwise equal, with the output staged whole or in two column
+  chunks. One program per KV head, so every program runs many items back to back (flat
+  and ring, padded steps, owner blocks, key splits); the interpreter checks the index
+  math and barrier order."""
   config = dataclasses.replace(INTERPRET_SPLIT_CONFIG, max_programs=family.num_kv_heads)
-  settings = [{"ITEM_PREFETCH": False}, {"ITEM_PREFETCH": True},
-              {"ITEM_PREFETCH": True, "item_prefetch_cols": _half_row_staging}]
-  for step, _, (one, back, halves) in _outputs_per_switch(family, rng, settings, config=config,
-                                                         interpret=True):
-    np.testing.assert_array_equal(back, one, err_msg=step.description)
-    np.testing.assert_array_equal(halves, one, err_msg=step.description)
+  _check_settings_agree(family, rng, [(config, (ONE_AT_A_TIME,)), (config, ()),
+                                      (config, (HALF_ROWS,))], interpret=True)
 
 
 @requires_hopper
@@ -585,8 +610,9 @@ def test_items_back_to_back_give_the_same_outputs_bitwise(family, rng):
 def test_compiled_items_back_to_back_agree_bitwise_and_match_reference(family, splits, rng):
   """Compiled: items back to back (D128's staging in 64-column halves, D64's whole) give
   the outputs of one item at a time bitwise, and both match the reference."""
-  _check_compiled_settings_agree(family, splits, rng,
-                                 [{"ITEM_PREFETCH": True}, {"ITEM_PREFETCH": False}])
+  config = _compiled_config(family, splits)
+  _check_settings_agree(family, rng, [(config, ()), (config, (ONE_AT_A_TIME,))],
+                        interpret=False)
 
 
 # Every token of a step may split only up to `max_split_tokens` tokens: with 3 (the
@@ -594,21 +620,20 @@ def test_compiled_items_back_to_back_agree_bitwise_and_match_reference(family, s
 # place and merges the split ones (`varlen_attention_sm90.tokens_in_place`).
 @pytest.mark.parametrize("family", INTERPRET_FAMILIES[:4], ids=str)
 def test_tokens_in_place_give_the_partials_outputs_bitwise(family, rng):
-  """`TOKENS_IN_PLACE` (the default): the kernel writes each unsplit token's rows into
-  the output in its dtype (one copy per token, runs of tokens multi-head), and the
-  epilogue zeros the padding tokens' rows, where every token went through a float32
-  partial and the epilogue's gather before; split tokens are merged as before. The arithmetic is the
-  same, so the outputs are bitwise equal, padding rows included (the interpreter
-  fills fresh memory with NaN, so a padding or real row left unwritten shows), for
-  one item at a time and back to back (with the float32 staging whole or in halves:
-  a 16-bit output then stages whole rows in the halves' bytes, a float32 one
-  halves), flat and ring, owner blocks, key splits."""
+  """Tokens in place (`tokens_in_place`, wide calls): the kernel writes each unsplit
+  token's rows into the output in its dtype (one copy per token, runs of tokens
+  multi-head), and the epilogue zeros the padding tokens' rows, where narrow calls send
+  every token through a float32 partial and the epilogue's gather; split tokens are
+  merged either way. The arithmetic is the same, so the outputs are bitwise equal,
+  padding rows included (the interpreter fills fresh memory with NaN, so a padding or
+  real row left unwritten shows), for one item at a time and back to back (with the
+  float32 staging whole or in halves: a 16-bit output then stages whole rows in the
+  halves' bytes, a float32 one halves), flat and ring, owner blocks, key splits."""
   config = dataclasses.replace(INTERPRET_SPLIT_CONFIG, max_programs=2 * family.num_kv_heads)
-  settings = [{"TOKENS_IN_PLACE": False}, {"TOKENS_IN_PLACE": True},
-              {"TOKENS_IN_PLACE": True, "ITEM_PREFETCH": False},
-              {"TOKENS_IN_PLACE": True, "item_prefetch_cols": _half_row_staging}]
-  for step, args, (partials, *in_place) in _outputs_per_switch(
-      family, rng, settings, config=config, interpret=True):
+  settings = [(config, (THROUGH_PARTIALS,)), (config, ()), (config, (ONE_AT_A_TIME,)),
+              (config, (HALF_ROWS,))]
+  for step, _, (partials, *in_place) in _outputs_per_setting(family, rng, settings,
+                                                             interpret=True):
     for out in in_place:
       np.testing.assert_array_equal(out, partials, err_msg=step.description)
     assert not np.any(in_place[0][step.n_tokens:]), step.description
@@ -626,8 +651,7 @@ def test_tokens_in_place_give_the_partials_outputs_bitwise(family, rng):
     (2, 96, jnp.float32, 300, None, True),       # float32 output: 2 x 384 bytes
     (2, 256, jnp.bfloat16, 300, None, False),    # a 256-column staging: not lowered in time
 ])
-def test_which_calls_write_tokens_in_place(group, head_dim, dtype, width, chunks, want,
-                                           monkeypatch):
+def test_which_calls_write_tokens_in_place(group, head_dim, dtype, width, chunks, want):
   """`tokens_in_place`: calls of more tokens than may split, whose epilogue would gather
   every token's partial, and whose token rows TMA can read from the staging
   (128-byte-aligned starts)."""
@@ -643,8 +667,6 @@ def test_which_calls_write_tokens_in_place(group, head_dim, dtype, width, chunks
   if chunks == "fused" and not combine_sm90.supported(group=group, head_dim=head_dim):
     want = True
   assert decide() == want
-  monkeypatch.setattr(varlen_kernel_sm90, "TOKENS_IN_PLACE", False)
-  assert not decide()
 
 
 @requires_hopper
@@ -655,9 +677,9 @@ def test_compiled_tokens_in_place_agree_bitwise_and_match_reference(family, spli
   every token through partials bitwise, and both match the reference; GQA 4 (a TMA per
   token) and multi-head (runs of tokens) at head dims 64 and 128, bf16, fp16 and a
   float32 output, with splits (at most 4 split tokens: the rest in place)."""
-  _check_compiled_settings_agree(family, splits, rng,
-                                 [{"TOKENS_IN_PLACE": True}, {"TOKENS_IN_PLACE": False}],
-                                 max_split_tokens=4)
+  config = _compiled_config(family, splits, max_split_tokens=4)
+  _check_settings_agree(family, rng, [(config, ()), (config, (THROUGH_PARTIALS,))],
+                        interpret=False)
 
 
 @pytest.mark.parametrize("head_dim, block_k, num_stages, want", [
@@ -665,7 +687,7 @@ def test_compiled_tokens_in_place_agree_bitwise_and_match_reference(family, spli
     (128, 64, 2, 64),                         # whole rows would leave room for one program
     (128, 64, 3, None), (128, 128, 2, None),  # one program per SM either way
     (256, 64, 2, None)])                      # measured slower back to back (one per SM)
-def test_which_configs_run_items_back_to_back(head_dim, block_k, num_stages, want, monkeypatch):
+def test_which_configs_run_items_back_to_back(head_dim, block_k, num_stages, want):
   """The output staging's width back to back (`item_prefetch_cols`): the widest that keeps
   two programs per SM, by the shared memory each needs; None keeps one item at a time."""
   cols = functools.partial(varlen_kernel_sm90.item_prefetch_cols, block_q=64, block_k=block_k,
@@ -676,5 +698,3 @@ def test_which_configs_run_items_back_to_back(head_dim, block_k, num_stages, wan
     smem = (64 * head_dim * itemsize + num_stages * 2 * block_k * head_dim * itemsize
             + 64 * want * 4 + 64 * 4)
     assert 2 * (smem + varlen_kernel_sm90.PROGRAM_SMEM_OVERHEAD) <= 228 * 1024
-  monkeypatch.setattr(varlen_kernel_sm90, "ITEM_PREFETCH", False)
-  assert cols() is None
