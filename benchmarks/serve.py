@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -151,6 +152,10 @@ def write_checkpoint(path: str, *, small: bool) -> str:
       tensors[name] = (jax.random.normal(jax.random.fold_in(key, i), tshape, jnp.float32)
                        * scale).astype(jnp.bfloat16)
   save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(os.path.join(path, "tokenizer.json"))
   config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
             "vocab_size": shape["vocab_size"], "hidden_size": shape["hidden_size"],
             "intermediate_size": shape["intermediate_size"],
@@ -159,12 +164,9 @@ def write_checkpoint(path: str, *, small: bool) -> str:
             "max_position_embeddings": 4096 if small else 131072, "rms_norm_eps": 1e-5,
             "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False}
+  # config.json last: its presence marks a whole checkpoint (reused by later runs).
   with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=1)
-  vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
-  tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tok.save(os.path.join(path, "tokenizer.json"))
   return path
 
 
@@ -488,7 +490,7 @@ def main(argv=None) -> int:
   else:
     import jax   # pylint: disable=g-import-not-at-top
     checkpoint = args.checkpoint or write_checkpoint(
-        args.write_checkpoint or os.path.join("/tmp", "jaxkv-bench-small"), small=args.small)
+        args.write_checkpoint or tempfile.mkdtemp(prefix="jaxkv-bench-"), small=args.small)
     from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
     vocab = hf.read_config(checkpoint).vocab_size
   prompts, max_tokens = workload(args.requests, args.prompt_median, args.output_median, vocab)
@@ -531,7 +533,8 @@ def main(argv=None) -> int:
       engine = Engine(model, max_len=max_len, scheduling=scheduling)
       app = create_app(engine, tokenizer, model_name="bench", interval=interval)
       t = time.perf_counter()
-      warm_up(engine)
+      aio = app.state.aio
+      warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
       print(f"server: interval {interval}, {scheduling}: warmed up in "
             f"{time.perf_counter() - t:.1f} s", flush=True)
       timers = _Timers(args.profile)

@@ -131,20 +131,9 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
   return engine, tokenizer, plan
 
 
-def warm_up(engine) -> float:
-  """Compiles what serving runs before the first client; returns the compile seconds.
-
-  One one-token request runs one step (the serving loop compiles) and is then
-  aborted (the abort helper compiles); nothing of it stays in the engine.
-  """
-  from jaxkv.serve import Request, SamplingParams   # pylint: disable=g-import-not-at-top
-  before = engine.stats.compile_seconds
-  rid = engine.add_request(Request((0,), SamplingParams(max_tokens=2), request_id="warm-up"))
-  engine.step(1)
-  engine.abort(rid)
-  while engine.has_unfinished():
-    engine.step(1)
-  return engine.stats.compile_seconds - before
+def warm_up(engine, steps=(1,)) -> float:
+  """`Engine.warm_up`: compiles what serving runs before the first client; the compile seconds."""
+  return engine.warm_up(steps)
 
 
 def summary(stats, since) -> str:
@@ -223,13 +212,15 @@ def serve(args) -> int:
     print(f"jaxkv serve: {line}", flush=True)
   print(f"jaxkv serve: compilation cache: {cache_dir or 'off'}", flush=True)
   # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
-  print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
-  print(f"jaxkv serve: compiled the serving loop in {warm_up(engine):.2f} s (before the first "
-        f"client); ready {time.perf_counter() - started:.2f} s after start", flush=True)
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   app = create_app(engine, tokenizer, model_name=name, interval=args.interval,
                    min_interval=args.min_interval, max_queued=args.max_queued,
                    stats_interval=args.stats_interval)
+  aio = app.state.aio
+  print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
+  compiled = warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
+  print(f"jaxkv serve: compiled the serving loop in {compiled:.2f} s (before the first "
+        f"client); ready {time.perf_counter() - started:.2f} s after start", flush=True)
   warm = dataclasses.replace(engine.stats)
   uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
   print(summary(engine.stats, warm), flush=True)

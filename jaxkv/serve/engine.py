@@ -480,6 +480,31 @@ class Engine:
     """
     return self._live_queue().step(max_steps)
 
+  def warm_up(self, steps=(1,)) -> float:
+    """Compiles what the incremental API runs, before any request; returns the compile seconds.
+
+    For each entry length in `steps` (the `max_steps` the caller will step
+    with), a greedy and a sampled one-token request run one entry (the loop
+    without and with the sampler, which `step` picks by what is in flight, and
+    the entry's snapshot compile) and are aborted (the abort helper compiles);
+    nothing of them stays in the engine.
+
+    Raises:
+      RuntimeError: requests added with `add_request` are in flight.
+    """
+    if self.has_unfinished():
+      raise RuntimeError("warm_up: requests are in flight; call it before serving")
+    before = self.stats.compile_seconds
+    for temperature in (0.0, 1.0):
+      for k in steps:
+        rid = self.add_request(Request((0,), SamplingParams(max_tokens=2, temperature=temperature),
+                                       request_id="warm-up"))
+        self.step(k)
+        self.abort(rid)
+        while self.has_unfinished():
+          self.step(k)
+    return self.stats.compile_seconds - before
+
   def stream(self, max_steps: int | None = None) -> Iterator[Delta]:
     """Steps until every added request has finished, yielding the deltas as they come."""
     live = self._live_queue()

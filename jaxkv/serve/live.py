@@ -47,7 +47,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from jaxkv import Status
-from jaxkv.serve.admission import check_admission
+from jaxkv.serve.admission import check_admission, plain_greedy
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.live_ops import abort_columns, clear_rows, snapshot, unpack_snapshot
 from jaxkv.serve.requests import (Delta, Request, RequestTiming, read_paged_counters,
@@ -145,6 +145,7 @@ class LiveQueue:
     self._dirty = False                  # the device queue must be rewritten
     self._steps_seen = 0                 # the loop's step counter after the last entry
     self.held = 0                        # cache positions held after the last step
+    self._sampled = 0                    # requests in flight that are not plain greedy
 
   # ------------------------------------------------------------------ requests
 
@@ -168,6 +169,7 @@ class LiveQueue:
                          f"[0, vocab_size={engine.vocab_size})")
       if p.n > self.out_rows:
         raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
+      self._sampled += not plain_greedy(p)
       self._tracked[rid] = _Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
                                     finished=[False] * p.n)
@@ -235,7 +237,9 @@ class LiveQueue:
     if idle:
       return deltas
     ls, engine.state = engine.state, None   # donated below
-    ls = engine.enter(ls, k)
+    # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
+    # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
+    ls = engine.enter(ls, k, greedy=self._sampled == 0)
     engine.state = ls
     engine.stats.loop_entries += 1
     window = _bucket(k)   # one snapshot compiled per power of two, not per k
@@ -368,6 +372,7 @@ class LiveQueue:
   def _release(self, rid) -> RequestTiming:
     """Forgets a finished request and frees its output rows; its timing. Holds `_lock`."""
     t = self._tracked.pop(rid)
+    self._sampled -= not plain_greedy(t.request.params)
     if t.base >= 0:
       self._free[t.base:t.base + t.n] = True
     now = time.perf_counter()
@@ -453,7 +458,7 @@ class LiveQueue:
     with self._lock:
       failed = [rid for rid, t in self._tracked.items() if t.base >= 0]
       for rid in failed:
-        self._tracked.pop(rid)
+        self._sampled -= not plain_greedy(self._tracked.pop(rid).request.params)
       self._queued, self._head_copies, self._aborts, self._dev_next = [], 0, [], 0
       self._steps_seen = 0
       self._free[:] = True

@@ -259,6 +259,9 @@ def test_async_engine_streams_and_aborts_on_early_exit(model, rng):
 def test_stats_split_compile_time_from_serving(model, rng):
   """The first entry of a new shape class compiles; no later entry does (nor adds, aborts)."""
   engine = serve.Engine(model, max_len=40)   # a max_len no other test compiles for
+  # Both loops (greedy-only and sampled traffic) and the snapshots of 1- and 4-step entries.
+  warm = engine.warm_up(steps=(1, 4))
+  assert not engine.has_unfinished() and warm > 0
   for r in _requests(rng, 3):
     engine.add_request(r)
   engine.step(1)
