@@ -26,7 +26,7 @@ ABSURD_FLOATS = ["nan", "inf", "-inf", "-1", "1e400", "x", ""]
 
 
 # capsys is read (and so emptied) in every example, so sharing it across examples is safe.
-@settings(max_examples=40, deadline=None, database=None, derandomize=True,
+@settings(max_examples=40, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(flags=st.lists(st.one_of(st.tuples(st.sampled_from(INT_FLAGS), st.sampled_from(ABSURD_INTS)),
                                 st.tuples(st.sampled_from(FLOAT_FLAGS),

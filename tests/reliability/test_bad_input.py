@@ -482,7 +482,7 @@ ARRAYS = st.sampled_from([
 _FUZZ_CACHES: dict[str, jaxkv.BatchedSequenceCache] = {}
 
 
-@settings(max_examples=H.stateful_runs(200, tests=1, steps_per_run=10.0), deadline=None, derandomize=True, database=None,
+@settings(max_examples=H.stateful_runs(200, tests=1, steps_per_run=10.0), deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(phase=st.sampled_from(["idle", "declared", "prepared"]),
        method=st.sampled_from(["is_live", "pos", "seq_clone", "seq_rm", "rewind",
