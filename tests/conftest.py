@@ -167,8 +167,19 @@ def _gpu_gated(item) -> bool:
   return item.path.name in GPU_MODULES
 
 
+# The property tests' CI budgets take minutes on a loaded 2-core machine: twice the ini limit,
+# unless --timeout is given (long runs with larger budgets pass --timeout 0).
+PROPERTY_TESTS = {"test_facade_matches_model", "test_pure_verbs_match_model",
+                  "test_every_completion_equals_its_request_alone",
+                  "test_facade_agrees_with_model"}
+
+
 def pytest_collection_modifyitems(config, items):
-  """Under JAXKV_GPU_CHECK=1 only the GPU-gated tests run; CI runs the rest on CPU."""
+  """Longer limits for the property tests; under JAXKV_GPU_CHECK=1 only the GPU-gated tests run."""
+  if config.getoption("timeout", None) is None:
+    for item in items:
+      if getattr(item, "originalname", item.name) in PROPERTY_TESTS:
+        item.add_marker(pytest.mark.timeout(1800))
   if not GPU_CHECK:
     return
   keep = [item for item in items if _gpu_gated(item)]

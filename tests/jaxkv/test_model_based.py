@@ -726,7 +726,6 @@ def machine_for(name: str):
               {"config": CONFIGS[name], "calls": 0, "stats": collections.Counter()})
 
 
-@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_facade_agrees_with_model(name):
   """Scenario 50 for one config: every call agrees with the model."""

@@ -29,7 +29,6 @@ import os
 
 import hypothesis.strategies as st
 import numpy as np
-import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 
@@ -121,7 +120,6 @@ def _check_completion(c, request):
     assert c.tokens[-1] not in p.stop_tokens, c
 
 
-@pytest.mark.timeout(1800)   # the CI budget takes minutes on a loaded 2-core machine
 @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(mix=_mix())

@@ -527,14 +527,12 @@ def _report(kind: str):
       f.write(json.dumps({"machine": kind, "steps": STEPS[kind]}) + "\n")
 
 
-@pytest.mark.timeout(1800)   # the CI budget takes minutes on a loaded 2-core machine
 def test_facade_matches_model():
   """Random facade calls agree with the model; refusals and StepErrors change nothing."""
   run_state_machine_as_test(FacadeMachine, settings=_settings(RUNS))
   _report("facade")
 
 
-@pytest.mark.timeout(1800)
 def test_pure_verbs_match_model():
   """Random jitted, donated pure verbs agree with the model, with free storage NaN-poisoned."""
   run_state_machine_as_test(PureMachine, settings=_settings(RUNS))
