@@ -20,14 +20,13 @@ import threading
 import time
 
 import numpy as np
+import openai
 import pytest
+import tokenizers
+import uvicorn
 
-openai = pytest.importorskip("openai", reason="the server tests need the test extra's openai")
-uvicorn = pytest.importorskip("uvicorn", reason="the server tests need the test extra's uvicorn")
-import tokenizers  # noqa: E402
-
-from jaxkv.cli import build_server  # noqa: E402
-from jaxkv.server.app import create_app  # noqa: E402
+from jaxkv.cli import build_server
+from jaxkv.server.app import create_app
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
 MODEL = "tiny-llama"
