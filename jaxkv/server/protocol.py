@@ -35,6 +35,28 @@ def _sampling_check(name: str, value):
   return value
 
 
+# OpenAI parameters this server cannot honour: refused when set (truthy), with these messages.
+_REFUSED = {
+    "logit_bias": "logit_bias is not supported",
+    "min_tokens": "min_tokens is not supported (only 0)",
+    "echo": "echo is not supported",
+    "suffix": "suffix is not supported",
+    "tools": "tools are not supported",
+    "response_format": "response_format is not supported (only text)",
+}
+
+
+def _refuse(name: str, refused: bool) -> None:
+  if refused:
+    raise ValueError(_REFUSED[name])
+
+
+def _refuse_if_set(v, info: ValidationInfo):
+  """`v`, unless it sets a parameter of `_REFUSED` (ValueError with its message)."""
+  _refuse(info.field_name, bool(v))
+  return v
+
+
 def _strings(value, name: str) -> list[str]:
   """`stop`: a string, a list of non-empty strings or null, as a list."""
   if value is None:
@@ -91,19 +113,7 @@ class _Common(BaseModel):
   def _stop_ids(cls, v):
     return v if v is None else list(_sampling_check("stop_tokens", tuple(v)))
 
-  @field_validator("logit_bias")
-  @classmethod
-  def _no_logit_bias(cls, v):
-    if v:
-      raise ValueError("logit_bias is not supported")
-    return v
-
-  @field_validator("min_tokens")
-  @classmethod
-  def _no_min_tokens(cls, v):
-    if v:
-      raise ValueError("min_tokens is not supported (only 0)")
-    return v
+  _refused = field_validator("logit_bias", "min_tokens")(_refuse_if_set)
 
   def unsupported(self) -> str | None:
     """Always None: unsupported parameters are refused by validation, located at their field.
@@ -151,19 +161,7 @@ class CompletionRequest(_Common):
           raise ValueError(f"prompt token ids must be >= 0; got {min(x)}")
     return v
 
-  @field_validator("echo")
-  @classmethod
-  def _no_echo(cls, v):
-    if v:
-      raise ValueError("echo is not supported")
-    return v
-
-  @field_validator("suffix")
-  @classmethod
-  def _no_suffix(cls, v):
-    if v:
-      raise ValueError("suffix is not supported")
-    return v
+  _refused_here = field_validator("echo", "suffix")(_refuse_if_set)
 
   @field_validator("best_of")
   @classmethod
@@ -204,25 +202,18 @@ class ChatRequest(_Common):
   logprobs: StrictBool = False
   top_logprobs: Int | None = Field(default=None, ge=0)
 
-  @field_validator("tools")
-  @classmethod
-  def _no_tools(cls, v):
-    if v:
-      raise ValueError("tools are not supported")
-    return v
+  _refused_here = field_validator("tools")(_refuse_if_set)
 
   @field_validator("tool_choice")
   @classmethod
   def _no_tool_choice(cls, v):
-    if v not in (None, "none"):
-      raise ValueError("tools are not supported")
+    _refuse("tools", v not in (None, "none"))
     return v
 
   @field_validator("response_format")
   @classmethod
   def _text_only(cls, v):
-    if v and v.get("type") != "text":
-      raise ValueError("response_format is not supported (only text)")
+    _refuse("response_format", bool(v) and v.get("type") != "text")
     return v
 
   @field_validator("top_logprobs")
