@@ -9,8 +9,8 @@ Property tests run under one of two hypothesis profiles (tests/README.md):
 - "random" (JAXKV_HYPOTHESIS_RANDOM=1): fresh examples from one seed per run, printed in the
   header and summary; `--hypothesis-seed=N` (or JAXKV_HYPOTHESIS_SEED=N) replays a run.
 
-JAXKV_GPU_CHECK=1 (benchmarks/gpu_checks.sh) makes a compiled-kernel refusal a failure instead
-of a skip, so the GPU check sees a kernel that wrongly refuses.
+JAXKV_GPU_CHECK=1 (benchmarks/gpu_checks.sh) collects only the GPU-gated tests and fails every
+skip tests/gpu_expected_skips.txt does not explain, so a kernel that wrongly refuses fails there.
 """
 
 from __future__ import annotations
