@@ -40,6 +40,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # seen in seconds showed nothing for minutes. Hypothesis reads this module constant when
 # shrinking starts (it has no setting for it); the test fails with the smallest example so far.
 SHRINK_SECONDS = 30
+assert hasattr(hypothesis_engine, "MAX_SHRINKING_SECONDS"), "hypothesis moved its shrink budget"
 hypothesis_engine.MAX_SHRINKING_SECONDS = SHRINK_SECONDS
 # The reliability tests' older switch selects the random profile too.
 RANDOM = "1" in (os.environ.get("JAXKV_HYPOTHESIS_RANDOM"), os.environ.get("JAXKV_RELIABILITY_RANDOM"))
