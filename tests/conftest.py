@@ -24,6 +24,15 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def pytest_configure(config):
+  # The scenario and reliability harnesses feed float32 probe content into float16
+  # and bfloat16 caches on purpose. `attend` warns once per process and layer shape
+  # about that, so as an error it would fail whichever test met a shape first;
+  # tests/jaxkv/test_pure_traps.py checks the warning itself (pytest.warns records
+  # it whatever this filter says).
+  config.addinivalue_line("filterwarnings", "ignore::jaxkv.pure.KVDtypeWarning")
+
+
 @pytest.fixture(params=KERNEL_IMPLEMENTATIONS)
 def implementation(request):
   """Parametrizes a test over every implementation this machine can run."""
