@@ -18,7 +18,7 @@ from flax import nnx
 
 import jaxkv
 from jaxkv import serve
-from jaxkv.models import Decoder, ModelConfig
+from jaxkv.nnx import CachedAttention
 from scenario_utils import assert_same_state, snapshot
 
 pure = jaxkv.pure
@@ -150,44 +150,10 @@ def test_facade_refuses_wide_numpy_ids_instead_of_wrapping(wide):
   assert cache.is_live(0) and cache.pos(0) == 2
 
 
-MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                          num_heads=2, num_kv_heads=1, head_dim=16)
+# --------------------------------------------------------------------------- scale
 
-
-@pytest.fixture(scope="module")
-def model():
-  return Decoder(MODEL, MODEL.cache_config(capacity=64, max_seqs=3, max_write=4,
-                                           initial_capacity=8), rngs=nnx.Rngs(0))
-
-
-def test_runner_refuses_wide_ids_and_unordered_id_lists(model):
-  """The runner's jitted forward never sees a wrapped id; a dict or set of ids is refused.
-
-  Before: `step({a: 0}, [1])` declared the dict's keys and ran the step.
-  """
-  runner = serve.ModelRunner(model)
-  a, b = runner.seq_new(), runner.seq_new()
-  runner.step([a, a, b], [1, 2, 3])
-  before = snapshot(runner.cache)
-  for call, error, match in [
-      (lambda: runner.step([np.int64(2**32)], [1]), ValueError, "NOT_LIVE"),
-      (lambda: runner.step([np.uint64(2**32 + 1)], [1]), ValueError, "NOT_LIVE"),
-      (lambda: runner.step({a: 0}, [1]), TypeError, "seq_ids"),
-      (lambda: runner.step({a}, [1]), TypeError, "seq_ids"),
-      (lambda: runner.step([a], {1: 0}), TypeError, "tokens"),
-      (lambda: runner.step([a], b"\x01"), TypeError, "tokens"),
-  ]:
-    with pytest.raises(error, match=match):
-      call()
-    assert_same_state(before, snapshot(runner.cache))
-  assert runner.seq_rm(np.int64(2**32)) is False
-  assert runner.rewind(np.int64(2**32), 0) is False
-  assert runner.seq_clone(np.int64(2**32 + 1)) is None
-  assert_same_state(before, snapshot(runner.cache))
-  assert (runner.pos(a), runner.pos(b)) == (2, 1)
-
-
-# --------------------------------------------------------------------------- facade containers
+# The facade's refusals of dicts, sets and bad scales are cases of
+# test_bad_input.py::test_facade_bad_argument_raises_and_changes_nothing (ENTRY_CASES).
 
 
 def _facade(phase: str):
@@ -198,46 +164,6 @@ def _facade(phase: str):
   if phase == "prepared":
     cache.prepare_step()
   return cache
-
-
-Q, KV = np.ones((2, 1, 4), np.float32), np.ones((2, 1, 4), np.float32)
-
-# Before: the dict and set cases were accepted (a dict's keys, a set in hash order);
-# the scale cases ran and returned NaN (nan, inf) or uniform/inverted attention.
-FACADE_CASES = [
-    ("declare-dict", "idle", lambda c: c.declare_step({0: 1}), TypeError, "seq_ids.*dict"),
-    ("declare-set", "idle", lambda c: c.declare_step({0, 1}), TypeError, "seq_ids.*set"),
-    ("declare-frozenset", "idle", lambda c: c.declare_step(frozenset([0])), TypeError,
-     "seq_ids"),
-    ("declare-blocks-dict", "idle", lambda c: c.declare_step([0, 0], owner_blocks={0: 2}),
-     TypeError, "owner_blocks"),
-    ("declare-blocks-set", "idle", lambda c: c.declare_step([0, 0], owner_blocks={(0, 2)}),
-     TypeError, "owner_blocks"),
-    ("prepare-positions-dict", "declared", lambda c: c.prepare_step({0: 0, 1: 0}), TypeError,
-     "positions"),
-    ("prepare-positions-set", "declared", lambda c: c.prepare_step({0}), TypeError,
-     "positions"),
-    ("attend-scale-nan", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=float("nan")),
-     ValueError, "scale"),
-    ("attend-scale-inf", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=float("inf")),
-     ValueError, "scale"),
-    ("attend-scale-np-nan", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=np.float32("nan")),
-     ValueError, "scale"),
-    ("attend-scale-0", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=0.0), ValueError,
-     "scale"),
-    ("attend-scale-negative", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=-0.5),
-     ValueError, "scale"),
-]
-
-
-@pytest.mark.parametrize("phase, call, error, match", [c[1:] for c in FACADE_CASES],
-                         ids=[c[0] for c in FACADE_CASES])
-def test_facade_refuses_unordered_containers_and_bad_scales(phase, call, error, match):
-  cache = _facade(phase)
-  before = snapshot(cache.state)
-  with pytest.raises(error, match=match):
-    call(cache)
-  assert_same_state(before, snapshot(cache.state))
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 0.0, -1.0],
@@ -258,8 +184,7 @@ def test_pure_attend_refuses_a_bad_scale_at_trace_time(scale):
                          ids=["nan", "inf", "0", "negative"])
 def test_cached_attention_refuses_a_bad_scale(scale):
   with pytest.raises(ValueError, match="scale"):
-    jaxkv.nnx.CachedAttention(CONFIG, 0, features=8, num_heads=1, scale=scale,
-                              rngs=nnx.Rngs(0))
+    CachedAttention(CONFIG, 0, features=8, num_heads=1, scale=scale, rngs=nnx.Rngs(0))
 
 
 # --------------------------------------------------------------------------- config
