@@ -87,6 +87,15 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"hypothesis seed {seed} (replay: --hypothesis-seed={seed})")
 
 
+def pytest_configure(config):
+  # The scenario and reliability harnesses feed float32 probe content into float16
+  # and bfloat16 caches on purpose. `attend` warns once per process and layer shape
+  # about that, so as an error it would fail whichever test met a shape first;
+  # tests/jaxkv/test_pure_traps.py checks the warning itself (pytest.warns records
+  # it whatever this filter says).
+  config.addinivalue_line("filterwarnings", "ignore::jaxkv.pure.KVDtypeWarning")
+
+
 @pytest.fixture(params=KERNEL_IMPLEMENTATIONS)
 def implementation(request):
   """Parametrizes a test over every implementation this machine can run."""

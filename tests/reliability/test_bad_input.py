@@ -155,9 +155,38 @@ FACADE_BUG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("phase, call, error, match",
-                         [c[1:] for c in FACADE_CASES + FACADE_BUG_CASES],
-                         ids=[c[0] for c in FACADE_CASES + FACADE_BUG_CASES])
+# Regressions of issue 40 (item 5): a dict or set was accepted as a list of ids, positions
+# or blocks (its keys, or hash order), and a scale of nan/inf/0/-0.5 ran (NaN outputs, or
+# uniform and inverted attention).
+ENTRY_CASES = [
+    ("declare-dict", "idle", lambda c: c.declare_step({0: 1}), TypeError, "seq_ids.*dict"),
+    ("declare-set", "idle", lambda c: c.declare_step({0, 1}), TypeError, "seq_ids.*set"),
+    ("declare-frozenset", "idle", lambda c: c.declare_step(frozenset([0])), TypeError,
+     "seq_ids"),
+    ("declare-blocks-dict", "idle", lambda c: c.declare_step([0, 0], owner_blocks={0: 2}),
+     TypeError, "owner_blocks"),
+    ("declare-blocks-set", "idle", lambda c: c.declare_step([0, 0], owner_blocks={(0, 2)}),
+     TypeError, "owner_blocks"),
+    ("prepare-positions-dict", "declared", lambda c: c.prepare_step({2: 0}), TypeError,
+     "positions"),
+    ("prepare-positions-set", "declared", lambda c: c.prepare_step({2}), TypeError,
+     "positions"),
+    ("attend-scale-nan", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=float("nan")),
+     ValueError, "scale"),
+    ("attend-scale-inf", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=float("inf")),
+     ValueError, "scale"),
+    ("attend-scale-np-nan", "prepared",
+     lambda c: c.attend(0, Q, KV, KV, scale=np.float32("nan")), ValueError, "scale"),
+    ("attend-scale-0", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=0.0), ValueError,
+     "scale"),
+    ("attend-scale-negative", "prepared", lambda c: c.attend(0, Q, KV, KV, scale=-0.5),
+     ValueError, "scale"),
+]
+ALL_FACADE_CASES = FACADE_CASES + FACADE_BUG_CASES + ENTRY_CASES
+
+
+@pytest.mark.parametrize("phase, call, error, match", [c[1:] for c in ALL_FACADE_CASES],
+                         ids=[c[0] for c in ALL_FACADE_CASES])
 def test_facade_bad_argument_raises_and_changes_nothing(phase, call, error, match):
   cache = _cache(phase)
   before = snapshot(cache.state)
