@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from jaxkv import _implementation
@@ -25,6 +27,46 @@ from jaxkv._sharding import per_shard, validate_mesh
 from jaxkv._state import CacheState, Phase, Status
 from jaxkv._validate import (static_validate_attend, static_validate_implementation,
                              static_validate_state, step_width_of)
+
+
+class KVDtypeWarning(UserWarning):
+  """`attend` got q/k/v in a dtype other than the cache's `kv_dtype` (they are cast)."""
+
+
+_dtype_warned: set = set()   # (layer shape, dtypes) already reported
+
+
+def warn_dtype_mismatch(config: CacheConfig, layer: int, q, k, v) -> None:
+  """Warns once per (layer shape, dtypes) when q/k/v differ from `kv_dtype`.
+
+  K/V are cast to `kv_dtype` on the write (float32 activations into a bfloat16
+  cache lose precision silently otherwise), and on a Hopper GPU a q that is
+  not in `kv_dtype` sends the layer to the reference attention.
+  """
+  dtypes = tuple(np.dtype(x.dtype) for x in (q, k, v))
+  if all(d == config.kv_dtype for d in dtypes):
+    return
+  key = (tuple(q.shape[1:]), tuple(k.shape[1:]), dtypes, config.kv_dtype)
+  if key in _dtype_warned:
+    return
+  _dtype_warned.add(key)
+  warnings.warn(f"attend: layer {layer} got q/k/v in {'/'.join(map(str, dtypes))} but the "
+                f"cache stores kv_dtype={config.kv_dtype}; K/V are cast to it on the write. "
+                "Run the model in kv_dtype (or build the CacheConfig with the activations' "
+                "dtype) to silence this.", KVDtypeWarning, stacklevel=3)
+
+
+def static_validate_scale(scale) -> float | None:
+  """`scale` as a Python float: finite and > 0 (None: `1/sqrt(head_dim)`); ValueError naming it."""
+  if scale is None:
+    return None
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
+    raise ValueError(f"scale={scale!r} must be a Python float or None")
+  value = float(scale)
+  # NaN or inf would make every output NaN; 0 or less is never a softmax scale.
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"scale={scale!r} must be a finite float > 0 (or None: 1/sqrt(head_dim))")
+  return value
 
 
 def _write_and_attend(implementation, *, window, scale, paged=False):
@@ -74,7 +116,8 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
     q: `[W, H_q, D]`; k, v: `[W, n_kv_heads, D]`. Rows `n..W-1` are padding.
       `W` is the width of `state.step`: the config's step width, or less when the
       step is a narrowed view (`narrow_step`).
-    scale: softmax scale (static); None means `1/sqrt(head_dim)`.
+    scale: softmax scale (static): a finite float > 0; None means
+      `1/sqrt(head_dim)`.
     implementation: see the module docstring.
     mesh, kv_axis: with a mesh (static), K/V are split over their heads along
       `kv_axis` and the write and attention run per shard (`jaxkv._sharding`).
@@ -87,15 +130,21 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
     so the step's `commit_step` refuses too (a caller that checks only the
     commit status still sees the failure).
 
+  q, k and v in a dtype other than `config.kv_dtype` warn (`KVDtypeWarning`)
+  once per layer shape and dtypes: K/V are cast to `kv_dtype` on the write.
+
   Raises:
-    ValueError: at trace time for a bad layer id, shape, head count or argument.
+    ValueError: at trace time for a bad layer id, shape, head count, scale or
+      argument.
   """
   static_validate_implementation(implementation)
   static_validate_state(config, state)
   static_validate_attend(config, layer, q, k, v, width=step_width_of(config, state))
   validate_mesh(config, mesh, kv_axis)
+  scale = static_validate_scale(scale)
+  warn_dtype_mismatch(config, layer, q, k, v)
   head_dim = config.layers[layer].head_dim
-  scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   is_prepared = state.phase == Phase.PREPARED
   step = state.step
   # A refused attend writes nothing (n = 0) and reports no segment.

@@ -101,11 +101,21 @@ class CacheConfig:
     capacity: shared token budget of all live sequences; also the flat row
       ceiling. `1 <= capacity < 2**31`.
     max_seqs: number of sequence columns (`>= 1`); column `max_seqs` is scratch.
-    max_write: most tokens one step carries (the static step width `W`).
+    max_write: most tokens one step carries (the static step width `W`),
+      `1 <= max_write <= capacity`: a step holds at most `capacity` tokens (its
+      room check), so a wider one could never be declared and would only size
+      the step arrays (and a ring's rows) past what the cache can hold.
     kv_dtype: storage dtype, canonicalised to a NumPy dtype (float32, bfloat16,
       float16).
     initial_capacity: flat rows allocated at construction (`> 0`; clamped to
-      `capacity`). Ignored by paged flat layers, whose pool is allocated whole.
+      `max_flat_rows`). None (the default) allocates `max_flat_rows` (the
+      `capacity`, or `max_seq_len` when set), so a jitted loop never meets
+      NEEDS_ROWS; it is resolved to that int here. The trade-off: unpaged flat
+      layers then hold `max_flat_rows x (max_seqs + 1)` rows per layer from the
+      start. A smaller value asks for growth: the facade grows on the host, but
+      a pure loop must then grow (`jaxkv.pure.grow`) before entering the jit or
+      stop on NEEDS_ROWS. Ignored by paged flat layers, whose pool is
+      allocated whole.
     page_size: None (the default) stores each flat layer as columns
       `[rows, max_seqs + 1, H, D]`; an int `1 <= page_size <= capacity` stores
       each flat layer as a pool of `num_pages` pages `[num_pages, page_size, H, D]`
@@ -125,7 +135,7 @@ class CacheConfig:
   max_seqs: int
   max_write: int
   kv_dtype: Any = jnp.bfloat16
-  initial_capacity: int = 512
+  initial_capacity: int | None = None
   page_size: int | None = None
   max_seq_len: int | None = None
 
@@ -141,14 +151,17 @@ class CacheConfig:
     object.__setattr__(self, "layers", layers)
     for name in ("capacity", "max_seqs", "max_write", "initial_capacity"):
       value = getattr(self, name)
+      if name == "initial_capacity" and value is None:
+        continue   # resolved to max_flat_rows below, once max_seq_len is known
       _require_int(name, value)
       if value < 1:
         raise ValueError(f"{name}={value} must be >= 1")
       object.__setattr__(self, name, int(value))
     if self.capacity >= _MAX_INT32:
       raise ValueError(f"capacity={self.capacity} must be < 2**31")
-    if self.max_write >= _MAX_INT32:
-      raise ValueError(f"max_write={self.max_write} must be < 2**31")
+    if self.max_write > self.capacity:
+      raise ValueError(f"max_write={self.max_write} must be <= capacity={self.capacity}: a step "
+                       "carries at most capacity tokens")
     if self.max_seqs >= _MAX_INT32 - 1:
       raise ValueError(f"max_seqs={self.max_seqs} must be < 2**31 - 1")
     for i, layer in enumerate(layers):
@@ -167,6 +180,8 @@ class CacheConfig:
       object.__setattr__(self, "max_seq_len", int(self.max_seq_len))
       if not 1 <= self.max_seq_len <= self.capacity:
         raise ValueError(f"max_seq_len={self.max_seq_len} must be in [1, capacity={self.capacity}]")
+    if self.initial_capacity is None:
+      object.__setattr__(self, "initial_capacity", self.max_flat_rows)
     if self.page_size is not None:
       _require_int("page_size", self.page_size)
       object.__setattr__(self, "page_size", int(self.page_size))

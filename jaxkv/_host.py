@@ -9,6 +9,7 @@ the host, before the jitted prepare.
 
 from __future__ import annotations
 
+import collections.abc
 import operator
 
 import jax
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _verbs
-from jaxkv._attend import attend as _pure_attend
+from jaxkv._attend import attend as _pure_attend, static_validate_scale
 from jaxkv._config import CacheConfig
 from jaxkv._state import CacheState, Phase, Status, Step, StepError, flat_rows, init_state
 from jaxkv._validate import static_validate_attend, static_validate_implementation
@@ -62,8 +63,12 @@ def _as_int(name: str, value) -> int:
 def _as_list(name: str, value) -> list:
   """The items of a sequence argument, else TypeError naming it."""
   # bytes would iterate as small ints; a str fails item by item, naming the item.
-  if isinstance(value, (bytes, bytearray)) or not hasattr(value, "__iter__"):
-    raise TypeError(f"{name}={value!r} must be a sequence")
+  # A dict would iterate its keys and a set in no defined order: neither is a
+  # list of ids in step order, whatever its contents.
+  if (isinstance(value, (bytes, bytearray, collections.abc.Mapping, collections.abc.Set))
+      or not hasattr(value, "__iter__")):
+    raise TypeError(f"{name}={value!r} must be a sequence (list, tuple or 1-D array); got "
+                    f"{type(value).__name__}")
   return list(value)
 
 
@@ -82,11 +87,12 @@ def _as_array(name: str, value):
 
 
 def _as_scale(scale):
+  """A finite positive float or None; TypeError (wrong kind) or ValueError naming `scale`."""
   if scale is None:
     return None
   if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
     raise TypeError(f"scale={scale!r} must be a Python float or None")
-  return float(scale)
+  return static_validate_scale(scale)
 
 
 def _clamp32(value: int) -> int:
@@ -250,6 +256,10 @@ class BatchedSequenceCache:
   def prepare_step(self, positions=None) -> Step:
     """Fixes positions and the Step, growing flat rows first if needed (CONTRACT §6.3).
 
+    Returns:
+      A copy of the prepared `Step` (`W`-sized int32 arrays): it stays valid
+      after later calls, which donate the state it was read from.
+
     Raises:
       StepError: no declaration stands (IDLE/COMMITTED), or `positions` does not
         match the derived ones; nothing changes.
@@ -260,7 +270,9 @@ class BatchedSequenceCache:
       self._grow_for_declaration()
       self._state, status = _prepare_step(self._config, self._state, positions_arr)
     self._raise_step_error(status, "prepare_step")
-    return self._state.step
+    # `state.step` is a leaf of the state the next verb donates (its buffers are
+    # then deleted); the copy is a few W-sized arrays.
+    return jax.tree.map(jnp.copy, self._state.step)
 
   def _positions_array(self, positions):
     phase = Phase(int(self._state.phase))

@@ -115,10 +115,14 @@ def _lowest_free(state: CacheState):
 
 
 def floor(config: CacheConfig, state: CacheState, seq_id):
-  """Lowest length `rewind`/`seq_clone` may target for `seq_id` (CONTRACT §4.2); int32."""
+  """Lowest length `rewind`/`seq_clone` may target for `seq_id` (CONTRACT §4.2); int32.
+
+  0 for an id outside `[0, max_seqs)`, as for a sequence that is not live (its
+  `hw` is 0): nothing can be rewound or cloned there.
+  """
   _check(config, state, seq_id=(seq_id, ()))
-  _, col = _column(config, seq_id)
-  return indexing.floor(state.hw[col], config.rings())
+  in_range, col = _column(config, seq_id)
+  return jnp.where(in_range, indexing.floor(state.hw[col], config.rings()), _i32(0))
 
 
 def seq_new(config: CacheConfig, state: CacheState):

@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, Phase, Status, StepError, pure
+from jaxkv._attend import static_validate_scale
 from jaxkv._gemm import linear_dot_general, resolve_gemm
 from jaxkv.rope import RopeScaling, apply_rope, rope_inv_freq
 
@@ -220,7 +221,7 @@ class CachedAttention(nnx.Module):
     qk_norm: None, `"llama"` or `"gemma"`: RMS-normalise q and k per head before
       RoPE (Gemma 3 uses `"gemma"`).
     norm_eps: epsilon of the q/k norms.
-    scale: softmax scale; None means `1/sqrt(head_dim)`.
+    scale: softmax scale, a finite float > 0; None means `1/sqrt(head_dim)`.
     use_bias: biases on the q/k/v projections.
     dtype: computation dtype (None keeps the input's).
     param_dtype: parameter dtype.
@@ -277,7 +278,7 @@ class CachedAttention(nnx.Module):
     self.cache_config, self.layer = cache_config, layer
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
     self.rope_theta, self.rope_scaling = float(rope_theta), rope_scaling
-    self.scale = None if scale is None else float(scale)
+    self.scale = static_validate_scale(scale)
     self.dtype = _dtype_or_none("dtype", dtype)
     self.implementation = implementation
     kernel_init, bias_init = nnx.initializers.lecun_normal(), nnx.initializers.zeros_init()

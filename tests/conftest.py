@@ -1,11 +1,22 @@
 """Fixtures only: the strict harness (dtype/rank promotion), the implementation and rng fixtures,
-the skip of compiled-kernel variants the kernels refuse. Helpers live in oracle.py (float64
-oracle, tolerances), model.py (bookkeeping model), drivers.py (jitted drivers) and the
-*_utils modules."""
+the skip of compiled-kernel variants the kernels refuse, the hypothesis profiles. Helpers live in
+oracle.py (float64 oracle, tolerances), model.py (bookkeeping model), drivers.py (jitted drivers)
+and the *_utils modules.
+
+Property tests run under one of two hypothesis profiles (tests/README.md):
+- "ci" (the default): derandomized, so CI replays the same examples every run; one bug is
+  reported, and shrinking stops after SHRINK_SECONDS, so a failure reports within a minute.
+- "random" (JAXKV_HYPOTHESIS_RANDOM=1): fresh examples from one seed per run, printed in the
+  header and summary; `--hypothesis-seed=N` (or JAXKV_HYPOTHESIS_SEED=N) replays a run.
+
+JAXKV_GPU_CHECK=1 (benchmarks/gpu_checks.sh) collects only the GPU-gated tests and fails every
+skip tests/gpu_expected_skips.txt does not explain, so a kernel that wrongly refuses fails there.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 
 # Four host devices so the sharding tests can build a mesh on a CPU machine; it
 # must be set before JAX initialises its backends.
@@ -13,6 +24,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=4").strip()
 
+from hypothesis import settings  # pylint: disable=wrong-import-position
+import hypothesis.internal.conjecture.engine as hypothesis_engine  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 import pytest
@@ -23,6 +36,65 @@ import scenario_utils  # pylint: disable=wrong-import-position
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# Shrinking a stateful JAX example reruns it hundreds of times: without a bound a failure
+# seen in seconds showed nothing for minutes. Hypothesis reads this module constant when
+# shrinking starts (it has no setting for it); the test fails with the smallest example so far.
+SHRINK_SECONDS = 30
+assert hasattr(hypothesis_engine, "MAX_SHRINKING_SECONDS"), "hypothesis moved its shrink budget"
+hypothesis_engine.MAX_SHRINKING_SECONDS = SHRINK_SECONDS
+# The reliability tests' older switch selects the random profile too.
+RANDOM = "1" in (os.environ.get("JAXKV_HYPOTHESIS_RANDOM"), os.environ.get("JAXKV_RELIABILITY_RANDOM"))
+settings.register_profile("ci", derandomize=True, database=None, report_multiple_bugs=False,
+                          print_blob=True)
+settings.register_profile("random", derandomize=False, database=None, report_multiple_bugs=False,
+                          print_blob=True)
+settings.load_profile("random" if RANDOM else "ci")
+GPU_CHECK = os.environ.get("JAXKV_GPU_CHECK") == "1"
+
+
+def _hypothesis_seed(config) -> int | None:
+  """The random profile's seed: the option's, else JAXKV_HYPOTHESIS_SEED, else a fresh one.
+
+  A fresh seed is put in the environment so xdist workers (started after this) share it.
+  """
+  if not RANDOM:
+    return None
+  option = config.getoption("hypothesis_seed", None)
+  if option is not None:
+    return int(option)
+  if "JAXKV_HYPOTHESIS_SEED" not in os.environ:
+    os.environ["JAXKV_HYPOTHESIS_SEED"] = str(int.from_bytes(os.urandom(4), "little"))
+  return int(os.environ["JAXKV_HYPOTHESIS_SEED"])
+
+
+def pytest_configure(config):
+  seed = _hypothesis_seed(config)
+  if seed is not None:
+    from hypothesis import core  # pylint: disable=g-import-not-at-top
+    core.global_force_seed = seed   # what --hypothesis-seed sets
+
+
+def pytest_report_header(config):
+  seed = _hypothesis_seed(config)
+  if seed is not None:
+    return f"jaxkv hypothesis profile 'random', seed {seed} (replay: --hypothesis-seed={seed})"
+  return None
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  seed = _hypothesis_seed(config)
+  if seed is not None:
+    terminalreporter.write_line(f"hypothesis seed {seed} (replay: --hypothesis-seed={seed})")
+
+
+def pytest_configure(config):
+  # The scenario and reliability harnesses feed float32 probe content into float16
+  # and bfloat16 caches on purpose. `attend` warns once per process and layer shape
+  # about that, so as an error it would fail whichever test met a shape first;
+  # tests/jaxkv/test_pure_traps.py checks the warning itself (pytest.warns records
+  # it whatever this filter says).
+  config.addinivalue_line("filterwarnings", "ignore::jaxkv.pure.KVDtypeWarning")
+
 
 @pytest.fixture(params=KERNEL_IMPLEMENTATIONS)
 def implementation(request):
@@ -30,7 +102,19 @@ def implementation(request):
   return request.param
 
 
-@pytest.fixture(params=["columns", "paged"])
+def pytest_generate_tests(metafunc):
+  """Parametrizes the `storage` fixture: both storages, or columns only for `columns_only` tests.
+
+  A `columns_only` test gets no paged variant at all (rather than one that always skips);
+  paged storage has its own tests (test_paged.py).
+  """
+  if "storage" in metafunc.fixturenames:
+    columns_only = metafunc.definition.get_closest_marker("columns_only") is not None
+    metafunc.parametrize("storage", ["columns"] if columns_only else ["columns", "paged"],
+                         indirect=True)
+
+
+@pytest.fixture
 def storage(request):
   """Runs a scenario with both storages: `scenario_utils.default_config` then builds
   column storage, or paged storage with `PAGED_PAGE_SIZE` (CONTRACT §3.1).
@@ -41,8 +125,6 @@ def storage(request):
   K/V tile of theirs serves (neither a multiple of one nor a multiple of 8 dividing
   one; the hook below then skips that variant).
   """
-  if request.param == "paged" and request.node.get_closest_marker("columns_only"):
-    pytest.skip("inspects column storage; paged storage has its own tests (test_paged.py)")
   previous = scenario_utils.PAGE_SIZE
   scenario_utils.PAGE_SIZE = scenario_utils.PAGED_PAGE_SIZE if request.param == "paged" else None
   yield request.param
@@ -62,6 +144,8 @@ def pytest_runtest_call(item):
   CONTRACT §10.7: an explicit `implementation="mosaic_gpu"` re-raises the kernel's
   NotImplementedError (e.g. CONTRACT §11's head_dim 8, float32 storage). The same
   scenario still runs with "reference" and "interpret"; any other error fails.
+  Under JAXKV_GPU_CHECK=1 the skip says so in its reason (`KERNEL_REFUSAL`), and the GPU
+  check fails on every such skip not listed in tests/gpu_expected_skips.txt.
   """
   outcome = yield
   callspec = getattr(item, "callspec", None)
@@ -70,8 +154,71 @@ def pytest_runtest_call(item):
   error = outcome.excinfo[1] if outcome.excinfo else None
   if isinstance(error, NotImplementedError):
     outcome.force_exception(pytest.skip.Exception(
-        f"the compiled Mosaic GPU kernel does not serve this configuration: {error}",
-        _use_item_location=True))
+        f"{KERNEL_REFUSAL}: {error}", _use_item_location=True))
+
+
+KERNEL_REFUSAL = "the compiled Mosaic GPU kernel does not serve this configuration"
+EXPECTED_SKIPS = os.path.join(os.path.dirname(__file__), "gpu_expected_skips.txt")
+
+
+def expected_gpu_skips() -> list[tuple[re.Pattern, str]]:
+  """`(reason regex, why)` per entry of tests/gpu_expected_skips.txt."""
+  with open(EXPECTED_SKIPS, encoding="utf-8") as f:
+    lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+  return [(re.compile(pattern.strip()), why.strip())
+          for pattern, why in (line.split(" | ", 1) for line in lines)]
+
+
+# Whole modules the GPU check runs: device-count meshes, the GEMM and implementation choice
+# (Hopper or not), the small-page lowering, and the live transformers oracle (torch on that host).
+GPU_MODULES = {"test_sharding.py", "test_sharded_models.py", "test_data_parallel.py",
+               "test_hf_sharded_load.py", "test_gemm.py", "test_implementation_plan.py",
+               "test_paged_small_pages.py", "test_donation.py"}
+
+
+def _gpu_gated(item) -> bool:
+  """Whether `item` runs differently on a Hopper host than on CPU (what the GPU check runs)."""
+  callspec = getattr(item, "callspec", None)
+  if callspec is not None and "mosaic_gpu" in map(str, callspec.params.values()):
+    return True
+  if any("Hopper" in str(m.kwargs.get("reason", "")) or "torch" in str(m.kwargs.get("reason", ""))
+         for m in item.iter_markers("skipif")):
+    return True
+  return item.path.name in GPU_MODULES
+
+
+# The property tests' CI budgets take minutes on a loaded 2-core machine: twice the ini limit,
+# unless --timeout is given (long runs with larger budgets pass --timeout 0).
+PROPERTY_TESTS = {"test_facade_matches_model", "test_pure_verbs_match_model",
+                  "test_every_completion_equals_its_request_alone",
+                  "test_facade_agrees_with_model"}
+
+
+def pytest_collection_modifyitems(config, items):
+  """Longer limits for the property tests; under JAXKV_GPU_CHECK=1 only the GPU-gated tests run."""
+  if config.getoption("timeout", None) is None:
+    for item in items:
+      if getattr(item, "originalname", item.name) in PROPERTY_TESTS:
+        item.add_marker(pytest.mark.timeout(1800))
+  if not GPU_CHECK:
+    return
+  keep = [item for item in items if _gpu_gated(item)]
+  config.hook.pytest_deselected(items=[item for item in items if not _gpu_gated(item)])
+  items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Under JAXKV_GPU_CHECK=1 a skip no entry of gpu_expected_skips.txt explains fails."""
+  outcome = yield
+  report = outcome.get_result()
+  if not GPU_CHECK or not report.skipped or hasattr(report, "wasxfail"):
+    return
+  reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+  if not any(pattern.search(reason) for pattern, _ in expected_gpu_skips()):
+    report.outcome = "failed"
+    report.longrepr = (f"unexpected skip on the GPU check (not in "
+                       f"tests/gpu_expected_skips.txt): {reason}")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -116,11 +116,14 @@ def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
       initial_capacity=min(config.initial_capacity, pages * page),
       max_seq_len=None if config.max_seq_len is None else min(config.max_seq_len, pages * page))
   cost = lambda pages: _memory.kv_formula(sized(pages), 0)
-  smallest, formula = cost(1)
+  # The smallest pool holds one step's tokens (`max_write <= capacity`).
+  least = max(1, -(-config.max_write // page))
+  smallest, formula = cost(least)
   if smallest > kv_budget_bytes:
     raise ValueError(f"kv_budget_bytes={kv_budget_bytes:,} is below the smallest paged cache "
-                     f"(capacity = page_size = {page}): {smallest:,} bytes = {formula}")
-  lo, hi = 1, max(2, (2**31 - 1) // page)   # K/V bytes grow with pages: bisect
+                     f"(capacity = {least * page}, one step of max_write={config.max_write} "
+                     f"in pages of {page}): {smallest:,} bytes = {formula}")
+  lo, hi = least, max(least + 1, (2**31 - 1) // page)   # K/V bytes grow with pages: bisect
   while lo < hi:
     mid = (lo + hi + 1) // 2
     if cost(mid)[0] <= kv_budget_bytes:

@@ -10,6 +10,7 @@ field, and the request id when it is known.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 import numbers
@@ -17,6 +18,8 @@ import numbers
 import numpy as np
 
 _INT32_LIMIT = 2**31
+# The engine samples with float32 parameters: a larger magnitude becomes inf there.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _label(request_id) -> str:
@@ -37,20 +40,35 @@ def _as_int(name: str, value, request_id=None, *, index=None) -> int:
 
 
 def _as_real(name: str, value, request_id=None) -> float:
-  """A finite Python float from a real number (bools and strings refused)."""
+  """A Python float from a real number, finite in float32 (bools and strings refused).
+
+  The engine holds sampling parameters as float32, where `1e308` is inf.
+  """
   if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
     raise TypeError(f"{_label(request_id)}{name}={value!r} must be a real number "
                     f"(got {type(value).__name__})")
   value = float(value)
   if not math.isfinite(value):
     raise ValueError(f"{_label(request_id)}{name}={value} must be finite")
+  if abs(value) > _FLOAT32_MAX:
+    raise ValueError(f"{_label(request_id)}{name}={value} overflows float32 (the engine "
+                     f"samples in float32; |{name}| must be <= {_FLOAT32_MAX:.4g})")
   return value
+
+
+def _positive_in_float32(name: str, value: float) -> None:
+  """`value > 0` as the engine sees it: a float32 that does not underflow to 0."""
+  if not np.float32(value) > 0:
+    raise ValueError(f"{name}={value} must be > 0 (and not underflow to 0 in float32)")
 
 
 def _token_ids(name: str, values, request_id=None) -> tuple[int, ...]:
   """A tuple of non-negative int token ids from a sequence of ints."""
   # A str or bytes iterates as characters or small ints: "12" must not become (1, 2).
-  if isinstance(values, (str, bytes, bytearray)) or not hasattr(values, "__iter__"):
+  # A dict iterates its keys and a set in no defined order: neither is a token list.
+  if (isinstance(values, (str, bytes, bytearray, collections.abc.Mapping,
+                          collections.abc.Set))
+      or not hasattr(values, "__iter__")):
     raise TypeError(f"{_label(request_id)}{name}={values!r} must be a sequence of int "
                     f"token ids (got {type(values).__name__})")
   if isinstance(values, np.ndarray) and values.ndim != 1:
@@ -138,6 +156,7 @@ class SamplingParams:
       raise ValueError(f"temperature={self.temperature} must be >= 0")
     if not 0 < fields["top_p"] <= 1:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    _positive_in_float32("top_p", fields["top_p"])
     fields["stop_tokens"] = _token_ids("stop_tokens", self.stop_tokens)
     fields.update(_sampling_extras(self))
     for name, value in fields.items():   # plain Python values: equal params hash equal
@@ -159,8 +178,7 @@ def _sampling_extras(p: SamplingParams) -> dict:
       raise ValueError(f"{name}={value} must be in [{lo}, {hi}]")
     out[name] = value
   rep = _as_real("repetition_penalty", p.repetition_penalty)
-  if not rep > 0:
-    raise ValueError(f"repetition_penalty={rep} must be > 0")
+  _positive_in_float32("repetition_penalty", rep)
   out["repetition_penalty"] = rep
   out["logprobs"] = None
   if p.logprobs is not None:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxkv import BatchedSequenceCache, CacheConfig, CacheState
+from jaxkv._host import _as_list
 from jaxkv.serve.engine import _model_mesh, _split_placed
 from jaxkv.serve.memory import ROW_MULTIPLE
 
@@ -104,12 +105,14 @@ class ModelRunner:
       owner_blocks: optional `[(start, length), ...]` owner blocks (CONTRACT §9).
 
     Raises:
-      TypeError: an id or token that is not an int.
+      TypeError: an id or token that is not an int, or `seq_ids`/`tokens` not a
+        sequence (a dict, set, str or bytes is refused, not iterated).
       ValueError: `seq_ids` and `tokens` differ in length, a token is out of
-        range, or the declaration is refused; nothing changes.
+        range, or the declaration is refused; nothing changes. Ids past int32
+        (`np.int64(2**32)`) are refused, never wrapped onto a live id.
     """
     width = self.config.step_width
-    seq_ids, tokens = list(seq_ids), list(tokens)
+    seq_ids, tokens = _as_list("seq_ids", seq_ids), _as_list("tokens", tokens)
     n = len(seq_ids)
     if len(tokens) != n:
       raise ValueError(f"tokens has {len(tokens)} entries; seq_ids has {n}")

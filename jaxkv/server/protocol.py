@@ -9,57 +9,117 @@ chat), `presence_penalty` and `frequency_penalty` are OpenAI's; `top_k`,
 `min_tokens == 0` are accepted as vLLM accepts them. Ranges are checked by
 `SamplingParams` (vLLM's), the logprob count against the engine's
 `max_logprobs`; either refusal is a 400 naming the field.
+
+Types are strict, as OpenAI's are: `"5"` or `true` is not an integer and
+`"yes"` is not a boolean. Every refusal a request body alone decides is a
+validation error located at its field, so the 400's `param` names it.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import ValidationInfo
 
 from jaxkv.serve.requests import SamplingParams
+
+# Strict numbers: JSON numbers only (an int is a float; a bool or a string is neither).
+Float = Annotated[float, Field(strict=True)]
+Int = StrictInt
+
+
+def _sampling_check(name: str, value):
+  """`value` if `SamplingParams` accepts it as `name` (its own ranges), else ValueError."""
+  SamplingParams(**{name: value})
+  return value
+
+
+# OpenAI parameters this server cannot honour: refused when set (truthy), with these messages.
+_REFUSED = {
+    "logit_bias": "logit_bias is not supported",
+    "min_tokens": "min_tokens is not supported (only 0)",
+    "echo": "echo is not supported",
+    "suffix": "suffix is not supported",
+    "tools": "tools are not supported",
+    "response_format": "response_format is not supported (only text)",
+}
+
+
+def _refuse(name: str, refused: bool) -> None:
+  if refused:
+    raise ValueError(_REFUSED[name])
+
+
+def _refuse_if_set(v, info: ValidationInfo):
+  """`v`, unless it sets a parameter of `_REFUSED` (ValueError with its message)."""
+  _refuse(info.field_name, bool(v))
+  return v
+
+
+def _strings(value, name: str) -> list[str]:
+  """`stop`: a string, a list of non-empty strings or null, as a list."""
+  if value is None:
+    return []
+  values = [value] if isinstance(value, str) else value
+  if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+    raise ValueError(f"{name} must be a string or a list of strings")
+  if not all(values):
+    raise ValueError(f"{name} must not hold an empty string")
+  return values
 
 
 class StreamOptions(BaseModel):
   model_config = ConfigDict(extra="forbid")
-  include_usage: bool = False
-  continuous_usage_stats: bool = False
+  include_usage: StrictBool = False
+  continuous_usage_stats: StrictBool = False
 
 
 class _Common(BaseModel):
   model_config = ConfigDict(extra="forbid")
 
   model: str | None = None
-  max_tokens: int | None = Field(default=None, ge=1)
-  temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-  top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-  top_k: int = Field(default=0, ge=-1)
-  n: int = Field(default=1, ge=1)
-  stream: bool = False
+  max_tokens: Int | None = Field(default=None, ge=1)
+  temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+  top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+  top_k: Int = Field(default=0, ge=-1)
+  n: Int = Field(default=1, ge=1)
+  stream: StrictBool = False
   stream_options: StreamOptions | None = None
-  stop: Union[str, list[str], None] = None
-  stop_token_ids: list[int] | None = None
-  ignore_eos: bool = False
-  seed: int | None = Field(default=None, ge=0, lt=2**31)
+  stop: Any = None
+  stop_token_ids: list[Int] | None = None
+  ignore_eos: StrictBool = False
+  seed: Int | None = Field(default=None, ge=0, lt=2**31)
   user: str | None = None
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
-  repetition_penalty: float = 1.0
-  min_p: float = 0.0
+  presence_penalty: Float = 0.0
+  frequency_penalty: Float = 0.0
+  repetition_penalty: Float = 1.0
+  min_p: Float = 0.0
   logit_bias: dict | None = None
-  min_tokens: int = 0
+  min_tokens: Int = 0
 
-  @field_validator("stop")
+  @field_validator("stop", mode="plain")
   @classmethod
   def _stop_list(cls, v):
-    return [v] if isinstance(v, str) else (v or [])
+    return _strings(v, "stop")
+
+  @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+  @classmethod
+  def _in_sampling_range(cls, v, info: ValidationInfo):
+    return _sampling_check(info.field_name, v)
+
+  @field_validator("stop_token_ids")
+  @classmethod
+  def _stop_ids(cls, v):
+    return v if v is None else list(_sampling_check("stop_tokens", tuple(v)))
+
+  _refused = field_validator("logit_bias", "min_tokens")(_refuse_if_set)
 
   def unsupported(self) -> str | None:
-    """The first parameter set to a value this server cannot honour, as an error message."""
-    if self.logit_bias:
-      return "logit_bias is not supported"
-    if self.min_tokens:
-      return "min_tokens is not supported (only 0)"
+    """Always None: unsupported parameters are refused by validation, located at their field.
+
+    Kept while the app still asks (it then raises no second, field-less refusal).
+    """
     return None
 
   def num_logprobs(self) -> int | None:
@@ -78,24 +138,40 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-  max_tokens: int | None = Field(default=16, ge=1)
-  prompt: Union[str, list[str], list[int], list[list[int]]]
-  echo: bool = False
+  max_tokens: Int | None = Field(default=16, ge=1)
+  prompt: Any
+  echo: StrictBool = False
   suffix: str | None = None
-  best_of: int | None = None
-  logprobs: StrictInt | None = Field(default=None, ge=0)
+  best_of: Int | None = None
+  logprobs: Int | None = Field(default=None, ge=0)
+
+  @field_validator("prompt", mode="plain")
+  @classmethod
+  def _prompt(cls, v):
+    """A string, a list of strings, a list of token ids or a list of such lists."""
+    def ids(x):
+      return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    if not (isinstance(v, str) or ids(v) or (isinstance(v, list) and (
+        all(isinstance(x, str) for x in v) or all(ids(x) for x in v)))):
+      raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
+                       "list of token id lists")
+    if not isinstance(v, str) and v and not isinstance(v[0], str):   # token ids
+      for x in (v if isinstance(v[0], list) else [v]):
+        if x and min(x) < 0:
+          raise ValueError(f"prompt token ids must be >= 0; got {min(x)}")
+    return v
+
+  _refused_here = field_validator("echo", "suffix")(_refuse_if_set)
+
+  @field_validator("best_of")
+  @classmethod
+  def _best_of_is_n(cls, v, info: ValidationInfo):
+    if v is not None and v != info.data.get("n"):
+      raise ValueError(f"best_of={v} is not supported (only best_of == n)")
+    return v
 
   def num_logprobs(self) -> int | None:
     return self.logprobs
-
-  def unsupported(self) -> str | None:
-    if self.echo:
-      return "echo is not supported"
-    if self.suffix:
-      return "suffix is not supported"
-    if self.best_of not in (None, self.n):
-      return f"best_of={self.best_of} is not supported (only best_of == n)"
-    return super().unsupported()
 
 
 class TextPart(BaseModel):
@@ -118,22 +194,34 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
   messages: list[ChatMessage] = Field(min_length=1)
-  max_completion_tokens: int | None = Field(default=None, ge=1)
-  add_generation_prompt: bool = True
+  max_completion_tokens: Int | None = Field(default=None, ge=1)
+  add_generation_prompt: StrictBool = True
   tools: list | None = None
   tool_choice: Union[str, dict, None] = None
   response_format: dict | None = None
   logprobs: StrictBool = False
-  top_logprobs: StrictInt | None = Field(default=None, ge=0)
+  top_logprobs: Int | None = Field(default=None, ge=0)
+
+  _refused_here = field_validator("tools")(_refuse_if_set)
+
+  @field_validator("tool_choice")
+  @classmethod
+  def _no_tool_choice(cls, v):
+    _refuse("tools", v not in (None, "none"))
+    return v
+
+  @field_validator("response_format")
+  @classmethod
+  def _text_only(cls, v):
+    _refuse("response_format", bool(v) and v.get("type") != "text")
+    return v
+
+  @field_validator("top_logprobs")
+  @classmethod
+  def _needs_logprobs(cls, v, info: ValidationInfo):
+    if v is not None and not info.data.get("logprobs"):
+      raise ValueError("top_logprobs needs logprobs=true")
+    return v
 
   def num_logprobs(self) -> int | None:
     return (self.top_logprobs or 0) if self.logprobs else None
-
-  def unsupported(self) -> str | None:
-    if self.tools or self.tool_choice not in (None, "none"):
-      return "tools are not supported"
-    if self.response_format and self.response_format.get("type") != "text":
-      return "response_format is not supported (only text)"
-    if self.top_logprobs is not None and not self.logprobs:
-      return "top_logprobs needs logprobs=true"
-    return super().unsupported()

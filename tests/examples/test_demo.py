@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import pytest
+import tokenizers
 
 import jaxkv
 from jaxkv import _implementation, demo
@@ -79,8 +80,6 @@ def test_demo_loads_a_checkpoint(capsys):
 
 def test_demo_text_prompts_with_a_tokenizer(tmp_path, capsys):
   """A checkpoint with tokenizer.json: --prompt text is encoded and outputs are decoded."""
-  tokenizers = pytest.importorskip("tokenizers", reason="the optional tokenizers package is "
-                                   "not installed")
   fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "hf_llama"
   for name in ("config.json", "model.safetensors"):
     (tmp_path / name).write_bytes((fixture / name).read_bytes())

@@ -95,11 +95,17 @@ def test_dflash_rejects_small_widths(target):
     dflash.dflash_generate(serve.ModelRunner(target), serve.ModelRunner(target), PROMPTS, 4, 1)
 
 
-def test_parallel_sampling_example(target):
+def test_parallel_sampling_example(target, plain):
   engine = serve.Engine(target, max_len=48)
   samples = parallel_sampling.parallel_samples(engine, PROMPTS[2], 3, max_tokens=5, seed=2)
   assert len(samples) == 3 and all(len(s) == 5 for s in samples)
   assert engine.stats.step_tokens == len(PROMPTS[2]) - 1 + 3 * 5
+  # The n samples are independent draws (not one copied), and the seed reproduces them.
+  assert len({tuple(s) for s in samples}) > 1
+  assert parallel_sampling.parallel_samples(engine, PROMPTS[2], 3, max_tokens=5, seed=2) == samples
+  # At temperature 0 every sample is plain greedy decoding (an oracle that shares no engine code).
+  greedy = parallel_sampling.parallel_samples(engine, PROMPTS[2], 3, max_tokens=5, temperature=0.0)
+  assert greedy == [plain[2][:5]] * 3
 
 
 def test_model_configs_and_constructors():

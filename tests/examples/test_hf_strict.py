@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxkv.models import hf
@@ -169,7 +171,8 @@ def test_keys_that_change_the_math_are_refused(tmp_path, kind, edit, key):
 def test_harmless_keys_are_accepted(tmp_path):
   ckpt = copy(tmp_path, config=set_key(torch_dtype="float32", use_cache=False,
                                        _name_or_path="x", max_length=20, pretraining_tp=1))
-  hf.read_config(ckpt)
+  # They change nothing: the config read is the unedited fixture's.
+  assert hf.read_config(ckpt) == hf.read_config(os.path.join(FIXTURES, "hf_llama"))
 
 
 @pytest.mark.parametrize("kind, edit, key, error", [
@@ -246,7 +249,14 @@ def test_integer_tensor_is_refused(tmp_path):
 def test_derived_rotary_buffers_are_ignored(tmp_path):
   def edit(t):
     t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
-  hf.load_model(copy(tmp_path, tensors=edit), **LOAD)
+  model, config, _ = hf.load_model(copy(tmp_path, tensors=edit), **LOAD)
+  plain, plain_config, _ = hf.load_model(os.path.join(FIXTURES, "hf_llama"), **LOAD)
+  # Ignored, not applied: the model's weights and config are the unedited checkpoint's.
+  assert config == plain_config
+  got, want = jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(plain))
+  assert len(got) == len(want)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_multimodal_gemma3_wrapper_loads_the_text_model(tmp_path):

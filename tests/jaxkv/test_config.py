@@ -63,12 +63,17 @@ def test_scenario_39_validation_names_field_and_value(build, field, value):
 
 
 def test_scenario_39_window_plus_width_must_fit_int32():
-  """CONTRACT §2: `w + max_write - 1 < 2**31`; the largest legal sum is accepted."""
+  """CONTRACT §2: `w + max_write - 1 < 2**31`; the largest legal sum is accepted.
+
+  `max_write <= capacity` too, so the capacity is the largest one.
+  """
+  big = dict(layers=[layer(ring(2**30))], capacity=2**31 - 1)
   with pytest.raises(ValueError, match=r"max_write"):
-    config(layers=[layer(ring(2**30))], max_write=2**30 + 1)
-  ok = config(layers=[layer(ring(2**30))], max_write=2**30)
+    config(max_write=2**30 + 1, **big)
+  ok = config(max_write=2**30, **big)
   assert ok.max_write == 2**30
-  assert ok.ring_rows(0) == 32  # min(capacity, w + W - 1)
+  assert ok.ring_rows(0) == 2**31 - 1  # min(capacity, w + W - 1)
+  assert config(layers=[layer(ring(2**30))], max_write=32).ring_rows(0) == 32
 
 
 def test_scenario_39_initial_capacity_is_clamped():
@@ -133,13 +138,18 @@ def test_kv_dtype_canonicalised(spelling):
 
 
 def test_defaults():
-  """CONTRACT §2: kv_dtype defaults to bfloat16 and initial_capacity to 512."""
+  """CONTRACT §2: kv_dtype defaults to bfloat16 and initial_capacity to every flat row
+  (`max_flat_rows`: capacity, or max_seq_len when set), so a jitted loop never needs growth."""
   cfg = jaxkv.CacheConfig([layer()], 1024, 2, 4)
   assert cfg.kv_dtype == np.dtype(jnp.bfloat16)
-  assert cfg.initial_capacity == 512
-  assert cfg.initial_flat_rows == 512
-  small = jaxkv.CacheConfig([layer()], 100, 2, 4)
-  assert small.initial_flat_rows == 100
+  assert cfg.initial_capacity == 1024
+  assert cfg.initial_flat_rows == 1024
+  short = jaxkv.CacheConfig([layer()], 1024, 2, 4, max_seq_len=300)
+  assert short.initial_capacity == short.initial_flat_rows == 300
+  asked = jaxkv.CacheConfig([layer()], 1024, 2, 4, initial_capacity=16)
+  assert asked.initial_flat_rows == 16
+  # Resolved at construction: an explicit value equal to the default is the same config.
+  assert cfg == jaxkv.CacheConfig([layer()], 1024, 2, 4, initial_capacity=1024)
 
 
 def test_derived_properties_worked_example():

@@ -196,8 +196,11 @@ def test_scenario_29_bad_declarations():
 
 
 def test_scenario_30_capacity():
-  """Scenario 30 (capacity 4): NO_ROOM refusals leave every position where it was."""
-  h = harness(capacity=4)
+  """Scenario 30 (capacity 4, W 4): NO_ROOM refusals leave every position where it was.
+
+  `max_write <= capacity` (CONTRACT §2), so 5 tokens are refused as TOO_WIDE.
+  """
+  h = harness(capacity=4, max_write=4)
   cache = h.cache
   x, y = h.new(), h.new()
   assert_refused(cache, lambda: cache.declare_step([x] * 5))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import chex
 import pytest
@@ -243,7 +244,9 @@ def test_async_engine_streams_and_aborts_on_early_exit(model, rng):
 
   async def main():
     results = await asyncio.gather(leave_early(), *(consume(r) for r in requests))
+    deadline = time.monotonic() + 60
     while engine.has_unfinished():   # the abort is applied by the driver's next step
+      assert time.monotonic() < deadline, "the engine did not apply the abort"
       await asyncio.sleep(0.01)
     return results[1:]
 

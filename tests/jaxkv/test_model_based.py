@@ -735,7 +735,6 @@ def test_facade_agrees_with_model(name):
       stateful_step_count=STEPS_PER_EXAMPLE,
       deadline=None,
       database=None,
-      derandomize=os.environ.get("JAXKV_HYPOTHESIS_RANDOM") != "1",
       suppress_health_check=list(hypothesis.HealthCheck),
   )
   run_state_machine_as_test(machine, settings=settings)

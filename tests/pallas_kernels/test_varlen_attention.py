@@ -293,8 +293,7 @@ def test_compiled_kernel_shrinks_block_k_for_a_small_aligned_cache(rng):
   check_family(family, rng, config=config, interpret=False)
 
 
-@requires_hopper
-def test_compiled_kernel_refuses_float32_storage(rng):
+def test_compiled_kernel_refuses_float32_storage(rng):   # the refusal needs no GPU
   family = INTERPRET_FAMILIES[2]
   step = random_step(rng, family, pad=True, allow_blocks=True)
   k, v = resident_storage(rng, family, step)
@@ -388,8 +387,16 @@ def test_production_kernel_refuses_what_it_cannot_serve(shapes, config, match):
 
 @pytest.mark.parametrize("rows", [1, 5, 60, 575])
 def test_production_kernel_accepts_every_row_count(rows):
+  config = config_lib.VarlenAttentionConfig()
   q, k, _, _, _ = _shapes(8, 8, rows, 2, 128, jnp.bfloat16)
-  varlen_attention_sm90.static_check(q, k, config=config_lib.VarlenAttentionConfig())
+  assert varlen_attention_sm90.static_check(q, k, config=config) is None
+  # The check is live at every row count: a head dim wgmma cannot take is refused.
+  q40, k40, _, _, _ = _shapes(8, 8, rows, 2, 40, jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="head_dim=40"):
+    varlen_attention_sm90.static_check(q40, k40, config=config)
+  # The geometry it accepted holds the rows in 8-row multiples and in whole tiles.
+  block_k, padded = varlen_attention_sm90.tile_geometry(rows, 128, config=config)
+  assert padded >= rows and padded % 8 == 0 and padded >= block_k > 0
 
 
 def _check_trimmed_tables(family, rng, *, config, interpret, num_steps):

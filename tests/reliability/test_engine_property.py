@@ -121,7 +121,6 @@ def _check_completion(c, request):
 
 
 @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
-          derandomize=os.environ.get("JAXKV_RELIABILITY_RANDOM") != "1",
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(mix=_mix())
 def test_every_completion_equals_its_request_alone(mix):

@@ -161,6 +161,33 @@ def test_runner_refuses_bad_ids_and_tokens_changing_nothing(model):
   assert (runner.pos(a), runner.pos(b), runner.pos(2)) == (2, 1, 0)
 
 
+def test_runner_refuses_wide_ids_and_unordered_id_lists(model):
+  """The runner's jitted forward never sees a wrapped id; a dict or set of ids is refused.
+
+  Before: `step({a: 0}, [1])` declared the dict's keys and ran the step.
+  """
+  runner = serve.ModelRunner(model)
+  a, b = runner.seq_new(), runner.seq_new()
+  runner.step([a, a, b], [1, 2, 3])
+  before = snapshot(runner.cache)
+  for call, error, match in [
+      (lambda: runner.step([np.int64(2**32)], [1]), ValueError, "NOT_LIVE"),
+      (lambda: runner.step([np.uint64(2**32 + 1)], [1]), ValueError, "NOT_LIVE"),
+      (lambda: runner.step({a: 0}, [1]), TypeError, "seq_ids"),
+      (lambda: runner.step({a}, [1]), TypeError, "seq_ids"),
+      (lambda: runner.step([a], {1: 0}), TypeError, "tokens"),
+      (lambda: runner.step([a], b"\x01"), TypeError, "tokens"),
+  ]:
+    with pytest.raises(error, match=match):
+      call()
+    assert_same_state(before, snapshot(runner.cache))
+  assert runner.seq_rm(np.int64(2**32)) is False
+  assert runner.rewind(np.int64(2**32), 0) is False
+  assert runner.seq_clone(np.int64(2**32 + 1)) is None
+  assert_same_state(before, snapshot(runner.cache))
+  assert (runner.pos(a), runner.pos(b)) == (2, 1)
+
+
 def test_runner_is_the_facade_plus_a_model_step(model):
   """One host facade: the runner's verbs, growth and refusals are `BatchedSequenceCache`'s."""
   runner = serve.ModelRunner(model)

@@ -23,8 +23,8 @@ the invariant check). CI runs 2 tests x 30 hypothesis runs x at most 50 steps,
 3,000 steps in all (1,500 each, measured) (each test prints its count; with
 JAXKV_RELIABILITY_REPORT=path it also appends them to that file as JSON lines).
 JAXKV_RELIABILITY_EXAMPLES=N raises the runs so both tests together take about N
-steps; JAXKV_RELIABILITY_RANDOM=1 draws fresh random examples instead of
-hypothesis's derandomized (CI-stable) ones.
+steps; JAXKV_RELIABILITY_RANDOM=1 (conftest's "random" hypothesis profile) draws fresh
+random examples instead of hypothesis's derandomized (CI-stable) ones.
 """
 
 from __future__ import annotations
@@ -514,8 +514,7 @@ class PureMachine(CacheMachine):
 
 def _settings(runs: int):
   return settings(max_examples=H.stateful_runs(runs), stateful_step_count=STEPS_PER_RUN,
-                  deadline=None, derandomize=os.environ.get("JAXKV_RELIABILITY_RANDOM") != "1",
-                  database=None, print_blob=True,
+                  deadline=None, database=None, print_blob=True,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                          HealthCheck.filter_too_much])
 
