@@ -76,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--max-queued", type=int, default=4096,
                  help="requests waiting for admission beyond which new ones get 503 with "
                       "Retry-After (default 4096)")
+  r.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"),
+                 help="require 'Authorization: Bearer KEY' on every /v1 route (default: the "
+                      "JAXKV_API_KEY environment variable, else no key)")
+  r.add_argument("--allowed-origins", default=None,
+                 help="comma-separated origins allowed by CORS (default: none)")
+  r.add_argument("--max-body-bytes", type=int, default=32 * 2**20,
+                 help="largest request body; larger ones get 413 (default 32 MiB)")
+  r.add_argument("--max-prompts", type=int, default=1024,
+                 help="most prompts in one completions request; more get 413 (default 1024)")
   r.add_argument("--stats-interval", type=float, default=10.0,
                  help="seconds between one-line stats logs while serving; 0: none (default 10)")
   r.add_argument("--compilation-cache", default=DEFAULT_COMPILATION_CACHE,
@@ -148,7 +157,8 @@ def summary(stats, since) -> str:
 
 def _check_args(args) -> str | None:
   """The first bad flag's message, or None (checked before anything is loaded)."""
-  for name in ("max_write", "interval", "tensor_parallel_size", "max_queued"):
+  for name in ("max_write", "interval", "tensor_parallel_size", "max_queued", "max_body_bytes",
+               "max_prompts"):
     if getattr(args, name) < 1:
       return f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
   for name in ("max_seqs", "max_len", "min_interval", "kv_cache_memory"):
@@ -164,6 +174,8 @@ def _check_args(args) -> str | None:
     return f"--max-logprobs={args.max_logprobs} must be >= 0"
   if args.stats_interval < 0:
     return f"--stats-interval={args.stats_interval} must be >= 0"
+  if args.api_key is not None and not args.api_key:
+    return "--api-key must not be empty"
   return None
 
 
@@ -215,7 +227,10 @@ def serve(args) -> int:
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   app = create_app(engine, tokenizer, model_name=name, interval=args.interval,
                    min_interval=args.min_interval, max_queued=args.max_queued,
-                   stats_interval=args.stats_interval)
+                   stats_interval=args.stats_interval, api_key=args.api_key,
+                   allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
+                                    if o.strip()],
+                   max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts)
   aio = app.state.aio
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
   compiled = warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))

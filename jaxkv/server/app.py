@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import logging
+import re
 import time
 import uuid
 
@@ -24,7 +27,8 @@ from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.requests import Request as EngineRequest
 from jaxkv.server.logprobs import LogprobFormatter
 from jaxkv.server.metrics import Metrics
-from jaxkv.server.protocol import ChatRequest, CompletionRequest
+from jaxkv.server.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
+                                   TokenizeRequest)
 from jaxkv.tokenizer import TextStream, Tokenizer
 
 
@@ -64,17 +68,28 @@ class _Sample:
 
 def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 16,
                min_interval: int | None = None, max_queued: int = 4096,
-               stats_interval: float = 0.0) -> FastAPI:
+               stats_interval: float = 0.0, api_key: str | None = None,
+               allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
+               max_prompts: int = 1024) -> FastAPI:
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
   `interval` and `min_interval` are the `AsyncEngine`'s steps per loop entry while
   requests wait, and while a column is free. A request that would put more than
   `max_queued` requests in the waiting queue is answered 503 with `Retry-After`
   (nothing already accepted is dropped). Every `stats_interval` seconds (0: never)
-  one line of serving stats is printed while requests are in flight.
+  one line of serving stats is printed while requests are in flight. With
+  `api_key`, every `/v1` route needs `Authorization: Bearer <api_key>` (401
+  otherwise; `/health`, `/metrics`, `/version` stay open); `allowed_origins`
+  turns on CORS for those origins. A body over `max_body_bytes` is answered 413,
+  and so is a request of more than `max_prompts` prompts.
   """
-  if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 1:
-    raise ValueError(f"max_queued={max_queued!r} must be an int >= 1")
+  for name, value in (("max_queued", max_queued), ("max_body_bytes", max_body_bytes),
+                      ("max_prompts", max_prompts)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be an int >= 1")
+  if api_key is not None and (not isinstance(api_key, str) or not api_key):
+    raise ValueError("api_key must be a non-empty string (or None: no key)")
+  ignored: set = set()   # unknown request fields already logged
   metrics = Metrics(engine.config.capacity, model_name)
   aio = AsyncEngine(engine, interval=interval, min_interval=min_interval,
                     on_step=lambda deltas: metrics.after_step(engine, deltas))
@@ -91,6 +106,27 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   app = FastAPI(title="jaxkv", version=_version(), lifespan=lifespan)
   app.state.engine, app.state.aio, app.state.metrics = engine, aio, metrics
   created = int(time.time())
+  expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+  @app.middleware("http")
+  async def _guard(http: Request, call_next):
+    """Body size (413) and the API key (401) before a route reads anything."""
+    length = http.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+      metrics.errors.labels("413").inc()
+      return _error(413, f"the request body is over {max_body_bytes} bytes", "invalid_request_error")
+    if expected is not None and http.url.path.startswith("/v1") and http.method != "OPTIONS":
+      given = http.headers.get("authorization", "").encode()
+      if not hmac.compare_digest(given, expected):
+        metrics.errors.labels("401").inc()
+        return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                      "invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(http)
+
+  if allowed_origins:
+    from fastapi.middleware.cors import CORSMiddleware   # pylint: disable=g-import-not-at-top
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])
 
   @app.exception_handler(BadRequest)
   async def _bad(_, e: BadRequest):
@@ -108,7 +144,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   @app.exception_handler(Exception)
   async def _failed(_, e: Exception):   # the server stays up; the client gets a JSON 500
     metrics.errors.labels("500").inc()
-    return _error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+    _log.exception("internal error while serving a request", exc_info=e)
+    return _error(500, "internal server error", "server_error")
 
   @app.get("/health")
   async def health():
@@ -123,28 +160,71 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                         "owned_by": "jaxkv", "max_model_len": engine.max_len}]}
 
+  @app.get("/v1/models/{model_id:path}")
+  async def model(model_id: str):
+    if model_id != model_name:
+      raise BadRequest(f"model {model_id!r} does not exist; this server serves {model_name!r}",
+                       status=404, param="model", kind="not_found_error")
+    return (await models())["data"][0]
+
+  @app.get("/version")
+  async def version():
+    return {"version": _version()}
+
+  @app.post("/tokenize")
+  async def tokenize(body: TokenizeRequest):
+    check_model(body)
+    _check_text([body.prompt, [m.for_template() for m in body.messages or ()]],
+                "messages" if body.messages is not None else "prompt")
+    if body.messages is not None:
+      ids = _encode(lambda: tokenizer.encode_chat(
+          [m.for_template() for m in body.messages],
+          add_generation_prompt=body.add_generation_prompt), "messages")
+    else:
+      ids = _encode(lambda: tokenizer.encode(body.prompt,
+                                             add_special_tokens=body.add_special_tokens), "prompt")
+    return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
+
+  @app.post("/detokenize")
+  async def detokenize(body: DetokenizeRequest):
+    check_model(body)
+    bad = [t for t in body.tokens if t >= tokenizer.vocab_size]
+    if bad:
+      raise BadRequest(f"tokens holds {bad[0]}, outside [0, vocab_size={tokenizer.vocab_size})",
+                       param="tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
+
   def check_model(body):
     if body.model not in (None, model_name):
       raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                        f"{model_name!r}", status=404, param="model", kind="not_found_error")
-    problem = body.unsupported()
-    if problem:
-      raise BadRequest(problem)
+    for name in sorted(body.model_extra or ()):   # accepted, as vLLM does, and said once
+      if name not in ignored:
+        ignored.add(name)
+        _log.warning("ignoring the request field %r, which this server does not know", name)
 
-  def build(body, prompts: list[list[int]], max_tokens: int | None) -> list[EngineRequest]:
+  def build(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
+    if len(prompts) > max_prompts:
+      raise BadRequest(f"prompt holds {len(prompts)} prompts; at most {max_prompts} per request",
+                       status=413, param="prompt")
+    max_tokens, limit_field = body.output_limit()
+    prompt_field = "messages" if chat else "prompt"
     out = []
     for prompt in prompts:
       if not prompt:
-        raise BadRequest("the prompt encodes to no tokens", param="prompt")
+        raise BadRequest("the prompt encodes to no tokens", param=prompt_field)
       limit = max_tokens if max_tokens is not None else engine.max_len - len(prompt)
       if limit < 1:
         raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len} "
-                         "leaves none to generate", param="messages")
+                         "leaves none to generate", param=prompt_field)
       try:
         params = body.sampling(max_tokens=limit, stop_ids=tokenizer.eos_ids)
-        out.append(EngineRequest(tuple(prompt), params))
-      except ValueError as e:
-        raise BadRequest(str(e)) from e
+        request = EngineRequest(tuple(prompt), params)
+        engine.check(request)
+      except (ValueError, TypeError) as e:
+        raise _engine_refusal(e, chat=chat, limit_field=limit_field,
+                              limit_given=max_tokens is not None) from e
+      out.append(request)
     return out
 
   async def serve(http: Request, requests, stop, chat: bool) -> tuple[list, list, dict]:
@@ -162,7 +242,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     except (ValueError, TypeError) as e:
       for rid in ids:
         aio.abort(rid)
-      raise BadRequest(str(e)) from e
+      raise BadRequest(_LABEL.sub("", str(e))) from e
     metrics.accepted(sum(len(r.prompt) for r in requests))
     samples = [[_Sample(tokenizer, stop, arrived,
                         None if r.params.logprobs is None else LogprobFormatter(tokenizer,
@@ -317,27 +397,70 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   async def completions(body: CompletionRequest, http: Request):
     check_model(body)
     p = body.prompt
+    _check_text(p, "prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
       texts = [p] if isinstance(p, str) else p
-      prompts = [tokenizer.encode(t) for t in texts]
+      if len(texts) > max_prompts:
+        raise BadRequest(f"prompt holds {len(texts)} prompts; at most {max_prompts} per request",
+                         status=413, param="prompt")
+      prompts = [_encode(lambda t=t: tokenizer.encode(t), "prompt") for t in texts]
     else:
       prompts = [p] if not p or isinstance(p[0], int) else p
     if not prompts:
       raise BadRequest("prompt must not be empty", param="prompt")
-    return await respond(http, body, build(body, prompts, body.max_tokens), chat=False)
+    return await respond(http, body, build(body, prompts, chat=False), chat=False)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatRequest, http: Request):
     check_model(body)
-    try:
-      prompt = tokenizer.encode_chat([m.for_template() for m in body.messages],
-                                     add_generation_prompt=body.add_generation_prompt)
-    except ValueError as e:
-      raise BadRequest(str(e), param="messages") from e
-    limit = body.max_completion_tokens or body.max_tokens
-    return await respond(http, body, build(body, [prompt], limit), chat=True)
+    messages = [m.for_template() for m in body.messages]
+    _check_text(messages, "messages")
+    prompt = _encode(lambda: tokenizer.encode_chat(
+        messages, add_generation_prompt=body.add_generation_prompt), "messages")
+    return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 
   return app
+
+
+_log = logging.getLogger("jaxkv.server")
+# The engine names a request by its internal id ("request 7: ..."); clients never see those.
+_LABEL = re.compile(r"request [^:]*: ")
+
+
+def _check_text(value, param: str) -> None:
+  """Refuses (400 naming `param`) any string in `value` that is not valid Unicode: JSON can
+  carry a lone surrogate (`"\\ud800"`), which no tokenizer can encode."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeError as e:
+      raise BadRequest(f"{param} is not valid Unicode text: {e.reason}", param=param) from e
+  elif isinstance(value, (list, tuple)):
+    for v in value:
+      _check_text(v, param)
+  elif isinstance(value, dict):
+    for v in value.values():
+      _check_text(v, param)
+
+
+def _encode(encode, param: str) -> list[int]:
+  """`encode()`, a refusal of the template or tokenizer as a 400 naming `param`."""
+  try:
+    return encode()
+  except ValueError as e:
+    raise BadRequest(_LABEL.sub("", str(e)), param=param) from e
+
+
+def _engine_refusal(e: Exception, *, chat: bool, limit_field: str, limit_given: bool):
+  """The engine's refusal of a request as a 400 naming the request field it is about."""
+  message = _LABEL.sub("", str(e))
+  head = message.split("=")[0].split(" ")[0].split("[")[0]
+  param = {"n": "n", "logprobs": "top_logprobs" if chat else "logprobs",
+           "stop_tokens": "stop_token_ids", "max_tokens": limit_field,
+           "prompt": "messages" if chat else "prompt"}.get(head)
+  if head == "prompt" and "max_tokens" in message and limit_given:
+    param = limit_field   # prompt + max_tokens past max_len: the limit the client set
+  return BadRequest(message, param=param)
 
 
 async def _log_stats(engine, metrics: Metrics, every: float) -> None:
@@ -366,7 +489,9 @@ async def _until(gen, watcher):
     nxt = asyncio.ensure_future(gen.__anext__())
     done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
     if nxt not in done:
-      nxt.cancel()
+      nxt.cancel()   # and wait for it: closing the generator while it runs would raise
+      with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await nxt
       return
     try:
       yield nxt.result()

@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, and their translation into sampling params.
 
-Unknown fields are refused (a typo must not pass silently), and so are
-OpenAI parameters this server does not implement, by name: `logit_bias`,
-`best_of != n`, `suffix`, `echo`, tools and response formats. Logprobs
+Unknown fields are accepted (the app logs each name once), as vLLM accepts
+them: clients send fields such as `store`, `metadata` or `reasoning_effort`
+whose absence changes nothing here. OpenAI parameters whose meaning would
+change the output if ignored are refused by name: `logit_bias`,
+`best_of != n`, `suffix`, `echo`, tools, response formats and images. Logprobs
 (`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
 chat), `presence_penalty` and `frequency_penalty` are OpenAI's; `top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator,
+                      model_validator)
 from pydantic import ValidationInfo
 
 from jaxkv.serve.requests import SamplingParams
@@ -76,10 +79,11 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-  model_config = ConfigDict(extra="forbid")
+  model_config = ConfigDict(extra="allow")
 
   model: str | None = None
   max_tokens: Int | None = Field(default=None, ge=1)
+  max_completion_tokens: Int | None = Field(default=None, ge=1)
   temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
   top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
   top_k: Int = Field(default=0, ge=-1)
@@ -115,16 +119,16 @@ class _Common(BaseModel):
 
   _refused = field_validator("logit_bias", "min_tokens")(_refuse_if_set)
 
-  def unsupported(self) -> str | None:
-    """Always None: unsupported parameters are refused by validation, located at their field.
-
-    Kept while the app still asks (it then raises no second, field-less refusal).
-    """
-    return None
-
   def num_logprobs(self) -> int | None:
     """Top logprobs per token the request asks for (None: no logprobs)."""
     raise NotImplementedError
+
+  def output_limit(self) -> tuple[int | None, str]:
+    """`(most tokens to generate or None: up to max_len, the field that set it)`:
+    `max_completion_tokens` wins over `max_tokens` (OpenAI's newer name)."""
+    if self.max_completion_tokens is not None:
+      return self.max_completion_tokens, "max_completion_tokens"
+    return self.max_tokens, "max_tokens"
 
   def sampling(self, *, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
     ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_ids)
@@ -194,7 +198,6 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
   messages: list[ChatMessage] = Field(min_length=1)
-  max_completion_tokens: Int | None = Field(default=None, ge=1)
   add_generation_prompt: StrictBool = True
   tools: list | None = None
   tool_choice: Union[str, dict, None] = None
@@ -225,3 +228,26 @@ class ChatRequest(_Common):
 
   def num_logprobs(self) -> int | None:
     return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+  """`/tokenize` (vLLM's): a `prompt` text, or chat `messages` through the template."""
+  model_config = ConfigDict(extra="allow")
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = None
+  add_special_tokens: StrictBool = True
+  add_generation_prompt: StrictBool = True
+
+  @model_validator(mode="after")
+  def _one_of(self):
+    if (self.prompt is None) == (self.messages is None):
+      raise ValueError("give exactly one of prompt and messages")
+    return self
+
+
+class DetokenizeRequest(BaseModel):
+  """`/detokenize` (vLLM's): token ids back to text."""
+  model_config = ConfigDict(extra="allow")
+  model: str | None = None
+  tokens: list[Annotated[StrictInt, Field(ge=0)]]

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import threading
-import time
 
 import numpy as np
 import openai
 import pytest
 import tokenizers
-import uvicorn
 
 from jaxkv.cli import build_server
 from jaxkv.server.app import create_app
+from http_server import running  # pylint: disable=wrong-import-order
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
 MODEL = "tiny-llama"
@@ -48,25 +45,10 @@ IDS_PROMPT = [87, 121, 83, 107, 88, 90, 49]
 
 @pytest.fixture(scope="module")
 def server():
-  engine, tokenizer = build_server(CHECKPOINT, max_seqs=MAX_SEQS, max_len=MAX_LEN, max_write=16)
-  app = create_app(engine, tokenizer, model_name=MODEL, interval=4)
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-  srv = uvicorn.Server(config)
-  thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-  thread.start()
-  deadline = time.monotonic() + 30
-  while not srv.started:
-    assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-    time.sleep(0.05)
-  try:
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-  finally:
-    srv.should_exit = True
-    thread.join(timeout=20)
-    sock.close()
-  assert not thread.is_alive(), "the server did not stop"
+  engine, tokenizer, _ = build_server(CHECKPOINT, max_seqs=MAX_SEQS, max_len=MAX_LEN,
+                                      max_write=16)
+  with running(create_app(engine, tokenizer, model_name=MODEL, interval=4)) as url:
+    yield url
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +174,6 @@ ENGINE_LIMITS = [
 ]
 
 
-@pytest.mark.xfail(strict=True, reason="jaxkv/server/app.py: refusals of the engine's limits "
-                   "carry param=None (the prompt-too-long one param='messages' on /v1/completions)")
 @pytest.mark.parametrize("endpoint, body, param, fragment", ENGINE_LIMITS,
                          ids=[f"{e}-{next(iter(b))}" for e, b, _, _ in ENGINE_LIMITS])
 def test_a_request_past_the_engines_limits_gets_a_400_naming_the_field(client, endpoint, body,

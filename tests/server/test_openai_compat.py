@@ -1,0 +1,186 @@
+"""What ordinary OpenAI clients assume of a server, and the limits a public one needs.
+
+Unknown request fields are accepted, fields that would change the output if
+ignored are refused by name, `max_completion_tokens` bounds completions too,
+`/v1/models/{id}`, `/tokenize`, `/detokenize` and `/version` answer, an API key
+guards `/v1` (constant-time compare, 401 otherwise), CORS follows
+`allowed_origins`, and oversized or malformed input gets a 4xx naming the
+problem, never a 500 or another client's internal id. Expectations come from
+the `tokenizers` library and the request itself, not from the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import openai
+import pytest
+import tokenizers
+
+from http_server import running  # pylint: disable=wrong-import-order
+from jaxkv.cli import build_server
+from jaxkv.server.app import create_app
+
+CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
+MODEL = "tiny-llama"
+KEY = "sk-test-0123456789"
+ORIGIN = "https://app.example"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def built():
+  engine, tokenizer, _ = build_server(CHECKPOINT, max_seqs=4, max_len=64, max_write=16)
+  return engine, tokenizer
+
+
+@pytest.fixture(scope="module")
+def url(built):
+  engine, tokenizer = built
+  app = create_app(engine, tokenizer, model_name=MODEL, interval=4, api_key=KEY,
+                   allowed_origins=[ORIGIN], max_body_bytes=4096, max_prompts=3, max_queued=2)
+  with running(app) as base:
+    yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+  with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+    yield c
+
+
+def _post(url, path, body, key=KEY, **kw):
+  headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+  return httpx.post(url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def _error(r, status, param, fragment):
+  assert r.status_code == status, r.text
+  error = r.json()["error"]
+  assert set(error) == {"message", "type", "param", "code"}
+  assert error["param"] == param and fragment in error["message"], error
+  return error
+
+
+def test_unknown_fields_are_accepted(client):
+  got = client.chat.completions.create(
+      model=MODEL, messages=HI, max_tokens=3, temperature=0,
+      extra_body={"store": True, "metadata": {"k": "v"}, "parallel_tool_calls": False,
+                  "reasoning_effort": "low", "made_up_field": [1, 2]})
+  plain = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0)
+  assert got.choices[0].message.content == plain.choices[0].message.content
+  assert got.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
+])
+def test_fields_that_would_change_the_output_are_refused_by_name(url, path, body, param):
+  _error(_post(url, path, {"model": MODEL} | body), 400, param, "not supported")
+
+
+def test_an_image_part_is_refused_at_the_message(url):
+  body = {"model": MODEL, "messages": [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+  r = _post(url, "/v1/chat/completions", body)
+  assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+
+
+def test_max_completion_tokens_bounds_completions_too(client):
+  got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0,
+                                  extra_body={"max_completion_tokens": 2, "ignore_eos": True})
+  assert got.usage.completion_tokens == 2 and got.choices[0].finish_reason == "length"
+
+
+def test_model_by_id_and_version(url, client):
+  assert client.models.retrieve(MODEL).id == MODEL
+  with pytest.raises(openai.NotFoundError):
+    client.models.retrieve("other")
+  from jaxkv import __version__   # pylint: disable=g-import-not-at-top
+  assert httpx.get(url + "/version").json() == {"version": __version__}
+
+
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(url):
+  tok = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+  r = _post(url, "/tokenize", {"prompt": "Hello there"})
+  want = tok.encode("Hello there").ids
+  assert r.status_code == 200 and r.json() == {"tokens": want, "count": len(want),
+                                              "max_model_len": 64}
+  r = _post(url, "/detokenize", {"tokens": want})
+  assert r.json() == {"prompt": tok.decode(want)}
+  _error(_post(url, "/detokenize", {"tokens": [10**6]}), 400, "tokens", "vocab_size")
+  assert _post(url, "/tokenize", {}).status_code == 400   # neither prompt nor messages
+
+
+def test_the_api_key_guards_v1_only(url):
+  body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+  for key in (None, "wrong", KEY + "x"):
+    r = _post(url, "/v1/completions", body, key=key)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+  assert httpx.get(url + "/v1/models").status_code == 401
+  assert _post(url, "/v1/completions", body).status_code == 200
+  assert httpx.get(url + "/health").status_code == 200
+  assert httpx.get(url + "/metrics").status_code == 200
+  with openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0) as bad:
+    with pytest.raises(openai.AuthenticationError):
+      bad.models.list()
+
+
+def test_cors_answers_the_allowed_origin_only(url):
+  ask = lambda origin: httpx.options(url + "/v1/completions", headers={
+      "Origin": origin, "Access-Control-Request-Method": "POST"})
+  assert ask(ORIGIN).headers.get("access-control-allow-origin") == ORIGIN
+  assert "access-control-allow-origin" not in ask("https://evil.example").headers
+
+
+def test_oversized_bodies_and_too_many_prompts_get_413(url):
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "x" * 5000})
+  assert r.status_code == 413 and "body" in r.json()["error"]["message"]
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c", "d"]})
+  _error(r, 413, "prompt", "at most 3")
+
+
+def test_a_lone_surrogate_is_a_400_naming_the_field(url):
+  raw = '{"model": "%s", "prompt": "bad \\ud800 text", "max_tokens": 2}' % MODEL
+  r = httpx.post(url + "/v1/completions", content=raw, timeout=60,
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+  _error(r, 400, "prompt", "not valid Unicode")
+  raw = ('{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL)
+  r = httpx.post(url + "/v1/chat/completions", content=raw, timeout=60,
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+  _error(r, 400, "messages", "not valid Unicode")
+
+
+def test_refusals_name_no_internal_request_ids(url):
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": [1, 2], "n": 9})
+  error = _error(r, 400, "n", "max_seqs=4")
+  assert "request " not in error["message"], error
+
+
+def test_a_queue_past_max_queued_gets_503_and_keeps_what_it_accepted(url, built):
+  engine, _ = built
+  before = engine.stats.generated
+  # Three prompts at once would wait beside nothing: 3 > max_queued=2, refused whole.
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2})
+  assert r.status_code == 503 and r.headers["retry-after"] == "1"
+  assert r.json()["error"]["type"] == "server_busy"
+  assert engine.stats.generated == before and not engine.has_unfinished()
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2,
+                                     "ignore_eos": True})
+  assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == [
+      "length", "length"]
+
+
+def test_every_error_body_is_json_in_openais_shape(url):
+  r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=60,
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+  assert r.status_code == 400 and set(json.loads(r.text)["error"]) == {
+      "message", "type", "param", "code"}
