@@ -174,10 +174,10 @@ class Engine:
     self.max_len = min(config.seq_len_limit, 4096) if max_len is None else int(max_len)
     if not 2 <= self.max_len < 2**31:
       raise ValueError(f"max_len={self.max_len} must be in [2, 2**31)")
-    if config.max_seq_len is not None and self.max_len - 1 > config.max_seq_len:
-      raise ValueError(f"max_len={self.max_len} must be <= the cache's max_seq_len + 1 = "
-                       f"{config.max_seq_len + 1}: a request holds prompt + max_tokens - 1 "
-                       "positions")
+    if config.has_flat and self.max_len - 1 > config.seq_len_limit:   # rings wrap: no bound
+      raise ValueError(f"max_len={self.max_len} must be <= the cache's longest sequence + 1 = "
+                       f"{config.seq_len_limit + 1} (max_seq_len, else capacity): a request "
+                       "holds prompt + max_tokens - 1 positions")
     if max_steps < 1:
       raise ValueError(f"max_steps={max_steps} must be >= 1")
     if max_stop_tokens < 1:

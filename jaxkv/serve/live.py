@@ -213,8 +213,13 @@ class LiveQueue:
     try:
       try:
         deltas = self._step(int(k))
-      except Exception as e:   # pylint: disable=broad-except  (model, device or status failure)
+      except BaseException as e:   # pylint: disable=broad-except  (model, device or status failure)
+        # A KeyboardInterrupt mid-entry too: the state was donated, so the bookkeeping is
+        # reset with it (the engine stays usable) and the interrupt goes on, naming the dropped.
         failed = self._reset()
+        if not isinstance(e, Exception):
+          e.failed = failed
+          raise
         err = EngineError(f"step failed; requests {failed} were dropped: "
                           f"{type(e).__name__}: {e}", [])
         err.failed = failed

@@ -128,3 +128,39 @@ def test_peak_rows_counts_what_the_requests_held(model):
   engine.run([serve.Request(tuple(range(1, 41)), serve.SamplingParams(max_tokens=5))])
   # 40 prompt tokens + 4 fed generated tokens (the last sampled token is never fed).
   assert engine.stats.peak_rows == 44
+
+
+def test_an_interrupt_inside_a_step_leaves_the_engine_usable(model, monkeypatch):
+  """A KeyboardInterrupt (any BaseException) mid-entry drops what the device held, names it, and
+  the next requests are served exactly as on a fresh engine."""
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  engine = serve.Engine(model, max_len=32)
+  fresh = serve.Engine(model, max_len=32)
+  first = serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=6, temperature=0.0),
+                        request_id="a")
+  engine.add_request(first)
+  engine.step(1)
+  real = engine.enter
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(engine, "enter", interrupted)
+  with pytest.raises(KeyboardInterrupt) as info:
+    engine.step(1)
+  assert info.value.failed == ["a"] and not engine.has_unfinished()
+  monkeypatch.setattr(engine, "enter", real)
+  again = serve.Request((4, 5), serve.SamplingParams(max_tokens=5, temperature=0.0),
+                        request_id="a")   # the id is free again
+  engine.add_request(again)
+  got = [t for d in engine.stream(2) for t in d.tokens]
+  [want] = fresh.run([again])
+  assert got == list(want.tokens)
+
+
+def test_max_len_past_what_the_cache_holds_is_refused(model):
+  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  limit = model.cache_config.seq_len_limit
+  with pytest.raises(ValueError, match=f"max_len={limit + 2} must be <= the cache's longest"):
+    serve.Engine(model, max_len=limit + 2)
+  assert serve.Engine(model, max_len=limit + 1).max_len == limit + 1
