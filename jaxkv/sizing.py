@@ -285,10 +285,12 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
   fixed, budget, budget_text = _budget(
       names=names, kv_cache_memory=kv_cache_memory,
       gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes, device=device)
-  geometry = lambda seqs, capacity: _geometry(
-      model_config, kv_dtype=kv_dtype, max_write=max_write, max_len=max_len, max_seqs=seqs,
-      page_size=page_size if paged else None,
-      capacity=max(capacity, page_size) if paged else capacity)   # a page fits the pool
+  def geometry(seqs, capacity):
+    capacity = max(capacity, page_size) if paged else capacity   # a page fits the pool
+    # A step never carries more tokens than the pool holds (a CacheConfig rule).
+    return _geometry(model_config, kv_dtype=kv_dtype, max_write=min(max_write, capacity),
+                     max_len=max_len, max_seqs=seqs, page_size=page_size if paged else None,
+                     capacity=capacity)
   probe = geometry(1, max_len)
   per_seq = max_len * _flat_token_bytes(probe) + _ring_column_bytes(probe)
   seqs = max_seqs
@@ -327,7 +329,7 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
   return ServingPlan(
       cache_config=config, storage="paged" if paged else "columns",
       page_size=page_size if paged else None, capacity=capacity, max_seqs=seqs,
-      max_len=max_len, max_len_source=source, max_write=max_write, kv_bytes=kv_bytes,
+      max_len=max_len, max_len_source=source, max_write=config.max_write, kv_bytes=kv_bytes,
       kv_budget_bytes=kv_budget, budget_source=budget_text,
       weights_bytes=weights_bytes, token_capacity=capacity,
       dtype=dtype.name, kv_dtype=kv_dtype.name, prefix_caching=paged and prefix_caching,

@@ -118,3 +118,25 @@ def test_the_library_never_imports_examples_or_tests():
         offenders += [f"{path.relative_to(root)}: {n}" for n in names
                       if n.split(".")[0] in ("examples", "tests", "conftest")]
   assert not offenders, offenders
+
+
+def _all_modules() -> dict[str, pathlib.Path]:
+  """Every module of the two packages, subpackages included (`jaxkv.serve.engine`, ...)."""
+  modules = {}
+  for package in PACKAGES:
+    for path in sorted((ROOT / package).rglob("*.py")):
+      parts = path.relative_to(ROOT).with_suffix("").parts
+      modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return modules
+
+
+def test_no_cycles_between_modules_anywhere():
+  """No cycle among the modules of `jaxkv/` and its subpackages (the engine and its fronts, the
+  models, the HTTP front). Package `__init__` files are left out: they re-export their
+  submodules' names, so an edge into one is an edge into the package's public surface."""
+  modules = _all_modules()
+  inits = {name for name, path in modules.items() if path.stem == "__init__"}
+  graph = {name: _imports(name, path, set(modules)) - inits
+           for name, path in modules.items() if name not in inits}
+  assert "jaxkv.serve.live" in graph["jaxkv.serve.engine"]   # the parser sees subpackages
+  assert _find_cycle(graph) is None, _find_cycle(graph)

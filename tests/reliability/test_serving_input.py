@@ -316,3 +316,18 @@ def test_readme_flax_quick_start_runs_one_step():
   assert np.asarray(state.pos).tolist()[:3] == [3, 1, 0]
   assert np.asarray(state.live).tolist()[:3] == [1, 1, 0]
   assert y.shape == (config.max_write, 64) and bool(jnp.all(jnp.isfinite(y[:4])))
+
+
+def test_readme_llm_quick_start_generates_text():
+  """The README's `LLM` quick start runs as printed on the repository's fixture checkpoint."""
+  text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  code = re.search(r"## Quick start: text generation in Python\n.*?```python\n(.*?)```", text,
+                   re.S).group(1)
+  root = pathlib.Path(__file__).parents[2]
+  code = code.replace('"tests/fixtures/hf_llama"', repr(str(root / "tests/fixtures/hf_llama")))
+  scope: dict = {}
+  exec(compile(code, "README.md", "exec"), scope)   # pylint: disable=exec-used
+  out, reply = scope["out"], scope["reply"]
+  assert len(out) == 2 and all(o.finish_reason in ("stop", "length") for o in out)
+  assert all(0 < len(o.token_ids) <= 16 and isinstance(o.text, str) for o in out)
+  assert len(reply) == 1 and 0 < len(reply[0].token_ids) <= 8
