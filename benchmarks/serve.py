@@ -283,15 +283,21 @@ def _print_profile(title, prof, n=22):
     print(f"--- cProfile {title} by {key}\n" + "\n".join(body), flush=True)
 
 
-def _profile_method(name, prof):
-  """Wraps `module:Class.method` so each call runs under `prof` (in whichever thread calls it)."""
+def _resolve(name):
+  """`(owner, attribute)` of a `module:Class.method` name."""
   import importlib   # pylint: disable=g-import-not-at-top
   mod, attr = name.split(":")
   owner = importlib.import_module(mod)
   parts = attr.split(".")
   for part in parts[:-1]:
     owner = getattr(owner, part)
-  fn = getattr(owner, parts[-1])
+  return owner, parts[-1]
+
+
+def _profile_method(name, prof):
+  """Wraps `module:Class.method` so each call runs under `prof` (in whichever thread calls it)."""
+  owner, attr = _resolve(name)
+  fn = getattr(owner, attr)
 
   def profiled(*a, **k):
     prof.enable()
@@ -299,22 +305,16 @@ def _profile_method(name, prof):
       return fn(*a, **k)
     finally:
       prof.disable()
-  setattr(owner, parts[-1], profiled)
+  setattr(owner, attr, profiled)
 
 
 class _Timers:
   """Wraps `module:Class.method` callables to count calls and seconds (`--profile`)."""
 
   def __init__(self, names):
-    import importlib   # pylint: disable=g-import-not-at-top
     self.totals = {}
     for name in filter(None, (n.strip() for n in names.split(","))):
-      mod, attr = name.split(":")
-      owner = importlib.import_module(mod)
-      parts = attr.split(".")
-      for part in parts[:-1]:
-        owner = getattr(owner, part)
-      self._wrap(owner, parts[-1], name)
+      self._wrap(*_resolve(name), name)
 
   def _wrap(self, owner, attr, name):
     fn = getattr(owner, attr)
