@@ -603,7 +603,7 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
 
   # Square tiles (`block_k == head_dim`) load q for every tile: held in registers across
   # the tile loop, q is corrupted from the second tile on when P has its shape (the
-  # Mosaic GPU miscompute `benchmarks/square_repro.py` reproduces).
+  # Mosaic GPU miscompute recorded in docs/performance-history.md, "Square tiles").
   q = None if use_wgmma and block_k == head_dim else load_q()
 
   wgmma_layout = plgpu.Layout.WGMMA
