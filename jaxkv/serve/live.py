@@ -139,7 +139,7 @@ class LiveQueue:
     self._head_copies = 0
     self._dev_next = 0                   # the device queue's `next` when the host last saw it
     self._free = np.ones((self.out_rows,), bool)
-    self._aborts: list = []
+    self._aborts: dict = {}   # (request_id, index) -> None, in call order: O(1) membership
     self._ids = itertools.count()
     self._host: dict | None = None       # last host copy of the column arrays
     self._dirty = False                  # the device queue must be rewritten
@@ -184,7 +184,7 @@ class LiveQueue:
       if index is not None and not (0 <= index < t.n and t.emitted[index]
                                     and not t.finished[index]):
         return False   # one sample is aborted only once it runs (it has a column of its own)
-      self._aborts.append((request_id, index))
+      self._aborts[(request_id, index)] = None
       return True
 
   def has_unfinished(self) -> bool:
@@ -340,7 +340,7 @@ class LiveQueue:
 
   def _apply_aborts(self) -> list[Delta]:
     with self._lock:
-      aborts, self._aborts = self._aborts, []
+      aborts, self._aborts = list(self._aborts), {}
       deltas, mask = [], np.zeros((self.engine.config.max_seqs,), bool)
       for rid, index in aborts:
         t = self._tracked.get(rid)
@@ -464,7 +464,7 @@ class LiveQueue:
       failed = [rid for rid, t in self._tracked.items() if t.base >= 0]
       for rid in failed:
         self._sampled -= not plain_greedy(self._tracked.pop(rid).request.params)
-      self._queued, self._head_copies, self._aborts, self._dev_next = [], 0, [], 0
+      self._queued, self._head_copies, self._aborts, self._dev_next = [], 0, {}, 0
       self._steps_seen = 0
       self._free[:] = True
       self._host, self.held, self._dirty = None, 0, False

@@ -108,21 +108,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   created = int(time.time())
   expected = None if api_key is None else f"Bearer {api_key}".encode()
 
-  @app.middleware("http")
-  async def _guard(http: Request, call_next):
-    """Body size (413) and the API key (401) before a route reads anything."""
-    length = http.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-      metrics.errors.labels("413").inc()
-      return _error(413, f"the request body is over {max_body_bytes} bytes", "invalid_request_error")
-    if expected is not None and http.url.path.startswith("/v1") and http.method != "OPTIONS":
-      given = http.headers.get("authorization", "").encode()
-      if not hmac.compare_digest(given, expected):
-        metrics.errors.labels("401").inc()
-        return _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                      "invalid_request_error", headers={"WWW-Authenticate": "Bearer"})
-    return await call_next(http)
-
+  app.add_middleware(_Guard, max_body_bytes=max_body_bytes, expected=expected, metrics=metrics)
   if allowed_origins:
     from fastapi.middleware.cors import CORSMiddleware   # pylint: disable=g-import-not-at-top
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
@@ -420,6 +406,36 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 
   return app
+
+
+class _Guard:
+  """Body size (413) and the API key (401), checked before a route reads anything.
+
+  A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would relay every
+  chunk of every stream through a queue of its own.
+  """
+
+  def __init__(self, app, *, max_body_bytes: int, expected: bytes | None, metrics: Metrics):
+    self.app, self.max_body_bytes, self.expected, self.metrics = (app, max_body_bytes, expected,
+                                                                  metrics)
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
+    if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+      self.metrics.errors.labels("413").inc()
+      return await _error(413, f"the request body is over {self.max_body_bytes} bytes",
+                          "invalid_request_error")(scope, receive, send)
+    if (self.expected is not None and scope["path"].startswith("/v1")
+        and scope["method"] != "OPTIONS"
+        and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
+      self.metrics.errors.labels("401").inc()
+      return await _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                          "invalid_request_error",
+                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+    return await self.app(scope, receive, send)
 
 
 _log = logging.getLogger("jaxkv.server")

@@ -53,7 +53,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-  with openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+  with openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=180) as c:
     yield c
 
 

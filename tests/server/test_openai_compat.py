@@ -47,13 +47,13 @@ def url(built):
 
 @pytest.fixture(scope="module")
 def client(url):
-  with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+  with openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=180) as c:
     yield c
 
 
 def _post(url, path, body, key=KEY, **kw):
   headers = {} if key is None else {"Authorization": f"Bearer {key}"}
-  return httpx.post(url + path, json=body, headers=headers, timeout=60, **kw)
+  return httpx.post(url + path, json=body, headers=headers, timeout=180, **kw)
 
 
 def _error(r, status, param, fragment):
@@ -150,11 +150,11 @@ def test_oversized_bodies_and_too_many_prompts_get_413(url):
 
 def test_a_lone_surrogate_is_a_400_naming_the_field(url):
   raw = '{"model": "%s", "prompt": "bad \\ud800 text", "max_tokens": 2}' % MODEL
-  r = httpx.post(url + "/v1/completions", content=raw, timeout=60,
+  r = httpx.post(url + "/v1/completions", content=raw, timeout=180,
                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
   _error(r, 400, "prompt", "not valid Unicode")
   raw = ('{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % MODEL)
-  r = httpx.post(url + "/v1/chat/completions", content=raw, timeout=60,
+  r = httpx.post(url + "/v1/chat/completions", content=raw, timeout=180,
                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
   _error(r, 400, "messages", "not valid Unicode")
 
@@ -180,7 +180,7 @@ def test_a_queue_past_max_queued_gets_503_and_keeps_what_it_accepted(url, built)
 
 
 def test_every_error_body_is_json_in_openais_shape(url):
-  r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=60,
+  r = httpx.post(url + "/v1/completions", content=b"{not json", timeout=180,
                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
   assert r.status_code == 400 and set(json.loads(r.text)["error"]) == {
       "message", "type", "param", "code"}
