@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
+from jaxkv.serve.admission import plain_greedy   # pylint: disable=wrong-import-position
 
 # Kernel name fragments -> category (first match wins; names are XLA fusion / custom-call names).
 _CATEGORIES = (
@@ -370,9 +371,8 @@ def _compiled_loop(engine, cache, prompts, reqs) -> str:
   queue = serve.pack_queue([tuple(p) for p in prompts], [r.params for r in reqs],
                            max_len=engine.max_len, max_stop=engine.max_stop)
   ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
-  greedy = all(serve.engine.plain_greedy(r.params) for r in reqs)
-  loop = engine._greedy_loop if greedy else engine._loop   # pylint: disable=protected-access
-  return loop.lower(engine.params, ls, jnp.int32(1)).compile().as_text()
+  greedy = all(plain_greedy(r.params) for r in reqs)
+  return engine.lower(ls, 1, greedy=greedy).compile().as_text()
 
 
 def _describe_loop(engine, cache, prompts, reqs, out, kernel_file, top=40):

@@ -242,6 +242,11 @@ class Engine:
     loop = self._greedy_loop if greedy else self._loop
     return loop(self._param_leaves, ls, budget)
 
+  def lower(self, ls: LoopState, max_steps: int, *, greedy: bool = False):
+    """The `jax.stages.Lowered` loop entry `enter` would run on `ls` (for HLO inspection)."""
+    loop = self._greedy_loop if greedy else self._loop
+    return loop.lower(self._param_leaves, ls, jnp.int32(max_steps))
+
   def check(self, request: Request) -> None:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
     check_request(request, vocab_size=self.vocab_size, max_len=self.max_len,
