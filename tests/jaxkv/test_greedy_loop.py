@@ -8,7 +8,6 @@ conditional in the compiled loop, the same tokens as the general loop.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -43,20 +42,20 @@ def test_plain_greedy_names_the_requests_whose_token_is_the_argmax(params, plain
   assert engine_module.plain_greedy(serve.SamplingParams(**params)) is plain
 
 
-def _conditionals(engine, loop, requests):
+def _conditionals(engine, greedy, requests):
   queue = serve.pack_queue([r.prompt for r in requests], [r.params for r in requests],
                            max_len=engine.max_len, max_stop=engine.max_stop)
   ls = serve.init_loop_state(engine.config, queue, num_widths=len(engine.widths))
-  text = loop.lower(engine.params, ls, jnp.int32(1)).as_text()
+  text = engine.lower(ls, 1, greedy=greedy).as_text()
   return text.count("stablehlo.case") + text.count("stablehlo.if")
 
 
 def test_greedy_queue_runs_the_loop_without_the_sampler_cond(model, monkeypatch):
   requests = _requests(6)
   engine = serve.Engine(model, max_len=32)
+  assert _conditionals(engine, False, requests) > 0       # the sampler's cond
+  assert _conditionals(engine, True, requests) == 0
   # pylint: disable=protected-access
-  assert _conditionals(engine, engine._loop, requests) > 0       # the sampler's cond
-  assert _conditionals(engine, engine._greedy_loop, requests) == 0
   used = []
   for name in ("_loop", "_greedy_loop"):
     jitted = getattr(engine, name)

@@ -288,8 +288,7 @@ def test_sharded_decode_loop_only_all_reduces_activations():
   queue = serve.pack_queue([(1, 2)], [serve.SamplingParams(max_tokens=3)], max_len=16,
                            max_stop=engine.max_stop)
   ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths), mesh=mesh)
-  loop = engine._loop   # pylint: disable=protected-access
-  compiled = loop.lower(engine.params, ls, jnp.int32(4)).compile()
+  compiled = engine.lower(ls, 4).compile()
   moved = [(m.group(2), _shape_of(m.group(1)))
            for m in _COLLECTIVE.finditer(compiled.as_text())]
   assert sorted(moved) == [("all-reduce", (WIDTH, LLAMA.hidden_size))] * 2 * LLAMA.num_layers, moved
