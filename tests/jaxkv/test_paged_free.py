@@ -22,6 +22,7 @@ from jaxkv import _pages
 
 
 def config_with(capacity, max_seqs, page_size, max_write=8):
+  max_write = min(max_write, capacity)   # a step carries at most capacity tokens
   layer = jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 1, 8)
   return jaxkv.CacheConfig([layer], capacity=capacity, max_seqs=max_seqs, max_write=max_write,
                            kv_dtype=jnp.float32, page_size=page_size)
