@@ -1,8 +1,9 @@
 """`AsyncEngine`: the incremental engine API from asyncio.
 
 One driver thread owns the stepping: while any request is unfinished it runs
-loop entries back to back (`Engine.step`), so the device never waits for the
-event loop, and hands each entry's deltas to the event loop in one call
+loop entries back to back (`Engine.step(overlap=True)`: the next entry is
+dispatched before the host builds the last one's deltas), so the device never
+waits for the event loop, and hands each entry's deltas to the event loop in one call
 (`call_soon_threadsafe`), where they are routed to one `asyncio.Queue` per
 request. While it steps, the event loop keeps serving: detokenising, writing
 streams and accepting requests, which join the loop at the next entry.
@@ -119,8 +120,10 @@ class AsyncEngine:
         self._wake.wait()
         continue
       try:
-        deltas = engine.step(self._steps())
+        deltas = engine.step(self._steps(), overlap=True)
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
+        if getattr(e, "deltas", None):   # what finished before the failure is delivered first
+          self._post(self._route, e.deltas)
         self._post(self._fail, e)
         if getattr(e, "failed", None) is None:   # not the engine's own report: wait for news
           self._wake.wait(1.0)

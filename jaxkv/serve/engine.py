@@ -339,6 +339,7 @@ class Engine:
     collected[len(owner):] = True   # padding rows
     step_counts = []   # (completion, admitted, first token, finished) for its timing
     stats.setup_seconds = time.perf_counter() - started
+    steps_before = 0   # a fresh loop state counts from 0
     try:
       while True:
         self.state = None   # donated below: never left pointing at a deleted buffer
@@ -387,7 +388,10 @@ class Engine:
           on_progress(stats, new_results)
         if collected.all():
           break
-        if not host["active"].any() and not host["used"].any():
+        # An entry that ended on its budget may have retired every column before admitting.
+        spent = int(host["steps"]) - steps_before >= self.max_steps
+        steps_before = int(host["steps"])
+        if not spent and not host["active"].any() and not host["used"].any():
           raise EngineError(f"request {requests[int(host['next'])].request_id!r} cannot be "
                             "admitted into an empty engine", self.completions)
     except EngineError:
@@ -463,7 +467,7 @@ class Engine:
     """Cache positions held by the incremental API's sequences after its last step."""
     return 0 if self._live is None else self._live.held
 
-  def step(self, max_steps: int | None = None) -> list[Delta]:
+  def step(self, max_steps: int | None = None, *, overlap: bool = False) -> list[Delta]:
     """One loop entry of at most `max_steps` steps over the persistent cache.
 
     Applies pending aborts, moves waiting requests into the device queue,
@@ -472,6 +476,12 @@ class Engine:
 
     Args:
       max_steps: the streaming interval `k` (default: the engine's `max_steps`).
+      overlap: dispatch the next entry before building this one's deltas, so
+        the device never waits for the host's formatting: the call returns the
+        deltas of the entry the previous call dispatched and leaves one entry in
+        flight while work remains; aborts and host-side stop cuts then take
+        effect one entry later. Off while a request that wants logprobs is in
+        flight. `AsyncEngine` (and so the server) steps this way.
 
     Returns:
       `Delta`s of the samples that produced tokens or finished, in arrival
@@ -480,10 +490,11 @@ class Engine:
     Raises:
       EngineError: the model, device or cache failed; the requests the
         device held are dropped (`error.failed`), requests still waiting on
-        the host are kept, and the next step starts on a fresh cache.
+        the host are kept, and the next step starts on a fresh cache;
+        `error.deltas` holds the deltas read before the failure.
       RuntimeError: another step is running.
     """
-    return self._live_queue().step(max_steps)
+    return self._live_queue().step(max_steps, overlap=overlap)
 
   def warm_up(self, steps=(1,)) -> float:
     """Compiles what the incremental API runs, before any request; returns the compile seconds.

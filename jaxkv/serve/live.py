@@ -146,6 +146,8 @@ class LiveQueue:
     self._steps_seen = 0                 # the loop's step counter after the last entry
     self.held = 0                        # cache positions held after the last step
     self._sampled = 0                    # requests in flight that are not plain greedy
+    self._pending = None                 # (snapshot, window, k) of the entry in flight, unread
+    self._cut_rows: list = []            # rows cut at a host-side stop, removed at next dispatch
 
   # ------------------------------------------------------------------ requests
 
@@ -199,7 +201,18 @@ class LiveQueue:
 
   # ------------------------------------------------------------------ one step
 
-  def step(self, max_steps: int | None = None) -> list[Delta]:
+  def step(self, max_steps: int | None = None, *, overlap: bool = False) -> list[Delta]:
+    """One loop entry; its deltas (see `Engine.step`).
+
+    With `overlap`, the entry's successor is dispatched before the host builds
+    the entry's deltas, so the device runs entry N+1 while the host formats
+    entry N (JAX dispatch is asynchronous; each entry's snapshot is its own
+    buffer). The call then returns the deltas of the entry dispatched by the
+    previous call, and leaves one entry in flight while work remains. Aborts and
+    host-side stop cuts take effect at the next dispatch, which follows the
+    in-flight entry. Off while a request that wants logprobs is in flight (their
+    window is rewritten by the next entry before the host would read it).
+    """
     engine = self.engine
     k = engine.max_steps if max_steps is None else max_steps
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
@@ -210,19 +223,22 @@ class LiveQueue:
     with self._lock:
       if any(t.request.params.logprobs is not None for t in self._tracked.values()):
         k = min(int(k), self.logprob_window)   # no logprob slot is rewritten before it is read
+        overlap = False
+    deltas: list[Delta] = []
     try:
       try:
-        deltas = self._step(int(k))
+        deltas = self._step_overlapped(int(k), deltas) if overlap else self._step(int(k), deltas)
       except BaseException as e:   # pylint: disable=broad-except  (model, device or status failure)
         # A KeyboardInterrupt mid-entry too: the state was donated, so the bookkeeping is
         # reset with it (the engine stays usable) and the interrupt goes on, naming the dropped.
+        # `deltas` holds what finished before the failure (the fronts deliver it first).
         failed = self._reset()
         if not isinstance(e, Exception):
-          e.failed = failed
+          e.failed, e.deltas = failed, deltas
           raise
         err = EngineError(f"step failed; requests {failed} were dropped: "
                           f"{type(e).__name__}: {e}", [])
-        err.failed = failed
+        err.failed, err.deltas = failed, deltas
         raise err from e
       stats = engine.stats
       stats.seconds += time.perf_counter() - started
@@ -231,16 +247,36 @@ class LiveQueue:
     finally:
       self._stepping.release()
 
-  def _step(self, k: int) -> list[Delta]:
+  def _step(self, k: int, deltas: list) -> list[Delta]:
+    """Dispatches one entry and reads it back (an entry left in flight by `overlap` first)."""
+    if self._pending is not None:
+      deltas += self._deltas(*self._read(), defer_cuts=False)
+    deltas += self._dispatch(k)
+    if self._pending is not None:
+      deltas += self._deltas(*self._read(), defer_cuts=False)
+    return deltas
+
+  def _step_overlapped(self, k: int, deltas: list) -> list[Delta]:
+    """Reads the entry in flight, dispatches the next one, then builds the first one's deltas."""
+    if self._pending is None:
+      deltas += self._dispatch(k)
+      if self._pending is None:
+        return deltas
+    read = self._read()
+    deltas += self._dispatch(k)
+    deltas += self._deltas(*read, defer_cuts=self._pending is not None)
+    return deltas
+
+  def _dispatch(self, k: int) -> list[Delta]:
+    """Applies aborts and cuts, fills the device queue and dispatches one entry (unless idle)."""
     engine = self.engine
     if engine.state is None:
       self._init_state()
     deltas = self._apply_aborts()
     self._fill()
     with self._lock:
-      idle = not self._queued and not any(t.base >= 0 for t in self._tracked.values())
-    if idle:
-      return deltas
+      if not self._queued and not self._device_busy():
+        return deltas
     ls, engine.state = engine.state, None   # donated below
     # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
     # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
@@ -248,7 +284,16 @@ class LiveQueue:
     engine.state = ls
     engine.stats.loop_entries += 1
     window = _bucket(k)   # one snapshot compiled per power of two, not per k
-    return deltas + self._collect(snapshot(ls, window), window)
+    self._pending = (snapshot(ls, window), window, k)
+    return deltas
+
+  def _device_busy(self) -> bool:
+    """Whether a column holds an unfinished sample (by the last snapshot). Holds `_lock`."""
+    host = self._host
+    if host is None:
+      return any(t.base >= 0 and t.admitted is not None for t in self._tracked.values())
+    used = host["used"] == 1
+    return bool((used & (host["out_done"][np.where(used, host["out_row"], 0)] == 0)).any())
 
   def _init_state(self) -> None:
     engine, q = self.engine, self.queue_size
@@ -342,6 +387,9 @@ class LiveQueue:
     with self._lock:
       aborts, self._aborts = list(self._aborts), {}
       deltas, mask = [], np.zeros((self.engine.config.max_seqs,), bool)
+      if self._cut_rows:   # samples cut at a host-side stop while an entry was in flight
+        mask |= self._columns_of(self._cut_rows)
+        self._cut_rows = []
       for rid, index in aborts:
         t = self._tracked.get(rid)
         if t is None or (index is not None and t.finished[index]):
@@ -386,14 +434,17 @@ class LiveQueue:
     between = (now - t.first_token) / (tokens - 1) if tokens > 1 else None
     return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
 
-  def _collect(self, vec, window: int) -> list[Delta]:
-    """Reads the entry's outputs from its `snapshot` vector: deltas, finishes, admissions; host-side stops."""
+  def _read(self) -> tuple[dict, int, int]:
+    """Blocks on the entry in flight and reads its snapshot: admissions, stats and status.
+
+    Returns the host dict, the snapshot's token window and the number of queue
+    slots the entry admitted, for `_deltas`.
+    """
+    (vec, window, k), self._pending = self._pending, None
     engine = self.engine
-    ls = engine.state
     host = unpack_snapshot(np.asarray(vec), num_widths=len(engine.widths),
                            columns=engine.config.max_seqs, rows=self.out_rows, window=window)
     self._host = host
-    now = time.perf_counter()
     stats = engine.stats
     stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
     stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
@@ -403,17 +454,33 @@ class LiveQueue:
     if int(host["status"]) != Status.OK:
       raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
     newly = int(host["next"]) - self._dev_next
-    if self._queued and not newly and not (host["used"] == 1).any():
+    spent = int(host["steps"]) - self._steps_seen >= k   # the entry ended on its budget
+    if self._queued and not newly and not spent and not (host["used"] == 1).any():
       raise RuntimeError(f"request {self._queued[0]!r} cannot be admitted into an empty engine")
-    out = lps = None
-    deltas, cut = [], np.zeros((engine.config.max_seqs,), bool)
+    now = time.perf_counter()
     with self._lock:
       admitted, self._queued = self._queued[:newly], self._queued[newly:]
       self._dev_next = int(host["next"])
       self._head_copies = int(host["copies"])
       for rid in admitted + self._queued[:1 if self._head_copies else 0]:
-        t = self._tracked[rid]
-        t.admitted = now if t.admitted is None else t.admitted
+        t = self._tracked.get(rid)
+        if t is not None and t.admitted is None:
+          t.admitted = now
+    return host, window, newly
+
+  def _deltas(self, host: dict, window: int, newly: int, *, defer_cuts: bool) -> list[Delta]:
+    """The deltas of the entry `host` was read from: new tokens, finishes, host-side stops.
+
+    With `defer_cuts` (an entry is in flight), the columns of samples cut at a
+    host-side stop token are removed at the next dispatch instead of now.
+    """
+    engine = self.engine
+    ls = engine.state
+    now = time.perf_counter()
+    stats = engine.stats
+    out = lps = None
+    deltas, cut_rows = [], []
+    with self._lock:
       for rid, t in list(self._tracked.items()):
         if t.admitted is None:
           continue
@@ -435,7 +502,7 @@ class LiveQueue:
           if hit is not None:
             new, reason = new[:hit + 1], "stop"
             if not host["out_done"][row]:
-              cut |= self._columns_of([row])
+              cut_rows.append(row)
           logprobs = None
           if t.request.params.logprobs is not None:
             if lps is None:
@@ -452,7 +519,10 @@ class LiveQueue:
                               logprobs=logprobs))
         if all(t.finished):
           deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
-    self._remove_columns(cut)
+    if defer_cuts:
+      self._cut_rows.extend(cut_rows)
+    else:
+      self._remove_columns(self._columns_of(cut_rows))
     if not deltas and not newly and int(host["steps"]) == self._steps_seen and not self._waiting:
       raise RuntimeError("the loop made no progress (nothing admitted, stepped or finished)")
     self._steps_seen = int(host["steps"])
@@ -468,6 +538,7 @@ class LiveQueue:
       self._steps_seen = 0
       self._free[:] = True
       self._host, self.held, self._dirty = None, 0, False
+      self._pending, self._cut_rows = None, []
     self.engine.state = None   # rebuilt (a fresh cache) at the next step
     return failed
 

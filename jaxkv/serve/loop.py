@@ -384,6 +384,12 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
     return ls
 
   def cond(ls):
-    return ok(ls) & (jnp.any(ls.active == 1) | jnp.any(ls.done == 1) | can_admit(ls))
+    return ok(ls) & (jnp.any(ls.done == 1) | jnp.any(ls.active == 1) | can_admit(ls))
 
-  return jax.lax.while_loop(cond, body, ls)
+  ls = jax.lax.while_loop(cond, body, ls)
+  # Columns that finished on the budget's last step retire now, not at the next entry: an
+  # engine with nothing left to serve then holds no K/V and no reserved room.
+  retire = (lambda ls: paged_admit.retire_one(config, ls)) if paged else (
+      lambda ls: _retire_one(config, ls))
+  return jax.lax.while_loop(lambda ls: jnp.any(ls.done == 1) & (ls.status == Status.OK),
+                            retire, ls)

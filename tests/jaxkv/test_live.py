@@ -309,3 +309,55 @@ def test_async_engine_reports_a_failed_step_and_recovers(model, rng, monkeypatch
 
   aio = AsyncEngine(engine, interval=3)
   assert asyncio.run(main()) == _want(model, requests[1:])
+
+
+@pytest.mark.parametrize("max_stop_tokens", [None, 1])
+def test_overlapped_steps_deliver_the_tokens_of_run(model, rng, max_stop_tokens):
+  """`step(overlap=True)` returns the previous entry's deltas while the next entry runs.
+
+  Arrivals between calls, aborts, entry lengths and sync calls mixed in at random;
+  with `max_stop_tokens=1` the second stop token is cut on the host one entry late.
+  Every sample not aborted equals `run`'s; an aborted one is a prefix of it.
+  """
+  requests = _requests(rng, 16)
+  want = _want(model, requests)
+  extra = {} if max_stop_tokens is None else {"max_stop_tokens": max_stop_tokens}
+  engine = serve.Engine(model, max_len=48, **extra)
+  got, aborted, pending = {}, set(), list(requests)
+  for r in pending[:4]:
+    engine.add_request(r)
+  pending = pending[4:]
+  overlapped = 0
+  while engine.has_unfinished() or pending:
+    if pending and rng.random() < 0.5:
+      engine.add_request(pending.pop(0))
+    unfinished = sorted({rid for (rid, _), (_, reason) in got.items() if reason is None})
+    if unfinished and (rng.random() < 0.1 or not aborted) and engine.abort(unfinished[0]):
+      aborted.add(unfinished[0])
+    overlap = bool(rng.random() < 0.8)
+    overlapped += overlap
+    _collect(engine.step(int(rng.integers(1, 5)), overlap=overlap), got)
+  assert overlapped > 10 and aborted
+  for key, (tokens, reason) in want.items():
+    if key[0] in aborted and got[key][1] == "abort":
+      assert got[key][0] == tokens[:len(got[key][0])], key
+    else:
+      assert got[key] == (tokens, reason), key
+  assert int(engine.state.reserve.sum()) == 0
+
+
+def test_overlap_hands_out_an_entry_while_the_next_one_runs(model):
+  """The first tokens come back with the second entry already dispatched; not so with logprobs."""
+  engine = serve.Engine(model, max_len=48)
+  engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=20), "a"))
+  first = engine.step(2, overlap=True)
+  assert [d.request_id for d in first] == ["a"] and len(first[0].tokens) == 2
+  assert engine.stats.loop_entries == 2   # entry 2 was in flight when entry 1's tokens returned
+  rest = _collect(engine.stream(4), _collect(first))
+  assert rest == _want(model, [serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=20),
+                                             "a")])
+  engine = serve.Engine(model, max_len=48)
+  engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=20, logprobs=1),
+                                   "lp"))
+  first = engine.step(2, overlap=True)
+  assert engine.stats.loop_entries == 1 and len(first[0].logprobs) == 2

@@ -54,7 +54,9 @@ def _outer_loop(page_size, prefix_cache: bool):
   hlo = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
       graphdef, model.cache_config, (16,), params, ls, jnp.int32(4)).compile().as_text()
   comps, entry = hlo_walk.computations(hlo)
-  (outer,) = _loops_from(comps, entry)
+  # The outer loop, and after it the retirement of columns that finished on the last step.
+  outer, retire = _loops_from(comps, entry)
+  assert _runs_the_model(comps, outer) and not _runs_the_model(comps, retire)
   cond, body = _LOOP.search(outer).groups()
   return comps, _loops_from(comps, body) + _loops_from(comps, cond)
 
