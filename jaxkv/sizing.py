@@ -170,6 +170,14 @@ def _budget(*, names, kv_cache_memory, gpu_memory_utilization, weights_bytes,
   return None, left, text
 
 
+def _step_bytes(model_config, max_write: int) -> int:
+  """An upper estimate of one step's activations: float32 rows of the residual stream and
+  attention (8 x hidden), the MLP (3 x intermediate) and the logits (vocab) per token."""
+  per_token = (8 * model_config.hidden_size + 3 * model_config.intermediate_size
+               + model_config.vocab_size)
+  return max_write * per_token * 4
+
+
 def _geometry(model_config, *, kv_dtype, max_write, max_len, max_seqs, page_size,
               capacity) -> CacheConfig:
   return model_config.cache_config(capacity=capacity, max_seqs=max_seqs, max_write=max_write,
@@ -272,6 +280,11 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
   else:
     source = "--max-len" if flags else "max_len argument"
   max_len = _positive_int("max_len", max_len, names["max_len"], lo=2)
+  trained = getattr(model_config, "max_position_embeddings", None)
+  if trained is not None and max_len > trained:
+    # Positions past the checkpoint's context were never trained: refused, not served wrong.
+    raise ValueError(f"{names['max_len']}={max_len} is past the checkpoint's "
+                     f"max_position_embeddings={trained}; give at most {trained}")
   if max_seqs is not None:
     max_seqs = _positive_int("max_seqs", max_seqs, names["max_seqs"])
   paged = page_size is not None
@@ -285,6 +298,14 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
   fixed, budget, budget_text = _budget(
       names=names, kv_cache_memory=kv_cache_memory,
       gpu_memory_utilization=gpu_memory_utilization, weights_bytes=weights_bytes, device=device)
+  step = _step_bytes(model_config, max_write)
+  memory, memory_source = device_memory_bytes(device)
+  if weights_bytes + step > memory:
+    raise ValueError(f"{names['max_write']}={max_write} does not fit: one step of that many "
+                     f"tokens needs about {step:,} bytes of activations (max_write x (8 x hidden "
+                     f"+ 3 x intermediate + vocab) x 4 bytes) beside {weights_bytes:,} bytes of "
+                     f"weights, and the device has {memory:,} ({memory_source}); give a smaller "
+                     f"{names['max_write']}")
   def geometry(seqs, capacity):
     capacity = max(capacity, page_size) if paged else capacity   # a page fits the pool
     # A step never carries more tokens than the pool holds (a CacheConfig rule).

@@ -101,7 +101,7 @@ def test_gpu_memory_utilization_counts_weights_and_loop_buffers():
 def test_kv_cache_memory_wins_over_gpu_memory_utilization():
   alone = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, **F32)
   both = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, gpu_memory_utilization=0.01,
-                             device=_Device(1 << 20), **F32)
+                             device=_Device(64 << 20), **F32)
   assert both == alone
 
 
@@ -152,3 +152,21 @@ def test_startup_lines_say_what_was_chosen():
     assert part in text, part
   assert np.isclose(plan.capacity / plan.max_len, float(text.split("holds ")[1].split("x")[0]),
                     atol=0.01)
+
+
+def test_max_len_past_the_checkpoint_context_and_a_step_past_the_device_are_refused():
+  """Positions the checkpoint was never trained for, and a step width whose activations
+  alone exceed the device, are refused before anything is allocated, naming the flag."""
+  with pytest.raises(ValueError, match=r"--max-len=129 is past the checkpoint's "
+                                       r"max_position_embeddings=128; give at most 128"):
+    sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, max_len=129, flags=True, **F32)
+  assert sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, max_len=128, **F32).max_len == 128
+  per_token = (8 * CONFIG.hidden_size + 3 * CONFIG.intermediate_size + CONFIG.vocab_size) * 4
+  limit = 8 << 20
+  fits = (limit - F32["weights_bytes"]) // per_token
+  device = _Device(limit)
+  sizing.plan_serving(CONFIG, kv_cache_memory=1 << 20, max_write=fits, device=device, **F32)
+  with pytest.raises(ValueError, match=rf"--max-write={fits + 1} does not fit: one step of that "
+                                       rf"many tokens needs about {(fits + 1) * per_token:,} bytes"):
+    sizing.plan_serving(CONFIG, kv_cache_memory=1 << 20, max_write=fits + 1, device=device,
+                        flags=True, **F32)

@@ -35,6 +35,12 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2",
                    "--max-logprobs", "100000"]) == 2
   assert "max_logprobs=100000 must be in [0, vocab_size=" in capsys.readouterr().err
+  # Checked against the checkpoint before anything is allocated (no out-of-memory traceback).
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "129"]) == 2
+  assert "--max-len=129 is past the checkpoint's max_position_embeddings=128" in (
+      capsys.readouterr().err)
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-write", "100000000"]) == 2
+  assert "--max-write=100000000 does not fit: one step" in capsys.readouterr().err
 
 
 def test_max_logprobs_reaches_the_engine():
