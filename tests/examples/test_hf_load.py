@@ -132,5 +132,8 @@ def test_load_for_serving_gives_what_the_engine_takes():
   assert model.cache_config == plan.cache_config and tokenizer.eos_ids == (2, 7)
   engine = serve.Engine(model, max_len=plan.max_len, prefix_cache=plan.prefix_caching)
   assert engine.max_len == 128 and engine.config.page_size == 64
-  with pytest.raises(ValueError, match="max_len=4096 .max_len argument. does not fit"):
+  with pytest.raises(ValueError, match="max_len=128 .max_len argument. does not fit"):
+    hf.load_for_serving(LLAMA, kv_cache_memory=1 << 12, max_len=128)
+  with pytest.raises(ValueError, match="max_len=4096 is past the checkpoint's "
+                                       "max_position_embeddings=128"):
     hf.load_for_serving(LLAMA, kv_cache_memory=1 << 20, max_len=4096)
