@@ -95,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--max-logprobs", type=int, default=None,
                  help="most top logprobs a request may ask for per token (default 20, or the "
                       "vocabulary if smaller)")
+  r.add_argument("--shutdown-timeout", type=float, default=30.0,
+                 help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before "
+                      "they are aborted (default 30); new connections are refused meanwhile")
   r.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
   return p
 
@@ -172,6 +175,8 @@ def _check_args(args) -> str | None:
     return f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]"
   if args.max_logprobs is not None and args.max_logprobs < 0:
     return f"--max-logprobs={args.max_logprobs} must be >= 0"
+  if args.shutdown_timeout < 0:
+    return f"--shutdown-timeout={args.shutdown_timeout} must be >= 0"
   if args.stats_interval < 0:
     return f"--stats-interval={args.stats_interval} must be >= 0"
   if args.api_key is not None and not args.api_key:
@@ -230,15 +235,24 @@ def serve(args) -> int:
                    stats_interval=args.stats_interval, api_key=args.api_key,
                    allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
                                     if o.strip()],
-                   max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts)
+                   max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                   on_shutdown=lambda: close())
   aio = app.state.aio
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
   compiled = warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
   print(f"jaxkv serve: compiled the serving loop in {compiled:.2f} s (before the first "
         f"client); ready {time.perf_counter() - started:.2f} s after start", flush=True)
   warm = dataclasses.replace(engine.stats)
-  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-  print(summary(engine.stats, warm), flush=True)
+  closed = []
+
+  def close():   # once: at the app's shutdown (uvicorn re-raises SIGTERM after it), or after run
+    if not closed:
+      closed.append(True)
+      print(summary(engine.stats, warm), flush=True)
+
+  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+              timeout_graceful_shutdown=args.shutdown_timeout)
+  close()
   return 0
 
 

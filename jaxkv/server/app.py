@@ -18,6 +18,7 @@ import logging
 import re
 import time
 import uuid
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -70,7 +71,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                min_interval: int | None = None, max_queued: int = 4096,
                stats_interval: float = 0.0, api_key: str | None = None,
                allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
-               max_prompts: int = 1024) -> FastAPI:
+               max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
   `interval` and `min_interval` are the `AsyncEngine`'s steps per loop entry while
@@ -81,7 +82,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   `api_key`, every `/v1` route needs `Authorization: Bearer <api_key>` (401
   otherwise; `/health`, `/metrics`, `/version` stay open); `allowed_origins`
   turns on CORS for those origins. A body over `max_body_bytes` is answered 413,
-  and so is a request of more than `max_prompts` prompts.
+  and so is a request of more than `max_prompts` prompts. `on_shutdown` is called
+  when the app stops, after the driver thread has ended (the CLI prints its summary).
   """
   for name, value in (("max_queued", max_queued), ("max_body_bytes", max_body_bytes),
                       ("max_prompts", max_prompts)):
@@ -102,6 +104,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if logger is not None:
       logger.cancel()
     await asyncio.to_thread(aio.close, 60.0)   # the driver thread ends with the app
+    if on_shutdown is not None:
+      on_shutdown()
 
   app = FastAPI(title="jaxkv", version=_version(), lifespan=lifespan)
   app.state.engine, app.state.aio, app.state.metrics = engine, aio, metrics

@@ -85,3 +85,53 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
   assert ran["compile_after"] - ran["compile_before"] < compiled / 4
   assert out[-1].startswith(f"jaxkv serve: generated {ran['tokens']} tokens in ")
   assert "tokens/s, compilation excluded" in out[-1]
+
+
+def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
+  """`jaxkv serve` as a process: a SIGTERM while a stream is in flight lets it finish (within
+  --shutdown-timeout), refuses new connections, prints the closing summary and exits."""
+  import signal, socket, subprocess, sys, threading, time   # pylint: disable=g-import-not-at-top,multiple-imports
+  import openai   # pylint: disable=g-import-not-at-top
+  sock = socket.socket()
+  sock.bind(("127.0.0.1", 0))
+  port = sock.getsockname()[1]
+  sock.close()
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxkv.cli", "serve", "--checkpoint", FIXTURE, "--max-len", "128",
+       "--max-seqs", "2", "--port", str(port), "--compilation-cache", "none", "--interval", "1",
+       "--shutdown-timeout", "60", "--stats-interval", "0", "--log-level", "warning"],
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  try:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120,
+                           max_retries=0)
+    deadline = time.monotonic() + 600   # the warm-up compiles on a loaded CPU first
+    while True:
+      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+      try:
+        client.models.list()
+        break
+      except openai.APIConnectionError:
+        time.sleep(0.5)
+    got, first = {}, threading.Event()
+
+    def stream():
+      chunks = client.completions.create(model="hf_llama", prompt=[1, 2, 3], max_tokens=100,
+                                         stream=True, extra_body={"ignore_eos": True})
+      for c in chunks:
+        first.set()
+        got["reason"] = c.choices[0].finish_reason or got.get("reason")
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first.wait(300)
+    proc.send_signal(signal.SIGTERM)
+    thread.join(300)
+    assert got.get("reason") == "length"   # drained: the stream in flight finished
+    with pytest.raises(openai.APIConnectionError):   # no new connection while draining or after
+      client.models.list()
+    out, _ = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert "jaxkv serve: generated" in out and "tokens/s" in out, out[-2000:]
