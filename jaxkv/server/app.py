@@ -270,8 +270,15 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
 
     tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(ids)] if len(ids) > 1 else []
     source = merged() if tasks else single()
+    slice_start = time.perf_counter()
     try:
       async for i, d in source:
+        # An entry's deltas arrive together, and taking a ready item from a queue does not
+        # yield: detokenising and formatting them is cut into slices, between which the
+        # event loop serves everyone else (/health, other clients, new requests).
+        if time.perf_counter() - slice_start > _SLICE_SECONDS:
+          await asyncio.sleep(0)
+          slice_start = time.perf_counter()
         if isinstance(d, BaseException):
           raise BadRequest(f"the engine failed: {d}", status=500, kind="server_error")
         s = samples[i][d.index]
@@ -443,6 +450,8 @@ class _Guard:
 
 
 _log = logging.getLogger("jaxkv.server")
+# Most time one request's delta formatting holds the event loop before it lets others in.
+_SLICE_SECONDS = 0.005
 # The engine names a request by its internal id ("request 7: ..."); clients never see those.
 _LABEL = re.compile(r"request [^:]*: ")
 

@@ -1,0 +1,68 @@
+"""The server's event loop stays free while it formats a burst of deltas (issue: /health stalls).
+
+A loop entry hands the event loop the deltas of every running sample at once. Formatting
+them (detokenising, logprobs) in one go held the loop for the whole burst: with a slow
+tokenizer (simulated: each `TextStream.push` blocks the loop 6 ms) and 32 samples per entry,
+`/health` waited ~200 ms per entry. The server cuts the work into slices of a few
+milliseconds; `/health` answers within 50 ms while the burst is formatted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+
+from http_server import running  # noqa: E402
+from jaxkv.cli import build_server  # noqa: E402
+from jaxkv.server.app import create_app  # noqa: E402
+from jaxkv import tokenizer as tokenizer_module  # noqa: E402
+
+CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
+SAMPLES, TOKENS, PUSH_SECONDS = 32, 48, 0.006
+
+
+def test_health_answers_within_50_ms_while_a_burst_of_deltas_is_formatted(monkeypatch):
+  engine, tok, _ = build_server(CHECKPOINT, max_seqs=SAMPLES, max_len=64, max_write=64,
+                                kv_cache_memory=8 << 20)
+  app = create_app(engine, tok, model_name="m", interval=8, min_interval=8)
+  engine.warm_up([8])   # compiled before the clock runs
+  push = tokenizer_module.TextStream.push
+
+  def slow_push(self, tokens):   # a slow tokenizer, on the event loop's thread
+    time.sleep(PUSH_SECONDS)
+    return push(self, tokens)
+
+  monkeypatch.setattr(tokenizer_module.TextStream, "push", slow_push)
+  with running(app) as url, httpx.Client(base_url=url, timeout=120) as health:
+    done = {}
+
+    def generate():
+      with httpx.Client(base_url=url, timeout=300) as c:
+        with c.stream("POST", "/v1/completions", json={
+            "prompt": [[1 + i % 50, 2, 3] for i in range(SAMPLES)], "max_tokens": TOKENS,
+            "ignore_eos": True, "stream": True}) as r:
+          done["status"] = r.status_code
+          done["finished"] = sum('"finish_reason":"length"' in line.replace(" ", "")
+                                 for line in r.iter_lines())
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+      start = time.perf_counter()
+      assert health.get("/health").status_code == 200
+      latencies.append(time.perf_counter() - start)
+      time.sleep(0.002)
+    thread.join()
+  assert done["status"] == 200 and done["finished"] == SAMPLES
+  assert engine.stats.generated >= SAMPLES * TOKENS and len(latencies) > 20, latencies
+  # The target is 50 ms (met on an idle 2-core machine); the bound leaves a loaded CI machine
+  # room and is still far below the unsliced stall (over a second here).
+  assert max(latencies) < 0.1, sorted(latencies)[-5:]
+  assert sorted(latencies)[len(latencies) * 9 // 10] < 0.05, sorted(latencies)[-5:]
