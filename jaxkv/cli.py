@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--max-queued", type=int, default=4096,
                  help="requests waiting for admission beyond which new ones get 503 with "
                       "Retry-After (default 4096)")
+  r.add_argument("--max-queued-tokens", type=int, default=2**23,
+                 help="prompt tokens waiting for admission beyond which new requests get 503 "
+                      "with Retry-After (default 8388608)")
   r.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"),
                  help="require 'Authorization: Bearer KEY' on every /v1 route (default: the "
                       "JAXKV_API_KEY environment variable, else no key)")
@@ -160,8 +163,8 @@ def summary(stats, since) -> str:
 
 def _check_args(args) -> str | None:
   """The first bad flag's message, or None (checked before anything is loaded)."""
-  for name in ("max_write", "interval", "tensor_parallel_size", "max_queued", "max_body_bytes",
-               "max_prompts"):
+  for name in ("max_write", "interval", "tensor_parallel_size", "max_queued", "max_queued_tokens",
+               "max_body_bytes", "max_prompts"):
     if getattr(args, name) < 1:
       return f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
   for name in ("max_seqs", "max_len", "min_interval", "kv_cache_memory"):
@@ -232,6 +235,7 @@ def serve(args) -> int:
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   app = create_app(engine, tokenizer, model_name=name, interval=args.interval,
                    min_interval=args.min_interval, max_queued=args.max_queued,
+                   max_queued_tokens=args.max_queued_tokens,
                    stats_interval=args.stats_interval, api_key=args.api_key,
                    allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
                                     if o.strip()],

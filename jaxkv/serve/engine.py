@@ -463,6 +463,11 @@ class Engine:
     return (0, 0) if self._live is None else self._live.counts()
 
   @property
+  def waiting_tokens(self) -> int:
+    """Prompt tokens of the incremental API's requests not yet admitted into the loop."""
+    return 0 if self._live is None else self._live.waiting_tokens
+
+  @property
   def held(self) -> int:
     """Cache positions held by the incremental API's sequences after its last step."""
     return 0 if self._live is None else self._live.held

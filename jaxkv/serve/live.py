@@ -147,6 +147,7 @@ class LiveQueue:
     self.held = 0                        # cache positions held after the last step
     self._sampled = 0                    # requests in flight that are not plain greedy
     self._pending = None                 # (snapshot, window, k) of the entry in flight, unread
+    self.waiting_tokens = 0              # prompt tokens of the requests not yet admitted
     self._cut_rows: list = []            # rows cut at a host-side stop, removed at next dispatch
 
   # ------------------------------------------------------------------ requests
@@ -172,6 +173,7 @@ class LiveQueue:
       if p.n > self.out_rows:
         raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
       self._sampled += not plain_greedy(p)
+      self.waiting_tokens += len(request.prompt)
       self._tracked[rid] = _Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
                                     finished=[False] * p.n)
@@ -426,6 +428,8 @@ class LiveQueue:
     """Forgets a finished request and frees its output rows; its timing. Holds `_lock`."""
     t = self._tracked.pop(rid)
     self._sampled -= not plain_greedy(t.request.params)
+    if t.admitted is None:
+      self.waiting_tokens -= len(t.request.prompt)
     if t.base >= 0:
       self._free[t.base:t.base + t.n] = True
     now = time.perf_counter()
@@ -466,6 +470,7 @@ class LiveQueue:
         t = self._tracked.get(rid)
         if t is not None and t.admitted is None:
           t.admitted = now
+          self.waiting_tokens -= len(t.request.prompt)
     return host, window, newly
 
   def _deltas(self, host: dict, window: int, newly: int, *, defer_cuts: bool) -> list[Delta]:
@@ -533,7 +538,9 @@ class LiveQueue:
     with self._lock:
       failed = [rid for rid, t in self._tracked.items() if t.base >= 0]
       for rid in failed:
-        self._sampled -= not plain_greedy(self._tracked.pop(rid).request.params)
+        t = self._tracked.pop(rid)
+        self._sampled -= not plain_greedy(t.request.params)
+        self.waiting_tokens -= len(t.request.prompt) if t.admitted is None else 0
       self._queued, self._head_copies, self._aborts, self._dev_next = [], 0, {}, 0
       self._steps_seen = 0
       self._free[:] = True

@@ -69,6 +69,7 @@ class _Sample:
 
 def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 16,
                min_interval: int | None = None, max_queued: int = 4096,
+               max_queued_tokens: int = 2**23,
                stats_interval: float = 0.0, api_key: str | None = None,
                allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
                max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
@@ -77,7 +78,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   `interval` and `min_interval` are the `AsyncEngine`'s steps per loop entry while
   requests wait, and while a column is free. A request that would put more than
   `max_queued` requests in the waiting queue is answered 503 with `Retry-After`
-  (nothing already accepted is dropped). Every `stats_interval` seconds (0: never)
+  (nothing already accepted is dropped), and so is one that would put more than
+  `max_queued_tokens` prompt tokens there. Every `stats_interval` seconds (0: never)
   one line of serving stats is printed while requests are in flight. With
   `api_key`, every `/v1` route needs `Authorization: Bearer <api_key>` (401
   otherwise; `/health`, `/metrics`, `/version` stay open); `allowed_origins`
@@ -85,7 +87,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   and so is a request of more than `max_prompts` prompts. `on_shutdown` is called
   when the app stops, after the driver thread has ended (the CLI prints its summary).
   """
-  for name, value in (("max_queued", max_queued), ("max_body_bytes", max_body_bytes),
+  for name, value in (("max_queued", max_queued), ("max_queued_tokens", max_queued_tokens),
+                      ("max_body_bytes", max_body_bytes),
                       ("max_prompts", max_prompts)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -225,6 +228,11 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       raise BadRequest(f"the server is busy: {waiting} requests are waiting (at most "
                        f"{max_queued}); retry later", status=503, kind="server_busy",
                        headers={"Retry-After": "1"})
+    tokens = engine.waiting_tokens + sum(len(r.prompt) for r in requests)
+    if tokens > max_queued_tokens:
+      raise BadRequest(f"the server is busy: the waiting prompts would hold {tokens} tokens (at "
+                       f"most {max_queued_tokens}); retry later", status=503,
+                       kind="server_busy", headers={"Retry-After": "1"})
     ids = []
     try:
       for r in requests:

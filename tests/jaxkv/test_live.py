@@ -99,7 +99,9 @@ def test_queue_longer_than_device_queue_waits_on_the_host(model, rng):
   for r in requests:
     engine.add_request(r)
   assert engine._live.counts() == (0, 30)
+  assert engine.waiting_tokens == sum(len(r.prompt) for r in requests)
   assert _collect(engine.stream(4)) == _want(model, requests)
+  assert engine.waiting_tokens == 0
 
 
 def test_flat_rows_grow_between_entries(rng):
@@ -337,7 +339,7 @@ def test_overlapped_steps_deliver_the_tokens_of_run(model, rng, max_stop_tokens)
     overlap = bool(rng.random() < 0.8)
     overlapped += overlap
     _collect(engine.step(int(rng.integers(1, 5)), overlap=overlap), got)
-  assert overlapped > 10 and aborted
+  assert overlapped > 10 and aborted and engine.waiting_tokens == 0
   for key, (tokens, reason) in want.items():
     if key[0] in aborted and got[key][1] == "abort":
       assert got[key][0] == tokens[:len(got[key][0])], key

@@ -40,7 +40,8 @@ def built():
 def url(built):
   engine, tokenizer = built
   app = create_app(engine, tokenizer, model_name=MODEL, interval=4, api_key=KEY,
-                   allowed_origins=[ORIGIN], max_body_bytes=4096, max_prompts=3, max_queued=2)
+                   allowed_origins=[ORIGIN], max_body_bytes=4096, max_prompts=3, max_queued=2,
+                   max_queued_tokens=40)
   with running(app) as base:
     yield base
 
@@ -177,6 +178,15 @@ def test_a_queue_past_max_queued_gets_503_and_keeps_what_it_accepted(url, built)
                                      "ignore_eos": True})
   assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == [
       "length", "length"]
+  # Two prompts of 21 tokens: 42 waiting tokens > max_queued_tokens=40, refused whole.
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": [[5] * 21, [6] * 21],
+                                     "max_tokens": 2})
+  assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+  assert "would hold 42 tokens (at most 40)" in r.json()["error"]["message"]
+  assert engine.waiting_tokens == 0 and not engine.has_unfinished()
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": [[5] * 20, [6] * 20],
+                                     "max_tokens": 2, "ignore_eos": True})
+  assert r.status_code == 200 and engine.waiting_tokens == 0, r.text
 
 
 def test_every_error_body_is_json_in_openais_shape(url):
