@@ -198,8 +198,12 @@ async def _one(client, model, prompt, max_tokens, send_at, start):
   return {"sent": sent, "chunks": chunks, "tokens": tokens, "done": time.time(), "error": error}
 
 
-def _client_main(url, model, jobs, start, conn):
-  """One client process: sends its `jobs` (index, prompt, max_tokens, send offset), returns results."""
+def _client_main(url, model, jobs, conn):
+  """One client process: sends its `jobs` (index, prompt, max_tokens, send offset), returns results.
+
+  It reports ready once imported and connected, then waits for the common start time, so a
+  process that imports slowly (a cold bytecode cache) cannot spread an all-at-once queue.
+  """
   import openai   # pylint: disable=g-import-not-at-top
   try:   # the client's HTTP package: httpx2 from openai 3 on, httpx before
     import httpx2 as httpx   # pylint: disable=g-import-not-at-top
@@ -211,6 +215,9 @@ def _client_main(url, model, jobs, start, conn):
                                                               max_keepalive_connections=4096))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=os.environ.get("JAXKV_API_KEY", "x"),
                                 max_retries=0, timeout=3600.0, http_client=http)
+    await client.models.list()   # the first connection and the whole request path, warmed
+    conn.send("ready")
+    start = await asyncio.to_thread(conn.recv)
     out = await asyncio.gather(*[_one(client, model, p, m, at, start) for _, p, m, at in jobs])
     await client.close()
     return out
@@ -227,16 +234,23 @@ def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0) -> dict:
   offsets = (np.zeros(n) if math.isinf(rate)
              else np.cumsum(rng.exponential(1.0 / rate, n)) - 0.0)
   ctx = multiprocessing.get_context("spawn")
-  start = time.time() + 2.0   # every process is up before the first send
   workers = []
   for k in range(procs):
     jobs = [(i, prompts[i], max_tokens[i], float(offsets[i])) for i in range(k, n, procs)]
     if not jobs:
       continue
-    parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_client_main, args=(url, model, jobs, start, child), daemon=True)
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_client_main, args=(url, model, jobs, child), daemon=True)
     proc.start()
     workers.append((proc, parent))
+  for proc, parent in workers:   # every process imported and connected before the first send
+    while not parent.poll(1.0):
+      if not proc.is_alive():
+        raise RuntimeError(f"a client process exited with code {proc.exitcode} (see its error)")
+    assert parent.recv() == "ready"
+  start = time.time() + 0.2
+  for _, parent in workers:
+    parent.send(start)
   records = [None] * n
   for proc, parent in workers:
     while not parent.poll(1.0):   # a client process that died would leave recv() waiting
@@ -263,7 +277,9 @@ def summarize(records, max_tokens, slo_ttft=2.0, slo_tpot=0.05) -> dict:
       or (r["chunks"][-1] - r["chunks"][0]) / (r["tokens"] - 1) <= slo_tpot))
   short = sum(1 for r, m in zip(records, max_tokens) if r["error"] is None and r["tokens"] != m)
   wall = last - first
+  sent = [r["sent"] for r in records]
   return {"requests": len(records), "failed": len(records) - len(ok),
+          "send_spread_s": max(sent) - min(sent),
           "errors": sorted({r["error"] for r in records if r["error"]})[:5],
           "short": short, "wall_s": wall, "generated": generated,
           "tokens_per_s": generated / wall, "goodput_rps": good / wall,
@@ -418,7 +434,8 @@ def _line(name, r) -> str:
   fmt = lambda x: "-" if x is None else f"{1e3 * x:.1f}"
   return (f"{name:<28} {r['wall_s']:8.2f} s {r['tokens_per_s']:10.0f} tok/s  TTFT p50/p90/p99 "
           f"{fmt(t['p50'])}/{fmt(t['p90'])}/{fmt(t['p99'])} ms  TPOT p50 {fmt(p.get('p50'))} ms  "
-          f"ITL p50/p99 {fmt(i.get('p50'))}/{fmt(i.get('p99'))} ms")
+          f"ITL p50/p99 {fmt(i.get('p50'))}/{fmt(i.get('p99'))} ms"
+          + (f"  sends spread {fmt(r['send_spread_s'])} ms" if "send_spread_s" in r else ""))
 
 
 def plot(results, path):
