@@ -14,7 +14,9 @@ top-k/top-p/min_p, repetition/presence/frequency penalties, logprobs. The proper
 - completions come back in (request, sample) order, and `finish_reason` agrees
   with the tokens (a stop token ends the completion, else `max_tokens` did);
 - the cache never holds more than its capacity: the final state satisfies the
-  cache invariants (`held <= capacity`, `pos <= hw`) and no column is left live.
+  cache invariants (`held <= capacity`, `pos <= hw`) and no column is left live;
+- the incremental API (`add_request`/`abort`/`step`, with and without `overlap`)
+  serves a mix arriving between entries as `run` does (a second test).
 
 CI runs 150 derandomized examples. `JAXKV_RELIABILITY_ENGINE_EXAMPLES=N` runs N
 instead (the documented long run is 10,000), and `JAXKV_RELIABILITY_RANDOM=1`
@@ -96,8 +98,8 @@ def _request(draw, max_seqs: int):
 
 
 @st.composite
-def _mix(draw):
-  geometry = draw(st.integers(0, len(GEOMETRIES) - 1))
+def _mix(draw, geometries=None):
+  geometry = draw(st.sampled_from(geometries or range(len(GEOMETRIES))))
   requests = draw(st.lists(_request(GEOMETRIES[geometry][0]), min_size=1, max_size=5))
   return geometry, requests
 
@@ -160,3 +162,62 @@ def test_every_completion_equals_its_request_alone(mix):
           ref = [(x.token, x.logprob) for x in a.logprobs]
           assert [t for t, _ in got] == [t for t, _ in ref], (c, a)
           np.testing.assert_allclose([l for _, l in got], [l for _, l in ref], atol=1e-4)
+
+
+# Each geometry compiles the incremental loops (greedy, sampled) and a snapshot per entry
+# length again, so this test serves the paged geometry with prefix caching (the server's
+# default); JAXKV_RELIABILITY_LIVE_EXAMPLES raises the count (column storage: test_live.py).
+LIVE_EXAMPLES = int(os.environ.get("JAXKV_RELIABILITY_LIVE_EXAMPLES", "8"))
+LIVE_GEOMETRIES = (3,)
+
+
+@functools.cache
+def _live_engine(geometry: int) -> serve.Engine:
+  """A second engine per geometry for the incremental API: its persistent state lives across
+  examples, so each example also checks that the last one left nothing behind."""
+  run = _engine(geometry)
+  model = nnx.merge(run.graphdef, run.params)
+  return serve.Engine(model, max_len=MAX_LEN, max_stop_tokens=MAX_STOP,
+                      max_logprobs=MAX_LOGPROBS, prefix_cache=run.prefix_cache)
+
+
+@settings(max_examples=LIVE_EXAMPLES, deadline=None, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(mix=_mix(LIVE_GEOMETRIES), data=st.data())
+def test_the_incremental_api_serves_a_mix_as_run_does(mix, data):
+  """Requests arrive between loop entries of drawn lengths, some with `overlap` (the next entry
+  dispatched before the last one's deltas are built), one may be aborted: every sample not
+  aborted equals `Engine.run`'s, an aborted one is a prefix of it, and the engine ends with
+  nothing in flight, no waiting tokens and no column held."""
+  geometry, requests = mix
+  requests = [r.replace(request_id=f"r{i}") for i, r in enumerate(requests)]
+  want = {(c.request_id, c.index): (tuple(c.tokens), c.finish_reason)
+          for c in _engine(geometry).run(requests)}
+  engine = _live_engine(geometry)
+  if engine.has_unfinished():   # a failed example before this one (hypothesis replays it)
+    _live_engine.cache_clear()
+    engine = _live_engine(geometry)
+  abort_at = data.draw(st.one_of(st.none(), st.integers(0, 6)), label="abort at call")
+  got, pending, calls, aborted = {}, list(requests), 0, None
+  while pending or engine.has_unfinished():
+    arrivals = data.draw(st.integers(0, len(pending)), label="arrivals") if pending else 0
+    if pending and not arrivals and not engine.has_unfinished():
+      arrivals = 1
+    for _ in range(arrivals):
+      engine.add_request(pending.pop(0))
+    if calls == abort_at:
+      aborted = data.draw(st.sampled_from(requests), label="aborted").request_id
+      engine.abort(aborted)
+    deltas = engine.step(data.draw(st.integers(1, 4), label="k"),
+                         overlap=data.draw(st.booleans(), label="overlap"))
+    calls += 1
+    for d in deltas:
+      tokens, reason = got.get((d.request_id, d.index), ((), None))
+      assert reason is None, f"a delta after {d.request_id}/{d.index} finished"
+      got[(d.request_id, d.index)] = (tokens + tuple(d.tokens), d.finish_reason)
+  for key, (tokens, reason) in want.items():
+    if key[0] == aborted and key in got and got[key][1] == "abort":
+      assert got[key][0] == tokens[:len(got[key][0])], (key, got[key], tokens)
+    elif key[0] != aborted:
+      assert got[key] == (tokens, reason), (key, got[key], tokens, reason)
+  assert not engine.has_unfinished() and engine.waiting_tokens == 0 and engine.held == 0
