@@ -206,10 +206,10 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     for prompt in prompts:
       if not prompt:
         raise BadRequest("the prompt encodes to no tokens", param=prompt_field)
-      limit = max_tokens if max_tokens is not None else engine.max_len - len(prompt)
-      if limit < 1:
+      if len(prompt) >= engine.max_len:   # too long whatever the output limit: the prompt's fault
         raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len} "
                          "leaves none to generate", param=prompt_field)
+      limit = max_tokens if max_tokens is not None else engine.max_len - len(prompt)
       try:
         params = body.sampling(max_tokens=limit, stop_ids=tokenizer.eos_ids)
         request = EngineRequest(tuple(prompt), params)
@@ -408,7 +408,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       if len(texts) > max_prompts:
         raise BadRequest(f"prompt holds {len(texts)} prompts; at most {max_prompts} per request",
                          status=413, param="prompt")
-      prompts = [_encode(lambda t=t: tokenizer.encode(t), "prompt") for t in texts]
+      prompts = await _off_loop(sum(map(len, texts)), lambda: [
+          _encode(lambda t=t: tokenizer.encode(t), "prompt") for t in texts])
     else:
       prompts = [p] if not p or isinstance(p[0], int) else p
     if not prompts:
@@ -420,8 +421,9 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     check_model(body)
     messages = [m.for_template() for m in body.messages]
     _check_text(messages, "messages")
-    prompt = _encode(lambda: tokenizer.encode_chat(
-        messages, add_generation_prompt=body.add_generation_prompt), "messages")
+    size = sum(len(str(m.get("content", ""))) for m in messages)
+    prompt = await _off_loop(size, lambda: _encode(lambda: tokenizer.encode_chat(
+        messages, add_generation_prompt=body.add_generation_prompt), "messages"))
     return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 
   return app
@@ -478,6 +480,16 @@ def _check_text(value, param: str) -> None:
   elif isinstance(value, dict):
     for v in value.values():
       _check_text(v, param)
+
+
+# Text beyond this many characters is tokenised in a worker thread (the tokenizer releases the
+# GIL), so a megabyte prompt does not hold the event loop; shorter text is not worth the hop.
+_OFF_LOOP_CHARS = 1 << 16
+
+
+async def _off_loop(size: int, fn):
+  """`fn()`, in a worker thread when `size` (characters to tokenise) is large."""
+  return await asyncio.to_thread(fn) if size > _OFF_LOOP_CHARS else fn()
 
 
 def _encode(encode, param: str) -> list[int]:

@@ -66,3 +66,4 @@ def test_health_answers_within_50_ms_while_a_burst_of_deltas_is_formatted(monkey
   # room and is still far below the unsliced stall (over a second here).
   assert max(latencies) < 0.1, sorted(latencies)[-5:]
   assert sorted(latencies)[len(latencies) * 9 // 10] < 0.05, sorted(latencies)[-5:]
+

@@ -108,6 +108,10 @@ def test_metrics_report_compile_time_apart_from_serving(server, client):
   # The app's engine compiled its loop for the first request it served.
   assert value("jaxkv_compile_seconds") == pytest.approx(server[1].stats.compile_seconds)
   assert value("jaxkv_compile_seconds") > 0
+  # Served and idle: the K/V usage gauge is back at zero (finished columns retire at the end
+  # of the entry that finished them, not at the next one).
+  assert not server[1].has_unfinished()
+  assert value("jaxkv_kv_cache_usage_ratio") == 0.0
 
 
 def test_completion_and_its_stream_match_the_engine(client, oracle):
