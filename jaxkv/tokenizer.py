@@ -41,6 +41,8 @@ from jaxkv import _optional
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 ADDITIONAL_TEMPLATES_DIR = "additional_chat_templates"
+# Text past this many characters is encoded through `encode_batch`, which releases the GIL.
+_LONG_TEXT = 1 << 16
 
 
 def _token_text(value) -> str | None:
@@ -222,6 +224,10 @@ class Tokenizer:
     return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    if len(text) > _LONG_TEXT:
+      # `tokenizers` holds the GIL through `encode` but releases it in `encode_batch` (same
+      # pipeline, same ids): a megabyte prompt then no longer stalls every other thread.
+      return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
     return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
   def decode(self, ids, *, skip_special_tokens: bool = True) -> str:

@@ -482,8 +482,9 @@ def _check_text(value, param: str) -> None:
       _check_text(v, param)
 
 
-# Text beyond this many characters is tokenised in a worker thread (the tokenizer releases the
-# GIL), so a megabyte prompt does not hold the event loop; shorter text is not worth the hop.
+# Text beyond this many characters is tokenised in a worker thread (`Tokenizer.encode` then goes
+# through `encode_batch`, which releases the GIL), so a megabyte prompt does not hold the event
+# loop; shorter text is not worth the hop.
 _OFF_LOOP_CHARS = 1 << 16
 
 

@@ -67,3 +67,45 @@ def test_health_answers_within_50_ms_while_a_burst_of_deltas_is_formatted(monkey
   assert max(latencies) < 0.1, sorted(latencies)[-5:]
   assert sorted(latencies)[len(latencies) * 9 // 10] < 0.05, sorted(latencies)[-5:]
 
+
+
+def test_health_answers_while_a_megabyte_prompt_is_tokenised():
+  """A multi-megabyte text prompt is tokenised off the event loop and without holding the GIL
+  (`tokenizers`' `encode` holds it for the whole call, about 14 s here): `/health` keeps
+  answering meanwhile, and the prompt, far past max_len, is refused with a 400 naming it."""
+  engine, tok, _ = build_server(CHECKPOINT, max_seqs=2, max_len=64, max_write=16,
+                                kv_cache_memory=1 << 20)
+  app = create_app(engine, tok, model_name="m")
+  text = "hello world " * 400_000   # 4.8 MB
+  with running(app) as url, httpx.Client(base_url=url, timeout=120) as health:
+    done = {}
+
+    def send():
+      with httpx.Client(base_url=url, timeout=300) as c:
+        done["r"] = c.post("/v1/completions", json={"prompt": text, "max_tokens": 4})
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+      start = time.perf_counter()
+      assert health.get("/health").status_code == 200
+      latencies.append(time.perf_counter() - start)
+      time.sleep(0.01)
+    thread.join()
+  r = done["r"]
+  assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+  assert len(latencies) > 5 and max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_long_text_encodes_to_the_same_ids_as_the_tokenizer():
+  """The long-text path (`encode_batch`) gives the ids `tokenizers`' own `encode` gives."""
+  import tokenizers   # pylint: disable=g-import-not-at-top
+  _, tok, _ = build_server(CHECKPOINT, max_seqs=2, max_len=64, max_write=16,
+                           kv_cache_memory=1 << 20)
+  raw = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+  for text in ("Hello there, " * 7_000, "ünïcødé\\n\\t " * 9_000, "x" * 70_000):
+    assert len(text) > 1 << 16
+    for special in (True, False):
+      assert tok.encode(text, add_special_tokens=special) == raw.encode(
+          text, add_special_tokens=special).ids
