@@ -75,6 +75,10 @@ class AsyncEngine:
     """`Engine.abort`: ends the request (or one running sample) at the next step."""
     return self.engine.abort(request_id, index)
 
+  def abort_many(self, request_ids) -> int:
+    """`Engine.abort_many`: ends every request in `request_ids` at the next step."""
+    return self.engine.abort_many(request_ids)
+
   def close(self, timeout: float | None = None) -> None:
     """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
     self._closed = True

@@ -454,6 +454,11 @@ class Engine:
     """
     return self._live is not None and self._live.abort(request_id, index)
 
+  def abort_many(self, request_ids) -> int:
+    """`abort` of every request in `request_ids` in one call (one lock, O(1) each): a client
+    that sent many prompts and left. Returns how many of them were in flight."""
+    return 0 if self._live is None else self._live.abort_many(request_ids)
+
   def has_unfinished(self) -> bool:
     """Whether a request added with `add_request` has not finished yet."""
     return self._live is not None and self._live.has_unfinished()

@@ -238,8 +238,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       for r in requests:
         ids.append(aio.add_request(r))
     except (ValueError, TypeError) as e:
-      for rid in ids:
-        aio.abort(rid)
+      aio.abort_many(ids)
       raise BadRequest(_LABEL.sub("", str(e))) from e
     metrics.accepted(sum(len(r.prompt) for r in requests))
     samples = [[_Sample(tokenizer, stop, arrived,
@@ -317,12 +316,13 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         yield i, d.index, text, s.finish, logprobs
     finally:
       await source.aclose()
+      left = [rid for i, rid in enumerate(ids) if any(s.finish is None for s in samples[i])]
+      aio.abort_many(left)   # a client that sent many prompts and left: one call
       for t in tasks:
-        t.cancel()   # their generators close and abort whatever has not finished
-      for i, rid in enumerate(ids):
-        if any(s.finish is None for s in samples[i]):
-          metrics.finished.labels("abort").inc(sum(s.finish is None for s in samples[i]))
-          aio.abort(rid)
+        t.cancel()   # their generators close (what they would abort is aborted already)
+      unfinished = sum(s.finish is None for ss in samples for s in ss)
+      if unfinished:
+        metrics.finished.labels("abort").inc(unfinished)
 
   def usage(requests, samples):
     prompt = sum(len(r.prompt) for r in requests)

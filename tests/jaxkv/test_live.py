@@ -363,3 +363,21 @@ def test_overlap_hands_out_an_entry_while_the_next_one_runs(model):
                                    "lp"))
   first = engine.step(2, overlap=True)
   assert engine.stats.loop_entries == 1 and len(first[0].logprobs) == 2
+
+
+def test_abort_many_ends_every_listed_request_in_one_call(model, rng):
+  requests = _requests(rng, 10)
+  engine = serve.Engine(model, max_len=48)
+  for r in requests:
+    engine.add_request(r)
+  first = _collect(engine.step(2))
+  gone = [r.request_id for r in requests[::2]] + ["nobody"]
+  assert engine.abort_many(gone) == 5 and engine.abort_many(gone) == 0
+  got = _collect(engine.stream(3), first)
+  want = _want(model, requests)
+  for key, (tokens, reason) in want.items():
+    if key[0] in gone:
+      assert got[key][1] in ("abort", reason) and got[key][0] == tokens[:len(got[key][0])]
+    else:
+      assert got[key] == (tokens, reason)
+  assert not engine.has_unfinished() and engine.waiting_tokens == 0
