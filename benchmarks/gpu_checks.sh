@@ -27,7 +27,7 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
     || echo "note: no torch/transformers here; the live transformers tests will fail as unexpected skips"
   # The tests are compile-bound: several workers, none preallocating most of the GPU's memory.
   JAXKV_GPU_CHECK=1 XLA_PYTHON_CLIENT_PREALLOCATE=false run gated_tests "${GPU_CHECK_SECONDS:-540}" \
-      python3 -m pytest tests -q -n "${GPU_CHECK_WORKERS:-4}" -p no:cacheprovider -rs \
+      python3 -m pytest tests -q -n "${GPU_CHECK_WORKERS:-4}" -p no:cacheprovider -p no:benchmark -rs \
       --timeout 300 --junitxml "$out/gated_tests.xml" || status=1
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
