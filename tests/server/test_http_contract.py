@@ -17,9 +17,11 @@ import math
 import os
 
 import numpy as np
-import openai
 import pytest
-import tokenizers
+
+openai = pytest.importorskip("openai", reason="the server tests need the test extra's openai")
+pytest.importorskip("fastapi", reason="the server tests need the serve extra's fastapi")
+import tokenizers  # pylint: disable=wrong-import-position
 
 from jaxkv.cli import build_server
 from jaxkv.server.app import create_app

@@ -15,9 +15,11 @@ import json
 import os
 
 import httpx
-import openai
 import pytest
-import tokenizers
+
+openai = pytest.importorskip("openai", reason="the server tests need the test extra's openai")
+pytest.importorskip("fastapi", reason="the server tests need the serve extra's fastapi")
+import tokenizers  # pylint: disable=wrong-import-position
 
 from http_server import running  # pylint: disable=wrong-import-order
 from jaxkv.cli import build_server
