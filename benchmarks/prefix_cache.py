@@ -90,7 +90,7 @@ def in_flight_case(args, rng) -> dict:
     engine = serve.Engine(_model(cache), max_len=max_len, max_steps=16)
     peak = []
     engine.run(requests, on_progress=lambda s, _: peak.append(int(np.asarray(
-        engine.state.active).sum())))
+        engine.state.cols.active).sum())))
     bytes_ = serve.storage_bytes(engine.state.cache)   # as allocated (columns may grow)
     out[name] = {"max_seqs": cache.max_seqs, "capacity": cache.capacity, "kv_bytes": bytes_,
                  "mean_in_flight": round(engine.stats.occupancy / engine.stats.steps, 2),

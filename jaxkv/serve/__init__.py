@@ -30,7 +30,8 @@ decoding, DFlash blocks, tests): jitted declare/prepare/model/commit steps and
 the sequence verbs, one call each.
 
 Rooms: `requests` (what users hand in and get back), `protocol` (`StepModel`), `sampling`,
-`state` (what the loop carries, the device queue), `loop` (the jitted loop), `paged_loop` and
+`state` (what the loop carries, the device queue), `loop` (the jitted loop), `columns` (the
+per-column helpers both storages' admission share: admit, fork, column records), `paged_loop` and
 `paged_admit` (the loop's admission by claims, preemption and prefix cache over paged storage), `engine`
 (`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `live` (the incremental
 API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `report` (which attention
@@ -50,10 +51,12 @@ from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, 
                                   RequestTiming, SamplingParams, TokenLogprob, check_request)
 from jaxkv.serve.runner import ModelRunner
 from jaxkv.serve.sampling import RowParams, sample, sample_rows
-from jaxkv.serve.state import LoopState, Queue, init_loop_state, pack_queue
+from jaxkv.serve.state import (ColumnParams, Columns, LoopState, Outputs, Queue, init_loop_state,
+                               pack_queue)
 
-__all__ = ["MAX_LOGPROBS", "ROW_MULTIPLE", "AsyncEngine", "Completion", "DataParallelEngine",
-           "Delta", "Engine", "EngineError", "EngineStats", "LoopState", "ModelRunner", "Queue",
+__all__ = ["MAX_LOGPROBS", "ROW_MULTIPLE", "AsyncEngine", "ColumnParams", "Columns", "Completion",
+           "DataParallelEngine", "Delta", "Engine", "EngineError", "EngineStats", "LoopState",
+           "ModelRunner", "Outputs", "Queue",
            "Request", "RequestTiming", "RowParams", "SamplingParams", "StepModel", "TokenLogprob",
            "bytes_in_use", "check_engine_fits", "check_request", "check_step_model",
            "default_widths", "init_loop_state", "loop_buffer_bytes", "pack_queue",

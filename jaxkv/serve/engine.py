@@ -347,15 +347,18 @@ class Engine:
         ls = self.enter(ls, self.max_steps, greedy=greedy)
         self.state = ls
         stats.loop_entries += 1
+        o = ls.out
         host = jax.device_get({k: getattr(ls, k) for k in (
-            "out_done", "out_len", "out_stop", "steps", "step_tokens", "occupancy", "status",
-            "peak_rows", "width_steps", "active", "used", "out_admitted", "out_first",
-            "out_finished", *PAGED_COUNTERS)} | {"next": ls.queue.next})
+            "steps", "step_tokens", "occupancy", "status", "peak_rows", "width_steps",
+            *PAGED_COUNTERS)} | {
+                "out_done": o.done, "out_len": o.length, "out_stop": o.stop,
+                "out_admitted": o.admitted, "out_first": o.first, "out_finished": o.finished,
+                "active": ls.cols.active, "used": ls.cols.used, "next": ls.queue.next})
         stats.loop_seconds += time.perf_counter() - entered
         new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
         new_results = []
         if new_rows.size:
-          out = np.asarray(jax.device_get(ls.out_tokens))
+          out = np.asarray(jax.device_get(ls.out.tokens))
           lps = None
           for row in new_rows:
             request, index = owner[int(row)]
@@ -363,7 +366,7 @@ class Engine:
             logprobs = None
             if request.params.logprobs is not None:
               if lps is None:
-                lps = jax.device_get((ls.out_logprob, ls.out_top_ids, ls.out_top_logprobs))
+                lps = jax.device_get((ls.out.logprob, ls.out.top_ids, ls.out.top_logprobs))
               logprobs = token_logprobs(lps, lp_rows[int(row)], out[row, :n_tok],
                                         range(n_tok), request.params.logprobs)
             new_results.append(Completion(request.request_id, index, request.prompt,

@@ -9,13 +9,13 @@ arrive and leave while others run:
   loop entries the host rewrites the queue arrays: the requests not yet
   admitted first (a partly admitted head keeps its `copies`), then newly
   arrived ones, `next = 0`. The loop admits from it in order, as in `run`.
-- **Output rows** (`R` rows of `out_tokens`) are allocated on the host, `n`
+- **Output rows** (`R` rows of `LoopState.out`) are allocated on the host, `n`
   contiguous rows per request (forked samples write `out_base + index`), when
   the request enters the device queue; they return to a free map when the
-  request ends, and are cleared (`out_len = out_done = out_stop = 0`) before
+  request ends, and are cleared (`Outputs.length = done = stop = 0`) before
   reuse. Rows of in-flight samples never move.
 - **A step** is one loop entry of at most `k` steps (`max_steps`); the host
-  then reads `out_len` (tokens so far, updated every step) and reports each
+  then reads `Outputs.length` (tokens so far, updated every step) and reports each
   sample's new tokens as a `Delta`, with a finish reason when it ended.
 - **Aborts** are applied between entries by `_abort_columns` (jitted, the
   state donated): `jaxkv.pure.seq_rm` on each of the request's columns, and
@@ -370,10 +370,10 @@ class LiveQueue:
     for rid in moved:
       t = self._tracked[rid]
       clear[t.base:t.base + t.n] = True
-    out_len, out_stop, out_done = clear_rows(ls.out_len, ls.out_stop, ls.out_done,
-                                              self._place(jnp.asarray(clear)))
-    engine.state = dataclasses.replace(ls, queue=queue, out_len=out_len, out_stop=out_stop,
-                                       out_done=out_done)
+    length, stop, done = clear_rows(ls.out.length, ls.out.stop, ls.out.done,
+                                    self._place(jnp.asarray(clear)))
+    engine.state = dataclasses.replace(ls, queue=queue, out=dataclasses.replace(
+        ls.out, length=length, stop=stop, done=done))
     self._dev_next = 0
 
   def _columns_of(self, rows) -> np.ndarray:
@@ -506,7 +506,7 @@ class LiveQueue:
             new = host["last"][row, window - count:].tolist() if count > 0 else []
           else:   # more tokens than one entry adds (not expected): read the row itself
             if out is None:
-              out = np.asarray(jax.device_get(ls.out_tokens))
+              out = np.asarray(jax.device_get(ls.out.tokens))
             new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
           reason = None
           if host["out_done"][row]:
@@ -519,7 +519,7 @@ class LiveQueue:
           logprobs = None
           if t.request.params.logprobs is not None:
             if lps is None:
-              lps = jax.device_get((ls.out_logprob, ls.out_top_ids, ls.out_top_logprobs))
+              lps = jax.device_get((ls.out.logprob, ls.out.top_ids, ls.out.top_logprobs))
             logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
                                                                  t.emitted[j] + len(new)),
                                             t.request.params.logprobs))

@@ -1,7 +1,7 @@
 """The incremental API's device-side helpers (jitted), outside the serving loop.
 
 `abort_columns` (the `LoopState` donated) removes aborted requests' columns
-between loop entries: `jaxkv.pure.seq_rm` on each, and the loop's
+between loop entries: `jaxkv.pure.seq_rm` on each, and the columns'
 `used/active/done/reserve/forks/hold/parked` cleared (a parked column has no
 sequence to remove), so the next admission finds
 their columns and reserved room free. `clear_rows` resets output rows before
@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
+from jaxkv.serve.columns import update
 from jaxkv.serve.requests import PAGED_COUNTERS
-from jaxkv.serve.state import LoopState
+from jaxkv.serve.state import LoopState, merge_status
 
 
 def _abort_columns(config: CacheConfig, ls: LoopState, mask):
@@ -26,20 +27,19 @@ def _abort_columns(config: CacheConfig, ls: LoopState, mask):
 
   def body(carry):
     ls, mask = carry
-    col = jnp.argmax(mask & (ls.used == 1)).astype(jnp.int32)
+    c = ls.cols
+    col = jnp.argmax(mask & (c.used == 1)).astype(jnp.int32)
     # A parked column (paged storage, preempted) has no sequence to remove.
-    is_parked = ls.parked[col] == 1
+    is_parked = c.parked[col] == 1
     cache, status = pure.seq_rm(config, ls.cache, jnp.where(is_parked, -1, col))
-    status = jnp.where(is_parked, Status.OK, status)
-    off = lambda a, v=0: a.at[col].set(v)
-    ls = dataclasses.replace(
-        ls, cache=cache, used=off(ls.used), active=off(ls.active), done=off(ls.done),
-        reserve=off(ls.reserve), forks=off(ls.forks), hold=off(ls.hold, ls.tokens.shape[1]),
-        parked=off(ls.parked),
-        status=jnp.where((status == Status.OK) | (ls.status != Status.OK), ls.status, status))
+    cols = update(c, col, used=0, active=0, done=0, reserve=0, forks=0, hold=c.tokens.shape[1],
+                  parked=0)
+    ls = dataclasses.replace(ls, cache=cache, cols=cols,
+                             status=merge_status(ls.status, status, ~is_parked))
     return ls, mask.at[col].set(False)
 
-  cond = lambda carry: jnp.any(carry[1] & (carry[0].used == 1)) & (carry[0].status == Status.OK)
+  cond = lambda carry: (jnp.any(carry[1] & (carry[0].cols.used == 1))
+                        & (carry[0].status == Status.OK))
   return jax.lax.while_loop(cond, body, (ls, mask))[0]
 
 
@@ -63,21 +63,23 @@ def snapshot(ls: LoopState, window: int):
 
   Layout: `SNAPSHOT_SCALARS`, the paged counters, the queue's `next` and
   `copies`, `width_steps`, then per column `used`, `out_row`, `fed`, per
-  output row `out_done`, `out_len`, `out_stop`, and each output row's last
-  `window` tokens (`out_tokens[r, out_len - window : out_len]`, clipped at 0):
+  output row `out_done`, `out_len`, `out_stop` (`Outputs.done/length/stop`),
+  and each output row's last `window` tokens
+  (`Outputs.tokens[r, out_len - window : out_len]`, clipped at 0):
   a loop entry of at most `window` steps adds at most that many tokens to a row,
   so the host finds every new token there without reading `out_tokens` whole.
   """
   scalars = [getattr(ls, f) for f in SNAPSHOT_SCALARS + PAGED_COUNTERS]
   scalars += [ls.queue.next, ls.queue.copies]
-  max_new = ls.out_tokens.shape[1]
-  at = jnp.clip(ls.out_len[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :],
+  c, o = ls.cols, ls.out
+  max_new = o.tokens.shape[1]
+  at = jnp.clip(o.length[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :],
                 0, max_new - 1)
-  last = jnp.take_along_axis(ls.out_tokens, at, axis=1)
+  last = jnp.take_along_axis(o.tokens, at, axis=1)
   i32 = lambda a: jnp.ravel(a).astype(jnp.int32)
-  return jnp.concatenate([i32(jnp.stack(scalars)), i32(ls.width_steps), i32(ls.used),
-                          i32(ls.out_row), i32(ls.fed), i32(ls.out_done), i32(ls.out_len),
-                          i32(ls.out_stop), i32(last)])
+  return jnp.concatenate([i32(jnp.stack(scalars)), i32(ls.width_steps), i32(c.used),
+                          i32(c.out_row), i32(c.fed), i32(o.done), i32(o.length),
+                          i32(o.stop), i32(last)])
 
 
 def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: int) -> dict:

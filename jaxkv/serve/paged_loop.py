@@ -18,7 +18,7 @@ column admission. Everything is jitted inside the loop; nothing visits the host.
   before any queued request (oldest first) and recompute their tokens as one
   longer prefill; the sampling key depends only on (seed, sample index, token
   index), so the tokens are the unpreempted run's.
-- **Prefix cache** (`LoopState.page_hash` non-empty). Each column keeps the
+- **Prefix cache** (`Columns.page_hash` non-empty). Each column keeps the
   chained hash of its full prompt pages (`page_hashes`). A column admitted (or
   brought back) adopts the longest matching leading pages of a live column
   (running or retained) as `seq_clone(source, m)` (full pages are shared, none
@@ -43,14 +43,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
-from jaxkv.serve.state import NON_COLUMN_FIELDS, LoopState
+from jaxkv.serve.columns import i32, update
+from jaxkv.serve.state import Columns, LoopState, merge_status
 
 _MIX1, _MIX2 = 0x85EBCA6B, 0xC2B2AE35
 _TOKEN, _POS = 0x9E3779B1, 0x7FEB352D
-
-
-def _i32(x):
-  return jnp.asarray(x, jnp.int32)
 
 
 def _u32(x):
@@ -59,7 +56,7 @@ def _u32(x):
 
 def has_prefix_cache(ls: LoopState) -> bool:
   """Whether prefix caching is on (static: the shape of `page_hash`)."""
-  return ls.page_hash.shape[1] > 0
+  return ls.cols.page_hash.shape[1] > 0
 
 
 def _fmix(h):
@@ -85,43 +82,38 @@ def page_hashes(tokens, num_pages: int, page_size: int):
   return _fmix(sums[page_size - 1::page_size] ^ _u32(num_pages))
 
 
-def record(ls: LoopState, did, status) -> jax.Array:
-  """The loop status after a verb that ran only where `did`."""
-  bad = did & (status != Status.OK) & (ls.status == Status.OK)
-  return jnp.where(bad, status, ls.status)
-
-
 # ----------------------------------------------------------------------------- room
 
 
-def _running(ls: LoopState):
+def running(cols: Columns):
   """`bool[S]`: columns holding a running sequence (not parked, not retained)."""
-  return (ls.used == 1) & (ls.parked == 0)
+  return (cols.used == 1) & (cols.parked == 0)
 
 
 def claims(ls: LoopState):
   """`int32[]`: positions running columns will hold once fed and forked, plus retained ones."""
-  running = jnp.where(_running(ls), ls.length * (1 + ls.forks), 0).sum(dtype=jnp.int32)
-  return running + prefix_positions(ls)
+  c = ls.cols
+  held = jnp.where(running(c), c.length * (1 + c.forks), 0).sum(dtype=jnp.int32)
+  return held + prefix_positions(ls)
 
 
 def prefix_positions(ls: LoopState):
-  return jnp.where(ls.cached == 1, ls.cache.pos, 0).sum(dtype=jnp.int32)
+  return jnp.where(ls.cols.cached == 1, ls.cache.pos, 0).sum(dtype=jnp.int32)
 
 
-def step_need(ls: LoopState):
+def step_need(cols: Columns):
   """`int32[]`: positions the next step needs at least: one per column wanting a token."""
-  wants = (ls.active == 1) & (jnp.minimum(ls.length, ls.hold) > ls.fed)
+  wants = (cols.active == 1) & (jnp.minimum(cols.length, cols.hold) > cols.fed)
   return wants.sum(dtype=jnp.int32)
 
 
 def step_fits(config: CacheConfig, ls: LoopState, need=None):
   """Whether the next step's first tokens fit `capacity` (the phase loops stop otherwise).
 
-  `need`: `step_need(ls)`, when the caller has it (the phase condition sums it with
+  `need`: `step_need(ls.cols)`, when the caller has it (the phase condition sums it with
   its other column totals, in one reduction).
   """
-  return ls.cache.held + (step_need(ls) if need is None else need) <= config.capacity
+  return ls.cache.held + (step_need(ls.cols) if need is None else need) <= config.capacity
 
 
 def room(config: CacheConfig, ls: LoopState):
@@ -132,39 +124,38 @@ def room(config: CacheConfig, ls: LoopState):
 def remove(config: CacheConfig, ls: LoopState, col, did) -> tuple:
   """`(cache, loop status)` after `seq_rm(col)` where `did` (a refused no-op elsewhere)."""
   cache, status = pure.seq_rm(config, ls.cache, jnp.where(did, col, -1))
-  return cache, record(ls, did, status)
+  return cache, merge_status(ls.status, status, did)
 
 
 def evict_one(config: CacheConfig, ls: LoopState, did=True) -> LoopState:
   """Removes the least recently used retained prefix (where `did`)."""
   big = jnp.iinfo(jnp.int32).max
-  col = jnp.argmin(jnp.where(ls.cached == 1, ls.last_use, big)).astype(jnp.int32)
-  did = did & (ls.cached[col] == 1)
+  col = jnp.argmin(jnp.where(ls.cols.cached == 1, ls.cols.last_use, big)).astype(jnp.int32)
+  did = did & (ls.cols.cached[col] == 1)
   cache, status = remove(config, ls, col, did)
   return dataclasses.replace(ls, cache=cache, status=status,
-                             cached=ls.cached.at[col].set(jnp.where(did, 0, ls.cached[col])),
+                             cols=update(ls.cols, col, did, cached=0),
                              evictions=ls.evictions + did.astype(jnp.int32))
 
 
 def preempt_one(config: CacheConfig, ls: LoopState, did=True) -> LoopState:
   """Preempts the most recently admitted running column (where `did`): pages dropped, parked."""
-  can = _running(ls) & (ls.active == 1)
-  col = jnp.argmax(jnp.where(can, ls.stamp, -1)).astype(jnp.int32)
+  can = running(ls.cols) & (ls.cols.active == 1)
+  col = jnp.argmax(jnp.where(can, ls.cols.stamp, -1)).astype(jnp.int32)
   did = did & can[col]
   cache, status = remove(config, ls, col, did)
-  put = lambda a, v: a.at[col].set(jnp.where(did, v, a[col]))
-  return dataclasses.replace(ls, cache=cache, status=status, parked=put(ls.parked, 1),
-                             active=put(ls.active, 0), fed=put(ls.fed, 0),
+  return dataclasses.replace(ls, cache=cache, status=status,
+                             cols=update(ls.cols, col, did, parked=1, active=0, fed=0),
                              preemptions=ls.preemptions + did.astype(jnp.int32))
 
 
 def can_free(ls: LoopState):
-  return jnp.any(ls.cached == 1) | jnp.any(_running(ls) & (ls.active == 1))
+  return jnp.any(ls.cols.cached == 1) | jnp.any(running(ls.cols) & (ls.cols.active == 1))
 
 
 def free_one(config: CacheConfig, ls: LoopState) -> LoopState:
   """Evicts a retained prefix if there is one, else preempts the latest running column."""
-  has_prefix = jnp.any(ls.cached == 1)
+  has_prefix = jnp.any(ls.cols.cached == 1)
   ls = evict_one(config, ls, has_prefix)
   return preempt_one(config, ls, ~has_prefix)
 
@@ -184,14 +175,8 @@ def needs_room(config: CacheConfig, ls: LoopState):
 def swap(ls: LoopState, a, b) -> LoopState:
   """Swaps the loop data of columns `a` and `b` (both without a live sequence)."""
   idx = jnp.stack([a, b])
-  out = {}
-  for f in dataclasses.fields(ls):
-    if f.name in NON_COLUMN_FIELDS:
-      continue
-    arr = getattr(ls, f.name)
-    assert arr.shape[:1] == ls.used.shape, (f.name, arr.shape)
-    out[f.name] = arr.at[idx].set(arr[idx[::-1]])
-  return dataclasses.replace(ls, **out)
+  return dataclasses.replace(
+      ls, cols=jax.tree.map(lambda arr: arr.at[idx].set(arr[idx[::-1]]), ls.cols))
 
 
 def lowest_free_id(ls: LoopState):
@@ -202,16 +187,15 @@ def lowest_free_id(ls: LoopState):
 
 def spare(ls: LoopState):
   """`(exists, col)`: the highest column with neither a sequence nor parked data."""
-  is_spare = (ls.cache.live == 0) & (ls.used == 0)
+  is_spare = (ls.cache.live == 0) & (ls.cols.used == 0)
   s = is_spare.shape[0]
   return jnp.any(is_spare), (s - 1 - jnp.argmax(is_spare[::-1])).astype(jnp.int32)
 
 
 def stamped(ls: LoopState, col, did) -> LoopState:
   """Marks `col` newly admitted (where `did`): running, not parked, not retained."""
-  put = lambda a, v: a.at[col].set(jnp.where(did, v, a[col]))
-  return dataclasses.replace(ls, stamp=put(ls.stamp, ls.clock), parked=put(ls.parked, 0),
-                             cached=put(ls.cached, 0), clock=ls.clock + did.astype(jnp.int32))
+  return dataclasses.replace(ls, cols=update(ls.cols, col, did, stamp=ls.clock, parked=0, cached=0),
+                             clock=ls.clock + did.astype(jnp.int32))
 
 
 # ----------------------------------------------------------------------------- prefix match
@@ -235,25 +219,26 @@ def best_source(config: CacheConfig, ls: LoopState, hashes, tokens, max_pages, e
     source column, and the longest match a running column is still prefilling
     (`(column, length)`: worth waiting for when longer than `m`).
   """
-  p, num_hash = config.page_size, ls.page_hash.shape[1]
-  s = ls.used.shape[0]
+  c = ls.cols
+  p, num_hash = config.page_size, c.page_hash.shape[1]
+  s = c.used.shape[0]
   slots = jnp.arange(num_hash, dtype=jnp.int32)
-  src_pages = jnp.minimum(ls.prompt_len // p, num_hash)
+  src_pages = jnp.minimum(c.prompt_len // p, num_hash)
   valid = (slots[None, :] < src_pages[:, None]) & (slots[None, :] < max_pages)
-  run = jnp.cumprod((ls.page_hash == hashes[None, :]) & valid, axis=1, dtype=jnp.int32)
+  run = jnp.cumprod((c.page_hash == hashes[None, :]) & valid, axis=1, dtype=jnp.int32)
   match = run.sum(axis=1, dtype=jnp.int32) * p                             # [S]
   cols = jnp.arange(s, dtype=jnp.int32)
   floors = jax.vmap(lambda c: pure.floor(config, ls.cache, c))(cols)
-  is_source = (ls.cache.live == 1) & (cols != exclude) & ((ls.cached == 1) | _running(ls))
+  is_source = (ls.cache.live == 1) & (cols != exclude) & ((c.cached == 1) | running(c))
   avail = jnp.minimum(match, ls.cache.pos // p * p)
   avail = jnp.where(is_source & (avail >= floors), avail, 0)
   src = jnp.argmax(avail).astype(jnp.int32)
   m = avail[src]
-  same = jnp.where(jnp.arange(tokens.shape[0]) < m, ls.tokens[src] == tokens, True)
+  same = jnp.where(jnp.arange(tokens.shape[0]) < m, c.tokens[src] == tokens, True)
   m = jnp.where(jnp.all(same), m, 0)
-  pending = is_source & (ls.active == 1) & (ls.fed < match) & (match > m)
+  pending = is_source & (c.active == 1) & (c.fed < match) & (match > m)
   wait_col = jnp.argmax(jnp.where(pending, match, 0)).astype(jnp.int32)
-  wait = jnp.where(jnp.any(pending), jnp.stack([wait_col, match[wait_col]]), _i32([-1, 0]))
+  wait = jnp.where(jnp.any(pending), jnp.stack([wait_col, match[wait_col]]), i32([-1, 0]))
   return m, src, wait
 
 
@@ -263,25 +248,24 @@ def adopt(config: CacheConfig, ls: LoopState, col, did) -> LoopState:
   Its empty sequence is removed and `seq_clone(source, m)` takes the same id
   back (the lowest free one), sharing the source's `m / page_size` full pages.
   """
-  cap = cap_pages(config, ls.prompt_len[col], ls.length[col], ls.page_hash.shape[1])
-  m, src, _ = best_source(config, ls, ls.page_hash[col], ls.tokens[col], cap, col)
+  c = ls.cols
+  cap = cap_pages(config, c.prompt_len[col], c.length[col], c.page_hash.shape[1])
+  m, src, _ = best_source(config, ls, c.page_hash[col], c.tokens[col], cap, col)
   did = did & (m > 0)
   cache, status = remove(config, ls, col, did)
   ls = dataclasses.replace(ls, cache=cache, status=status)
   cache, status, new_id = pure.seq_clone(config, ls.cache, jnp.where(did, src, -1), m)
-  status = record(ls, did, status)
-  status = jnp.where(did & (status == Status.OK) & (new_id != col), _i32(Status.NO_FREE_ID),
+  status = merge_status(ls.status, status, did)
+  status = jnp.where(did & (status == Status.OK) & (new_id != col), i32(Status.NO_FREE_ID),
                      status)
-  return dataclasses.replace(
-      ls, cache=cache, status=status, fed=ls.fed.at[col].set(jnp.where(did, m, ls.fed[col])),
-      last_use=ls.last_use.at[src].set(jnp.where(did, ls.clock, ls.last_use[src])),
-      cached_tokens=ls.cached_tokens + jnp.where(did, m, 0))
+  cols = update(update(c, col, did, fed=m), src, did, last_use=ls.clock)
+  return dataclasses.replace(ls, cache=cache, status=status, cols=cols,
+                             cached_tokens=ls.cached_tokens + jnp.where(did, m, 0))
 
 
 def hash_column(config: CacheConfig, ls: LoopState, col, did) -> LoopState:
   """Stores the page hashes of column `col`'s tokens (where `did`; prefix caching only)."""
   if not has_prefix_cache(ls):
     return ls
-  h = page_hashes(ls.tokens[col], ls.page_hash.shape[1], config.page_size)
-  return dataclasses.replace(ls, page_hash=ls.page_hash.at[col].set(
-      jnp.where(did, h, ls.page_hash[col])))
+  h = page_hashes(ls.cols.tokens[col], ls.cols.page_hash.shape[1], config.page_size)
+  return dataclasses.replace(ls, cols=update(ls.cols, col, did, page_hash=h))

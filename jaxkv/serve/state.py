@@ -7,6 +7,10 @@
 sample is at `t % T`), `NL` top logprobs per token (the engine's `max_logprobs`).
 Everything is a fixed-shape array, so one compiled loop serves every queue of
 the same sizes.
+
+`LoopState` groups them: the `CacheState`, the `Queue` (`[Q, ...]`), the
+`Columns` (`[S, ...]`, with the sampling parameters as a `ColumnParams` record
+that mirrors the queue's), the `Outputs` (`[R, ...]`) and the loop's counters.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxkv import CacheConfig, CacheState, init_state
+from jaxkv import CacheConfig, CacheState, Status, init_state
 
 # `lp_base`/`lp_row` of a request that wants no logprobs: past every logprob row, so its
 # writes are dropped (a fork adds its sample index and stays out of range).
@@ -76,12 +80,45 @@ class Queue:
 
 @_register
 @dataclasses.dataclass(frozen=True)
-class LoopState:
-  """Everything the jitted loop carries.
+class ColumnParams:
+  """A column's sampling parameters: its request's, copied from the queue at admission.
+
+  Each field mirrors the `Queue` field of the same name (`[S, ...]` here,
+  `[Q, ...]` there), so `of_request` takes them all by name.
 
   Attributes:
-    cache: the `CacheState`.
-    queue: the `Queue`.
+    temperature, top_p: `float32[S]`; top_k, seed: `int32[S]`.
+    stop_tokens: `int32[S, NS]` (-1 = unused).
+    min_p, repetition_penalty, presence_penalty, frequency_penalty: `float32[S]`.
+    logprobs: `int32[S]` top logprobs wanted (-1: none).
+  """
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+  seed: jax.Array
+  stop_tokens: jax.Array
+  min_p: jax.Array
+  repetition_penalty: jax.Array
+  presence_penalty: jax.Array
+  frequency_penalty: jax.Array
+  logprobs: jax.Array
+
+  @classmethod
+  def of_request(cls, queue: Queue, i) -> ColumnParams:
+    """Queued request `i`'s parameters, as one column's record."""
+    return cls(**{f.name: getattr(queue, f.name)[i] for f in dataclasses.fields(cls)})
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class Columns:
+  """Per-column loop data: every leaf is `[S, ...]`, so a column is one record.
+
+  A column moves (`paged_loop.swap`), is copied to a fork or written at
+  admission (`columns.put`, `columns.update`) as a whole, by `jax.tree.map`.
+
+  Attributes:
     tokens: `int32[S, L]` each column's prompt then generated tokens.
     prompt_len, length, fed: `int32[S]` prompt tokens, known tokens, tokens
       written to the cache (= the sequence's position).
@@ -94,43 +131,21 @@ class LoopState:
     reserve: `int32[S]` cache positions reserved for the column (and its
       pending forks), so no step inside the loop can run out of room.
     out_row: `int32[S]` the column's output row.
-    temperature, top_p: `float32[S]`; top_k, seed, sample_index: `int32[S]`.
-    stop_tokens: `int32[S, NS]`.
-    min_p, repetition_penalty, presence_penalty, frequency_penalty: `float32[S]`;
-      logprobs, lp_row: `int32[S]` top logprobs wanted (-1: none) and the
-      column's logprob row (`NO_ROW`: none).
-    out_tokens: `int32[R, M]` each sample's generated tokens; out_len: `int32[R]`
-      tokens generated so far; out_stop, out_done: `int32[R]` set when it finishes.
-    out_logprob: `float32[RL, T]` each generated token's logprob, out_top_ids:
-      `int32[RL, T, NL]` and out_top_logprobs: `float32[RL, T, NL]` the top
-      alternatives (`sampling.sample_rows`); token `t` at `t % T`.
-    out_admitted, out_first, out_finished: `int32[R]` the `steps` counter when
-      the sample's request was admitted, after the step that sampled its first
-      token, after the step that sampled its last (-1 until then; a reused row
-      holds its last sample's values until they are set again). `Engine.run`
-      turns them into latency figures (`RequestTiming`).
-    steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
-      most positions held at once, and the first non-OK cache status.
-    width_steps: `int32[len(widths)]` steps run at each compiled width.
+    sample_index: `int32[S]` the column's sample of its request (`0 .. n-1`).
+    lp_row: `int32[S]` the column's logprob row (`NO_ROW`: none).
+    params: the `ColumnParams`.
     parked: `int32[S]` paged storage: 1 while the column's sequence is
       preempted (its pages dropped, its tokens kept here to be recomputed).
     stamp: `int32[S]` admission order (the latest admitted is preempted first;
-      parked columns come back oldest first). clock: `int32[]` the next stamp.
+      parked columns come back oldest first; `LoopState.clock` is the next stamp).
     cached: `int32[S]` prefix caching: 1 while the column is a retained prefix
       (a live sequence holding prompt pages, `used = 0`); last_use: `int32[S]`
       its clock at creation or last adoption (the least recently used goes first).
     page_hash: `uint32[S, H]` prefix caching: the chained hash of each full
       prompt page of the column's tokens (`H = max_len // page_size`; `H = 0`
       turns prefix caching off).
-    preemptions, evictions, cached_tokens: `int32[]` sequences preempted,
-      retained prefixes evicted, prompt tokens adopted instead of computed.
-    adopt_wait: `int32[2]` prefix caching: `(column, length)` when the queue's
-      head waits for a running column to prefill `length` prompt tokens it
-      shares (the step loops stop then, to admit it); `(-1, 0)` otherwise.
   """
 
-  cache: CacheState
-  queue: Queue
   tokens: jax.Array
   prompt_len: jax.Array
   length: jax.Array
@@ -143,53 +158,88 @@ class LoopState:
   done: jax.Array
   reserve: jax.Array
   out_row: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  seed: jax.Array
   sample_index: jax.Array
-  stop_tokens: jax.Array
-  min_p: jax.Array
-  repetition_penalty: jax.Array
-  presence_penalty: jax.Array
-  frequency_penalty: jax.Array
-  logprobs: jax.Array
   lp_row: jax.Array
-  out_tokens: jax.Array
-  out_len: jax.Array
-  out_stop: jax.Array
-  out_done: jax.Array
-  out_logprob: jax.Array
-  out_top_ids: jax.Array
-  out_top_logprobs: jax.Array
-  out_admitted: jax.Array
-  out_first: jax.Array
-  out_finished: jax.Array
+  params: ColumnParams
+  parked: jax.Array
+  stamp: jax.Array
+  cached: jax.Array
+  last_use: jax.Array
+  page_hash: jax.Array
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+  """Per-output-row results: leaves are `[R, ...]` (the logprobs `[RL, ...]`), not per column.
+
+  Attributes:
+    tokens: `int32[R, M]` each sample's generated tokens; length: `int32[R]`
+      tokens generated so far; stop, done: `int32[R]` set when it finishes.
+    logprob: `float32[RL, T]` each generated token's logprob, top_ids:
+      `int32[RL, T, NL]` and top_logprobs: `float32[RL, T, NL]` the top
+      alternatives (`sampling.sample_rows`); token `t` at `t % T`.
+    admitted, first, finished: `int32[R]` the `steps` counter when the
+      sample's request was admitted, after the step that sampled its first
+      token, after the step that sampled its last (-1 until then; a reused row
+      holds its last sample's values until they are set again). `Engine.run`
+      turns them into latency figures (`RequestTiming`).
+  """
+
+  tokens: jax.Array
+  length: jax.Array
+  stop: jax.Array
+  done: jax.Array
+  logprob: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
+  admitted: jax.Array
+  first: jax.Array
+  finished: jax.Array
+
+
+@_register
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """Everything the jitted loop carries.
+
+  Attributes:
+    cache: the `CacheState`.
+    queue: the `Queue`.
+    cols: the `Columns` (per-column data).
+    out: the `Outputs` (per-output-row results).
+    steps, step_tokens, occupancy, peak_rows, status: `int32[]` counters, the
+      most positions held at once, and the first non-OK cache status
+      (`merge_status`).
+    width_steps: `int32[len(widths)]` steps run at each compiled width.
+    clock: `int32[]` the next admission stamp (`Columns.stamp`).
+    preemptions, evictions, cached_tokens: `int32[]` sequences preempted,
+      retained prefixes evicted, prompt tokens adopted instead of computed.
+    adopt_wait: `int32[2]` prefix caching: `(column, length)` when the queue's
+      head waits for a running column to prefill `length` prompt tokens it
+      shares (the step loops stop then, to admit it); `(-1, 0)` otherwise.
+  """
+
+  cache: CacheState
+  queue: Queue
+  cols: Columns
+  out: Outputs
   steps: jax.Array
   step_tokens: jax.Array
   occupancy: jax.Array
   peak_rows: jax.Array
   status: jax.Array
   width_steps: jax.Array
-  parked: jax.Array
-  stamp: jax.Array
   clock: jax.Array
-  cached: jax.Array
-  last_use: jax.Array
-  page_hash: jax.Array
   preemptions: jax.Array
   evictions: jax.Array
   cached_tokens: jax.Array
   adopt_wait: jax.Array
 
 
-# Fields of `LoopState` that are not per-column `[S, ...]` arrays: everything else
-# moves with its column when the paged loop swaps two columns (`paged_loop.swap`).
-NON_COLUMN_FIELDS = frozenset((
-    "cache", "queue", "out_tokens", "out_len", "out_stop", "out_done", "steps", "step_tokens",
-    "occupancy", "peak_rows", "status", "width_steps", "clock", "preemptions", "evictions",
-    "cached_tokens", "adopt_wait", "out_logprob", "out_top_ids", "out_top_logprobs",
-    "out_admitted", "out_first", "out_finished"))
+def merge_status(current, status, did=True):
+  """The loop status after a verb that returned `status` where `did`: the first non-OK one stays."""
+  return jnp.where(did & (status != Status.OK) & (current == Status.OK), status, current)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +310,7 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
 
   With `mesh`, the cache's K/V are split over their heads along `kv_axis` and
   everything else is replicated on the mesh. `prefix_cache` (paged storage
-  only) sizes `page_hash` for every full page of `max_len` tokens.
+  only) sizes `Columns.page_hash` for every full page of `max_len` tokens.
   """
   if prefix_cache and not config.is_paged:
     raise ValueError("prefix_cache=True needs paged storage: CacheConfig(page_size=...)")
@@ -270,9 +320,9 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
   fresh = _fresh_fields_fn(config.max_seqs, max_len, max_stop, host_queue.rows, host_queue.max_new,
                            (host_queue.lp_rows, host_queue.lp_window), host_queue.num_logprobs,
                            num_widths, max_len // config.page_size if prefix_cache else 0)
-  fields, counters = fresh(np.int32(host_queue.count))
-  queue = Queue(**jax.device_put(host_queue.arrays), **counters)
-  ls = LoopState(cache=None, queue=queue, **fields)
+  cols, out, counters, queue_counters = fresh(np.int32(host_queue.count))
+  queue = Queue(**jax.device_put(host_queue.arrays), **queue_counters)
+  ls = LoopState(cache=None, queue=queue, cols=cols, out=out, **counters)
   if mesh is not None:
     ls = jax.device_put(ls, NamedSharding(mesh, P()))
   return dataclasses.replace(ls, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
@@ -281,33 +331,38 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
 @functools.lru_cache(maxsize=64)
 def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_shape: tuple,
                      nl: int, num_widths: int, hash_pages: int):
-  """A jitted builder of a fresh `LoopState`'s fields but the cache and the queue."""
+  """A jitted builder of a fresh `LoopState`'s parts but the cache and the queue's arrays.
+
+  Returns `(Columns, Outputs, the loop's counters, the queue's counters)`.
+  """
   def fresh(count):
     zeros = lambda dtype=jnp.int32: jnp.zeros((s,), dtype)
     scalar = lambda v=0: jnp.asarray(v, jnp.int32)
     unset = lambda n: jnp.full((n,), -1, jnp.int32)
     f32 = lambda v: jnp.full((s,), v, jnp.float32)
-    return dict(
+    params = ColumnParams(
+        temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((s,), jnp.float32),
+        seed=zeros(), stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
+        min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
+        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32))
+    cols = Columns(
         tokens=jnp.zeros((s, max_len), jnp.int32),
         prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
         forks=zeros(), limit=zeros(), used=zeros(), active=zeros(), done=zeros(), reserve=zeros(),
-        out_row=zeros(), temperature=zeros(jnp.float32), top_k=zeros(),
-        top_p=jnp.ones((s,), jnp.float32), seed=zeros(), sample_index=zeros(),
-        stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
-        min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
-        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32),
-        lp_row=jnp.full((s,), NO_ROW, jnp.int32),
-        out_logprob=jnp.zeros(lp_shape, jnp.float32),
-        out_top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
-        out_top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
-        out_tokens=jnp.zeros((rows, m), jnp.int32), out_len=jnp.zeros((rows,), jnp.int32),
-        out_stop=jnp.zeros((rows,), jnp.int32), out_done=jnp.zeros((rows,), jnp.int32),
-        out_admitted=unset(rows), out_first=unset(rows), out_finished=unset(rows),
+        out_row=zeros(), sample_index=zeros(), lp_row=jnp.full((s,), NO_ROW, jnp.int32),
+        params=params, parked=zeros(), stamp=zeros(), cached=zeros(), last_use=zeros(),
+        page_hash=jnp.zeros((s, hash_pages), jnp.uint32))
+    out = Outputs(
+        tokens=jnp.zeros((rows, m), jnp.int32), length=jnp.zeros((rows,), jnp.int32),
+        stop=jnp.zeros((rows,), jnp.int32), done=jnp.zeros((rows,), jnp.int32),
+        logprob=jnp.zeros(lp_shape, jnp.float32),
+        top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
+        top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
+        admitted=unset(rows), first=unset(rows), finished=unset(rows))
+    counters = dict(
         steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
-        status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32),
-        parked=zeros(), stamp=zeros(), clock=scalar(), cached=zeros(), last_use=zeros(),
-        page_hash=jnp.zeros((s, hash_pages), jnp.uint32),
+        status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32), clock=scalar(),
         preemptions=scalar(), evictions=scalar(), cached_tokens=scalar(),
-        adopt_wait=jnp.asarray([-1, 0], jnp.int32)), dict(next=scalar(), copies=scalar(),
-                                                          count=count.astype(jnp.int32))
+        adopt_wait=jnp.asarray([-1, 0], jnp.int32))
+    return cols, out, counters, dict(next=scalar(), copies=scalar(), count=count.astype(jnp.int32))
   return jax.jit(fresh)

@@ -43,9 +43,9 @@ def test_fresh_loop_state_leaves_are_distinct_buffers_with_the_contract_values()
     assert int(ls.cache.phase) == Phase.IDLE and not np.any(np.asarray(ls.cache.live))
     np.testing.assert_array_equal(np.asarray(ls.queue.prompt), queue.arrays["prompt"])
     assert int(ls.queue.count) == queue.count and int(ls.queue.next) == 0
-    np.testing.assert_array_equal(np.asarray(ls.hold), np.full(4, 16))
-    np.testing.assert_array_equal(np.asarray(ls.out_first), np.full(queue.rows, -1))
-    assert ls.page_hash.shape == ((4, 2) if kw else (4, 0))
+    np.testing.assert_array_equal(np.asarray(ls.cols.hold), np.full(4, 16))
+    np.testing.assert_array_equal(np.asarray(ls.out.first), np.full(queue.rows, -1))
+    assert ls.cols.page_hash.shape == ((4, 2) if kw else (4, 0))
     if config.is_paged:
       assert np.all(np.asarray(ls.cache.page_table) == config.scratch_page)
 

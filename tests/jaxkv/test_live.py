@@ -73,8 +73,8 @@ def test_streamed_deltas_concatenate_to_run(model, rng, monkeypatch, interval):
                                                                        want.values())
   assert engine.stats.loop_entries > 1 if interval == 1 else True
   # The persistent cache is empty again: every column retired or removed, no room reserved.
-  assert int(engine.state.used.sum()) == 0 or int(engine.state.done.sum()) == int(
-      engine.state.used.sum())
+  assert int(engine.state.cols.used.sum()) == 0 or int(engine.state.cols.done.sum()) == int(
+      engine.state.cols.used.sum())
 
 
 def test_add_request_while_others_run(model, rng):
@@ -136,7 +136,7 @@ def test_abort_frees_columns_and_room_for_later_requests(rng):
   assert [d.request_id for d in deltas[1:]] == ["later"]   # admitted in the same step
   got = _collect(engine.stream(8), _collect(deltas[1:]))
   assert got["later", 0] == _want(model, [later], max_len=41)["later", 0]
-  assert int(engine.state.reserve.sum()) == 0 and int(engine.state.used.sum()) <= 1
+  assert int(engine.state.cols.reserve.sum()) == 0 and int(engine.state.cols.used.sum()) <= 1
 
 
 def test_abort_waiting_queued_and_one_sample(model, rng):
@@ -345,7 +345,7 @@ def test_overlapped_steps_deliver_the_tokens_of_run(model, rng, max_stop_tokens)
       assert got[key][0] == tokens[:len(got[key][0])], key
     else:
       assert got[key] == (tokens, reason), key
-  assert int(engine.state.reserve.sum()) == 0
+  assert int(engine.state.cols.reserve.sum()) == 0
 
 
 def test_overlap_hands_out_an_entry_while_the_next_one_runs(model):

@@ -81,7 +81,7 @@ def test_admission_runs_more_requests_than_reservations_allow(flat, rng):
                for i in range(4)]
   engine = serve.Engine(flat["paged"], max_steps=2, **ENGINE)
   running = []
-  on_progress = lambda stats, _: running.append(int(np.asarray(engine.state.active).sum()))
+  on_progress = lambda stats, _: running.append(int(np.asarray(engine.state.cols.active).sum()))
   got = _tokens(engine.run(requests, on_progress=on_progress))
   assert got == _tokens(serve.Engine(flat["columns"], **ENGINE).run(requests))
   assert running[0] == 4 and engine.stats.preemptions > 0
@@ -133,9 +133,9 @@ def test_abort_of_a_preempted_request(flat, rng):
     for d in engine.step(1):
       tokens, _ = got.get((d.request_id, d.index), ([], None))
       got[(d.request_id, d.index)] = (tokens + list(d.tokens), d.finish_reason)
-    parked = np.asarray(engine.state.parked) == 1
+    parked = np.asarray(engine.state.cols.parked) == 1
     if aborted is None and parked.any():
-      row = int(np.asarray(engine.state.out_row)[np.argmax(parked)])
+      row = int(np.asarray(engine.state.cols.out_row)[np.argmax(parked)])
       aborted = _sample_of_row(engine, row)
       assert engine.abort(*aborted)
   assert aborted is not None and got[aborted][1] == "abort"

@@ -26,6 +26,7 @@ from flax import nnx
 import hlo_walk
 from jaxkv import Status, serve
 from jaxkv.models import Decoder, ModelConfig
+from jaxkv.serve import columns
 from jaxkv.serve import paged_admit as pa
 from jaxkv.serve import paged_loop as pl
 
@@ -93,43 +94,44 @@ def test_the_paged_outer_iteration_checks_no_more_loops_than_the_column_one(pref
 # ----------------------------------------------------------------------------- same actions
 
 
-def _loops_in_a_row(config, ls, *, admit_one, fork_one, fork_ready):
+def _loops_in_a_row(config, ls):
   """The paged block as it was written before its loops were merged (the oracle): retire;
   a loop around evict / bring back / admit; a loop around free / evict / swap / fork;
   then free room for the step."""
   loop, ok = jax.lax.while_loop, lambda ls: ls.status == Status.OK
-  ls = loop(lambda ls: jnp.any(ls.done == 1) & ok(ls), lambda ls: pa.retire_one(config, ls), ls)
+  ls = loop(lambda ls: jnp.any(ls.cols.done == 1) & ok(ls), lambda ls: pa.retire_one(config, ls),
+            ls)
   now = lambda ls: pa._admission(config, ls)[0]
   evict = lambda ls: pa._admission(config, ls)[1]
-  parked = lambda ls: jnp.any(ls.parked == 1)
+  parked = lambda ls: jnp.any(ls.cols.parked == 1)
 
   def admit_body(ls):
     ls = loop(evict, lambda ls: pl.evict_one(config, ls), ls)
     ls = loop(lambda ls: now(ls) & parked(ls), lambda ls: pa._readmit_one(config, ls), ls)
     return loop(lambda ls: now(ls) & ~parked(ls),
-                lambda ls: pa._admit_queued(config, ls, admit_one), ls)
+                lambda ls: pa._admit_queued(config, ls), ls)
 
   ls = loop(lambda ls: now(ls) | evict(ls), admit_body, ls)
   ls = dataclasses.replace(ls, adopt_wait=pa._admission(config, ls)[2])
-  ready = lambda ls: jnp.any(fork_ready(ls)) & ok(ls)
-  src = lambda ls: jnp.argmax(fork_ready(ls)).astype(jnp.int32)
+  ready = lambda ls: jnp.any(columns.fork_ready(ls.cols)) & ok(ls)
+  src = lambda ls: jnp.argmax(columns.fork_ready(ls.cols)).astype(jnp.int32)
   fits = lambda ls: ls.cache.held + ls.cache.pos[src(ls)] <= config.capacity
   lowest = lambda ls: pl.lowest_free_id(ls)[1]
-  parked_lowest = lambda ls: pl.lowest_free_id(ls)[0] & (ls.parked[lowest(ls)] == 1)
+  parked_lowest = lambda ls: pl.lowest_free_id(ls)[0] & (ls.cols.parked[lowest(ls)] == 1)
 
   def fork(ls):
     dst, s = lowest(ls), src(ls)
     before = ls.cache.live[dst]
-    ls = fork_one(config, ls)
+    ls = columns.fork_one(config, ls)
     did = (ls.cache.live[dst] == 1) & (before == 0)
     ls = pl.stamped(ls, dst, did)
-    return dataclasses.replace(ls, page_hash=ls.page_hash.at[dst].set(
-        jnp.where(did, ls.page_hash[s], ls.page_hash[dst])))
+    return dataclasses.replace(ls, cols=columns.update(ls.cols, dst, did,
+                                                       page_hash=ls.cols.page_hash[s]))
 
   def fork_body(ls):
     ls = loop(lambda ls: ready(ls) & ~fits(ls) & pl.can_free(ls),
               lambda ls: pl.free_one(config, ls), ls)
-    ls = loop(lambda ls: ready(ls) & ~pl.spare(ls)[0] & jnp.any(ls.cached == 1),
+    ls = loop(lambda ls: ready(ls) & ~pl.spare(ls)[0] & jnp.any(ls.cols.cached == 1),
               lambda ls: pl.evict_one(config, ls), ls)
     ls = loop(lambda ls: ready(ls) & parked_lowest(ls) & pl.spare(ls)[0],
               lambda ls: pl.swap(ls, lowest(ls), pl.spare(ls)[1]), ls)
