@@ -523,7 +523,7 @@ def main(argv=None) -> int:
   else:
     from jaxkv.cli import use_compilation_cache, warm_up   # pylint: disable=g-import-not-at-top
     from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
-    from jaxkv.server.app import create_app   # pylint: disable=g-import-not-at-top
+    from jaxkv.http.app import create_app   # pylint: disable=g-import-not-at-top
     import cProfile   # pylint: disable=g-import-not-at-top
     use_compilation_cache(args.compilation_cache)
     t = time.perf_counter()

@@ -202,7 +202,7 @@ def use_compilation_cache(directory: str) -> str | None:
 def serve(args) -> int:
   try:
     import uvicorn   # pylint: disable=g-import-not-at-top
-    from jaxkv.server.app import create_app   # pylint: disable=g-import-not-at-top
+    from jaxkv.http.app import create_app   # pylint: disable=g-import-not-at-top
   except ImportError as e:
     print(f"jaxkv serve needs the serve extra (pip install 'jaxkv[serve]'): {e}", file=sys.stderr)
     return 2

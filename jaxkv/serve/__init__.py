@@ -23,7 +23,7 @@ The incremental API serves requests that come and go over one persistent
 cache (`live.py`): `Engine.add_request`, `Engine.abort`, `Engine.step(k)` /
 `Engine.stream(k)` (per-sample `Delta`s of new tokens with finish reasons,
 every `k` steps), and `AsyncEngine` (`aio.py`) for asyncio; `jaxkv serve`
-(`jaxkv.server`) puts an OpenAI-compatible HTTP server on top.
+(`jaxkv.http`) puts an OpenAI-compatible HTTP server on top.
 
 `ModelRunner` is the host-level companion for step-by-step work (speculative
 decoding, DFlash blocks, tests): jitted declare/prepare/model/commit steps and

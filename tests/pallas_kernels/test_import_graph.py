@@ -140,3 +140,51 @@ def test_no_cycles_between_modules_anywhere():
            for name, path in modules.items() if name not in inits}
   assert "jaxkv.serve.live" in graph["jaxkv.serve.engine"]   # the parser sees subpackages
   assert _find_cycle(graph) is None, _find_cycle(graph)
+
+
+# The rooms of docs/DESIGN.md's map, top to bottom: a module imports only from its own room or
+# the rooms below it. The first matching prefix names a module's room.
+ROOMS = (
+    ("HTTP front and CLI", ("jaxkv.http", "jaxkv.cli")),
+    ("serving engine", ("jaxkv.serve", "jaxkv.llm", "jaxkv.sizing", "jaxkv.demo")),
+    ("models", ("jaxkv.models", "jaxkv.tokenizer")),
+    ("Flax adapter, public names, facade", ("jaxkv.nnx", "jaxkv.rope", "jaxkv._host")),
+    ("core", ("jaxkv.pure", "jaxkv._", "jaxkv")),
+    ("kernels", ("pallas_kernels",)),
+)
+# Edges that point up a room, each with its reason (DESIGN.md states them after the map).
+UPWARD = {
+    # The package's public names re-export the facade and the Flax adapter.
+    ("jaxkv", "jaxkv._host"), ("jaxkv", "jaxkv.nnx"), ("jaxkv", "jaxkv.rope"),
+    # load_model(kv_budget_bytes=) and load_for_serving size a checkpoint's cache with the
+    # engine's own byte counts and defaults (function-level imports).
+    ("jaxkv.models.hf", "jaxkv.serve.memory"), ("jaxkv.models.hf", "jaxkv.sizing"),
+}
+
+
+def _room(name: str) -> int:
+  for rank, (_, prefixes) in enumerate(ROOMS):
+    if any(name == p or name.startswith(p if p.endswith("_") else p + ".") for p in prefixes):
+      return rank
+  raise AssertionError(f"{name} is in no room of ROOMS (add it, and to docs/DESIGN.md's map)")
+
+
+def test_imports_point_down_the_rooms():
+  """Every module imports from its own room or below (docs/DESIGN.md's map), but the listed edges."""
+  modules = _all_modules()
+  graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+  upward = sorted((name, target) for name, targets in graph.items() for target in targets
+                  if _room(target) < _room(name) and (name, target) not in UPWARD)
+  assert not upward, upward
+  assert all(_room(a) > _room(b) for a, b in UPWARD), "an UPWARD entry that is not upward"
+
+
+def test_design_map_lists_every_library_file():
+  """docs/DESIGN.md's map names every file of the two packages, and no file that is gone."""
+  text = (ROOT / "docs" / "DESIGN.md").read_text()
+  block = text.split("## The map of rooms", 1)[1].split("```", 2)[1]
+  listed = {line.split()[0] for line in block.splitlines()
+            if line.startswith("  ") and line.split()[0].endswith(".py")}
+  files = {str(p.relative_to(ROOT)) for package in PACKAGES for p in (ROOT / package).rglob("*.py")}
+  assert not files - listed, f"not in DESIGN.md's map: {sorted(files - listed)}"
+  assert not listed - files, f"in DESIGN.md's map but gone: {sorted(listed - files)}"

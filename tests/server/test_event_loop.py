@@ -20,7 +20,7 @@ import httpx  # noqa: E402
 
 from http_server import running  # noqa: E402
 from jaxkv.cli import build_server  # noqa: E402
-from jaxkv.server.app import create_app  # noqa: E402
+from jaxkv.http.app import create_app  # noqa: E402
 from jaxkv import tokenizer as tokenizer_module  # noqa: E402
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")

@@ -24,7 +24,7 @@ pytest.importorskip("fastapi", reason="the server tests need the serve extra's f
 import tokenizers  # pylint: disable=wrong-import-position
 
 from jaxkv.cli import build_server
-from jaxkv.server.app import create_app
+from jaxkv.http.app import create_app
 from http_server import running  # pylint: disable=wrong-import-order
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")

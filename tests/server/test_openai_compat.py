@@ -23,7 +23,7 @@ import tokenizers  # pylint: disable=wrong-import-position
 
 from http_server import running  # pylint: disable=wrong-import-order
 from jaxkv.cli import build_server
-from jaxkv.server.app import create_app
+from jaxkv.http.app import create_app
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
 MODEL = "tiny-llama"

@@ -27,7 +27,7 @@ import tokenizers  # noqa: E402
 from jaxkv import serve  # noqa: E402
 from jaxkv.cli import build_server  # noqa: E402
 from jaxkv.models import hf  # noqa: E402
-from jaxkv.server.app import create_app  # noqa: E402
+from jaxkv.http.app import create_app  # noqa: E402
 
 CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
 MODEL = "tiny-llama"

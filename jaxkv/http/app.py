@@ -12,38 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from jaxkv.http.errors import (BadRequest, check_text, encode_or_refuse, engine_refusal,
+                               error_response, public_message)
+from jaxkv.http.guard import Guard
+from jaxkv.http.logprobs import LogprobFormatter
+from jaxkv.http.metrics import Metrics
+from jaxkv.http.schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxkv.http.tasks import disconnected, log_stats, off_loop, until
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.requests import Request as EngineRequest
-from jaxkv.server.logprobs import LogprobFormatter
-from jaxkv.server.metrics import Metrics
-from jaxkv.server.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
-                                   TokenizeRequest)
 from jaxkv.tokenizer import TextStream, Tokenizer
-
-
-class BadRequest(Exception):
-  def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-               kind: str = "invalid_request_error", headers: dict | None = None):
-    super().__init__(message)
-    self.message, self.status, self.param, self.kind = message, status, param, kind
-    self.headers = headers
-
-
-def _error(status: int, message: str, kind: str, param=None, headers=None) -> JSONResponse:
-  return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                 "code": None}}, status_code=status, headers=headers)
 
 
 class _Sample:
@@ -101,7 +89,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
-    logger = (asyncio.ensure_future(_log_stats(engine, metrics, stats_interval))
+    logger = (asyncio.ensure_future(log_stats(engine, metrics, stats_interval))
               if stats_interval > 0 else None)
     yield
     if logger is not None:
@@ -115,7 +103,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   created = int(time.time())
   expected = None if api_key is None else f"Bearer {api_key}".encode()
 
-  app.add_middleware(_Guard, max_body_bytes=max_body_bytes, expected=expected, metrics=metrics)
+  app.add_middleware(Guard, max_body_bytes=max_body_bytes, expected=expected, metrics=metrics)
   if allowed_origins:
     from fastapi.middleware.cors import CORSMiddleware   # pylint: disable=g-import-not-at-top
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
@@ -124,21 +112,21 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   @app.exception_handler(BadRequest)
   async def _bad(_, e: BadRequest):
     metrics.errors.labels(str(e.status)).inc()
-    return _error(e.status, e.message, e.kind, e.param, e.headers)
+    return error_response(e.status, e.message, e.kind, e.param, e.headers)
 
   @app.exception_handler(RequestValidationError)
   async def _invalid(_, e: RequestValidationError):
     first = e.errors()[0] if e.errors() else {}
     where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
     metrics.errors.labels("400").inc()
-    return _error(400, f"{where}: {first.get('msg', 'invalid request')}", "invalid_request_error",
-                  where or None)
+    return error_response(400, f"{where}: {first.get('msg', 'invalid request')}",
+                          "invalid_request_error", where or None)
 
   @app.exception_handler(Exception)
   async def _failed(_, e: Exception):   # the server stays up; the client gets a JSON 500
     metrics.errors.labels("500").inc()
     _log.exception("internal error while serving a request", exc_info=e)
-    return _error(500, "internal server error", "server_error")
+    return error_response(500, "internal server error", "server_error")
 
   @app.get("/health")
   async def health():
@@ -167,14 +155,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   @app.post("/tokenize")
   async def tokenize(body: TokenizeRequest):
     check_model(body)
-    _check_text([body.prompt, [m.for_template() for m in body.messages or ()]],
+    check_text([body.prompt, [m.for_template() for m in body.messages or ()]],
                 "messages" if body.messages is not None else "prompt")
     if body.messages is not None:
-      ids = _encode(lambda: tokenizer.encode_chat(
+      ids = encode_or_refuse(lambda: tokenizer.encode_chat(
           [m.for_template() for m in body.messages],
           add_generation_prompt=body.add_generation_prompt), "messages")
     else:
-      ids = _encode(lambda: tokenizer.encode(body.prompt,
+      ids = encode_or_refuse(lambda: tokenizer.encode(body.prompt,
                                              add_special_tokens=body.add_special_tokens), "prompt")
     return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_len}
 
@@ -215,7 +203,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         request = EngineRequest(tuple(prompt), params)
         engine.check(request)
       except (ValueError, TypeError) as e:
-        raise _engine_refusal(e, chat=chat, limit_field=limit_field,
+        raise engine_refusal(e, chat=chat, limit_field=limit_field,
                               limit_given=max_tokens is not None) from e
       out.append(request)
     return out
@@ -239,7 +227,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         ids.append(aio.add_request(r))
     except (ValueError, TypeError) as e:
       aio.abort_many(ids)
-      raise BadRequest(_LABEL.sub("", str(e))) from e
+      raise BadRequest(public_message(e)) from e
     metrics.accepted(sum(len(r.prompt) for r in requests))
     samples = [[_Sample(tokenizer, stop, arrived,
                         None if r.params.logprobs is None else LogprobFormatter(tokenizer,
@@ -340,10 +328,10 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                                media_type="text/event-stream")
     texts = [[""] * n for _ in requests]
     lps = [[[] for _ in range(n)] for _ in requests]
-    watcher = asyncio.ensure_future(_disconnected(http))
+    watcher = asyncio.ensure_future(disconnected(http))
     gen = events(ids, samples)
     try:
-      async for i, j, text, _, logprobs in _until(gen, watcher):
+      async for i, j, text, _, logprobs in until(gen, watcher):
         texts[i][j] += text
         if logprobs is not None:
           lps[i][j].append(logprobs)
@@ -402,14 +390,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   async def completions(body: CompletionRequest, http: Request):
     check_model(body)
     p = body.prompt
-    _check_text(p, "prompt")
+    check_text(p, "prompt")
     if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
       texts = [p] if isinstance(p, str) else p
       if len(texts) > max_prompts:
         raise BadRequest(f"prompt holds {len(texts)} prompts; at most {max_prompts} per request",
                          status=413, param="prompt")
-      prompts = await _off_loop(sum(map(len, texts)), lambda: [
-          _encode(lambda t=t: tokenizer.encode(t), "prompt") for t in texts])
+      prompts = await off_loop(sum(map(len, texts)), lambda: [
+          encode_or_refuse(lambda t=t: tokenizer.encode(t), "prompt") for t in texts])
     else:
       prompts = [p] if not p or isinstance(p[0], int) else p
     if not prompts:
@@ -420,133 +408,18 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   async def chat_completions(body: ChatRequest, http: Request):
     check_model(body)
     messages = [m.for_template() for m in body.messages]
-    _check_text(messages, "messages")
+    check_text(messages, "messages")
     size = sum(len(str(m.get("content", ""))) for m in messages)
-    prompt = await _off_loop(size, lambda: _encode(lambda: tokenizer.encode_chat(
+    prompt = await off_loop(size, lambda: encode_or_refuse(lambda: tokenizer.encode_chat(
         messages, add_generation_prompt=body.add_generation_prompt), "messages"))
     return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 
   return app
 
 
-class _Guard:
-  """Body size (413) and the API key (401), checked before a route reads anything.
-
-  A plain ASGI middleware: Starlette's `BaseHTTPMiddleware` would relay every
-  chunk of every stream through a queue of its own.
-  """
-
-  def __init__(self, app, *, max_body_bytes: int, expected: bytes | None, metrics: Metrics):
-    self.app, self.max_body_bytes, self.expected, self.metrics = (app, max_body_bytes, expected,
-                                                                  metrics)
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] != "http":
-      return await self.app(scope, receive, send)
-    headers = dict(scope["headers"])
-    length = headers.get(b"content-length")
-    if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-      self.metrics.errors.labels("413").inc()
-      return await _error(413, f"the request body is over {self.max_body_bytes} bytes",
-                          "invalid_request_error")(scope, receive, send)
-    if (self.expected is not None and scope["path"].startswith("/v1")
-        and scope["method"] != "OPTIONS"
-        and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
-      self.metrics.errors.labels("401").inc()
-      return await _error(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                          "invalid_request_error",
-                          headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-    return await self.app(scope, receive, send)
-
-
-_log = logging.getLogger("jaxkv.server")
+_log = logging.getLogger("jaxkv.http")
 # Most time one request's delta formatting holds the event loop before it lets others in.
 _SLICE_SECONDS = 0.005
-# The engine names a request by its internal id ("request 7: ..."); clients never see those.
-_LABEL = re.compile(r"request [^:]*: ")
-
-
-def _check_text(value, param: str) -> None:
-  """Refuses (400 naming `param`) any string in `value` that is not valid Unicode: JSON can
-  carry a lone surrogate (`"\\ud800"`), which no tokenizer can encode."""
-  if isinstance(value, str):
-    try:
-      value.encode("utf-8")
-    except UnicodeError as e:
-      raise BadRequest(f"{param} is not valid Unicode text: {e.reason}", param=param) from e
-  elif isinstance(value, (list, tuple)):
-    for v in value:
-      _check_text(v, param)
-  elif isinstance(value, dict):
-    for v in value.values():
-      _check_text(v, param)
-
-
-# Text beyond this many characters is tokenised in a worker thread (`Tokenizer.encode` then goes
-# through `encode_batch`, which releases the GIL), so a megabyte prompt does not hold the event
-# loop; shorter text is not worth the hop.
-_OFF_LOOP_CHARS = 1 << 16
-
-
-async def _off_loop(size: int, fn):
-  """`fn()`, in a worker thread when `size` (characters to tokenise) is large."""
-  return await asyncio.to_thread(fn) if size > _OFF_LOOP_CHARS else fn()
-
-
-def _encode(encode, param: str) -> list[int]:
-  """`encode()`, a refusal of the template or tokenizer as a 400 naming `param`."""
-  try:
-    return encode()
-  except ValueError as e:
-    raise BadRequest(_LABEL.sub("", str(e)), param=param) from e
-
-
-def _engine_refusal(e: Exception, *, chat: bool, limit_field: str, limit_given: bool):
-  """The engine's refusal of a request as a 400 naming the request field it is about."""
-  message = _LABEL.sub("", str(e))
-  head = message.split("=")[0].split(" ")[0].split("[")[0]
-  param = {"n": "n", "logprobs": "top_logprobs" if chat else "logprobs",
-           "stop_tokens": "stop_token_ids", "max_tokens": limit_field,
-           "prompt": "messages" if chat else "prompt"}.get(head)
-  if head == "prompt" and "max_tokens" in message and limit_given:
-    param = limit_field   # prompt + max_tokens past max_len: the limit the client set
-  return BadRequest(message, param=param)
-
-
-async def _log_stats(engine, metrics: Metrics, every: float) -> None:
-  """Prints one line of serving stats every `every` seconds while anything is in flight."""
-  last_tokens, last_time = engine.stats.generated, time.perf_counter()
-  while True:
-    await asyncio.sleep(every)
-    running, waiting = engine.counts()
-    now, tokens = time.perf_counter(), engine.stats.generated
-    if running or waiting or tokens != last_tokens:
-      print(f"jaxkv serve: {(tokens - last_tokens) / (now - last_time):.1f} tokens/s, "
-            f"running {running}, waiting {waiting}, K/V {100 * engine.held / engine.config.capacity:.1f}%, "
-            f"preemptions {engine.stats.preemptions}", flush=True)
-    last_tokens, last_time = tokens, now
-
-
-async def _disconnected(http: Request) -> None:
-  """Returns once the client of a plain (non-streaming) request has gone away."""
-  while not await http.is_disconnected():
-    await asyncio.sleep(0.05)
-
-
-async def _until(gen, watcher):
-  """`gen`'s items until it ends, or until `watcher` finishes (then the rest is dropped)."""
-  while True:
-    nxt = asyncio.ensure_future(gen.__anext__())
-    done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if nxt not in done:
-      nxt.cancel()   # and wait for it: closing the generator while it runs would raise
-      with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-        await nxt
-      return
-    try:
-      yield nxt.result()
-    except StopAsyncIteration:
-      return
 
 
 def _version() -> str:
