@@ -87,6 +87,25 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
   assert "tokens/s, compilation excluded" in out[-1]
 
 
+def _readme_block(language: str) -> str:
+  """The README's first `language` code block of its "Quick start: serve a checkpoint" section."""
+  import pathlib, re   # pylint: disable=g-import-not-at-top,multiple-imports
+  text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+  section = text.split("## Quick start: serve a checkpoint", 1)[1].split("\n## ", 1)[0]
+  return re.search(rf"```{language}\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_serve_command_is_a_valid_command_line():
+  """The README's `jaxkv serve` line parses as printed (the process test below serves its client)."""
+  line = next(l for l in _readme_block("bash").splitlines() if " serve " in l)
+  argv = line.split("#")[0].split()
+  assert argv[0].endswith("jaxkv") and argv[1] == "serve"
+  args = cli._parser().parse_args(argv[1:])
+  assert args.checkpoint == "tests/fixtures/hf_llama" and args.port == 8000
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert os.path.isdir(os.path.join(root, args.checkpoint))
+
+
 def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
   """`jaxkv serve` as a process: a SIGTERM while a stream is in flight lets it finish (within
   --shutdown-timeout), refuses new connections, prints the closing summary and exits."""
@@ -113,6 +132,12 @@ def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
         break
       except openai.APIConnectionError:
         time.sleep(0.5)
+    # The README's serve quick start: its Python client as printed, against this server.
+    scope: dict = {}
+    exec(compile(_readme_block("python").replace("localhost:8000", f"127.0.0.1:{port}"),   # pylint: disable=exec-used
+                 "README.md", "exec"), scope)
+    assert scope["reply"].choices[0].finish_reason in ("stop", "length")
+    assert 0 < scope["reply"].usage.completion_tokens <= 16
     got, first = {}, threading.Event()
 
     def stream():
