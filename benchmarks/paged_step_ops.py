@@ -293,6 +293,8 @@ def _serving_loop(page_size, *, small: bool, num_widths: int = 2, greedy: bool =
   from flax import nnx   # pylint: disable=g-import-not-at-top
   from jaxkv import serve   # pylint: disable=g-import-not-at-top
   from jaxkv.models import Decoder, ModelConfig   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.loop import serve_loop   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.state import init_loop_state, pack_queue   # pylint: disable=g-import-not-at-top
   model_config = ModelConfig.llama(vocab_size=64, hidden_size=_HIDDEN, intermediate_size=64,
                                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
   s, w, capacity = (8, 64, 1024) if small else (64, 2048, 131_072)
@@ -302,10 +304,10 @@ def _serving_loop(page_size, *, small: bool, num_widths: int = 2, greedy: bool =
                   rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   widths = (w, min(w, 64), 16)[:num_widths]
-  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=64,
-                           max_stop=4)
-  ls = serve.init_loop_state(model.cache_config, queue, num_widths=len(widths))
-  fn = jax.jit(functools.partial(serve.serve_loop, greedy=greedy), static_argnums=(0, 1, 2),
+  queue = pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=64,
+                     max_stop=4)
+  ls = init_loop_state(model.cache_config, queue, num_widths=len(widths))
+  fn = jax.jit(functools.partial(serve_loop, greedy=greedy), static_argnums=(0, 1, 2),
                donate_argnums=4)
   return fn, (graphdef, model.cache_config, widths, params, ls, jnp.int32(8))
 

@@ -29,6 +29,7 @@ from flax import nnx
 
 import jaxkv
 from jaxkv import serve
+from jaxkv.serve.memory import ROW_MULTIPLE, storage_bytes
 from jaxkv.models import Decoder, ModelConfig
 
 MODEL = ModelConfig.llama(vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -72,16 +73,16 @@ def prefix_case(args, rng) -> dict:
 
 def in_flight_case(args, rng) -> dict:
   """Columns vs paged at equal K/V bytes, on 3/4 short (24-64 tokens) and 1/4 long requests."""
-  # max_len a multiple of serve.ROW_MULTIPLE: the column engine starts with (and keeps)
+  # max_len a multiple of ROW_MULTIPLE: the column engine starts with (and keeps)
   # max_len flat rows, so its bytes are known before it runs.
-  max_len, cols = -(-(args.long + 8) // serve.ROW_MULTIPLE) * serve.ROW_MULTIPLE, args.flight_columns
+  max_len, cols = -(-(args.long + 8) // ROW_MULTIPLE) * ROW_MULTIPLE, args.flight_columns
   lengths = [int(rng.integers(24, 65)) if i % 4 else args.long for i in range(args.flight)]
   requests = [serve.Request(tuple(int(t) for t in rng.integers(0, 256, n - 8)),
                             serve.SamplingParams(max_tokens=8), request_id=i)
               for i, n in enumerate(lengths)]
   column_cache = MODEL.cache_config(capacity=cols * max_len, max_seqs=cols, max_write=args.width,
                                     initial_capacity=max_len)
-  column_bytes = serve.storage_bytes(jax.eval_shape(lambda: jaxkv.init_state(column_cache)))
+  column_bytes = storage_bytes(jax.eval_shape(lambda: jaxkv.init_state(column_cache)))
   paged_cache = serve.paged_cache_config(
       dataclasses.replace(column_cache, max_seqs=args.flight_paged_seqs), column_bytes,
       page_size=args.page)
@@ -91,7 +92,7 @@ def in_flight_case(args, rng) -> dict:
     peak = []
     engine.run(requests, on_progress=lambda s, _: peak.append(int(np.asarray(
         engine.state.cols.active).sum())))
-    bytes_ = serve.storage_bytes(engine.state.cache)   # as allocated (columns may grow)
+    bytes_ = storage_bytes(engine.state.cache)   # as allocated (columns may grow)
     out[name] = {"max_seqs": cache.max_seqs, "capacity": cache.capacity, "kv_bytes": bytes_,
                  "mean_in_flight": round(engine.stats.occupancy / engine.stats.steps, 2),
                  "peak_in_flight_sampled": max(peak), "steps": engine.stats.steps,

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import e2e   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
+from jaxkv.serve.state import init_loop_state, pack_queue   # pylint: disable=wrong-import-position
 from jaxkv.serve.admission import plain_greedy   # pylint: disable=wrong-import-position
 
 # Kernel name fragments -> category (first match wins; names are XLA fusion / custom-call names).
@@ -368,9 +369,9 @@ def _trace_uniform(cfg, args, trace):
 def _compiled_loop(engine, cache, prompts, reqs) -> str:
   """The optimized HLO text of the loop `Engine.run` picks for `reqs` (greedy ones: the
   loop without the sampler's cond), compiled for a queue of `prompts`."""
-  queue = serve.pack_queue([tuple(p) for p in prompts], [r.params for r in reqs],
-                           max_len=engine.max_len, max_stop=engine.max_stop)
-  ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths))
+  queue = pack_queue([tuple(p) for p in prompts], [r.params for r in reqs],
+                     max_len=engine.max_len, max_stop=engine.max_stop)
+  ls = init_loop_state(cache, queue, num_widths=len(engine.widths))
   greedy = all(plain_greedy(r.params) for r in reqs)
   return engine.lower(ls, 1, greedy=greedy).compile().as_text()
 

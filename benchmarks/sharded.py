@@ -141,11 +141,12 @@ def _serve(model_config, devices, requests, args, *, use_mesh=True):
   (or, `use_mesh=False`, on the default device with no mesh at all)."""
   from jaxkv.models import build   # pylint: disable=g-import-not-at-top
   from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.memory import ROW_MULTIPLE   # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((len(devices),), ("tp",), devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,)) if use_mesh else None
   per_seq = args.prompt_len + args.new_tokens
   # Flat rows are per column: one request's history, rounded up as the engine grows them.
-  rows = -(-per_seq // serve.ROW_MULTIPLE) * serve.ROW_MULTIPLE
+  rows = -(-per_seq // ROW_MULTIPLE) * ROW_MULTIPLE
   cache_config = model_config.cache_config(
       capacity=args.seqs * per_seq, max_seqs=args.seqs, max_write=args.width,
       kv_dtype=jnp.bfloat16, initial_capacity=rows)

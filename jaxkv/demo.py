@@ -36,6 +36,7 @@ from jaxkv._implementation import default_implementation
 from jaxkv._memory import check_fits
 from jaxkv.models import hf
 from jaxkv.serve.report import gemm_line, implementation_lines
+from jaxkv.serve.memory import bytes_in_use, check_engine_fits, storage_bytes
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "auto": "auto"}
 _INT32_LIMIT = 2**31
@@ -286,7 +287,7 @@ def _prepare(p, args):
       serve.check_request(r, vocab_size=config.vocab_size, max_len=max_len,
                           max_seqs=cache.max_seqs, capacity=cache.capacity,
                           max_stop_tokens=_max_stop(requests))
-    serve.check_engine_fits(cache, max_len, _max_stop(requests))
+    check_engine_fits(cache, max_len, _max_stop(requests))
   except ValueError as e:
     p.error(str(e))
   return model, config, tokenizer, requests, max_len
@@ -342,8 +343,8 @@ def main(argv=None) -> int:
       print(f"{label:>12} [{len(c.prompt):3d} prompt] {_show(c.tokens, tokenizer)}"
             f"  ({c.finish_reason})")
   rows = stats.peak_rows
-  in_use = serve.bytes_in_use(cache, [rows])
-  allocated = serve.storage_bytes(engine.state.cache)
+  in_use = bytes_in_use(cache, [rows])
+  allocated = storage_bytes(engine.state.cache)
   serve_s = stats.serve_seconds
   print(f"generated {stats.generated} tokens in {stats.seconds:.2f} s: compile "
         f"{stats.compile_seconds:.2f} s more (the warm-up compiled the loop), serving "

@@ -337,9 +337,9 @@ def assert_serve_loop_in_place(graphdef, config, widths, params, ls) -> None:
   """The serving loop, compiled with `ls` donated, copies no K/V-sized buffer and aliases
   at least every K/V byte (the cache is updated in place across the whole loop)."""
   import re   # pylint: disable=g-import-not-at-top
-  from jaxkv import serve   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.loop import serve_loop   # pylint: disable=g-import-not-at-top
   kv_shapes = {tuple(a.shape) for a in ls.cache.k}
-  compiled = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+  compiled = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
       graphdef, config, widths, params, ls, jnp.int32(8)).compile()
   instruction = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s(?P<op>[\w\-]+)\(")
   copies = []

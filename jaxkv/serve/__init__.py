@@ -1,6 +1,6 @@
 """Serving on jaxkv: a continuous-batching engine whose decode loop is one `jax.jit`.
 
-`Engine` serves a queue of `Request`s with any `StepModel` (`protocol.py`:
+`Engine` serves a queue of `Request`s with any `StepModel` (`step_model.py`:
 `model(tokens, state, rows=rows)` takes `int32[w]` step tokens and a `CacheState`
 whose step is prepared, and returns `(logits float32[R, vocab], new_state)` for
 the step tokens in `rows`; the model exposes `cache_config` and `vocab_size`).
@@ -29,35 +29,34 @@ every `k` steps), and `AsyncEngine` (`aio.py`) for asyncio; `jaxkv serve`
 decoding, DFlash blocks, tests): jitted declare/prepare/model/commit steps and
 the sequence verbs, one call each.
 
-Rooms: `requests` (what users hand in and get back), `protocol` (`StepModel`), `sampling`,
-`state` (what the loop carries, the device queue), `loop` (the jitted loop), `columns` (the
-per-column helpers both storages' admission share: admit, fork, column records), `paged_loop` and
-`paged_admit` (the loop's admission by claims, preemption and prefix cache over paged storage), `engine`
-(`Engine`), `parallel` (`DataParallelEngine`: one engine per device), `live` (the incremental
-API's host side), `aio` (`AsyncEngine`), `timing` (compile time), `report` (which attention
-implementation serves each layer, and why), `runner` (`ModelRunner`),
-`memory` (sizing, `paged_cache_config`), `decoding` (host-level feeding and
-greedy decoding over a `ModelRunner`).
+Rooms: `requests` (what users hand in: `Request`, `SamplingParams`, the checks), `results`
+(what they get back: `Completion`, `Delta`, `EngineStats`, ...), `step_model` (`StepModel`),
+`sampling`, `state` (what the loop carries, the device queue), `loop` (the jitted loop), `columns`
+(the per-column helpers both storages' admission share: admit, fork, column records),
+`paged_claims` (claims, preemption and the prefix cache's page hashes over paged storage) and
+`paged_admission` (the paged loop's admission, retirement and forks), `engine` (`Engine`),
+`incremental` (`Engine`'s incremental API methods), `parallel` (`DataParallelEngine`: one engine
+per device), `live`, `live_records`, `live_read` and `live_ops` (the incremental API's driver:
+its queue bookkeeping, request records, reading of an entry, jitted helpers), `aio`
+(`AsyncEngine`), `timing` (compile time), `report` (which attention implementation serves each
+layer, and why), `runner` (`ModelRunner`), `memory` (sizing, `paged_cache_config`), `decoding`
+(host-level feeding and greedy decoding over a `ModelRunner`).
+
+The package exports what users call (`__all__`); the loop's internals (`serve_loop`,
+`LoopState`, `pack_queue`, `sample_rows`, ...) are imported from their modules
+(`jaxkv.serve.loop`, `jaxkv.serve.state`, `jaxkv.serve.sampling`, `jaxkv.serve.memory`).
 """
 
 from jaxkv.serve.engine import Engine, EngineError, default_widths
 from jaxkv.serve.aio import AsyncEngine
-from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.parallel import DataParallelEngine
-from jaxkv.serve.memory import (ROW_MULTIPLE, bytes_in_use, check_engine_fits, loop_buffer_bytes,
-                                paged_cache_config, storage_bytes)
-from jaxkv.serve.protocol import StepModel, check_step_model
-from jaxkv.serve.requests import (MAX_LOGPROBS, Completion, Delta, EngineStats, Request,
-                                  RequestTiming, SamplingParams, TokenLogprob, check_request)
+from jaxkv.serve.memory import paged_cache_config
+from jaxkv.serve.step_model import StepModel, check_step_model
+from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
+from jaxkv.serve.results import Completion, Delta, EngineStats, RequestTiming, TokenLogprob
 from jaxkv.serve.runner import ModelRunner
-from jaxkv.serve.sampling import RowParams, sample, sample_rows
-from jaxkv.serve.state import (ColumnParams, Columns, LoopState, Outputs, Queue, init_loop_state,
-                               pack_queue)
 
-__all__ = ["MAX_LOGPROBS", "ROW_MULTIPLE", "AsyncEngine", "ColumnParams", "Columns", "Completion",
-           "DataParallelEngine", "Delta", "Engine", "EngineError", "EngineStats", "LoopState",
-           "ModelRunner", "Outputs", "Queue",
-           "Request", "RequestTiming", "RowParams", "SamplingParams", "StepModel", "TokenLogprob",
-           "bytes_in_use", "check_engine_fits", "check_request", "check_step_model",
-           "default_widths", "init_loop_state", "loop_buffer_bytes", "pack_queue",
-           "paged_cache_config", "sample", "sample_rows", "serve_loop", "storage_bytes"]
+__all__ = ["MAX_LOGPROBS", "AsyncEngine", "Completion", "DataParallelEngine", "Delta", "Engine",
+           "EngineError", "EngineStats", "ModelRunner", "Request", "RequestTiming",
+           "SamplingParams", "StepModel", "TokenLogprob", "check_request", "check_step_model",
+           "default_widths", "paged_cache_config"]

@@ -23,7 +23,8 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxkv.serve.engine import Engine
-from jaxkv.serve.requests import Delta, Request
+from jaxkv.serve.requests import Request
+from jaxkv.serve.results import Delta
 
 
 class AsyncEngine:

@@ -1,6 +1,6 @@
 """The serving loop's per-column helpers, shared by both storages' admission.
 
-`loop.serve_loop` (column storage) and `paged_admit` (paged storage) both admit
+`loop.serve_loop` (column storage) and `paged_admission` (paged storage) both admit
 a queued request into a column (`admit_one`) and fork a prefilled prompt into
 its sibling samples (`fork_ready`, `fork_one`) with these; the paged block adds
 its claims, stamps and prefix bookkeeping around them.

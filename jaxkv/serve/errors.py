@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxkv.serve.requests import Completion
+from jaxkv.serve.results import Completion
 
 
 class EngineError(RuntimeError):

@@ -29,13 +29,13 @@ arrive and leave while others run:
   token's logprobs before its slot is written again.
 
 Everything here runs on the host between loop entries; the jitted loop
-(`loop.serve_loop`) is the same one `run` uses.
+(`loop.serve_loop`) is the same one `run` uses. The host's request records are in
+`live_records.py`; reading an entry back (snapshot, deltas) is in `live_read.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import secrets
 import threading
@@ -49,73 +49,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxkv import Status
 from jaxkv.serve.admission import check_admission, plain_greedy
 from jaxkv.serve.errors import EngineError
-from jaxkv.serve.live_ops import abort_columns, clear_rows, snapshot, unpack_snapshot
-from jaxkv.serve.requests import (Delta, Request, RequestTiming, read_paged_counters,
-                                  token_logprobs)
+from jaxkv.serve.live_ops import abort_columns, clear_rows, snapshot
+from jaxkv.serve.live_read import SnapshotReader
+from jaxkv.serve.live_records import Tracked, Waiting, first_fit
+from jaxkv.serve.requests import Request
+from jaxkv.serve.results import Delta, RequestTiming
 from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
                                pack_queue)
 from jaxkv.serve.timing import compile_seconds
 
-@dataclasses.dataclass
-class _Tracked:
-  request: Request            # seed resolved, stop tokens cut to the engine's max_stop_tokens
-  host_stops: frozenset       # stop tokens past max_stop_tokens, checked on the host
-  arrived: float
-  base: int = -1              # first output row; -1 while waiting on the host
-  admitted: float | None = None
-  first_token: float | None = None
-  emitted: list = dataclasses.field(default_factory=list)    # tokens reported, per sample
-  finished: list = dataclasses.field(default_factory=list)   # per sample
 
-  @property
-  def n(self) -> int:
-    return self.request.params.n
-
-  @property
-  def logprobs_of_none(self) -> tuple | None:   # a token-less delta's: () if asked, else None
-    return None if self.request.params.logprobs is None else ()
-
-
-class _Waiting:
-  """Requests waiting on the host, in admission order: arrival (`"fcfs"`) or the largest
-  `max_tokens` first (`"longest_first"`, ties by arrival); push, pop and remove in O(log n)."""
-
-  def __init__(self, order: str):
-    self.longest_first = order == "longest_first"
-    self._heap: list = []
-    self._live: set = set()
-    self._seq = itertools.count()
-
-  def append(self, rid, max_tokens: int) -> None:
-    key = -max_tokens if self.longest_first else 0
-    heapq.heappush(self._heap, (key, next(self._seq), rid))
-    self._live.add(rid)
-
-  def _settle(self) -> None:   # drops removed entries off the top
-    while self._heap and self._heap[0][2] not in self._live:
-      heapq.heappop(self._heap)
-
-  def peek(self):
-    self._settle()
-    return self._heap[0][2]
-
-  def popleft(self):
-    self._settle()
-    rid = heapq.heappop(self._heap)[2]
-    self._live.discard(rid)
-    return rid
-
-  def remove(self, rid) -> None:
-    self._live.discard(rid)   # its heap entry goes when it reaches the top
-
-  def __contains__(self, rid) -> bool:
-    return rid in self._live
-
-  def __len__(self) -> int:
-    return len(self._live)
-
-
-class LiveQueue:
+class LiveQueue(SnapshotReader):
   """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
 
   Args:
@@ -133,8 +77,8 @@ class LiveQueue:
     self.logprob_window = min(LOGPROB_WINDOW, engine.max_len)
     self._lock = threading.Lock()        # host bookkeeping (add_request/abort from any thread)
     self._stepping = threading.Lock()    # one loop entry at a time
-    self._tracked: dict = {}             # request_id -> _Tracked, in arrival order
-    self._waiting = _Waiting(engine.scheduling)  # on the host, not yet in the device queue
+    self._tracked: dict = {}             # request_id -> Tracked, in arrival order
+    self._waiting = Waiting(engine.scheduling)  # on the host, not yet in the device queue
     self._queued: list = []              # == device queue[next:count]
     self._head_copies = 0
     self._dev_next = 0                   # the device queue's `next` when the host last saw it
@@ -174,7 +118,7 @@ class LiveQueue:
         raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
       self._sampled += not plain_greedy(p)
       self.waiting_tokens += len(request.prompt)
-      self._tracked[rid] = _Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
+      self._tracked[rid] = Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
                                     finished=[False] * p.n)
       self._waiting.append(rid, p.max_tokens)
@@ -341,7 +285,7 @@ class LiveQueue:
       moved = []
       while self._waiting and len(self._queued) < self.queue_size:
         t = self._tracked[self._waiting.peek()]
-        base = _first_fit(self._free, t.n)
+        base = first_fit(self._free, t.n)
         if base is None:
           break   # in order: a later request never overtakes one waiting for rows
         self._free[base:base + t.n] = False
@@ -446,101 +390,6 @@ class LiveQueue:
     between = (now - t.first_token) / (tokens - 1) if tokens > 1 else None
     return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
 
-  def _read(self) -> tuple[dict, int, int]:
-    """Blocks on the entry in flight and reads its snapshot: admissions, stats and status.
-
-    Returns the host dict, the snapshot's token window and the number of queue
-    slots the entry admitted, for `_deltas`.
-    """
-    (vec, window, k), self._pending = self._pending, None
-    engine = self.engine
-    host = unpack_snapshot(np.asarray(vec), num_widths=len(engine.widths),
-                           columns=engine.config.max_seqs, rows=self.out_rows, window=window)
-    self._host = host
-    stats = engine.stats
-    stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
-    stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
-    stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
-    read_paged_counters(stats, host)
-    self.held = int(np.where(host["used"] == 1, host["fed"], 0).sum())
-    if int(host["status"]) != Status.OK:
-      raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
-    newly = int(host["next"]) - self._dev_next
-    spent = int(host["steps"]) - self._steps_seen >= k   # the entry ended on its budget
-    if self._queued and not newly and not spent and not (host["used"] == 1).any():
-      raise RuntimeError(f"request {self._queued[0]!r} cannot be admitted into an empty engine")
-    now = time.perf_counter()
-    with self._lock:
-      admitted, self._queued = self._queued[:newly], self._queued[newly:]
-      self._dev_next = int(host["next"])
-      self._head_copies = int(host["copies"])
-      for rid in admitted + self._queued[:1 if self._head_copies else 0]:
-        t = self._tracked.get(rid)
-        if t is not None and t.admitted is None:
-          t.admitted = now
-          self.waiting_tokens -= len(t.request.prompt)
-    return host, window, newly
-
-  def _deltas(self, host: dict, window: int, newly: int, *, defer_cuts: bool) -> list[Delta]:
-    """The deltas of the entry `host` was read from: new tokens, finishes, host-side stops.
-
-    With `defer_cuts` (an entry is in flight), the columns of samples cut at a
-    host-side stop token are removed at the next dispatch instead of now.
-    """
-    engine = self.engine
-    ls = engine.state
-    now = time.perf_counter()
-    stats = engine.stats
-    out = lps = None
-    deltas, cut_rows = [], []
-    with self._lock:
-      for rid, t in list(self._tracked.items()):
-        if t.admitted is None:
-          continue
-        for j in range(t.n):
-          row = t.base + j
-          if t.finished[j] or host["out_len"][row] <= t.emitted[j] and not host["out_done"][row]:
-            continue
-          count = int(host["out_len"][row]) - t.emitted[j]
-          if count <= window:
-            new = host["last"][row, window - count:].tolist() if count > 0 else []
-          else:   # more tokens than one entry adds (not expected): read the row itself
-            if out is None:
-              out = np.asarray(jax.device_get(ls.out.tokens))
-            new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
-          reason = None
-          if host["out_done"][row]:
-            reason = "stop" if host["out_stop"][row] else "length"
-          hit = next((i for i, tok in enumerate(new) if tok in t.host_stops), None)
-          if hit is not None:
-            new, reason = new[:hit + 1], "stop"
-            if not host["out_done"][row]:
-              cut_rows.append(row)
-          logprobs = None
-          if t.request.params.logprobs is not None:
-            if lps is None:
-              lps = jax.device_get((ls.out.logprob, ls.out.top_ids, ls.out.top_logprobs))
-            logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
-                                                                 t.emitted[j] + len(new)),
-                                            t.request.params.logprobs))
-          t.emitted[j] += len(new)
-          stats.generated += len(new)
-          if new and t.first_token is None:
-            t.first_token = now
-          t.finished[j] = reason is not None
-          deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed,
-                              logprobs=logprobs))
-        if all(t.finished):
-          deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
-    if defer_cuts:
-      self._cut_rows.extend(cut_rows)
-    else:
-      self._remove_columns(self._columns_of(cut_rows))
-    if not deltas and not newly and int(host["steps"]) == self._steps_seen and not self._waiting:
-      raise RuntimeError("the loop made no progress (nothing admitted, stepped or finished)")
-    self._steps_seen = int(host["steps"])
-    return deltas
-
   def _reset(self) -> list:
     """After a failed entry: drops the state and every request the device held; their ids."""
     with self._lock:
@@ -556,13 +405,3 @@ class LiveQueue:
       self._pending, self._cut_rows = None, []
     self.engine.state = None   # rebuilt (a fresh cache) at the next step
     return failed
-
-
-def _first_fit(free: np.ndarray, n: int) -> int | None:
-  """Start of the first run of `n` free rows, or None."""
-  run = 0
-  for i, is_free in enumerate(free):
-    run = run + 1 if is_free else 0
-    if run == n:
-      return i - n + 1
-  return None

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve.columns import update
-from jaxkv.serve.requests import PAGED_COUNTERS
+from jaxkv.serve.results import PAGED_COUNTERS
 from jaxkv.serve.state import LoopState, merge_status
 
 

@@ -18,9 +18,9 @@ One `jax.jit` of `serve_loop` serves a whole queue (`LoopState.queue`):
   a non-OK status.
 
 Over paged storage (`config.page_size` set) the retire / admit / fork block is
-`paged_admit.outer_body` instead: admission by claims, preemption of the latest
+`paged_admission.outer_body` instead: admission by claims, preemption of the latest
 admitted sequence when a step would pass `capacity`, and the prefix cache
-(`paged_loop.py`); the step loops also stop when the next step does not fit.
+(`paged_claims.py`); the step loops also stop when the next step does not fit.
 
 No width is chosen by recompiling and no `lax.cond` wraps the model, so a
 decode-only step pays for `w` rows, not `W`. The loop returns to the host
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
-from jaxkv.serve import columns, paged_admit, paged_loop
+from jaxkv.serve import columns, paged_admission, paged_claims
 from jaxkv.serve.columns import i32
 from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
 from jaxkv.serve.state import ColumnParams, Columns, LoopState, merge_status
@@ -128,7 +128,7 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   width = widths[which]
   s = config.max_seqs
   c, o = ls.cols, ls.out
-  alloc, start = _schedule(width, c, paged_loop.room(config, ls) if config.is_paged else None)
+  alloc, start = _schedule(width, c, paged_claims.room(config, ls) if config.is_paged else None)
   # The step's tokens and occupied columns; the used columns' positions now and the ones
   # the step adds if it succeeds (`peak_rows`).
   used = c.used == 1
@@ -255,18 +255,18 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
   ok = lambda ls: (ls.status == Status.OK) & (ls.steps - first_step < max_steps)
 
   paged = config.is_paged
-  can_admit = (lambda ls: paged_admit.can_admit(config, ls)) if paged else (
+  can_admit = (lambda ls: paged_admission.can_admit(config, ls)) if paged else (
       lambda ls: _can_admit(config, ls))
 
   def phase(which):
     def cond(ls):
       c = ls.cols
       wanted = _wanted(c)
-      # Paged storage: the columns wanting a token (`paged_loop.step_need`) in the same sum.
+      # Paged storage: the columns wanting a token (`paged_claims.step_need`) in the same sum.
       totals = _column_totals(c.active == 1, c.done == 1, columns.fork_ready(c), wanted,
                               *((wanted > 0,) if paged else ()))
       num_active, num_done, num_forking, num_wanted = totals[0], totals[1], totals[2], totals[3]
-      may_run = paged_admit.step_may_run(config, ls, totals[4]) if paged else True
+      may_run = paged_admission.step_may_run(config, ls, totals[4]) if paged else True
       return (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
               & (width_index(widths, c, num_wanted) == which) & may_run)
     return lambda ls: jax.lax.while_loop(
@@ -283,8 +283,8 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
         lambda ls: columns.fork_one(config, ls), ls)
 
   def body(ls):
-    if paged:   # claims, preemption and the prefix cache (paged_loop.py)
-      ls = paged_admit.outer_body(config, ls)
+    if paged:   # claims, preemption and the prefix cache (paged_claims.py)
+      ls = paged_admission.outer_body(config, ls)
     else:
       ls = column_block(ls)
     for which in range(len(widths)):
@@ -297,7 +297,7 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
   ls = jax.lax.while_loop(cond, body, ls)
   # Columns that finished on the budget's last step retire now, not at the next entry: an
   # engine with nothing left to serve then holds no K/V and no reserved room.
-  retire = (lambda ls: paged_admit.retire_one(config, ls)) if paged else (
+  retire = (lambda ls: paged_admission.retire_one(config, ls)) if paged else (
       lambda ls: _retire_one(config, ls))
   return jax.lax.while_loop(lambda ls: jnp.any(ls.cols.done == 1) & (ls.status == Status.OK),
                             retire, ls)

@@ -22,7 +22,8 @@ import jax
 
 from jaxkv.serve.engine import (Engine, EngineError, check_admission, labelled,
                                 queue_order)
-from jaxkv.serve.requests import Completion, EngineStats, Request
+from jaxkv.serve.requests import Request
+from jaxkv.serve.results import Completion, EngineStats
 
 
 class DataParallelEngine:

@@ -115,7 +115,7 @@ class ColumnParams:
 class Columns:
   """Per-column loop data: every leaf is `[S, ...]`, so a column is one record.
 
-  A column moves (`paged_loop.swap`), is copied to a fork or written at
+  A column moves (`paged_claims.swap`), is copied to a fork or written at
   admission (`columns.put`, `columns.update`) as a whole, by `jax.tree.map`.
 
   Attributes:

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import engine as engine_module
+from jaxkv.serve.state import init_loop_state, pack_queue
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,9 @@ def test_plain_greedy_names_the_requests_whose_token_is_the_argmax(params, plain
 
 
 def _conditionals(engine, greedy, requests):
-  queue = serve.pack_queue([r.prompt for r in requests], [r.params for r in requests],
-                           max_len=engine.max_len, max_stop=engine.max_stop)
-  ls = serve.init_loop_state(engine.config, queue, num_widths=len(engine.widths))
+  queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],
+                     max_len=engine.max_len, max_stop=engine.max_stop)
+  ls = init_loop_state(engine.config, queue, num_widths=len(engine.widths))
   text = engine.lower(ls, 1, greedy=greedy).as_text()
   return text.count("stablehlo.case") + text.count("stablehlo.if")
 

@@ -16,16 +16,17 @@ import numpy as np
 from jaxkv import Phase, init_state, serve
 from jaxkv.models import ModelConfig
 from jaxkv.serve import state as state_module
+from jaxkv.serve.state import init_loop_state, pack_queue
 
 CFG = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=8)
 
 
 def _state(config, **kw):
-  queue = serve.pack_queue([(1, 2, 3), (4,)], [serve.SamplingParams(max_tokens=3, n=2),
-                                               serve.SamplingParams(max_tokens=2)],
-                           max_len=16, max_stop=4)
-  return serve.init_loop_state(config, queue, num_widths=2, **kw), queue
+  queue = pack_queue([(1, 2, 3), (4,)], [serve.SamplingParams(max_tokens=3, n=2),
+                                         serve.SamplingParams(max_tokens=2)],
+                     max_len=16, max_stop=4)
+  return init_loop_state(config, queue, num_widths=2, **kw), queue
 
 
 def _pointers(tree):

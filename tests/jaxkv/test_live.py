@@ -14,6 +14,7 @@ from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import AsyncEngine
 import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
+from jaxkv.serve.loop import serve_loop
 
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=2, num_kv_heads=1, head_dim=16)
@@ -64,7 +65,7 @@ def test_streamed_deltas_concatenate_to_run(model, rng, monkeypatch, interval):
   requests = _requests(rng, 9)
   want = _want(model, requests)
   chex.clear_trace_counter()   # parametrized: the count is per function, across cases
-  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve.serve_loop, n=1))
+  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve_loop, n=1))
   engine = serve.Engine(model, max_len=48)
   assert [engine.add_request(r) for r in requests] == [r.request_id for r in requests]
   got = _collect(engine.stream(interval))

@@ -71,9 +71,9 @@ def test_column_totals_are_the_separate_sums(rng):
 @pytest.mark.parametrize("num_cols", [1, 7, 64])
 def test_the_phase_condition_counts_the_paged_step_need(num_cols, rng):
   """The phase condition sums `wanted > 0` with its other column totals in place of
-  `paged_loop.step_need` (its own reduction): the two counts agree, with `hold`
+  `paged_claims.step_need` (its own reduction): the two counts agree, with `hold`
   below, at and above `length` and inactive columns that still have tokens to feed."""
-  from jaxkv.serve import paged_loop   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve import paged_claims   # pylint: disable=g-import-not-at-top
   for _ in range(30):
     fed = rng.integers(0, 50, num_cols)
     ls = types.SimpleNamespace(
@@ -83,5 +83,5 @@ def test_the_phase_condition_counts_the_paged_step_need(num_cols, rng):
         fed=jnp.asarray(fed, jnp.int32))
     want = np.minimum(np.asarray(ls.length), np.asarray(ls.hold)) > fed
     expected = int((want & (np.asarray(ls.active) == 1)).sum())
-    assert int(paged_loop.step_need(ls)) == expected
+    assert int(paged_claims.step_need(ls)) == expected
     assert int((loop._wanted(ls) > 0).sum()) == expected   # pylint: disable=protected-access

@@ -17,7 +17,7 @@ import numpy as np
 from jaxkv.models import ModelConfig
 from jaxkv.serve import SamplingParams
 from jaxkv.serve import columns
-from jaxkv.serve import paged_loop
+from jaxkv.serve import paged_claims
 from jaxkv.serve.state import ColumnParams, init_loop_state, pack_queue
 
 
@@ -57,7 +57,7 @@ def test_swap_moves_every_column_leaf():
   marked = jax.tree.map(
       lambda a: (jnp.arange(s) + 1).astype(a.dtype).reshape((s,) + (1,) * (a.ndim - 1))
       * jnp.ones_like(a), ls.cols)
-  swapped = paged_loop.swap(dataclasses.replace(ls, cols=marked), jnp.int32(0), jnp.int32(2))
+  swapped = paged_claims.swap(dataclasses.replace(ls, cols=marked), jnp.int32(0), jnp.int32(2))
   for (path, before), after in zip(jax.tree_util.tree_leaves_with_path(marked),
                                    jax.tree.leaves(swapped.cols)):
     np.testing.assert_array_equal(np.asarray(after)[[2, 1, 0]], np.asarray(before),

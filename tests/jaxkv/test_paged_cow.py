@@ -27,6 +27,8 @@ import hlo_walk
 import jaxkv
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
+from jaxkv.serve.loop import serve_loop
+from jaxkv.serve.state import init_loop_state, pack_queue
 from scenario_utils import Harness
 from scenario_utils import assert_same_state
 from scenario_utils import default_config
@@ -157,7 +159,7 @@ MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, n
 
 
 def test_the_paged_engine_keeps_every_write_page_private(monkeypatch):
-  """Prefix-cache adoption (`paged_loop.adopt`: `seq_clone(source, m)` with `m` a multiple
+  """Prefix-cache adoption (`paged_claims.adopt`: `seq_clone(source, m)` with `m` a multiple
   of the page size), forks, retirement's `rewind` to full prompt pages and removals keep
   CONTRACT §3.1's invariants: after every such verb and every commit inside the jitted
   serving loop, a host callback finds no shared page at or past a sequence's `pos // P`.
@@ -220,15 +222,15 @@ def test_the_paged_serving_step_runs_no_loop_the_column_step_does_not():
   body holds exactly as many `while` loops as the column one (the sampler's random-bits
   loop, a static trip count) and none of them carries a page pool (the page-copy loop
   that `prepare_step` had)."""
-  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=16,
-                           max_stop=2)
+  queue = pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=16,
+                     max_stop=2)
   found = {}
   for page_size in (None, 8):
     cache = MODEL.cache_config(capacity=256, max_seqs=4, max_write=16)
     model = Decoder(MODEL, dataclasses.replace(cache, page_size=page_size), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    ls = serve.init_loop_state(model.cache_config, queue, num_widths=1)
-    hlo = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+    ls = init_loop_state(model.cache_config, queue, num_widths=1)
+    hlo = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
         graphdef, model.cache_config, (16,), params, ls, jnp.int32(4)).compile().as_text()
     found[page_size] = _step_loop_whiles(hlo)
     if page_size:

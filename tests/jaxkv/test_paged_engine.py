@@ -19,6 +19,7 @@ from flax import nnx
 from drivers import assert_serve_loop_in_place, check_page_invariants, poison_free_storage
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy, init_state, serve
 from jaxkv.models import Decoder, ModelConfig
+from jaxkv.serve.state import init_loop_state, pack_queue
 
 FLAT = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                          num_heads=2, num_kv_heads=1, head_dim=16)
@@ -212,7 +213,7 @@ def test_paged_loop_updates_the_pool_in_place(flat):
   model = flat["paged"]
   config = model.cache_config
   graphdef, params = nnx.split(model)
-  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=MAX_LEN,
-                           max_stop=4)
-  ls = serve.init_loop_state(config, queue, num_widths=1, prefix_cache=True)
+  queue = pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=MAX_LEN,
+                     max_stop=4)
+  ls = init_loop_state(config, queue, num_widths=1, prefix_cache=True)
   assert_serve_loop_in_place(graphdef, config, (WIDTH,), params, ls)

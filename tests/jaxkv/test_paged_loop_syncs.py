@@ -3,7 +3,7 @@
 On a GPU every `while` predicate is a device-to-host read and a host decision. An
 outer iteration of the serving loop evaluates the predicate of every loop its body
 reaches without entering another loop at least once, and the loops nested in those
-only when their parent makes a trip. The paged block (`paged_admit.outer_body`)
+only when their parent makes a trip. The paged block (`paged_admission.outer_body`)
 must cost no more on the common path (nothing evicted, parked or forked) than the
 column block: as many loops reached directly (counted in the compiled HLO, what
 runs), and no nested loop under the loops that make trips on that path (retire,
@@ -27,8 +27,10 @@ import hlo_walk
 from jaxkv import Status, serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import columns
-from jaxkv.serve import paged_admit as pa
-from jaxkv.serve import paged_loop as pl
+from jaxkv.serve import paged_admission as pa
+from jaxkv.serve import paged_claims as pl
+from jaxkv.serve.loop import serve_loop
+from jaxkv.serve.state import init_loop_state, pack_queue
 
 _LOOP = hlo_walk.LOOP
 
@@ -48,11 +50,11 @@ def _outer_loop(page_size, prefix_cache: bool):
   cache = MODEL.cache_config(capacity=128, max_seqs=4, max_write=16)
   model = Decoder(MODEL, dataclasses.replace(cache, page_size=page_size), rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
-  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=16,
-                           max_stop=2)
-  ls = serve.init_loop_state(model.cache_config, queue, num_widths=1,
-                             prefix_cache=prefix_cache)
-  hlo = jax.jit(serve.serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
+  queue = pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=16,
+                     max_stop=2)
+  ls = init_loop_state(model.cache_config, queue, num_widths=1,
+                       prefix_cache=prefix_cache)
+  hlo = jax.jit(serve_loop, static_argnums=(0, 1, 2), donate_argnums=4).lower(
       graphdef, model.cache_config, (16,), params, ls, jnp.int32(4)).compile().as_text()
   comps, entry = hlo_walk.computations(hlo)
   # The outer loop, and after it the retirement of columns that finished on the last step.

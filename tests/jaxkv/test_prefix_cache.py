@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
-from jaxkv.serve import paged_loop
+from jaxkv.serve import paged_claims
 
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                           num_heads=2, num_kv_heads=1, head_dim=16)
@@ -47,9 +47,9 @@ def _shared(rng, system_len, count, n=1):
 def test_page_hashes_chain():
   """A page's key covers every token before it: a change reaches it and every later page."""
   tokens = jnp.arange(16, dtype=jnp.int32)
-  base = np.asarray(paged_loop.page_hashes(tokens, 4, 4))
-  late = np.asarray(paged_loop.page_hashes(tokens.at[9].set(60), 4, 4))
-  early = np.asarray(paged_loop.page_hashes(tokens.at[0].set(60), 4, 4))
+  base = np.asarray(paged_claims.page_hashes(tokens, 4, 4))
+  late = np.asarray(paged_claims.page_hashes(tokens.at[9].set(60), 4, 4))
+  early = np.asarray(paged_claims.page_hashes(tokens.at[0].set(60), 4, 4))
   assert (late[:2] == base[:2]).all() and (late[2:] != base[2:]).all()
   assert (early != base).all() and len(set(base.tolist())) == 4
 
@@ -89,7 +89,7 @@ def test_a_hash_collision_costs_a_miss_not_a_wrong_page(models, rng, monkeypatch
   """Every page key equal (a total collision): matches are confirmed token by token, so no
   foreign page is adopted and the tokens stay exact; true matches are still found."""
   columns, paged = models
-  monkeypatch.setattr(paged_loop, "page_hashes",
+  monkeypatch.setattr(paged_claims, "page_hashes",
                       lambda tokens, num, size: jnp.zeros((num,), jnp.uint32))
   requests = _shared(rng, 8, 4) + [
       serve.Request(tuple(int(t) for t in rng.integers(0, 64, 14)), request_id=f"other{i}")

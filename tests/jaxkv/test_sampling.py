@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.serve import RowParams, sample, sample_rows
+from jaxkv.serve.sampling import RowParams, sample, sample_rows
 from jaxkv.serve.sampling import TOP_CAP
 from jaxkv.serve.sampling import _keep, _penalize, _top_n
 

@@ -15,6 +15,9 @@ from jaxkv.models import Decoder, ModelConfig
 from jaxkv import serve
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy
 import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
+from jaxkv.serve.loop import serve_loop
+from jaxkv.serve.sampling import sample
+from jaxkv.serve.state import init_loop_state, pack_queue
 
 MODEL = ModelConfig.gemma3(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
                            layer_types=("sliding", "full", "sliding"), num_heads=2,
@@ -49,7 +52,7 @@ def test_greedy_batch_equals_one_by_one_and_traces_once(model, rng, monkeypatch)
   The loop (two widths) is compiled once (chex), and the whole queue, longer than the
   column count, is admitted inside it: one loop entry.
   """
-  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve.serve_loop, n=1))
+  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve_loop, n=1))
   engine = serve.Engine(model, max_len=48, widths=(WIDTH, 4))
   prompts = _prompts(rng, 10)
   limits = [int(rng.integers(1, 14)) for _ in prompts]
@@ -117,14 +120,14 @@ def test_sampling_seeds_topk_topp(model, rng):
 def test_sample_respects_top_k_and_top_p():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2, jnp.float32))
   keys = jax.random.split(jax.random.key(0), 400)
-  draw = jax.vmap(lambda k: serve.sample(
+  draw = jax.vmap(lambda k: sample(
       logits, jnp.ones((2,), jnp.float32), jnp.array([2, 0], jnp.int32),
       jnp.array([1.0, 0.7], jnp.float32), jax.random.split(k, 2)))
   tokens = np.asarray(draw(keys))
   assert set(tokens[:, 0]) == {0, 1}   # top-2
   assert set(tokens[:, 1]) == {0, 1}   # nucleus 0.7 = {0.5, 0.3}
-  greedy = serve.sample(logits, jnp.zeros((2,), jnp.float32), jnp.zeros((2,), jnp.int32),
-                        jnp.ones((2,), jnp.float32), jax.random.split(keys[0], 2))
+  greedy = sample(logits, jnp.zeros((2,), jnp.float32), jnp.zeros((2,), jnp.int32),
+                  jnp.ones((2,), jnp.float32), jax.random.split(keys[0], 2))
   assert np.asarray(greedy).tolist() == [0, 0]
 
 
@@ -185,10 +188,10 @@ def test_decode_loop_updates_the_cache_in_place(model):
   """The jitted loop aliases the donated cache and copies no K/V-sized buffer."""
   config = model.cache_config
   graphdef, params = nnx.split(model)
-  queue = serve.pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=48,
-                           max_stop=4)
+  queue = pack_queue([(1, 2, 3)], [serve.SamplingParams(max_tokens=4)], max_len=48,
+                     max_stop=4)
   widths = (WIDTH, 4)
-  ls = serve.init_loop_state(config, queue, num_widths=len(widths))
+  ls = init_loop_state(config, queue, num_widths=len(widths))
   assert_serve_loop_in_place(graphdef, config, widths, params, ls)
 
 

@@ -24,6 +24,7 @@ from jaxkv.models import hf
 from jaxkv.models import ModelConfig, build, param_spec, shard_model
 from jaxkv import serve
 from jaxkv.nnx import CachedAttention, merge_model, split_model
+from jaxkv.serve.state import init_loop_state, pack_queue
 
 HEADS, KV_HEADS, HEAD_DIM, FEATURES = 4, 2, 8, 16
 
@@ -285,9 +286,9 @@ def test_sharded_decode_loop_only_all_reduces_activations():
   mesh = _mesh(2)
   cache = LLAMA.cache_config(capacity=32, max_seqs=2, max_write=WIDTH, initial_capacity=16)
   engine = serve.Engine(build(LLAMA, cache, implementation="reference", mesh=mesh), max_len=16)
-  queue = serve.pack_queue([(1, 2)], [serve.SamplingParams(max_tokens=3)], max_len=16,
-                           max_stop=engine.max_stop)
-  ls = serve.init_loop_state(cache, queue, num_widths=len(engine.widths), mesh=mesh)
+  queue = pack_queue([(1, 2)], [serve.SamplingParams(max_tokens=3)], max_len=16,
+                     max_stop=engine.max_stop)
+  ls = init_loop_state(cache, queue, num_widths=len(engine.widths), mesh=mesh)
   compiled = engine.lower(ls, 4).compile()
   moved = [(m.group(2), _shape_of(m.group(1)))
            for m in _COLLECTIVE.finditer(compiled.as_text())]

@@ -1,4 +1,4 @@
-"""Admission, retirement and forks of the serving loop over paged storage (see `paged_loop`).
+"""Admission, retirement and forks of the serving loop over paged storage (see `paged_claims`).
 
 `outer_body` replaces the column loop's retire / admit / fork block when
 `config.page_size` is set. It wraps the per-request helpers the column loop
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve import columns
-from jaxkv.serve import paged_loop as pl
+from jaxkv.serve import paged_claims as pl
 from jaxkv.serve.columns import update
 from jaxkv.serve.state import LoopState, merge_status
 
@@ -205,7 +205,7 @@ def finish_block(config: CacheConfig, ls: LoopState, rest) -> LoopState:
     data up, fork (each allowed only where the ones before it are not, and none
     makes an earlier one allowed but a fork, after which the next trip starts over);
   - once none is ready (nothing here makes one ready again): free room for the
-    step (`paged_loop.needs_room`).
+    step (`paged_claims.needs_room`).
   """
   ready = lambda ls: jnp.any(columns.fork_ready(ls.cols)) & (ls.status == Status.OK)
   src = lambda ls: jnp.argmax(columns.fork_ready(ls.cols)).astype(jnp.int32)
@@ -266,7 +266,7 @@ def outer_body(config: CacheConfig, ls: LoopState) -> LoopState:
 def step_may_run(config: CacheConfig, ls: LoopState, need=None):
   """The phase loops' extra condition: the step fits, and no waiting head can now adopt.
 
-  `need`: `paged_loop.step_need(ls.cols)`, when the caller has it.
+  `need`: `paged_claims.step_need(ls.cols)`, when the caller has it.
   """
   w_col, w_len = ls.adopt_wait[0], ls.adopt_wait[1]
   c = ls.cols

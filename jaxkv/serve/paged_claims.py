@@ -163,7 +163,7 @@ def free_one(config: CacheConfig, ls: LoopState) -> LoopState:
 def needs_room(config: CacheConfig, ls: LoopState):
   """Whether to evict or preempt before the next step: its first tokens pass `capacity`.
 
-  `paged_admit.finish_block` frees room while this holds (and no fork is ready), in
+  `paged_admission.finish_block` frees room while this holds (and no fork is ready), in
   the same loop as the forks, so the common outer iteration checks one predicate.
   """
   return (ls.status == Status.OK) & ~step_fits(config, ls) & can_free(ls)
