@@ -58,27 +58,39 @@ def bench(fn, *args, iters=20, reps=5):
   return 1e3 * float(np.median(times))
 
 
-def copy_ceiling(rows):
-  n = 1 << 30   # 1 Gi bf16 elements = 2 GiB, far above L2
+def torch_d2d_copy_ms(n: int) -> float | None:
+  """Milliseconds of a device-to-device copy of `n` bf16 elements (torch's), or None without CUDA torch.
+
+  The copy engine's rate is the bandwidth ceiling: a JAX elementwise pass moves the same bytes slower.
+  """
   try:
     import torch  # pylint: disable=g-import-not-at-top
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-      dst.copy_(src)
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-      dst.copy_(src)
-    stop.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(stop) / 20
-    rows.append(Row("copy 2 GiB", "torch d2d", ms, 2 * 2 * n / ms / 1e9))
-    del src, dst
-    torch.cuda.empty_cache()
   except ImportError:
-    pass
+    return None
+  if not torch.cuda.is_available():
+    return None
+  src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+  dst = torch.empty_like(src)
+  for _ in range(3):
+    dst.copy_(src)
+  torch.cuda.synchronize()
+  start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  start.record()
+  for _ in range(20):
+    dst.copy_(src)
+  stop.record()
+  torch.cuda.synchronize()
+  ms = start.elapsed_time(stop) / 20
+  del src, dst
+  torch.cuda.empty_cache()
+  return ms
+
+
+def copy_ceiling(rows):
+  n = 1 << 30   # 1 Gi bf16 elements = 2 GiB, far above L2
+  ms = torch_d2d_copy_ms(n)
+  if ms is not None:
+    rows.append(Row("copy 2 GiB", "torch d2d", ms, 2 * 2 * n / ms / 1e9))
   x = jax.random.normal(jax.random.key(0), (n,), DTYPE)
   ms = bench(jax.jit(lambda a: a * 2), x)
   rows.append(Row("copy 2 GiB", "jax elementwise", ms, 2 * 2 * n / ms / 1e9))

@@ -45,6 +45,7 @@ import jaxkv   # pylint: disable=g-import-not-at-top,wrong-import-position
 from jaxkv.models import Decoder, ModelConfig   # pylint: disable=wrong-import-position
 from jaxkv import serve   # pylint: disable=wrong-import-position
 from jaxkv.nnx import apply_rope, rope_inv_freq   # pylint: disable=wrong-import-position
+import decode as decode_bench   # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _args(argv=None):
@@ -345,34 +346,6 @@ def run_baseline(cfg, model, prompts, new_tokens, compiler_options=None):
   }, [row.tolist() for row in out]
 
 
-def _torch_copy_bytes_per_s(n: int) -> float | None:
-  """Bytes read + written per second of a device-to-device copy (torch's), or None without CUDA torch.
-
-  The copy engine's rate is the bandwidth ceiling the rooflines use: a JAX elementwise pass
-  reads and writes the same bytes at a lower rate.
-  """
-  try:
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  if not torch.cuda.is_available():
-    return None
-  src = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-  dst = torch.empty_like(src)
-  for _ in range(3):
-    dst.copy_(src)
-  start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-  start.record()
-  for _ in range(20):
-    dst.copy_(src)
-  stop.record()
-  torch.cuda.synchronize()
-  seconds = start.elapsed_time(stop) / 20 / 1e3
-  del src, dst
-  torch.cuda.empty_cache()
-  return 2 * 2 * n / seconds
-
-
 def measure_ceilings(small: bool) -> dict:
   """The copy ceiling (bytes read + written per second) and the dense bf16 matmul rate, measured now.
 
@@ -380,7 +353,8 @@ def measure_ceilings(small: bool) -> dict:
   else a JAX elementwise pass (a lower bound of it).
   """
   n = (1 << 28) if not small else (1 << 16)   # 512 MiB of bf16 (tiny under --small)
-  d2d = None if small else _torch_copy_bytes_per_s(1 << 30)
+  d2d_ms = None if small else decode_bench.torch_d2d_copy_ms(1 << 30)   # 2 GiB, far above L2
+  d2d = None if d2d_ms is None else 2 * 2 * (1 << 30) / (d2d_ms / 1e3)
   x = jnp.ones((n,), jnp.bfloat16)
   copy = jax.jit(lambda a: a + jnp.bfloat16(1))
   size = 8192 if not small else 256
