@@ -18,7 +18,7 @@ top-k/top-p/min_p, repetition/presence/frequency penalties, logprobs. The proper
 - the incremental API (`add_request`/`abort`/`step`, with and without `overlap`)
   serves a mix arriving between entries as `run` does (a second test).
 
-CI runs 150 derandomized examples. `JAXKV_RELIABILITY_ENGINE_EXAMPLES=N` runs N
+CI runs 100 derandomized examples. `JAXKV_RELIABILITY_ENGINE_EXAMPLES=N` runs N
 instead (the documented long run is 10,000), and `JAXKV_RELIABILITY_RANDOM=1`
 draws fresh examples (docs/RELIABILITY.md).
 """
@@ -50,7 +50,7 @@ GEOMETRIES = [(2, 3, 30, None, False), (3, 8, 48, None, False), (4, 5, 64, None,
               (3, 5, 48, 4, True)]
 MAX_PROMPT, MAX_NEW, MAX_N, MAX_STOP, MAX_LOGPROBS = 9, 6, 3, 2, 3
 MAX_LEN = MAX_PROMPT + MAX_NEW
-EXAMPLES = int(os.environ.get("JAXKV_RELIABILITY_ENGINE_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("JAXKV_RELIABILITY_ENGINE_EXAMPLES", "100"))
 
 
 @functools.cache
