@@ -42,7 +42,8 @@ GPU_RUNS = {
     "paged_decode.py": (["--small"], r"page 64 scattered\s+\d+\.\d+"),
     "gemm_options.py": (["--small"], r"us/GEMM"),
 }
-GPU_REASON = ("times Mosaic GPU kernels against cuDNN or XLA on a GPU; without one its --small "
+GPU_REASON = ("needs an NVIDIA Hopper GPU (the GPU check runs it): it times Mosaic GPU kernels against "
+              "cuDNN or XLA; without one its --small "
               "runs the kernels under the Mosaic GPU interpreter for minutes, or finds no GPU "
               "kernels in its trace")
 # Run only on the GPU, without --small: not this suite's (its owner keeps it GPU-only).
