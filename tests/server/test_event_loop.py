@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from http_server import running  # noqa: E402
 from jaxkv.cli import build_server  # noqa: E402
@@ -93,7 +94,10 @@ def test_health_answers_while_a_megabyte_prompt_is_tokenised():
     latencies = _health_latencies_while(health, send, pause=0.01)
   r = done["r"]
   assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
-  assert len(latencies) > 5 and max(latencies) < 0.1, sorted(latencies)[-5:]
+  # Held by the tokenizer, /health waited the whole encode (about 14 s); a loaded CI machine
+  # (another worker compiling) can still delay one poll by a few hundred milliseconds.
+  assert len(latencies) > 5 and max(latencies) < 1.0, sorted(latencies)[-5:]
+  assert np.percentile(latencies, 90) < 0.1, sorted(latencies)[-5:]
 
 
 def test_long_text_encodes_to_the_same_ids_as_the_tokenizer():
