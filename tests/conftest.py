@@ -40,10 +40,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
-# The CPU suite checks meaning, not speed: LLVM's optimisation passes cost compile time the
-# tests never win back. The GPU check keeps production compiles (its smoke runs time kernels).
-if os.environ.get("JAXKV_GPU_CHECK") != "1":
-  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 from hypothesis import settings  # pylint: disable=wrong-import-position
 import hypothesis.internal.conjecture.engine as hypothesis_engine  # pylint: disable=wrong-import-position
@@ -216,8 +212,15 @@ PROPERTY_TESTS = {"test_facade_matches_model", "test_pure_verbs_match_model",
                   "test_facade_agrees_with_model"}
 
 
+# Modules whose tests take minutes each (subprocess benchmark runs, property tests). They run
+# first: at the end of the run one of them would keep a worker busy while the other idles.
+LONG_MODULES = ("test_benchmarks_small.py", "test_engine_property.py", "test_stateful.py")
+
+
 def pytest_collection_modifyitems(config, items):
-  """Longer limits for the property tests; under JAXKV_GPU_CHECK=1 only the GPU-gated tests run."""
+  """Long modules first, longer limits for the property tests; under JAXKV_GPU_CHECK=1 only
+  the GPU-gated tests run."""
+  items.sort(key=lambda item: item.path.name not in LONG_MODULES)   # stable: order kept within
   if config.getoption("timeout", None) is None:
     for item in items:
       if getattr(item, "originalname", item.name) in PROPERTY_TESTS:
