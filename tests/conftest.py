@@ -24,23 +24,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=4").strip()
 
-# XLA compiles are most of the CPU suite's time, and the two workers, the modules (each ends
-# with jax.clear_caches) and the processes tests start compile many of the same programs. One
-# persistent cache per run lets each compile once. A size bound turns on jax's file lock, so
-# workers never read an entry another is still writing. Set in the environment, before jax
-# reads it, so xdist workers and subprocesses share it; an explicit JAX_COMPILATION_CACHE_DIR
-# (e.g. a warm one kept between local runs) is used as given.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import atexit
-  import shutil
-  import tempfile
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxkv-tests-xla-cache-")
-  # Whichever process made it (the xdist controller, or pytest alone) removes it at exit.
-  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
-
 from hypothesis import settings  # pylint: disable=wrong-import-position
 import hypothesis.internal.conjecture.engine as hypothesis_engine  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
