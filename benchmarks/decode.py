@@ -86,6 +86,12 @@ def torch_d2d_copy_ms(n: int) -> float | None:
   return ms
 
 
+def torch_d2d_copy_bytes_per_s(n: int) -> float | None:
+  """Bytes read + written per second by torch's copy of `n` bf16 elements, or None without CUDA torch."""
+  ms = torch_d2d_copy_ms(n)
+  return None if ms is None else 2 * 2 * n / (ms * 1e-3)
+
+
 def copy_ceiling(rows):
   n = 1 << 30   # 1 Gi bf16 elements = 2 GiB, far above L2
   ms = torch_d2d_copy_ms(n)
