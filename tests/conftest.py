@@ -24,6 +24,27 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=4").strip()
 
+# Compiles are most of the CPU suite's time, and the workers, the modules (each ends with
+# jax.clear_caches) and the processes tests start compile many of the same programs: one
+# persistent cache per run lets each compile once (tests/README.md "Suite time"). No size
+# bound: a bound turns on jax's lock, which rescans the directory on every write. Unlocked, a
+# worker may read an entry another is still writing; the compressed entry then fails its
+# checksum, jax warns and compiles (pyproject's filterwarnings lets that warning pass).
+# Set in the environment before jax reads it, so xdist workers and subprocesses share it.
+# JAXKV_TEST_XLA_CACHE=0 turns it off; an explicit JAX_COMPILATION_CACHE_DIR is used as given.
+# The GPU check (JAXKV_GPU_CHECK=1) compiles as it was validated on the H200: without it.
+if (os.environ.get("JAXKV_TEST_XLA_CACHE", "1") != "0" and os.environ.get("JAXKV_GPU_CHECK") != "1"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  import atexit  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxkv-tests-xla-cache-")
+  # Whichever process made it (the xdist controller, or pytest alone) removes it at exit.
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+  # Only compiles that cost more than reading an entry back are worth a file.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
 from hypothesis import settings  # pylint: disable=wrong-import-position
 import hypothesis.internal.conjecture.engine as hypothesis_engine  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
