@@ -24,16 +24,15 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=4").strip()
 
-# Compiles are most of the CPU suite's time, and the workers, the modules (each ends with
-# jax.clear_caches) and the processes tests start compile many of the same programs: one
-# persistent cache per run lets each compile once (tests/README.md "Suite time"). No size
-# bound: a bound turns on jax's lock, which rescans the directory on every write. Unlocked, a
-# worker may read an entry another is still writing; the compressed entry then fails its
-# checksum, jax warns and compiles (pyproject's filterwarnings lets that warning pass).
-# Set in the environment before jax reads it, so xdist workers and subprocesses share it.
-# JAXKV_TEST_XLA_CACHE=0 turns it off; an explicit JAX_COMPILATION_CACHE_DIR is used as given.
-# The GPU check (JAXKV_GPU_CHECK=1) compiles as it was validated on the H200: without it.
-if (os.environ.get("JAXKV_TEST_XLA_CACHE", "1") != "0" and os.environ.get("JAXKV_GPU_CHECK") != "1"
+GPU_CHECK = os.environ.get("JAXKV_GPU_CHECK") == "1"
+
+# Workers, modules (each ends with jax.clear_caches) and the processes tests start compile many
+# of the same programs: one persistent cache per run, set before jax reads the environment so
+# all of them share it (tests/README.md "Suite time"). Unbounded, since a bound turns on jax's
+# lock, which rescans the directory per write; an entry read half-written fails its checksum and
+# jax compiles instead (pyproject lets that warning pass). The GPU check runs without it, as on
+# the H200. JAXKV_TEST_XLA_CACHE=0 turns it off; an explicit JAX_COMPILATION_CACHE_DIR is kept.
+if (os.environ.get("JAXKV_TEST_XLA_CACHE", "1") != "0" and not GPU_CHECK
     and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
   import atexit  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top
@@ -70,7 +69,6 @@ settings.register_profile("ci", derandomize=True, database=None, report_multiple
 settings.register_profile("random", derandomize=False, database=None, report_multiple_bugs=False,
                           print_blob=True)
 settings.load_profile("random" if RANDOM else "ci")
-GPU_CHECK = os.environ.get("JAXKV_GPU_CHECK") == "1"
 
 
 def _hypothesis_seed(config) -> int | None:
