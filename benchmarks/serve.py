@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import math
 import multiprocessing
@@ -56,8 +57,18 @@ def _args(argv=None):
   p.add_argument("--requests", type=int, default=256)
   p.add_argument("--prompt-median", type=int, default=300)
   p.add_argument("--output-median", type=int, default=150)
-  p.add_argument("--slots", type=int, default=64, help="engine columns (max_seqs)")
+  p.add_argument("--engine", choices=("default", "columns"), default=None,
+                 help="the engine under the server: 'default' is the one `jaxkv serve --checkpoint "
+                      "DIR` builds with no sizing flags (paged, sized from device memory, "
+                      "max_len from the checkpoint); 'columns' is --slots columns of rows for the "
+                      "queue's longest request. Either way the best offline anchor (columns, "
+                      "longest first) runs first on a columns engine of its own (default: 'default'; "
+                      "'columns' with --small)")
+  p.add_argument("--slots", type=int, default=64, help="columns engine: columns (max_seqs)")
   p.add_argument("--max-write", type=int, default=512, help="step width W")
+  p.add_argument("--trace", default=None, metavar="DIR",
+                 help="trace the first all-at-once server run (jax.profiler) into DIR and print "
+                      "device busy time, idle gaps and host calls per step")
   p.add_argument("--vocab", type=int, default=None,
                  help="with --url: prompt token ids are drawn below this (the model's vocab_size)")
   p.add_argument("--rates", default="inf",
@@ -91,6 +102,8 @@ def _args(argv=None):
   if args.small:
     args.requests, args.prompt_median, args.output_median = 12, 12, 6
     args.slots, args.max_write, args.client_procs = 4, 32, 2
+  if args.engine is None:
+    args.engine = "columns" if args.small else "default"
   try:
     args.rate_list = [math.inf if r.strip() == "inf" else float(r) for r in args.rates.split(",")]
   except ValueError:
@@ -429,6 +442,13 @@ def run_offline(engine, prompts, max_tokens, admission, max_steps=None, prof=Non
           "tokens": {c.request_id: c.tokens for c in done}}
 
 
+def _offline(results, key, label, engine, prompts, max_tokens, admission) -> None:
+  off = run_offline(engine, prompts, max_tokens, admission)
+  results[f"offline_{key}"] = {k: v for k, v in off.items() if k != "tokens"} | {"label": label}
+  print(_line(f"offline ({label})", off) + f"  step {off['step_ms']:.2f} ms, "
+        f"{off['steps']} steps", flush=True)
+
+
 def _line(name, r) -> str:
   t, p, i = r["ttft_s"], r.get("tpot_s", {}), r.get("itl_s", {})
   fmt = lambda x: "-" if x is None else f"{1e3 * x:.1f}"
@@ -463,15 +483,45 @@ def plot(results, path):
   fig.savefig(path, dpi=100)
 
 
-def run_rates(args, results, url, model_name, prompts, max_tokens, server, timers, tag):
+def _trace_summary(trace_dir, steps, label) -> dict:
+  """Device busy time and idle gaps of the newest trace under `trace_dir` (profile_step's
+  summary: busy = the union of GPU kernel intervals, over the span from the first kernel to
+  the last)."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import profile_step   # pylint: disable=g-import-not-at-top
+  summary = profile_step.summarize(trace_dir, steps, label)
+  profile_step._print(summary)   # pylint: disable=protected-access
+  return {k: v for k, v in summary.items() if k != "all"}
+
+
+def run_rates(args, results, url, model_name, prompts, max_tokens, server, timers, tag,
+              engine=None):
   """Sends the queue at every rate of `--rates` and records each run under `tag/rate`."""
   send_queue(url, model_name, prompts[:4], [2] * 4, math.inf, 1)   # the app's paths, warm
+  traced = False
   for rate in args.rate_list:
     n = args.requests if math.isinf(rate) or not args.rate_requests else args.rate_requests
     if server is not None:
       server.lags.clear()
       before = timers.snapshot()
-    r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    if engine is not None:
+      steps0, entries0 = engine.stats.steps, engine.stats.loop_entries
+    trace = args.trace and math.isinf(rate) and not traced and engine is not None
+    if trace:
+      import jax   # pylint: disable=g-import-not-at-top
+      with jax.profiler.trace(args.trace):
+        r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    else:
+      r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    if engine is not None:
+      r["steps"] = engine.stats.steps - steps0
+      r["loop_entries"] = engine.stats.loop_entries - entries0
+      r["wall_ms_per_step"] = 1e3 * r["wall_s"] / max(1, r["steps"])
+      print(f"  {r['steps']} steps in {r['loop_entries']} loop entries, "
+            f"{r['wall_ms_per_step']:.2f} ms of wall per step", flush=True)
+    if trace:
+      traced = True
+      r["trace"] = _trace_summary(args.trace, r["steps"], f"server {tag} rate inf (trace)")
     if server is not None:
       r["loop_lag_s"] = _percentiles(server.lags) | {"max": max(server.lags, default=0.0)}
       after = timers.snapshot()
@@ -489,7 +539,7 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
             f"{1e3 * (lag['p99'] or 0):.1f}/{1e3 * lag['max']:.1f} ms", flush=True)
     for k, v in r.get("profile", {}).items():
       print(f"  {k}: {v['calls']} calls, {v['seconds']:.3f} s", flush=True)
-    for admission in ("longest_first", "fcfs"):
+    for admission in ("best", "longest_first", "fcfs"):
       off = results.get(f"offline_{admission}")
       if off and math.isinf(rate) and n == len(prompts):
         ratio = r["tokens_per_s"] / off["tokens_per_s"]
@@ -521,7 +571,7 @@ def main(argv=None) -> int:
   if args.url:
     run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
   else:
-    from jaxkv.cli import use_compilation_cache, warm_up   # pylint: disable=g-import-not-at-top
+    from jaxkv.cli import build_server, use_compilation_cache, warm_up   # pylint: disable=g-import-not-at-top
     from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
     from jaxkv.http.app import create_app   # pylint: disable=g-import-not-at-top
     import cProfile   # pylint: disable=g-import-not-at-top
@@ -530,24 +580,39 @@ def main(argv=None) -> int:
     model, max_len, tokenizer = build_engine(checkpoint, args, prompts, max_tokens)
     engine = Engine(model, max_len=max_len)
     print(f"device {jax.devices()[0].device_kind}; model loaded in {time.perf_counter() - t:.1f} s "
-          f"({args.slots} slots, W={args.max_write}, max_len={max_len})", flush=True)
+          f"(columns engine: {args.slots} slots, W={args.max_write}, max_len={max_len})",
+          flush=True)
     if not args.no_offline:
-      for admission in ("longest_first", "fcfs"):
-        off = run_offline(engine, prompts, max_tokens, admission)
-        results[f"offline_{admission}"] = {k: v for k, v in off.items() if k != "tokens"}
-        print(_line(f"offline ({admission})", off) + f"  step {off['step_ms']:.2f} ms",
-              flush=True)
-      for j, k in enumerate(filter(None, args.offline_entry_steps.split(","))):
-        prof = cProfile.Profile() if args.cprofile and j == 0 else None
-        off = run_offline(engine, prompts, max_tokens, "fcfs", int(k), prof)
-        if prof is not None:
-          _print_profile(f"offline, {k}-step entries", prof)
-        results[f"offline_fcfs_{k}_steps"] = {k2: v for k2, v in off.items() if k2 != "tokens"}
-        print(_line(f"offline (fcfs, {k}-step entries)", off)
-              + f"  step {off['step_ms']:.2f} ms, {off['loop_entries']} entries", flush=True)
-    del engine
-    for interval, scheduling in configs:
-      engine = Engine(model, max_len=max_len, scheduling=scheduling)
+      # The best offline row (columns, longest first), whatever engine the server runs.
+      _offline(results, "best", "columns, longest_first", engine, prompts, max_tokens,
+               "longest_first")
+    if args.engine == "default":
+      del engine, model
+      gc.collect()   # the columns engine's cache goes before the default one takes the memory
+      engine = None
+    for i, (interval, scheduling) in enumerate(configs):
+      if args.engine == "default":
+        engine = None
+        gc.collect()
+        t = time.perf_counter()
+        engine, tokenizer, plan = build_server(checkpoint, scheduling=scheduling)
+        if i == 0:
+          print(f"default engine built in {time.perf_counter() - t:.1f} s:\n  "
+                + "\n  ".join(plan.lines()), flush=True)
+      else:
+        engine = Engine(model, max_len=max_len, scheduling=scheduling)
+      if i == 0 and not args.no_offline:   # the same engine offline: the server's anchor
+        for admission in ("longest_first", "fcfs"):
+          _offline(results, admission, f"{args.engine} engine, {admission}", engine, prompts,
+                   max_tokens, admission)
+        for j, k in enumerate(filter(None, args.offline_entry_steps.split(","))):
+          prof = cProfile.Profile() if args.cprofile and j == 0 else None
+          off = run_offline(engine, prompts, max_tokens, "fcfs", int(k), prof)
+          if prof is not None:
+            _print_profile(f"offline, {k}-step entries", prof)
+          results[f"offline_fcfs_{k}_steps"] = {k2: v for k2, v in off.items() if k2 != "tokens"}
+          print(_line(f"offline (fcfs, {k}-step entries)", off)
+                + f"  step {off['step_ms']:.2f} ms, {off['loop_entries']} entries", flush=True)
       app = create_app(engine, tokenizer, model_name="bench", interval=interval)
       t = time.perf_counter()
       aio = app.state.aio
@@ -562,12 +627,12 @@ def main(argv=None) -> int:
       server = InProcessServer(app)
       try:
         run_rates(args, results, server.url, "bench", prompts, max_tokens, server, timers,
-                  f"i{interval}-{scheduling}")
+                  f"i{interval}-{scheduling}", engine=engine)
       finally:
         server.stop()
         if driver_prof is not None:
           _print_profile("server driver", driver_prof)
-      del engine, app
+      del app
   if args.out:
     with open(args.out, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1)
