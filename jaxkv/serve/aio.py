@@ -1,19 +1,23 @@
 """`AsyncEngine`: the incremental engine API from asyncio.
 
-One driver thread owns the stepping: while any request is unfinished it runs
-loop entries back to back (`Engine.step(overlap=True)`: the next entry is
-dispatched before the host builds the last one's deltas), so the device never
-waits for the event loop, and hands each entry's deltas to the event loop in one call
-(`call_soon_threadsafe`), where they are routed to one `asyncio.Queue` per
-request. While it steps, the event loop keeps serving: detokenising, writing
-streams and accepting requests, which join the loop at the next entry.
+Two threads own the stepping (`LiveQueue`'s two halves). The driver dispatches
+loop entries back to back (`LiveQueue.dispatch`: aborts, new requests, one
+entry), so the device never waits for the host: on a GPU the entry's call
+returns when the device has finished it, with the GIL released meanwhile, and
+the next entry is dispatched at once. The reader collects each entry
+(`LiveQueue.collect`) while the next one runs and hands its deltas to the event
+loop in one call (`call_soon_threadsafe`), where they are routed to one
+`asyncio.Queue` per request. While they step, the event loop keeps serving:
+detokenising, writing streams and accepting requests, which join the loop at
+the next entry.
 
-An entry runs `interval` steps while requests wait for a column (each entry
-costs a fixed host round trip, paid once per `interval` steps), and
-`min_interval` steps while a column is free and nothing waits, so a request
-that arrives then waits at most `min_interval` steps for its admission. A
-consumer that stops early (a closed generator, a cancelled task: a client that
-went away) aborts its request, which frees its columns at the next step.
+An entry runs `interval` steps while the engine is busy (each entry costs a
+fixed host round trip, paid once per `interval` steps), and `min_interval`
+steps while fewer than a quarter of its columns run and nothing waits, so a
+request that arrives at a quiet engine waits at most that many steps for its
+admission. A consumer that stops early (a closed generator, a cancelled task: a
+client that went away) aborts its request, which frees its columns at the next
+entry.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class AsyncEngine:
     self._wake = threading.Event()
     self._closed = False
     self._thread: threading.Thread | None = None
+    self._reader: threading.Thread | None = None
 
   def add_request(self, request: Request):
     """Checks and queues `request` (raising ValueError/TypeError as `Engine.add_request`); its id.
@@ -68,7 +73,9 @@ class AsyncEngine:
     self._queues[rid] = (asyncio.Queue(), request.params.n)
     if self._thread is None:
       self._thread = threading.Thread(target=self._drive, name="jaxkv-driver", daemon=True)
+      self._reader = threading.Thread(target=self._read, name="jaxkv-reader", daemon=True)
       self._thread.start()
+      self._reader.start()
     self._wake.set()
     return rid
 
@@ -85,7 +92,9 @@ class AsyncEngine:
     self._closed = True
     self._wake.set()
     if self._thread is not None:
+      self.engine.live.notify()
       self._thread.join(timeout)
+      self._reader.join(timeout)
 
   async def deltas(self, request_id) -> AsyncIterator[Delta]:
     """The request's deltas until each sample has finished; leaving early aborts it.
@@ -114,27 +123,47 @@ class AsyncEngine:
 
   def _steps(self) -> int:
     running, waiting = self.engine.counts()
-    idle_column = not waiting and running < self.engine.config.max_seqs
-    return self.min_interval if idle_column else self.interval
+    quiet = not waiting and 4 * running < self.engine.config.max_seqs
+    return self.min_interval if quiet else self.interval
 
   def _drive(self) -> None:
-    engine = self.engine
+    """The driver thread: dispatches entries while there is work (at most two uncollected)."""
+    live = self.engine.live
     while not self._closed:
       self._wake.clear()   # cleared before the check: an add_request after it sets it again
-      if not engine.has_unfinished():
+      if not live.has_work():
         self._wake.wait()
         continue
       try:
-        deltas = engine.step(self._steps(), overlap=True)
+        deltas = live.dispatch(self._steps())
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
-        if getattr(e, "deltas", None):   # what finished before the failure is delivered first
-          self._post(self._route, e.deltas)
-        self._post(self._fail, e)
-        if getattr(e, "failed", None) is None:   # not the engine's own report: wait for news
-          self._wake.wait(1.0)
+        self._report(e)
         continue
+      if deltas:   # aborts (and entries collected at once: logprobs)
+        self._post(self._route, deltas)
+
+  def _read(self) -> None:
+    """The reader thread: collects each entry while the next one runs, posts its deltas."""
+    live = self.engine.live
+    while not self._closed:
+      if not live.wait_for_entry(timeout=1.0):
+        continue
+      try:
+        deltas = live.collect()
+      except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
+        self._report(e)
+        continue
+      finally:
+        self._wake.set()   # what the driver decides from may have changed
       if deltas or self.on_step is not None:
         self._post(self._route, deltas)
+
+  def _report(self, e: Exception) -> None:
+    if getattr(e, "deltas", None):   # what finished before the failure is delivered first
+      self._post(self._route, e.deltas)
+    self._post(self._fail, e)
+    if getattr(e, "failed", None) is None:   # not the engine's own report: wait for news
+      self._wake.wait(1.0)
 
   def _post(self, fn, arg) -> None:
     try:

@@ -49,11 +49,21 @@ def update(cols: Columns, col, did=None, **values) -> Columns:
 # ----------------------------------------------------------------------------- requests
 
 
+def head_slot(q: Queue):
+  """`(waiting, slot)`: whether a request waits in `q`, and the slot of the next one.
+
+  The queue is a ring: `next` and `count` only grow (requests admitted, requests
+  ever enqueued; int32 arithmetic wraps, and `Q` is a power of two, so the slot
+  `next % Q` and the difference stay right), so the incremental API appends a
+  request without rewriting the others (`live_ops.enqueue`).
+  """
+  return q.count - q.next > 0, q.next % q.prompt_len.shape[0]
+
+
 def head_needs(q: Queue):
   """`(waiting, columns, rows)`: whether a request waits, the columns and the reserved
   positions its next admission takes."""
-  i = jnp.minimum(q.next, q.prompt_len.shape[0] - 1)
-  waiting = q.next < q.count
+  waiting, i = head_slot(q)
   n, plen = q.n[i], q.prompt_len[i]
   per_sample = plen + q.max_tokens[i] - 1
   fork = (n > 1) & (plen > 1)
@@ -65,7 +75,7 @@ def head_needs(q: Queue):
 def admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
   """Admits the queue's next column: a new sequence with the request's prompt and parameters."""
   q = ls.queue
-  i = q.next
+  _, i = head_slot(q)
   _, _, rows = head_needs(q)
   n, plen = q.n[i], q.prompt_len[i]
   fork = (n > 1) & (plen > 1)

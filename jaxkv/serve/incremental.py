@@ -25,6 +25,12 @@ class IncrementalAPI:
       self._live = LiveQueue(self)
     return self._live
 
+  @property
+  def live(self) -> LiveQueue:
+    """The incremental API's `LiveQueue` (made on first use): its `dispatch` and `collect`
+    halves let a front run loop entries on one thread and read them back on another."""
+    return self._live_queue()
+
   def add_request(self, request: Request):
     """Queues one request for `step`/`stream`; returns its id.
 

@@ -1,40 +1,48 @@
-"""Incremental serving over one persistent loop state: `add_request`, `abort`, `step`.
+"""Incremental serving over one persistent loop state: `add_request`, `abort`, `dispatch`, `collect`.
 
 `Engine.run` packs a known queue and serves it in one jitted call. `LiveQueue`
 keeps one `LoopState` (one cache) alive across calls and serves requests that
-arrive and leave while others run:
+arrive and leave while others run. Its work has two halves, so that the device
+never waits for the host's formatting:
 
-- **Requests** are checked at `add_request` (`Engine.check`) and wait on the
-  host until the device queue (`Q` slots, `LoopState.queue`) has room. Between
-  loop entries the host rewrites the queue arrays: the requests not yet
-  admitted first (a partly admitted head keeps its `copies`), then newly
-  arrived ones, `next = 0`. The loop admits from it in order, as in `run`.
+- **`dispatch(k)`** (one thread at a time: the driver) applies aborts on the
+  device, appends waiting requests to the device queue, and runs one loop entry
+  of at most `k` steps. On a GPU a jitted call holding a `while` loop returns
+  only when the device has finished it (each loop predicate is read back by the
+  host), releasing the GIL meanwhile; the entry's snapshot (`live_ops.snapshot`)
+  is queued for `collect`, and the driver can dispatch the next entry at once.
+- **`collect()`** (another thread, or the same one after `dispatch`) reads the
+  oldest entry's snapshot and turns it into each sample's `Delta`.
+
+The host never needs the in-flight entry's results to dispatch the next one:
+
+- **The device queue** is a ring (`columns.head_slot`): `live_ops.enqueue`
+  appends requests behind whatever the device still holds; the host counts its
+  free slots from the last entry it read plus what it appended since (admissions
+  only free slots, so the count is safe when stale).
 - **Output rows** (`R` rows of `LoopState.out`) are allocated on the host, `n`
   contiguous rows per request (forked samples write `out_base + index`), when
-  the request enters the device queue; they return to a free map when the
-  request ends, and are cleared (`Outputs.length = done = stop = 0`) before
-  reuse. Rows of in-flight samples never move.
-- **A step** is one loop entry of at most `k` steps (`max_steps`); the host
-  then reads `Outputs.length` (tokens so far, updated every step) and reports each
-  sample's new tokens as a `Delta`, with a finish reason when it ended.
-- **Aborts** are applied between entries by `_abort_columns` (jitted, the
-  state donated): `jaxkv.pure.seq_rm` on each of the request's columns, and
-  `used/active/done/reserve/forks` cleared, so its columns and reserved room
-  are free for the next admission.
-- **Stop tokens past the engine's `max_stop_tokens`** are checked on the host:
-  the sample is cut after the first one and its column aborted.
+  the request enters the device queue; `enqueue` clears them on the device. They
+  return to a free map when the request ends. A snapshot is read only for the
+  requests enqueued before its entry was dispatched, so rows reused later are
+  never misread.
+- **Aborts** are applied on the device by output row (`live_ops.abort_rows`,
+  the state donated): the columns writing to the rows are removed and, for a
+  whole request, its queue slot if it was not admitted yet, whatever the entry
+  in flight did. Samples cut at a stop token past the engine's
+  `max_stop_tokens` (checked on the host) are removed the same way.
 - **Logprobs** land in a window of `LOGPROB_WINDOW` tokens per output row
-  (token `t` at `t % LOGPROB_WINDOW`); while a request that wants them is in
-  flight, a loop entry runs at most that many steps, so the host reads every
-  token's logprobs before its slot is written again.
+  (token `t` at `t % LOGPROB_WINDOW`) read from the state itself: while a
+  request that wants them is in flight, entries are at most that long and each
+  is read before the next one is dispatched.
 
-Everything here runs on the host between loop entries; the jitted loop
-(`loop.serve_loop`) is the same one `run` uses. The host's request records are in
-`live_records.py`; reading an entry back (snapshot, deltas) is in `live_read.py`.
+The jitted loop (`loop.serve_loop`) is the same one `run` uses. The host's
+request records are in `live_records.py`; reading an entry back is in `live_read.py`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -49,14 +57,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from jaxkv import Status
 from jaxkv.serve.admission import check_admission, plain_greedy
 from jaxkv.serve.errors import EngineError
-from jaxkv.serve.live_ops import abort_columns, clear_rows, snapshot
-from jaxkv.serve.live_read import SnapshotReader
+from jaxkv.serve.live_ops import abort_rows, enqueue, snapshot
+from jaxkv.serve.live_read import Entry, SnapshotReader
 from jaxkv.serve.live_records import Tracked, Waiting, first_fit
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import Delta, RequestTiming
 from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
                                pack_queue)
 from jaxkv.serve.timing import compile_seconds
+
+# Entries dispatched and not yet collected, at most: the driver runs one entry ahead.
+MAX_IN_FLIGHT = 2
 
 
 class LiveQueue(SnapshotReader):
@@ -76,23 +87,27 @@ class LiveQueue(SnapshotReader):
     self.out_rows = _bucket(max(s, 2 * self.queue_size if out_rows is None else out_rows))
     self.logprob_window = min(LOGPROB_WINDOW, engine.max_len)
     self._lock = threading.Lock()        # host bookkeeping (add_request/abort from any thread)
-    self._stepping = threading.Lock()    # one loop entry at a time
+    self._changed = threading.Condition(self._lock)   # an entry dispatched or collected
+    self._dispatching = threading.Lock()  # one dispatch at a time (it owns `engine.state`)
+    self._collecting = threading.Lock()   # one collect at a time, entries in order
     self._tracked: dict = {}             # request_id -> Tracked, in arrival order
     self._waiting = Waiting(engine.scheduling)  # on the host, not yet in the device queue
-    self._queued: list = []              # == device queue[next:count]
-    self._head_copies = 0
-    self._dev_next = 0                   # the device queue's `next` when the host last saw it
     self._free = np.ones((self.out_rows,), bool)
     self._aborts: dict = {}   # (request_id, index) -> None, in call order: O(1) membership
     self._ids = itertools.count()
-    self._host: dict | None = None       # last host copy of the column arrays
-    self._dirty = False                  # the device queue must be rewritten
-    self._steps_seen = 0                 # the loop's step counter after the last entry
-    self.held = 0                        # cache positions held after the last step
-    self._sampled = 0                    # requests in flight that are not plain greedy
-    self._pending = None                 # (snapshot, window, k) of the entry in flight, unread
-    self.waiting_tokens = 0              # prompt tokens of the requests not yet admitted
+    self._pending: collections.deque = collections.deque()   # Entry, oldest first
+    self._dispatched = 0                 # entries dispatched on this state
+    self._enqueued = 0                   # requests ever appended to the device queue
+    self._queued_seen = 0                # device queue length after the last entry read
+    self._enqueued_seen = 0              # `_enqueued` when that entry was dispatched
+    self._steps_seen = 0                 # the loop's step counter after the last entry read
     self._cut_rows: list = []            # rows cut at a host-side stop, removed at next dispatch
+    self._free_after_abort: list = []    # (base, n) of released requests holding cut rows
+    self._broken: Exception | None = None   # a status failure read back, reset at next dispatch
+    self.held = 0                        # cache positions held after the last entry read
+    self._sampled = 0                    # requests in flight that are not plain greedy
+    self._with_logprobs = 0              # requests in flight that want logprobs
+    self.waiting_tokens = 0              # prompt tokens of the requests not yet admitted
 
   # ------------------------------------------------------------------ requests
 
@@ -117,6 +132,7 @@ class LiveQueue(SnapshotReader):
       if p.n > self.out_rows:
         raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
       self._sampled += not plain_greedy(p)
+      self._with_logprobs += p.logprobs is not None
       self.waiting_tokens += len(request.prompt)
       self._tracked[rid] = Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
@@ -150,107 +166,156 @@ class LiveQueue(SnapshotReader):
   def counts(self) -> tuple[int, int]:
     """`(running, waiting)` requests: admitted into the loop, and not yet."""
     with self._lock:
-      waiting = len(self._waiting) + len(self._queued) - (self._head_copies > 0)
+      waiting = sum(1 for t in self._tracked.values() if t.admitted is None)
       return len(self._tracked) - waiting, waiting
 
-  # ------------------------------------------------------------------ one step
+  def has_work(self) -> bool:
+    """Whether a dispatch would give the device something to do (by the last entry read)."""
+    with self._lock:
+      return bool(self._aborts or self._cut_rows or self._broken is not None
+                  or any(not all(t.finished) for t in self._tracked.values()))
+
+  @property
+  def in_flight(self) -> int:
+    """Entries dispatched and not yet collected."""
+    with self._lock:
+      return len(self._pending)
+
+  def wait_for_entry(self, timeout: float | None = None) -> bool:
+    """Blocks until an entry is in flight (or `timeout` seconds pass); whether one is."""
+    with self._changed:
+      return self._changed.wait_for(lambda: bool(self._pending), timeout)
+
+  def notify(self) -> None:
+    """Wakes the threads waiting in `wait_for_entry` (a front that is closing)."""
+    with self._changed:
+      self._changed.notify_all()
+
+  # ------------------------------------------------------------------ stepping
 
   def step(self, max_steps: int | None = None, *, overlap: bool = False) -> list[Delta]:
-    """One loop entry; its deltas (see `Engine.step`).
+    """One loop entry; its deltas (see `Engine.step`): `dispatch`, then `collect`.
 
-    With `overlap`, the entry's successor is dispatched before the host builds
-    the entry's deltas, so the device runs entry N+1 while the host formats
-    entry N (JAX dispatch is asynchronous; each entry's snapshot is its own
-    buffer). The call then returns the deltas of the entry dispatched by the
-    previous call, and leaves one entry in flight while work remains. Aborts and
-    host-side stop cuts take effect at the next dispatch, which follows the
-    in-flight entry. Off while a request that wants logprobs is in flight (their
-    window is rewritten by the next entry before the host would read it).
+    With `overlap`, the next entry is dispatched before the last one is
+    collected, and left in flight while work remains: the call returns the
+    deltas of the entry the previous call dispatched.
+    """
+    deltas: list[Delta] = []
+    try:
+      if overlap and not self.in_flight:
+        deltas += self.dispatch(max_steps)
+        if not self.in_flight:   # nothing to run, or collected at once (logprobs)
+          return deltas
+      before = self._dispatched
+      deltas += self.dispatch(max_steps)
+      keep = 1 if overlap and self._dispatched != before else 0
+      while self.in_flight > keep:
+        deltas += self.collect()
+    except EngineError as e:
+      e.deltas = deltas + e.deltas
+      raise
+    return deltas
+
+  def dispatch(self, max_steps: int | None = None, *, wait: bool = True) -> list[Delta]:
+    """Applies aborts and cuts, appends waiting requests and dispatches one entry (unless idle).
+
+    Returns the deltas of the aborts it applied (and, while a request that wants
+    logprobs is in flight, of the entry itself, which is collected at once). With
+    `wait`, it first waits until fewer than `MAX_IN_FLIGHT` entries are uncollected
+    (another thread collects them); without, it raises RuntimeError instead.
+
+    Raises:
+      EngineError: the model, device or cache failed (now, or in an entry read
+        since the last dispatch); see `Engine.step`.
     """
     engine = self.engine
     k = engine.max_steps if max_steps is None else max_steps
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
       raise ValueError(f"max_steps={max_steps!r} must be an int >= 1")
-    if not self._stepping.acquire(blocking=False):
+    with self._changed:
+      while len(self._pending) >= MAX_IN_FLIGHT:
+        if not wait:
+          raise RuntimeError(f"dispatch: {MAX_IN_FLIGHT} entries are uncollected")
+        self._changed.wait()
+    if not self._dispatching.acquire(blocking=False):
       raise RuntimeError("step: another loop entry is running (one at a time)")
     started, compiled = time.perf_counter(), compile_seconds()
-    with self._lock:
-      if any(t.request.params.logprobs is not None for t in self._tracked.values()):
-        k = min(int(k), self.logprob_window)   # no logprob slot is rewritten before it is read
-        overlap = False
     deltas: list[Delta] = []
     try:
       try:
-        deltas = self._step_overlapped(int(k), deltas) if overlap else self._step(int(k), deltas)
+        if self._broken is not None:
+          raise self._broken
+        with self._lock:
+          sync = self._with_logprobs > 0
+        if sync:   # no logprob slot is rewritten before it is read
+          k = min(int(k), self.logprob_window)
+        deltas += self._dispatch(int(k))
+        if sync:
+          while self.in_flight:
+            deltas += self.collect(_from_dispatch=True)
       except BaseException as e:   # pylint: disable=broad-except  (model, device or status failure)
-        # A KeyboardInterrupt mid-entry too: the state was donated, so the bookkeeping is
-        # reset with it (the engine stays usable) and the interrupt goes on, naming the dropped.
-        # `deltas` holds what finished before the failure (the fronts deliver it first).
-        failed = self._reset()
-        if not isinstance(e, Exception):
-          e.failed, e.deltas = failed, deltas
+        err = self._failed(e, deltas)
+        if err is e:
           raise
-        err = EngineError(f"step failed; requests {failed} were dropped: "
-                          f"{type(e).__name__}: {e}", [])
-        err.failed, err.deltas = failed, deltas
         raise err from e
       stats = engine.stats
       stats.seconds += time.perf_counter() - started
       stats.compile_seconds += compile_seconds() - compiled
       return deltas
     finally:
-      self._stepping.release()
+      self._dispatching.release()
 
-  def _step(self, k: int, deltas: list) -> list[Delta]:
-    """Dispatches one entry and reads it back (an entry left in flight by `overlap` first)."""
-    if self._pending is not None:
-      deltas += self._deltas(*self._read(), defer_cuts=False)
-    deltas += self._dispatch(k)
-    if self._pending is not None:
-      deltas += self._deltas(*self._read(), defer_cuts=False)
-    return deltas
+  def _failed(self, e: BaseException, deltas: list) -> BaseException:
+    """Resets after a failure (the state was donated); the error to raise, naming the dropped.
 
-  def _step_overlapped(self, k: int, deltas: list) -> list[Delta]:
-    """Reads the entry in flight, dispatches the next one, then builds the first one's deltas."""
-    if self._pending is None:
-      deltas += self._dispatch(k)
-      if self._pending is None:
-        return deltas
-    read = self._read()
-    deltas += self._dispatch(k)
-    deltas += self._deltas(*read, defer_cuts=self._pending is not None)
-    return deltas
+    A KeyboardInterrupt mid-entry too: the bookkeeping is reset with the state
+    (the engine stays usable) and the interrupt goes on. `deltas` holds what
+    finished before the failure (the fronts deliver it first). Holds `_dispatching`.
+    """
+    with self._collecting:   # what finished in entries still uncollected is delivered first
+      while self._pending and self._broken is None:
+        try:
+          deltas += self._collect_one()
+        except Exception:   # pylint: disable=broad-except  (its own failure: dropped with the rest)
+          break
+      failed = self._reset()
+    cause = e if self._broken is None or e is self._broken else self._broken
+    self._broken = None
+    if not isinstance(e, Exception):
+      e.failed, e.deltas = failed, deltas
+      return e
+    err = EngineError(f"step failed; requests {failed} were dropped: "
+                      f"{type(cause).__name__}: {cause}", [])
+    err.failed, err.deltas = failed, deltas
+    return err
 
   def _dispatch(self, k: int) -> list[Delta]:
-    """Applies aborts and cuts, fills the device queue and dispatches one entry (unless idle)."""
+    """Aborts, appends, and dispatches one entry unless the device has nothing to do."""
     engine = self.engine
     if engine.state is None:
       self._init_state()
     deltas = self._apply_aborts()
     self._fill()
     with self._lock:
-      if not self._queued and not self._device_busy():
+      if not any(t.base >= 0 and not all(t.finished) for t in self._tracked.values()):
         return deltas
+      greedy = self._sampled == 0
     ls, engine.state = engine.state, None   # donated below
     # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
     # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
-    ls = engine.enter(ls, k, greedy=self._sampled == 0)
+    ls = engine.enter(ls, k, greedy=greedy)
     engine.state = ls
     engine.stats.loop_entries += 1
     window = _bucket(k)   # one snapshot compiled per power of two, not per k
-    self._pending = (snapshot(ls, window), window, k)
+    entry = Entry(snapshot(ls, window), window, k, self._dispatched, self._enqueued)
+    with self._changed:
+      self._dispatched += 1
+      self._pending.append(entry)
+      self._changed.notify_all()
     return deltas
 
-  def _device_busy(self) -> bool:
-    """Whether a column holds an unfinished sample (by the last snapshot). Holds `_lock`."""
-    host = self._host
-    if host is None:
-      return any(t.base >= 0 and t.admitted is not None for t in self._tracked.values())
-    used = host["used"] == 1
-    return bool((used & (host["out_done"][np.where(used, host["out_row"], 0)] == 0)).any())
-
   def _init_state(self) -> None:
-    engine, q = self.engine, self.queue_size
+    engine = self.engine
     arrays = self._pack([]).arrays
     host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0,
                            lp_rows=self.out_rows, lp_window=self.logprob_window,
@@ -261,13 +326,13 @@ class LiveQueue(SnapshotReader):
     # Committed from the start, as the loop's outputs are: jit keys its compiled code on
     # whether each argument is committed, so a mix would compile the loop a second time.
     engine.state = state if engine.mesh is not None else self._place(state)
-    assert engine.state.queue.prompt.shape[0] == q
+    assert engine.state.queue.prompt.shape[0] == self.queue_size
 
-  def _pack(self, requests) -> HostQueue:
-    """The queue arrays of `requests`, padded with never-admitted fillers to `Q` slots."""
+  def _pack(self, requests, size: int | None = None) -> HostQueue:
+    """The queue arrays of `requests`, padded with never-admitted fillers to `size` (`Q`) slots."""
     engine = self.engine
     filler = Request((0,))
-    padded = list(requests) + [filler] * (self.queue_size - len(requests))
+    padded = list(requests) + [filler] * ((size or self.queue_size) - len(requests))
     return pack_queue([r.prompt for r in padded], [r.params for r in padded],
                       max_len=engine.max_len, max_stop=engine.max_stop,
                       num_logprobs=engine.max_logprobs)
@@ -279,111 +344,94 @@ class LiveQueue(SnapshotReader):
                           else SingleDeviceSharding(jax.devices()[0]))
 
   def _fill(self) -> None:
-    """Moves waiting requests into the device queue while slots and output rows allow."""
+    """Appends waiting requests to the device queue while its slots and output rows allow."""
     engine = self.engine
     with self._lock:
+      room = self.queue_size - (self._queued_seen + self._enqueued - self._enqueued_seen)
       moved = []
-      while self._waiting and len(self._queued) < self.queue_size:
+      while self._waiting and len(moved) < room:
         t = self._tracked[self._waiting.peek()]
         base = first_fit(self._free, t.n)
         if base is None:
           break   # in order: a later request never overtakes one waiting for rows
         self._free[base:base + t.n] = False
-        t.base = base
-        moved.append(self._waiting.popleft())
-        self._queued.append(moved[-1])
-      if not moved and not self._dirty:
-        return
-      queued = [self._tracked[rid] for rid in self._queued]
-      self._dirty = False
-    grow = engine._grow_for   # pylint: disable=protected-access
-    ls = grow(engine.state, [t.request for t in queued]) if queued else engine.state
-    host_queue = self._pack([t.request for t in queued])
-    out_base = np.zeros((self.queue_size,), np.int32)
-    out_base[:len(queued)] = [t.base for t in queued]
-    # Logprob rows are the output rows (the window has `out_rows` rows).
-    lp_base = np.full((self.queue_size,), NO_ROW, np.int32)
-    lp_base[:len(queued)] = [t.base if t.request.params.logprobs is not None else NO_ROW
-                             for t in queued]
-    arrays = host_queue.arrays | {"out_base": out_base, "lp_base": lp_base}
-    queue = dataclasses.replace(
-        ls.queue, **self._place({k: jnp.asarray(v) for k, v in arrays.items()}),
-        next=self._place(jnp.int32(0)), copies=self._place(jnp.int32(self._head_copies)),
-        count=self._place(jnp.int32(len(queued))))
-    clear = np.zeros((self.out_rows,), bool)
-    for rid in moved:
-      t = self._tracked[rid]
-      clear[t.base:t.base + t.n] = True
-    length, stop, done = clear_rows(ls.out.length, ls.out.stop, ls.out.done,
-                                    self._place(jnp.asarray(clear)))
-    engine.state = dataclasses.replace(ls, queue=queue, out=dataclasses.replace(
-        ls.out, length=length, stop=stop, done=done))
-    self._dev_next = 0
-
-  def _columns_of(self, rows) -> np.ndarray:
-    """`bool[S]`: used columns writing to any of `rows`."""
-    host = self._host
-    if host is None:
-      return np.zeros((self.engine.config.max_seqs,), bool)
-    return (host["used"] == 1) & np.isin(host["out_row"], list(rows))
-
-  def _remove_columns(self, mask: np.ndarray) -> None:
-    if not mask.any():
+        t.base, t.entry = base, self._dispatched
+        self._waiting.popleft()
+        moved.append(t)
+      self._enqueued += len(moved)
+    if not moved:
       return
-    engine = self.engine
-    ls, engine.state = engine.state, None
-    engine.state = abort_columns(engine.config, ls, self._place(jnp.asarray(mask)))
-    self._host["used"] = np.where(mask, 0, self._host["used"])
-    if int(engine.state.status) != Status.OK:
-      raise RuntimeError(f"aborting columns failed: {Status(int(engine.state.status)).name}")
+    grow = engine._grow_for   # pylint: disable=protected-access
+    ls = grow(engine.state, [t.request for t in moved])
+    # Few shapes: the batch and the prompt width are powers of two (the width at most max_len).
+    width = min(_bucket(max(len(t.request.prompt) for t in moved)), engine.max_len)
+    arrays = dict(self._pack([t.request for t in moved], _bucket(len(moved))).arrays)
+    arrays["prompt"] = arrays["prompt"][:, :width]
+    batch = arrays["prompt"].shape[0]
+    arrays["out_base"] = np.zeros((batch,), np.int32)
+    arrays["out_base"][:len(moved)] = [t.base for t in moved]
+    # Logprob rows are the output rows (the window has `out_rows` rows).
+    arrays["lp_base"] = np.full((batch,), NO_ROW, np.int32)
+    arrays["lp_base"][:len(moved)] = [t.base if t.request.params.logprobs is not None else NO_ROW
+                                      for t in moved]
+    engine.state = None   # donated below
+    engine.state = enqueue(ls, self._place(arrays), self._place(np.int32(len(moved))))
 
   def _apply_aborts(self) -> list[Delta]:
+    """Ends the aborted requests and samples on the host, then removes theirs on the device."""
+    rows = self.out_rows
+    column_rows, queue_rows = np.zeros((rows,), bool), np.zeros((rows,), bool)
     with self._lock:
       aborts, self._aborts = list(self._aborts), {}
-      deltas, mask = [], np.zeros((self.engine.config.max_seqs,), bool)
-      if self._cut_rows:   # samples cut at a host-side stop while an entry was in flight
-        mask |= self._columns_of(self._cut_rows)
-        self._cut_rows = []
+      deltas = []
+      for row in self._cut_rows:   # samples cut at a host-side stop while an entry was in flight
+        column_rows[row] = True
+      self._cut_rows = []
+      freed, self._free_after_abort = self._free_after_abort, []
       for rid, index in aborts:
         t = self._tracked.get(rid)
         if t is None or (index is not None and t.finished[index]):
           continue   # it finished in the step that ran when abort() was called
-        if index is not None:
-          mask |= self._columns_of([t.base + index])
-          t.finished[index] = True
-          self.engine.stats.aborted += 1
-          deltas.append(Delta(rid, index, (), "abort", t.request.params.seed,
-                              logprobs=t.logprobs_of_none))
-          if all(t.finished):
-            deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
-          continue
-        if rid in self._waiting:
-          self._waiting.remove(rid)
-        elif rid in self._queued:
-          if self._queued[0] == rid:
-            self._head_copies = 0
-          self._queued.remove(rid)
-          self._dirty = True
+        samples = range(t.n) if index is None else (index,)
         if t.base >= 0:
-          mask |= self._columns_of(range(t.base, t.base + t.n))
-        for j in range(t.n):
+          column_rows[t.base + np.asarray(samples)] = True
+          if index is None:
+            queue_rows[t.base] = True
+        elif index is None:
+          self._waiting.remove(rid)
+        for j in samples:
           if not t.finished[j]:
             t.finished[j] = True
             self.engine.stats.aborted += 1
             deltas.append(Delta(rid, j, (), "abort", t.request.params.seed,
                                 logprobs=t.logprobs_of_none))
-        deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
-    self._remove_columns(mask)
+        if all(t.finished):
+          deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
+    if column_rows.any():
+      engine = self.engine
+      ls, engine.state = engine.state, None
+      engine.state = abort_rows(engine.config, ls, *self._place((column_rows, queue_rows)))
+    with self._lock:   # their columns are gone before any later use of the rows
+      for base, n in freed:
+        self._free[base:base + n] = True
     return deltas
 
   def _release(self, rid) -> RequestTiming:
-    """Forgets a finished request and frees its output rows; its timing. Holds `_lock`."""
+    """Forgets a finished request and frees its output rows; its timing. Holds `_lock`.
+
+    Rows freed here are reused only by a later dispatch, which runs after any
+    device work on them (an abort or the entry that finished them) in the device's order.
+    """
     t = self._tracked.pop(rid)
     self._sampled -= not plain_greedy(t.request.params)
+    self._with_logprobs -= t.request.params.logprobs is not None
     if t.admitted is None:
       self.waiting_tokens -= len(t.request.prompt)
     if t.base >= 0:
-      self._free[t.base:t.base + t.n] = True
+      if any(t.base <= row < t.base + t.n for row in self._cut_rows):
+        self._free_after_abort.append((t.base, t.n))   # a column still writes there
+      else:
+        self._free[t.base:t.base + t.n] = True
     now = time.perf_counter()
     since = lambda x: None if x is None else x - t.arrived
     tokens = max(t.emitted)   # the longest sample: the request's last token came with it
@@ -391,17 +439,19 @@ class LiveQueue(SnapshotReader):
     return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
 
   def _reset(self) -> list:
-    """After a failed entry: drops the state and every request the device held; their ids."""
+    """After a failure: drops the state and every request the device held; their ids."""
     with self._lock:
       failed = [rid for rid, t in self._tracked.items() if t.base >= 0]
       for rid in failed:
         t = self._tracked.pop(rid)
         self._sampled -= not plain_greedy(t.request.params)
+        self._with_logprobs -= t.request.params.logprobs is not None
         self.waiting_tokens -= len(t.request.prompt) if t.admitted is None else 0
-      self._queued, self._head_copies, self._aborts, self._dev_next = [], 0, {}, 0
-      self._steps_seen = 0
+      self._aborts = {k: v for k, v in self._aborts.items() if k[0] in self._tracked}
       self._free[:] = True
-      self._host, self.held, self._dirty = None, 0, False
-      self._pending, self._cut_rows = None, []
+      self._pending.clear()
+      self._dispatched = self._enqueued = self._queued_seen = self._enqueued_seen = 0
+      self._steps_seen, self.held, self._cut_rows, self._free_after_abort = 0, 0, [], []
+      self._changed.notify_all()
     self.engine.state = None   # rebuilt (a fresh cache) at the next step
     return failed

@@ -1,11 +1,16 @@
-"""The incremental API's device-side helpers (jitted), outside the serving loop.
+"""The incremental API's device-side helpers (jitted, the `LoopState` donated), outside the loop.
 
-`abort_columns` (the `LoopState` donated) removes aborted requests' columns
-between loop entries: `jaxkv.pure.seq_rm` on each, and the columns'
-`used/active/done/reserve/forks/hold/parked` cleared (a parked column has no
-sequence to remove), so the next admission finds
-their columns and reserved room free. `clear_rows` resets output rows before
-the host hands them to a new request.
+They run in the device's order between loop entries, so the host can queue them
+behind an entry still in flight without knowing what that entry did:
+
+- `enqueue` appends requests to the device queue (a ring: `columns.head_slot`)
+  and clears their output rows: only the new requests travel, not the queue.
+- `abort_rows` removes what aborted requests hold, found on the device by their
+  output rows: the columns writing to them (`jaxkv.pure.seq_rm` on each, and the
+  columns' `used/active/done/reserve/forks/hold/parked` cleared; a parked column
+  has no sequence to remove), and the queue slots of requests not yet admitted
+  (the ring closes over them, keeping its order).
+- `snapshot` packs what the host reads after an entry into one vector.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import jax.numpy as jnp
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve.columns import update
 from jaxkv.serve.results import PAGED_COUNTERS
-from jaxkv.serve.state import LoopState, merge_status
+from jaxkv.serve.state import LoopState, Queue, merge_status
 
 
 def _abort_columns(config: CacheConfig, ls: LoopState, mask):
@@ -43,14 +48,63 @@ def _abort_columns(config: CacheConfig, ls: LoopState, mask):
   return jax.lax.while_loop(cond, body, (ls, mask))[0]
 
 
-abort_columns = jax.jit(_abort_columns, static_argnums=0, donate_argnums=1)
+def _queue_fields(q: Queue) -> list[str]:
+  """The queue's per-slot fields (every leaf but the `next/copies/count` counters)."""
+  return [f.name for f in dataclasses.fields(q) if f.name not in ("next", "copies", "count")]
 
 
-@jax.jit
-def clear_rows(out_len, out_stop, out_done, clear):
-  """Zeroes `out_len/out_stop/out_done` at the rows in `clear` (`bool[R]`) before their reuse."""
+def _abort_rows(config: CacheConfig, ls: LoopState, column_rows, queue_rows):
+  """Removes the used columns writing to `column_rows` and the queued requests whose
+  first output row is in `queue_rows` (both `bool[R]`)."""
+  rows = column_rows.shape[0]
+  c = ls.cols
+  ls = _abort_columns(config, ls, (c.used == 1) & column_rows[jnp.clip(c.out_row, 0, rows - 1)])
+  q = ls.queue
+  size = q.prompt_len.shape[0]
+  j = jnp.arange(size, dtype=jnp.int32)
+  src = (q.next + j) % size                      # ring order from the head
+  queued = j < q.count - q.next
+  cancel = queued & queue_rows[jnp.clip(q.out_base[src], 0, rows - 1)]
+  keep = queued & ~cancel
+  # Kept requests close up in order; the rest of the ring is left as it was (unread).
+  dest = jnp.where(keep, (q.next + jnp.cumsum(keep, dtype=jnp.int32) - 1) % size, size)
+  moved = {name: getattr(q, name).at[dest].set(getattr(q, name)[src], mode="drop")
+           for name in _queue_fields(q)}
+  # A partly admitted head that is aborted takes its admitted copies' count with it.
+  queue = dataclasses.replace(q, **moved, count=q.next + keep.sum(dtype=jnp.int32),
+                              copies=jnp.where(cancel[0], 0, q.copies))
+  return dataclasses.replace(ls, queue=queue)
+
+
+abort_rows = jax.jit(_abort_rows, static_argnums=0, donate_argnums=1)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def enqueue(ls: LoopState, arrays: dict, num):
+  """Appends the first `num` requests of `arrays` to the device queue and clears their rows.
+
+  `arrays` holds the queue's per-slot fields for `B >= num` requests (`pack_queue`'s
+  arrays, `prompt` `[B, Lb]` with `Lb <= L`, and `out_base`/`lp_base`); they go
+  to slots `count, count + 1, ...` (mod `Q`). Each request's output rows
+  `[out_base, out_base + n)` get `Outputs.length/stop/done = 0` before their reuse.
+  """
+  q, o = ls.queue, ls.out
+  size, max_len = q.prompt.shape
+  batch, width = arrays["prompt"].shape
+  k = jnp.arange(batch, dtype=jnp.int32)
+  real = k < num
+  slots = jnp.where(real, (q.count + k) % size, size)
+  prompt = jnp.zeros((batch, max_len), q.prompt.dtype).at[:, :width].set(arrays["prompt"])
+  values = dict(arrays, prompt=prompt)
+  written = {name: getattr(q, name).at[slots].set(values[name].astype(getattr(q, name).dtype),
+                                                  mode="drop") for name in _queue_fields(q)}
+  queue = dataclasses.replace(q, **written, count=q.count + num)
+  r = jnp.arange(o.length.shape[0], dtype=jnp.int32)[:, None]
+  base, n = arrays["out_base"][None, :], arrays["n"][None, :]
+  clear = jnp.any(real[None, :] & (r >= base) & (r < base + n), axis=1)
   zero = lambda a: jnp.where(clear, 0, a)
-  return zero(out_len), zero(out_stop), zero(out_done)
+  out = dataclasses.replace(o, length=zero(o.length), stop=zero(o.stop), done=zero(o.done))
+  return dataclasses.replace(ls, queue=queue, out=out)
 
 
 # The scalars `snapshot` packs first, in this order (the paged counters follow).
@@ -61,8 +115,8 @@ SNAPSHOT_SCALARS = ("status", "steps", "step_tokens", "occupancy", "peak_rows")
 def snapshot(ls: LoopState, window: int):
   """Everything the host reads after a loop entry, as one `int32` vector (one transfer).
 
-  Layout: `SNAPSHOT_SCALARS`, the paged counters, the queue's `next` and
-  `copies`, `width_steps`, then per column `used`, `out_row`, `fed`, per
+  Layout: `SNAPSHOT_SCALARS`, the paged counters, the queue's `next`,
+  `copies` and `count`, `width_steps`, then per column `used`, `out_row`, `fed`, per
   output row `out_done`, `out_len`, `out_stop` (`Outputs.done/length/stop`),
   and each output row's last `window` tokens
   (`Outputs.tokens[r, out_len - window : out_len]`, clipped at 0):
@@ -70,7 +124,7 @@ def snapshot(ls: LoopState, window: int):
   so the host finds every new token there without reading `out_tokens` whole.
   """
   scalars = [getattr(ls, f) for f in SNAPSHOT_SCALARS + PAGED_COUNTERS]
-  scalars += [ls.queue.next, ls.queue.copies]
+  scalars += [ls.queue.next, ls.queue.copies, ls.queue.count]
   c, o = ls.cols, ls.out
   max_new = o.tokens.shape[1]
   at = jnp.clip(o.length[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :],
@@ -84,7 +138,7 @@ def snapshot(ls: LoopState, window: int):
 
 def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: int) -> dict:
   """The host dict of a `snapshot` vector (NumPy views; `last` is `[rows, window]`)."""
-  names = SNAPSHOT_SCALARS + PAGED_COUNTERS + ("next", "copies")
+  names = SNAPSHOT_SCALARS + PAGED_COUNTERS + ("next", "copies", "count")
   host = {name: int(v) for name, v in zip(names, vec[:len(names)])}
   at = len(names)
   for name, size in (("width_steps", num_widths), ("used", columns), ("out_row", columns),

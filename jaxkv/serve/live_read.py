@@ -1,102 +1,150 @@
 """How `LiveQueue` (`live.py`) reads a loop entry back: its snapshot, then the deltas.
 
-`SnapshotReader` holds the two methods `LiveQueue` inherits for this: `_read`
-blocks on the entry in flight and reads its snapshot (stats, status,
-admissions), `_deltas` turns it into each sample's `Delta` (new tokens, finish
-reasons, host-side stop tokens, logprobs). The queue bookkeeping they update
-(`_tracked`, `_queued`, `_lock`, ...) is `LiveQueue`'s.
+`SnapshotReader` holds `collect`, which `LiveQueue` inherits: it takes the
+oldest uncollected entry, reads its snapshot (stats, status, the queue's
+counters, each output row's length and last tokens) and turns it into each
+sample's `Delta` (new tokens, finish reasons, host-side stop tokens, logprobs).
+It may run on its own thread while the driver dispatches the next entry: it
+reads only the entry's snapshot, never the loop state, unless no other entry
+is in flight (logprobs). The queue bookkeeping it updates (`_tracked`,
+`_lock`, ...) is `LiveQueue`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from jaxkv import Status
+from jaxkv.serve.errors import EngineError
 from jaxkv.serve.live_ops import unpack_snapshot
 from jaxkv.serve.results import Delta, read_paged_counters, token_logprobs
+
+
+class Entry(NamedTuple):
+  """One dispatched loop entry, until `collect` reads it."""
+  vec: object         # its `live_ops.snapshot` (a device array)
+  window: int         # tokens per output row in the snapshot
+  steps: int          # its step budget
+  index: int          # entries dispatched before it on this state
+  enqueued: int       # requests appended to the device queue before it was dispatched
 
 
 class SnapshotReader:
   """`LiveQueue`'s reading of a loop entry (mixed into `LiveQueue`)."""
 
-  def _read(self) -> tuple[dict, int, int]:
-    """Blocks on the entry in flight and reads its snapshot: admissions, stats and status.
+  def collect(self, *, _from_dispatch: bool = False) -> list:
+    """Reads the oldest uncollected entry (waiting for the device); its deltas ([] if none).
 
-    Returns the host dict, the snapshot's token window and the number of queue
-    slots the entry admitted, for `_deltas`.
+    Raises:
+      EngineError: the cache refused a step in that entry; the requests the
+        device held are dropped (`error.failed`) and the next dispatch starts on
+        a fresh cache.
     """
-    (vec, window, k), self._pending = self._pending, None
+    with self._collecting:
+      try:
+        return self._collect_one()
+      except EngineError:
+        raise
+      except Exception as e:   # pylint: disable=broad-except  (reported by the next dispatch too)
+        self._broken = e
+    if _from_dispatch:   # the dispatch resets and reports
+      raise self._broken
+    with self._dispatching:   # no entry is being dispatched on the broken state now
+      if self._broken is None:   # a dispatch reported and reset it already
+        return []
+      raise self._failed(self._broken, [])
+
+  def _collect_one(self) -> list:
+    with self._lock:
+      if not self._pending or self._broken is not None:
+        return []
+      entry = self._pending[0]
     engine = self.engine
-    host = unpack_snapshot(np.asarray(vec), num_widths=len(engine.widths),
-                           columns=engine.config.max_seqs, rows=self.out_rows, window=window)
-    self._host = host
+    host = unpack_snapshot(np.asarray(entry.vec), num_widths=len(engine.widths),
+                           columns=engine.config.max_seqs, rows=self.out_rows,
+                           window=entry.window)
+    with self._changed:
+      self._pending.popleft()
+      self._changed.notify_all()
+    self._read_counters(host, entry)
+    return self._deltas(host, entry)
+
+  def _read_counters(self, host: dict, entry) -> None:
+    """Stats, status and the device queue's length from `host` (entry `entry`'s snapshot)."""
+    engine = self.engine
     stats = engine.stats
     stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
     stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
     stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
     read_paged_counters(stats, host)
-    self.held = int(np.where(host["used"] == 1, host["fed"], 0).sum())
     if int(host["status"]) != Status.OK:
       raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
-    newly = int(host["next"]) - self._dev_next
-    spent = int(host["steps"]) - self._steps_seen >= k   # the entry ended on its budget
-    if self._queued and not newly and not spent and not (host["used"] == 1).any():
-      raise RuntimeError(f"request {self._queued[0]!r} cannot be admitted into an empty engine")
-    now = time.perf_counter()
+    used = host["used"] == 1
+    queued = int(np.int32(host["count"] - host["next"]))   # int32 counters: a wrap is harmless
+    spent = int(host["steps"]) - self._steps_seen >= entry.steps   # it ended on its budget
+    if queued and not spent and not used.any() and not host["copies"]:
+      raise RuntimeError("a request cannot be admitted into an empty engine")
     with self._lock:
-      admitted, self._queued = self._queued[:newly], self._queued[newly:]
-      self._dev_next = int(host["next"])
-      self._head_copies = int(host["copies"])
-      for rid in admitted + self._queued[:1 if self._head_copies else 0]:
-        t = self._tracked.get(rid)
-        if t is not None and t.admitted is None:
-          t.admitted = now
-          self.waiting_tokens -= len(t.request.prompt)
-    return host, window, newly
+      self.held = int(np.where(used, host["fed"], 0).sum())
+      self._queued_seen, self._enqueued_seen = queued, entry.enqueued
+      self._steps_seen = int(host["steps"])
 
-  def _deltas(self, host: dict, window: int, newly: int, *, defer_cuts: bool) -> list[Delta]:
-    """The deltas of the entry `host` was read from: new tokens, finishes, host-side stops.
+  def _deltas(self, host: dict, entry) -> list:
+    """The deltas of `entry`, read from `host`: admissions, new tokens, finishes, host-side stops.
 
-    With `defer_cuts` (an entry is in flight), the columns of samples cut at a
-    host-side stop token are removed at the next dispatch instead of now.
+    Only requests appended before the entry was dispatched are read (a later one
+    may hold rows an earlier request left).
     """
     engine = self.engine
-    ls = engine.state
+    window = entry.window
     now = time.perf_counter()
     stats = engine.stats
     out = lps = None
-    deltas, cut_rows = [], []
+    out_len, out_done = host["out_len"], host["out_done"]
+    # A request is admitted once a column writes one of its rows, or a row has output.
+    started = (out_len > 0) | (out_done != 0)
+    started[host["out_row"][(host["used"] == 1) & (host["out_row"] >= 0)
+                            & (host["out_row"] < self.out_rows)]] = True
+    deltas = []
     with self._lock:
       for rid, t in list(self._tracked.items()):
-        if t.admitted is None:
+        if t.base < 0 or t.entry > entry.index:
           continue
+        if t.admitted is None:
+          if not started[t.base:t.base + t.n].any():
+            continue
+          t.admitted = now
+          self.waiting_tokens -= len(t.request.prompt)
         for j in range(t.n):
           row = t.base + j
-          if t.finished[j] or host["out_len"][row] <= t.emitted[j] and not host["out_done"][row]:
+          if t.finished[j] or out_len[row] <= t.emitted[j] and not out_done[row]:
             continue
-          count = int(host["out_len"][row]) - t.emitted[j]
+          count = int(out_len[row]) - t.emitted[j]
           if count <= window:
             new = host["last"][row, window - count:].tolist() if count > 0 else []
-          else:   # more tokens than one entry adds (not expected): read the row itself
+          else:   # more tokens than one entry adds (only when no entry is in flight behind it)
+            assert not self._pending, "an entry added more tokens than its snapshot holds"
             if out is None:
-              out = np.asarray(jax.device_get(ls.out.tokens))
-            new = out[row, t.emitted[j]:int(host["out_len"][row])].tolist()
+              out = np.asarray(jax.device_get(engine.state.out.tokens))
+            new = out[row, t.emitted[j]:int(out_len[row])].tolist()
           reason = None
-          if host["out_done"][row]:
+          if out_done[row]:
             reason = "stop" if host["out_stop"][row] else "length"
           hit = next((i for i, tok in enumerate(new) if tok in t.host_stops), None)
           if hit is not None:
             new, reason = new[:hit + 1], "stop"
-            if not host["out_done"][row]:
-              cut_rows.append(row)
+            if not out_done[row]:
+              self._cut_rows.append(row)   # its column goes at the next dispatch
           logprobs = None
           if t.request.params.logprobs is not None:
-            if lps is None:
-              lps = jax.device_get((ls.out.logprob, ls.out.top_ids, ls.out.top_logprobs))
+            if lps is None:   # read from the state: no entry is in flight behind this one
+              ls = engine.state.out
+              lps = jax.device_get((ls.logprob, ls.top_ids, ls.top_logprobs))
             logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
                                                                  t.emitted[j] + len(new)),
                                             t.request.params.logprobs))
@@ -108,12 +156,7 @@ class SnapshotReader:
           deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed,
                               logprobs=logprobs))
         if all(t.finished):
-          deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
-    if defer_cuts:
-      self._cut_rows.extend(cut_rows)
-    else:
-      self._remove_columns(self._columns_of(cut_rows))
-    if not deltas and not newly and int(host["steps"]) == self._steps_seen and not self._waiting:
-      raise RuntimeError("the loop made no progress (nothing admitted, stepped or finished)")
-    self._steps_seen = int(host["steps"])
+          timing = self._release(rid)
+          if deltas and deltas[-1].request_id == rid:
+            deltas[-1] = dataclasses.replace(deltas[-1], timing=timing)
     return deltas

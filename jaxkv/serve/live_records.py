@@ -23,6 +23,7 @@ class Tracked:
   host_stops: frozenset       # stop tokens past max_stop_tokens, checked on the host
   arrived: float
   base: int = -1              # first output row; -1 while waiting on the host
+  entry: int = -1             # the loop entry it was appended to the device queue before
   admitted: float | None = None
   first_token: float | None = None
   emitted: list = dataclasses.field(default_factory=list)    # tokens reported, per sample

@@ -36,10 +36,10 @@ def _head(config: CacheConfig, ls: LoopState):
   any_parked = jnp.any(parked)
   p = jnp.argmin(jnp.where(parked, c.stamp, _BIG)).astype(jnp.int32)
   q = ls.queue
-  i = jnp.minimum(q.next, q.prompt_len.shape[0] - 1)
+  queued, i = columns.head_slot(q)
   n, plen = q.n[i], q.prompt_len[i]
   fork = (n > 1) & (plen > 1)
-  waiting = any_parked | (q.next < q.count)
+  waiting = any_parked | queued
   cols = jnp.where(any_parked, 0, jnp.where(fork, n, 1))
   claim = jnp.where(any_parked, c.length[p] * (1 + c.forks[p]), jnp.where(fork, n * plen, plen))
   num_hash = c.page_hash.shape[1]

@@ -149,7 +149,8 @@ def test_abort_waiting_queued_and_one_sample(model, rng):
   assert engine.abort("r13")                   # waiting on the host
   assert not engine.abort(multi.request_id, index=0)   # not running yet: refused
   got = _collect(engine.step(1))
-  queued = engine._live._queued[-1]
+  queued = next(rid for rid, t in reversed(engine._live._tracked.items())
+                if t.base >= 0 and t.admitted is None)   # in the device queue, not admitted
   assert engine.abort(queued)                  # in the device queue, not admitted
   while not got.get((multi.request_id, 0), ([], None))[0]:
     _collect(engine.step(1), got)
