@@ -68,6 +68,25 @@ from jaxkv.serve.timing import compile_seconds
 
 # Entries dispatched and not yet collected, at most: the driver runs one entry ahead.
 MAX_IN_FLIGHT = 2
+# Requests per `live_ops.enqueue` call, and the fewest prompt tokens it carries: fixed, so
+# one compiled enqueue serves every burst (a longer prompt gets a power-of-two buffer).
+ENQUEUE_BATCH = 32
+ENQUEUE_TOKENS = 8192
+
+
+def _chunks(tracked):
+  """`tracked` cut into runs of at most `ENQUEUE_BATCH` requests and, unless a prompt alone
+  is longer, `ENQUEUE_TOKENS` prompt tokens."""
+  chunk, tokens = [], 0
+  for t in tracked:
+    length = len(t.request.prompt)
+    if chunk and (len(chunk) == ENQUEUE_BATCH or tokens + length > ENQUEUE_TOKENS):
+      yield chunk
+      chunk, tokens = [], 0
+    chunk.append(t)
+    tokens += length
+  if chunk:
+    yield chunk
 
 
 class LiveQueue(SnapshotReader):
@@ -316,7 +335,7 @@ class LiveQueue(SnapshotReader):
 
   def _init_state(self) -> None:
     engine = self.engine
-    arrays = self._pack([]).arrays
+    arrays = self._empty_queue().arrays
     host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0,
                            lp_rows=self.out_rows, lp_window=self.logprob_window,
                            num_logprobs=engine.max_logprobs)
@@ -328,12 +347,11 @@ class LiveQueue(SnapshotReader):
     engine.state = state if engine.mesh is not None else self._place(state)
     assert engine.state.queue.prompt.shape[0] == self.queue_size
 
-  def _pack(self, requests, size: int | None = None) -> HostQueue:
-    """The queue arrays of `requests`, padded with never-admitted fillers to `size` (`Q`) slots."""
+  def _empty_queue(self) -> HostQueue:
+    """The queue arrays of `Q` never-admitted fillers (the device queue starts empty)."""
     engine = self.engine
     filler = Request((0,))
-    padded = list(requests) + [filler] * ((size or self.queue_size) - len(requests))
-    return pack_queue([r.prompt for r in padded], [r.params for r in padded],
+    return pack_queue([filler.prompt] * self.queue_size, [filler.params] * self.queue_size,
                       max_len=engine.max_len, max_stop=engine.max_stop,
                       num_logprobs=engine.max_logprobs)
 
@@ -362,20 +380,33 @@ class LiveQueue(SnapshotReader):
     if not moved:
       return
     grow = engine._grow_for   # pylint: disable=protected-access
-    ls = grow(engine.state, [t.request for t in moved])
-    # Few shapes: the batch and the prompt width are powers of two (the width at most max_len).
-    width = min(_bucket(max(len(t.request.prompt) for t in moved)), engine.max_len)
-    arrays = dict(self._pack([t.request for t in moved], _bucket(len(moved))).arrays)
-    arrays["prompt"] = arrays["prompt"][:, :width]
-    batch = arrays["prompt"].shape[0]
-    arrays["out_base"] = np.zeros((batch,), np.int32)
-    arrays["out_base"][:len(moved)] = [t.base for t in moved]
+    engine.state = grow(engine.state, [t.request for t in moved])
+    for chunk in _chunks(moved):
+      tokens, arrays = self._enqueue_arrays(chunk)
+      ls, engine.state = engine.state, None   # donated below
+      engine.state = enqueue(ls, *self._place((tokens, arrays, np.int32(len(chunk)))))
+
+  def _enqueue_arrays(self, chunk) -> tuple[np.ndarray, dict]:
+    """`live_ops.enqueue`'s `(tokens, arrays)` for `chunk` (at most `ENQUEUE_BATCH` requests)."""
+    engine = self.engine
+    lengths = [len(t.request.prompt) for t in chunk]
+    tokens = np.zeros((max(ENQUEUE_TOKENS, _bucket(sum(lengths))),), np.int32)
+    tokens[:sum(lengths)] = [tok for t in chunk for tok in t.request.prompt]
+    # The per-request fields as `pack_queue` makes them; the prompts travel in `tokens`.
+    params = [t.request.params for t in chunk]
+    params += [Request((0,)).params] * (ENQUEUE_BATCH - len(chunk))
+    arrays = pack_queue([()] * ENQUEUE_BATCH, params, max_len=1, max_stop=engine.max_stop,
+                        num_logprobs=engine.max_logprobs).arrays
+    del arrays["prompt"]
+    arrays["prompt_len"][:len(chunk)] = lengths
+    arrays["prompt_start"] = np.zeros((ENQUEUE_BATCH,), np.int32)
+    arrays["prompt_start"][:len(chunk)] = np.cumsum([0] + lengths[:-1])
+    arrays["out_base"][:len(chunk)] = [t.base for t in chunk]
     # Logprob rows are the output rows (the window has `out_rows` rows).
-    arrays["lp_base"] = np.full((batch,), NO_ROW, np.int32)
-    arrays["lp_base"][:len(moved)] = [t.base if t.request.params.logprobs is not None else NO_ROW
-                                      for t in moved]
-    engine.state = None   # donated below
-    engine.state = enqueue(ls, self._place(arrays), self._place(np.int32(len(moved))))
+    arrays["lp_base"] = np.full((ENQUEUE_BATCH,), NO_ROW, np.int32)
+    arrays["lp_base"][:len(chunk)] = [t.base if t.request.params.logprobs is not None else NO_ROW
+                                      for t in chunk]
+    return tokens, arrays
 
   def _apply_aborts(self) -> list[Delta]:
     """Ends the aborted requests and samples on the host, then removes theirs on the device."""

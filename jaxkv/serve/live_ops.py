@@ -80,21 +80,31 @@ abort_rows = jax.jit(_abort_rows, static_argnums=0, donate_argnums=1)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def enqueue(ls: LoopState, arrays: dict, num):
-  """Appends the first `num` requests of `arrays` to the device queue and clears their rows.
+def enqueue(ls: LoopState, tokens, arrays: dict, num):
+  """Appends the first `num` of `B` requests to the device queue and clears their rows.
 
-  `arrays` holds the queue's per-slot fields for `B >= num` requests (`pack_queue`'s
-  arrays, `prompt` `[B, Lb]` with `Lb <= L`, and `out_base`/`lp_base`); they go
-  to slots `count, count + 1, ...` (mod `Q`). Each request's output rows
-  `[out_base, out_base + n)` get `Outputs.length/stop/done = 0` before their reuse.
+  Args:
+    ls: the `LoopState` (donated).
+    tokens: `int32[T]` the requests' prompts back to back.
+    arrays: the queue's per-slot fields but `prompt` for `B >= num` requests
+      (`pack_queue`'s, with `out_base`/`lp_base`), and `prompt_start`: `int32[B]`
+      where each prompt starts in `tokens`. The requests go to slots
+      `count, count + 1, ...` (mod `Q`), their prompts zero padded to `L`; each
+      request's output rows `[out_base, out_base + n)` get
+      `Outputs.length/stop/done = 0` before their reuse.
+    num: `int32[]` the requests to append.
+
+  Only the new tokens travel, in few shapes (`B` fixed, `T` a power of two).
   """
   q, o = ls.queue, ls.out
   size, max_len = q.prompt.shape
-  batch, width = arrays["prompt"].shape
+  batch = arrays["prompt_len"].shape[0]
   k = jnp.arange(batch, dtype=jnp.int32)
   real = k < num
   slots = jnp.where(real, (q.count + k) % size, size)
-  prompt = jnp.zeros((batch, max_len), q.prompt.dtype).at[:, :width].set(arrays["prompt"])
+  at = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+  flat = jnp.clip(arrays["prompt_start"][:, None] + at, 0, tokens.shape[0] - 1)
+  prompt = jnp.where(at < arrays["prompt_len"][:, None], tokens[flat], 0)
   values = dict(arrays, prompt=prompt)
   written = {name: getattr(q, name).at[slots].set(values[name].astype(getattr(q, name).dtype),
                                                   mode="drop") for name in _queue_fields(q)}

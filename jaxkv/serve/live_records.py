@@ -78,10 +78,10 @@ class Waiting:
 
 
 def first_fit(free: np.ndarray, n: int) -> int | None:
-  """Start of the first run of `n` free rows, or None."""
-  run = 0
-  for i, is_free in enumerate(free):
-    run = run + 1 if is_free else 0
-    if run == n:
-      return i - n + 1
-  return None
+  """Start of the first run of `n` free rows, or None (vectorised: called per request
+  while the host holds the queue's lock)."""
+  if n > free.size:
+    return None
+  runs = np.convolve(free.astype(np.int32), np.ones((n,), np.int32), mode="valid")
+  hits = np.flatnonzero(runs == n)
+  return int(hits[0]) if hits.size else None
