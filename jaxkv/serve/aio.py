@@ -13,22 +13,29 @@ the next entry.
 
 An entry runs `interval` steps while the engine is busy (each entry costs a
 fixed host round trip, paid once per `interval` steps), and `min_interval`
-steps while fewer than a quarter of its columns run and nothing waits, so a
+steps while fewer than a sixteenth of its columns run and nothing waits, so a
 request that arrives at a quiet engine waits at most that many steps for its
 admission. A consumer that stops early (a closed generator, a cancelled task: a
 client that went away) aborts its request, which frees its columns at the next
-entry.
+entry. The first `AsyncEngine` to step lowers the interpreter's thread switch
+interval to `SWITCH_INTERVAL` (process-wide, never raised again).
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from typing import AsyncIterator, Callable
 
 from jaxkv.serve.engine import Engine
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import Delta
+
+# The interpreter's thread switch interval while an AsyncEngine steps: the driver wants the
+# GIL back as soon as an entry returns, and with the default 5 ms a busy event loop keeps it
+# that long each time while the device waits.
+SWITCH_INTERVAL = 0.0005
 
 
 class AsyncEngine:
@@ -38,9 +45,9 @@ class AsyncEngine:
     engine: the `Engine` (only this object should drive its incremental API).
     interval: most steps per loop entry while requests wait for a column: new
       tokens reach consumers every `interval` steps at the latest.
-    min_interval: steps per entry while a column is free and no request waits
-      (default `max(1, interval // 4)`): a new request waits at most this many
-      steps before it joins the loop.
+    min_interval: steps per entry while fewer than a sixteenth of the columns
+      run and no request waits (default `max(1, interval // 4)`): a request that
+      arrives at a quiet engine waits at most this many steps before it joins the loop.
     on_step: optional callback after every step, called on the event loop
       with the step's deltas (metrics).
   """
@@ -72,6 +79,7 @@ class AsyncEngine:
     rid = self.engine.add_request(request)
     self._queues[rid] = (asyncio.Queue(), request.params.n)
     if self._thread is None:
+      sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
       self._thread = threading.Thread(target=self._drive, name="jaxkv-driver", daemon=True)
       self._reader = threading.Thread(target=self._read, name="jaxkv-reader", daemon=True)
       self._thread.start()
@@ -123,7 +131,7 @@ class AsyncEngine:
 
   def _steps(self) -> int:
     running, waiting = self.engine.counts()
-    quiet = not waiting and 4 * running < self.engine.config.max_seqs
+    quiet = not waiting and 16 * running < self.engine.config.max_seqs
     return self.min_interval if quiet else self.interval
 
   def _drive(self) -> None:
