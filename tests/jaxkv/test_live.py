@@ -7,12 +7,17 @@ import dataclasses
 import time
 
 import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import AsyncEngine
+from jaxkv.serve.live_ops import abort_rows
+from jaxkv.serve.state import init_loop_state, pack_queue
 import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
 from jaxkv.serve.loop import serve_loop
 
@@ -383,3 +388,75 @@ def test_abort_many_ends_every_listed_request_in_one_call(model, rng):
     else:
       assert got[key] == (tokens, reason)
   assert not engine.has_unfinished() and engine.waiting_tokens == 0
+
+
+def test_a_request_added_while_an_entry_runs_joins_at_the_next_step(model):
+  """Counted in steps: b, added while entry 0 (4 steps) is in flight, is admitted by entry 1's
+  first step and samples its first token there; the driver runs at most two entries ahead."""
+  engine = serve.Engine(model, max_len=48)
+  live = engine.live
+  a = serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=20), "a")
+  b = serve.Request((4, 5), serve.SamplingParams(max_tokens=6), "b")
+  engine.add_request(a)
+  live.dispatch(4)                      # entry 0: steps 1..4, uncollected
+  engine.add_request(b)
+  live.dispatch(4)                      # entry 1: b was appended before it
+  with pytest.raises(RuntimeError, match="uncollected"):
+    live.dispatch(4, wait=False)        # a third entry would run ahead of the reader
+  row = live._tracked["b"].base
+  out = engine.state.out
+  assert (int(out.admitted[row]), int(out.first[row])) == (4, 5)
+  got = {}
+  while live.in_flight:
+    _collect(live.collect(), got)
+  assert len(got["b", 0][0]) == 4       # steps 5..8 of entry 1
+  _collect(engine.stream(4), got)
+  assert got == _want(model, [a, b])
+
+
+def test_queue_counters_wrap_past_int32(model, rng):
+  """The device queue's counters only grow: past 2**31 they wrap and the ring still serves in order."""
+  engine = serve.Engine(model, max_len=48)
+  first = _requests(rng, 2, prefix="w")
+  for r in first:
+    engine.add_request(r)
+  got = _collect(engine.stream(4))
+  q, live = engine.state.queue, engine.live
+  near = lambda: live._place(jnp.int32(2**31 - 3))   # an empty queue: next == count
+  engine.state = dataclasses.replace(engine.state, queue=dataclasses.replace(q, next=near(),
+                                                                             count=near()))
+  later = _requests(rng, 12, prefix="x")
+  for r in later:
+    engine.add_request(r)
+  _collect(engine.stream(2), got)
+  assert int(engine.state.queue.next) < 0   # wrapped
+  assert got == _want(model, first + later)
+
+
+def _queue_order(ls):
+  """`prompt_len` of the queued requests in ring order, from `next` (the test's oracle view)."""
+  q = jax.device_get(ls.queue)
+  size = q.prompt_len.shape[0]
+  return [int(q.prompt_len[(int(q.next) + j) % size]) for j in range(int(q.count) - int(q.next))]
+
+
+@pytest.mark.parametrize("head", [2, 6])   # 6: the queued run wraps around the ring's end
+def test_abort_rows_closes_the_ring_over_aborted_requests(model, head):
+  """Queued requests whose first output row is aborted leave the ring; the rest keep their order,
+  and nothing else of the state changes."""
+  engine = serve.Engine(model, max_len=48)
+  prompts = [tuple(range(1, 2 + i)) for i in range(8)]   # prompt_len identifies a request
+  host = pack_queue(prompts, [serve.SamplingParams()] * 8, max_len=48, max_stop=engine.max_stop)
+  ls = init_loop_state(engine.config, host, num_widths=len(engine.widths))
+  slots = [(head + j) % 8 for j in range(5)]
+  ls = dataclasses.replace(ls, queue=dataclasses.replace(
+      ls.queue, next=jnp.int32(head), count=jnp.int32(head + 5)))
+  before = jax.device_get(ls.cols)
+  rows = np.zeros((host.rows,), bool)
+  out_base = np.asarray(host.arrays["out_base"])
+  aborted = [slots[1], slots[3]]
+  rows[out_base[aborted]] = True
+  ls = abort_rows(engine.config, ls, jnp.zeros_like(rows), jnp.asarray(rows))
+  assert _queue_order(ls) == [len(prompts[s]) for s in slots if s not in aborted]
+  assert int(ls.queue.next) == head and int(ls.status) == 0
+  chex.assert_trees_all_equal(jax.device_get(ls.cols), before)
