@@ -509,7 +509,11 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
     trace = args.trace and math.isinf(rate) and not traced and engine is not None
     if trace:
       import jax   # pylint: disable=g-import-not-at-top
-      with jax.profiler.trace(args.trace):
+      # Device and runtime events only: jax's default Python tracer records every Python call
+      # of the server's threads and slows exactly the host work being measured.
+      options = jax.profiler.ProfileOptions()
+      options.python_tracer_level = 0
+      with jax.profiler.trace(args.trace, profiler_options=options):
         r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
     else:
       r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
