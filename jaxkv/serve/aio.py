@@ -157,7 +157,7 @@ class AsyncEngine:
       if not live.wait_for_entry(timeout=1.0):
         continue
       try:
-        deltas = live.collect()
+        deltas = live.collect(reset=False)   # a failure is reported by the driver's dispatch
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
         self._report(e)
         continue

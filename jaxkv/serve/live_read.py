@@ -37,13 +37,19 @@ class Entry(NamedTuple):
 class SnapshotReader:
   """`LiveQueue`'s reading of a loop entry (mixed into `LiveQueue`)."""
 
-  def collect(self, *, _from_dispatch: bool = False) -> list:
+  def collect(self, *, reset: bool = True, _from_dispatch: bool = False) -> list:
     """Reads the oldest uncollected entry (waiting for the device); its deltas ([] if none).
+
+    Args:
+      reset: on a failure read back, reset and raise here (unless another thread
+        is dispatching); False leaves both to the next `dispatch` (a reader
+        thread beside a driver thread: it never waits for the driver).
 
     Raises:
       EngineError: the cache refused a step in that entry; the requests the
         device held are dropped (`error.failed`) and the next dispatch starts on
-        a fresh cache.
+        a fresh cache. Where this call does not reset (above), it returns []
+        and the next `dispatch` raises it.
     """
     with self._collecting:
       try:
@@ -54,10 +60,14 @@ class SnapshotReader:
         self._broken = e
     if _from_dispatch:   # the dispatch resets and reports
       raise self._broken
-    with self._dispatching:   # no entry is being dispatched on the broken state now
+    if not reset or not self._dispatching.acquire(blocking=False):
+      return []   # the next dispatch resets and reports
+    try:
       if self._broken is None:   # a dispatch reported and reset it already
         return []
       raise self._failed(self._broken, [])
+    finally:
+      self._dispatching.release()
 
   def _collect_one(self) -> list:
     with self._lock:

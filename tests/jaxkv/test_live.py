@@ -460,3 +460,41 @@ def test_abort_rows_closes_the_ring_over_aborted_requests(model, head):
   assert _queue_order(ls) == [len(prompts[s]) for s in slots if s not in aborted]
   assert int(ls.queue.next) == head and int(ls.status) == 0
   chex.assert_trees_all_equal(jax.device_get(ls.cols), before)
+
+
+def test_a_refused_step_read_back_fails_its_requests_and_the_engine_recovers(model, rng):
+  """A non-OK status found in an entry's snapshot (by `step`, or by AsyncEngine's reader while
+  the driver runs the next entry) drops the requests on the device and names them; the engine
+  then serves on a fresh cache."""
+  from jaxkv import Status   # pylint: disable=g-import-not-at-top
+  engine = serve.Engine(model, max_len=48)
+  good = engine._loop, engine._greedy_loop
+
+  def refusing(loop):
+    def entry(leaves, ls, budget):
+      out = loop(leaves, ls, budget)
+      return dataclasses.replace(out, status=engine.live._place(jnp.int32(Status.NO_ROOM)))
+    return entry
+
+  def refuse(on):
+    engine._loop, engine._greedy_loop = (tuple(map(refusing, good)) if on else good)
+
+  requests = _requests(rng, 3)
+  refuse(True)
+  engine.add_request(requests[0])
+  with pytest.raises(serve.EngineError, match="NO_ROOM") as info:
+    engine.step(2)
+  assert info.value.failed == ["r0"] and not engine.has_unfinished()
+
+  async def consume(request):
+    return _collect([d async for d in aio.generate(request)])
+
+  async def main():
+    with pytest.raises(serve.EngineError, match="NO_ROOM"):
+      await consume(requests[1])
+    refuse(False)
+    return await consume(requests[2])
+
+  aio = AsyncEngine(engine, interval=2)
+  assert asyncio.run(main()) == _want(model, requests[2:])
+  aio.close(timeout=10)
