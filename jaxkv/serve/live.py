@@ -127,6 +127,7 @@ class LiveQueue(SnapshotReader):
     self._sampled = 0                    # requests in flight that are not plain greedy
     self._with_logprobs = 0              # requests in flight that want logprobs
     self.waiting_tokens = 0              # prompt tokens of the requests not yet admitted
+    self._unadmitted = 0                 # requests not yet admitted (counts() is O(1))
 
   # ------------------------------------------------------------------ requests
 
@@ -153,6 +154,7 @@ class LiveQueue(SnapshotReader):
       self._sampled += not plain_greedy(p)
       self._with_logprobs += p.logprobs is not None
       self.waiting_tokens += len(request.prompt)
+      self._unadmitted += 1
       self._tracked[rid] = Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
                                     finished=[False] * p.n)
@@ -185,8 +187,7 @@ class LiveQueue(SnapshotReader):
   def counts(self) -> tuple[int, int]:
     """`(running, waiting)` requests: admitted into the loop, and not yet."""
     with self._lock:
-      waiting = sum(1 for t in self._tracked.values() if t.admitted is None)
-      return len(self._tracked) - waiting, waiting
+      return len(self._tracked) - self._unadmitted, self._unadmitted
 
   def has_work(self) -> bool:
     """Whether a dispatch would give the device something to do (by the last entry read)."""
@@ -458,6 +459,7 @@ class LiveQueue(SnapshotReader):
     self._with_logprobs -= t.request.params.logprobs is not None
     if t.admitted is None:
       self.waiting_tokens -= len(t.request.prompt)
+      self._unadmitted -= 1
     if t.base >= 0:
       if any(t.base <= row < t.base + t.n for row in self._cut_rows):
         self._free_after_abort.append((t.base, t.n))   # a column still writes there
@@ -477,7 +479,9 @@ class LiveQueue(SnapshotReader):
         t = self._tracked.pop(rid)
         self._sampled -= not plain_greedy(t.request.params)
         self._with_logprobs -= t.request.params.logprobs is not None
-        self.waiting_tokens -= len(t.request.prompt) if t.admitted is None else 0
+        if t.admitted is None:
+          self.waiting_tokens -= len(t.request.prompt)
+          self._unadmitted -= 1
       self._aborts = {k: v for k, v in self._aborts.items() if k[0] in self._tracked}
       self._free[:] = True
       self._pending.clear()

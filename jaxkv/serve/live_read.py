@@ -130,6 +130,7 @@ class SnapshotReader:
             continue
           t.admitted = now
           self.waiting_tokens -= len(t.request.prompt)
+          self._unadmitted -= 1
         for j in range(t.n):
           row = t.base + j
           if t.finished[j] or out_len[row] <= t.emitted[j] and not out_done[row]:

@@ -387,7 +387,7 @@ def test_abort_many_ends_every_listed_request_in_one_call(model, rng):
       assert got[key][1] in ("abort", reason) and got[key][0] == tokens[:len(got[key][0])]
     else:
       assert got[key] == (tokens, reason)
-  assert not engine.has_unfinished() and engine.waiting_tokens == 0
+  assert not engine.has_unfinished() and engine.waiting_tokens == 0 and engine.counts() == (0, 0)
 
 
 def test_a_request_added_while_an_entry_runs_joins_at_the_next_step(model):
@@ -485,6 +485,7 @@ def test_a_refused_step_read_back_fails_its_requests_and_the_engine_recovers(mod
   with pytest.raises(serve.EngineError, match="NO_ROOM") as info:
     engine.step(2)
   assert info.value.failed == ["r0"] and not engine.has_unfinished()
+  assert engine.counts() == (0, 0) and engine.waiting_tokens == 0
 
   async def consume(request):
     return _collect([d async for d in aio.generate(request)])
