@@ -31,6 +31,10 @@ for w in "$@"; do
         TAIL=60 run decode_step_profile_128 240 python3 benchmarks/profile_step.py --decode-only --padded --requests 128 --out "$out/r128";;
     decode_step_kernel_map) run decode_step_trace 200 python3 benchmarks/profile_step.py --decode-only --dump-hlo --out "$out"
         TAIL=130 run decode_step_kernel_map 60 python3 benchmarks/hlo_kernel_map.py "$out/loop_W512.hlo.txt" "$out/kernels_engine_W512_decode.txt" --frames 5;;
+    # The server under load: jaxkv serve's default engine beside the offline anchors (needs fastapi,
+    # uvicorn and openai: on a machine without them, carry their wheels in .wheels/; benchmarks/README.md).
+    serve_default) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
+        TAIL=40 run serve_default 570 python3 benchmarks/serve.py --write-checkpoint /tmp/ck --rates inf,4,16,64 --rate-requests 96 --server-configs 16:fcfs --trace /tmp/serve_trace --out "$out/serve_default.json" --png "$out/serve_default.png";;
     # Paged storage.
     paged_decode_kernel) TAIL=60 run paged_decode_kernel 300 python3 benchmarks/paged_decode.py --page-sizes 16,32,64,128 --out "$out/paged_decode_kernel.json";;
     paged_mix_equal_slots) run paged_mix_equal_slots 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-repeats 5 --out "$out/paged_mix_equal_slots.json";;

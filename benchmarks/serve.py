@@ -67,8 +67,9 @@ def _args(argv=None):
   p.add_argument("--slots", type=int, default=64, help="columns engine: columns (max_seqs)")
   p.add_argument("--max-write", type=int, default=512, help="step width W")
   p.add_argument("--trace", default=None, metavar="DIR",
-                 help="trace the first all-at-once server run (jax.profiler) into DIR and print "
-                      "device busy time, idle gaps and host calls per step")
+                 help="after the first all-at-once server run, send the same queue once more "
+                      "under jax.profiler (into DIR, the Python tracer off) and print its device "
+                      "busy time, idle gaps and host calls per step")
   p.add_argument("--vocab", type=int, default=None,
                  help="with --url: prompt token ids are drawn below this (the model's vocab_size)")
   p.add_argument("--rates", default="inf",
@@ -494,6 +495,20 @@ def _trace_summary(trace_dir, steps, label) -> dict:
   return {k: v for k, v in summary.items() if k != "all"}
 
 
+def _traced_run(args, engine, url, model_name, prompts, max_tokens, label) -> dict:
+  """Sends the queue at once under `jax.profiler` (into `--trace`); the trace's summary."""
+  import jax   # pylint: disable=g-import-not-at-top
+  # Device and runtime events only: jax's default Python tracer records every Python call
+  # of the server's threads and slows exactly the host work being measured.
+  options = jax.profiler.ProfileOptions()
+  options.python_tracer_level = 0
+  steps0 = engine.stats.steps
+  with jax.profiler.trace(args.trace, profiler_options=options):
+    r = send_queue(url, model_name, prompts, max_tokens, math.inf, args.client_procs)
+  print(_line(label, r), flush=True)
+  return _trace_summary(args.trace, engine.stats.steps - steps0, label) | {"wall_s": r["wall_s"]}
+
+
 def run_rates(args, results, url, model_name, prompts, max_tokens, server, timers, tag,
               engine=None):
   """Sends the queue at every rate of `--rates` and records each run under `tag/rate`."""
@@ -506,31 +521,23 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
       before = timers.snapshot()
     if engine is not None:
       steps0, entries0 = engine.stats.steps, engine.stats.loop_entries
-    trace = args.trace and math.isinf(rate) and not traced and engine is not None
-    if trace:
-      import jax   # pylint: disable=g-import-not-at-top
-      # Device and runtime events only: jax's default Python tracer records every Python call
-      # of the server's threads and slows exactly the host work being measured.
-      options = jax.profiler.ProfileOptions()
-      options.python_tracer_level = 0
-      with jax.profiler.trace(args.trace, profiler_options=options):
-        r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
-    else:
-      r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
     if engine is not None:
       r["steps"] = engine.stats.steps - steps0
       r["loop_entries"] = engine.stats.loop_entries - entries0
       r["wall_ms_per_step"] = 1e3 * r["wall_s"] / max(1, r["steps"])
       print(f"  {r['steps']} steps in {r['loop_entries']} loop entries, "
             f"{r['wall_ms_per_step']:.2f} ms of wall per step", flush=True)
-    if trace:
-      traced = True
-      r["trace"] = _trace_summary(args.trace, r["steps"], f"server {tag} rate inf (trace)")
     if server is not None:
       r["loop_lag_s"] = _percentiles(server.lags) | {"max": max(server.lags, default=0.0)}
       after = timers.snapshot()
       r["profile"] = {k: {"calls": after[k][0] - before[k][0],
                           "seconds": after[k][1] - before[k][1]} for k in after}
+    if args.trace and math.isinf(rate) and not traced and engine is not None:
+      # The same load once more under the profiler: the figures above (lag, timers) stay untraced.
+      traced = True
+      r["trace"] = _traced_run(args, engine, url, model_name, prompts[:n], max_tokens[:n],
+                               f"server {tag} rate inf (a second run, traced)")
     name = "inf" if math.isinf(rate) else f"{rate:g}"
     results["server"][f"{tag}/{name}" if tag else name] = r
     print(_line(f"server {tag} rate {name}", r) + f"  failed {r['failed']} short {r['short']}",
