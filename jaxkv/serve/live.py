@@ -50,44 +50,21 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from jaxkv import Status
 from jaxkv.serve.admission import check_admission, plain_greedy
 from jaxkv.serve.errors import EngineError
-from jaxkv.serve.live_ops import abort_rows, enqueue, snapshot
+from jaxkv.serve.live_ops import abort_rows, enqueue, enqueue_batches, snapshot
 from jaxkv.serve.live_read import Entry, SnapshotReader
 from jaxkv.serve.live_records import Tracked, Waiting, first_fit
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import Delta, RequestTiming
-from jaxkv.serve.state import (LOGPROB_WINDOW, NO_ROW, HostQueue, _bucket, init_loop_state,
-                               pack_queue)
+from jaxkv.serve.state import LOGPROB_WINDOW, HostQueue, _bucket, init_loop_state, pack_queue
 from jaxkv.serve.timing import compile_seconds
 
 # Entries dispatched and not yet collected, at most: the driver runs one entry ahead.
 MAX_IN_FLIGHT = 2
-# Requests per `live_ops.enqueue` call, and the fewest prompt tokens it carries: fixed, so
-# one compiled enqueue serves every burst (a longer prompt gets a power-of-two buffer).
-ENQUEUE_BATCH = 32
-ENQUEUE_TOKENS = 8192
-
-
-def _chunks(tracked):
-  """`tracked` cut into runs of at most `ENQUEUE_BATCH` requests and, unless a prompt alone
-  is longer, `ENQUEUE_TOKENS` prompt tokens."""
-  chunk, tokens = [], 0
-  for t in tracked:
-    length = len(t.request.prompt)
-    if chunk and (len(chunk) == ENQUEUE_BATCH or tokens + length > ENQUEUE_TOKENS):
-      yield chunk
-      chunk, tokens = [], 0
-    chunk.append(t)
-    tokens += length
-  if chunk:
-    yield chunk
-
 
 class LiveQueue(SnapshotReader):
   """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
@@ -382,32 +359,11 @@ class LiveQueue(SnapshotReader):
       return
     grow = engine._grow_for   # pylint: disable=protected-access
     engine.state = grow(engine.state, [t.request for t in moved])
-    for chunk in _chunks(moved):
-      tokens, arrays = self._enqueue_arrays(chunk)
+    for tokens, arrays, num in enqueue_batches([t.request for t in moved], [t.base for t in moved],
+                                               max_stop=engine.max_stop,
+                                               num_logprobs=engine.max_logprobs):
       ls, engine.state = engine.state, None   # donated below
-      engine.state = enqueue(ls, *self._place((tokens, arrays, np.int32(len(chunk)))))
-
-  def _enqueue_arrays(self, chunk) -> tuple[np.ndarray, dict]:
-    """`live_ops.enqueue`'s `(tokens, arrays)` for `chunk` (at most `ENQUEUE_BATCH` requests)."""
-    engine = self.engine
-    lengths = [len(t.request.prompt) for t in chunk]
-    tokens = np.zeros((max(ENQUEUE_TOKENS, _bucket(sum(lengths))),), np.int32)
-    tokens[:sum(lengths)] = [tok for t in chunk for tok in t.request.prompt]
-    # The per-request fields as `pack_queue` makes them; the prompts travel in `tokens`.
-    params = [t.request.params for t in chunk]
-    params += [Request((0,)).params] * (ENQUEUE_BATCH - len(chunk))
-    arrays = pack_queue([()] * ENQUEUE_BATCH, params, max_len=1, max_stop=engine.max_stop,
-                        num_logprobs=engine.max_logprobs).arrays
-    del arrays["prompt"]
-    arrays["prompt_len"][:len(chunk)] = lengths
-    arrays["prompt_start"] = np.zeros((ENQUEUE_BATCH,), np.int32)
-    arrays["prompt_start"][:len(chunk)] = np.cumsum([0] + lengths[:-1])
-    arrays["out_base"][:len(chunk)] = [t.base for t in chunk]
-    # Logprob rows are the output rows (the window has `out_rows` rows).
-    arrays["lp_base"] = np.full((ENQUEUE_BATCH,), NO_ROW, np.int32)
-    arrays["lp_base"][:len(chunk)] = [t.base if t.request.params.logprobs is not None else NO_ROW
-                                      for t in chunk]
-    return tokens, arrays
+      engine.state = enqueue(ls, *self._place((tokens, arrays, np.int32(num))))
 
   def _apply_aborts(self) -> list[Delta]:
     """Ends the aborted requests and samples on the host, then removes theirs on the device."""

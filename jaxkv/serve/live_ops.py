@@ -4,7 +4,8 @@ They run in the device's order between loop entries, so the host can queue them
 behind an entry still in flight without knowing what that entry did:
 
 - `enqueue` appends requests to the device queue (a ring: `columns.head_slot`)
-  and clears their output rows: only the new requests travel, not the queue.
+  and clears their output rows: only the new requests travel, not the queue
+  (`enqueue_batches` packs them on the host, in few shapes).
 - `abort_rows` removes what aborted requests hold, found on the device by their
   output rows: the columns writing to them (`jaxkv.pure.seq_rm` on each, and the
   columns' `used/active/done/reserve/forks/hold/parked` cleared; a parked column
@@ -20,11 +21,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve.columns import update
 from jaxkv.serve.results import PAGED_COUNTERS
-from jaxkv.serve.state import LoopState, Queue, merge_status
+from jaxkv.serve.requests import Request
+from jaxkv.serve.state import NO_ROW, LoopState, Queue, _bucket, merge_status, pack_queue
 
 
 def _abort_columns(config: CacheConfig, ls: LoopState, mask):
@@ -115,6 +118,47 @@ def enqueue(ls: LoopState, tokens, arrays: dict, num):
   zero = lambda a: jnp.where(clear, 0, a)
   out = dataclasses.replace(o, length=zero(o.length), stop=zero(o.stop), done=zero(o.done))
   return dataclasses.replace(ls, queue=queue, out=out)
+
+
+# Requests per `enqueue` call, and the fewest prompt tokens it carries: fixed, so one compiled
+# enqueue serves every burst (a longer prompt gets a power-of-two buffer).
+ENQUEUE_BATCH = 32
+ENQUEUE_TOKENS = 8192
+
+
+def enqueue_batches(requests, bases, *, max_stop: int, num_logprobs: int):
+  """`enqueue`'s host arguments `(tokens, arrays, num)` for checked `requests` whose output rows
+  start at `bases`: calls of at most `ENQUEUE_BATCH` requests and, unless a prompt alone is
+  longer, `ENQUEUE_TOKENS` prompt tokens."""
+  chunk, total = [], 0
+  for request, base in zip(requests, bases):
+    if chunk and (len(chunk) == ENQUEUE_BATCH or total + len(request.prompt) > ENQUEUE_TOKENS):
+      yield _enqueue_arrays(chunk, max_stop, num_logprobs)
+      chunk, total = [], 0
+    chunk.append((request, base))
+    total += len(request.prompt)
+  if chunk:
+    yield _enqueue_arrays(chunk, max_stop, num_logprobs)
+
+
+def _enqueue_arrays(chunk, max_stop: int, num_logprobs: int):
+  num = len(chunk)
+  lengths = [len(r.prompt) for r, _ in chunk]
+  tokens = np.zeros((max(ENQUEUE_TOKENS, _bucket(sum(lengths))),), np.int32)
+  tokens[:sum(lengths)] = [tok for r, _ in chunk for tok in r.prompt]
+  # The per-request fields as `pack_queue` makes them; the prompts travel in `tokens`.
+  params = [r.params for r, _ in chunk] + [Request((0,)).params] * (ENQUEUE_BATCH - num)
+  arrays = pack_queue([()] * ENQUEUE_BATCH, params, max_len=1, max_stop=max_stop,
+                      num_logprobs=num_logprobs).arrays
+  del arrays["prompt"]
+  arrays["prompt_len"][:num] = lengths
+  arrays["prompt_start"] = np.zeros((ENQUEUE_BATCH,), np.int32)
+  arrays["prompt_start"][:num] = np.cumsum([0] + lengths[:-1])
+  arrays["out_base"][:num] = [base for _, base in chunk]
+  # Logprob rows are the output rows (the incremental API's window has `out_rows` rows).
+  arrays["lp_base"] = np.full((ENQUEUE_BATCH,), NO_ROW, np.int32)
+  arrays["lp_base"][:num] = [base if r.params.logprobs is not None else NO_ROW for r, base in chunk]
+  return tokens, arrays, num
 
 
 # The scalars `snapshot` packs first, in this order (the paged counters follow).
