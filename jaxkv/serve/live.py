@@ -294,7 +294,10 @@ class LiveQueue(SnapshotReader):
     deltas = self._apply_aborts()
     self._fill()
     with self._lock:
-      if not any(t.base >= 0 and not all(t.finished) for t in self._tracked.values()):
+      # Work for the device: a request it holds, or, by the last entry read, a queue that is
+      # not empty (aborts may have emptied it since: an entry reads that back and frees the slots).
+      if not (any(t.base >= 0 and not all(t.finished) for t in self._tracked.values())
+              or self._queued_seen + self._enqueued - self._enqueued_seen > 0):
         return deltas
       greedy = self._sampled == 0
     ls, engine.state = engine.state, None   # donated below

@@ -499,3 +499,27 @@ def test_a_refused_step_read_back_fails_its_requests_and_the_engine_recovers(mod
   aio = AsyncEngine(engine, interval=2)
   assert asyncio.run(main()) == _want(model, requests[2:])
   aio.close(timeout=10)
+
+
+def test_aborting_a_full_device_queue_lets_the_requests_behind_it_in(model, rng):
+  """Every column and all 8 queue slots aborted, by the last entry read the queue is full:
+  the next steps still move the requests waiting on the host in, and serve them as `run` does."""
+  engine = serve.Engine(model, max_len=48)
+  long = [serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=40), f"l{i}")
+          for i in range(12)]
+  for r in long:
+    engine.add_request(r)
+  engine.step(1)   # 3 admitted (the capacity holds three reservations), 5 queued
+  engine.step(1)   # 3 more appended: the device queue's 8 slots are full, 1 waits on the host
+  assert engine.counts() == (3, 9) and engine.live._queued_seen == engine.live.queue_size
+  later = _requests(rng, 3, prefix="y")
+  for r in later:
+    engine.add_request(r)
+  assert engine.abort_many([r.request_id for r in long]) == 12
+  got = {}
+  for _ in range(200):   # bounded: a stale view of the queue must not stall the waiting requests
+    if not engine.has_unfinished():
+      break
+    _collect(engine.step(4), got)
+  assert not engine.has_unfinished()
+  assert {k: v for k, v in got.items() if k[0].startswith("y")} == _want(model, later)
