@@ -36,8 +36,7 @@ The host never needs the in-flight entry's results to dispatch the next one:
   request that wants them is in flight, entries are at most that long and each
   is read before the next one is dispatched.
 
-The jitted loop (`loop.serve_loop`) is the same one `run` uses. The host's
-request records are in `live_records.py`; reading an entry back is in `live_read.py`.
+The loop is `run`'s (`loop.serve_loop`); records: `live_records.py`; reading back: `live_read.py`.
 """
 
 from __future__ import annotations
@@ -294,8 +293,8 @@ class LiveQueue(SnapshotReader):
     deltas = self._apply_aborts()
     self._fill()
     with self._lock:
-      # Work for the device: a request it holds, or, by the last entry read, a queue that is
-      # not empty (aborts may have emptied it since: an entry reads that back and frees the slots).
+      # Device work: a request it holds, or a queue the last entry read left non-empty (aborts
+      # may have emptied it since; an entry reads that back and frees the slots).
       if not (any(t.base >= 0 and not all(t.finished) for t in self._tracked.values())
               or self._queued_seen + self._enqueued - self._enqueued_seen > 0):
         return deltas
