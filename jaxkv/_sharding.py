@@ -48,6 +48,17 @@ def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def first_device():
+  """A sharding committing arrays to the first device, without a mesh.
+
+  jax 0.12.1 deprecates the `SingleDeviceSharding` class for
+  `make_single_device_sharding`, which jax 0.11.2 (the GPU machine's) lacks.
+  """
+  device = jax.devices()[0]
+  make = getattr(jax.sharding, "make_single_device_sharding", None)
+  return make(device) if make is not None else jax.sharding.SingleDeviceSharding(device)
+
+
 def place(x, mesh, spec: P):
   """`x` (a pytree) laid out as `spec` on `mesh`, inside or outside jit.
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxkv import _optional
 from jaxkv._gemm import resolve_gemm
+from jaxkv._sharding import first_device
 from jaxkv.models import hf_config
 from jaxkv.models.decoder import GEMMA3, Decoder, ModelConfig, param_spec
 from jaxkv.models.safetensors_io import FLOAT_DTYPES, Checkpoint
@@ -283,7 +284,7 @@ def _build(checkpoint: str, config: ModelConfig, meta: dict, cache_config, *, dt
         raise RuntimeError(f"Decoder parameter {name} has shape {hf_shape}; the loader "
                            f"expects {expected.get(name)}")
       sharding = (jax.sharding.NamedSharding(mesh, param_spec(path, kv_axis)) if mesh is not None
-                  else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                  else first_device())
       values.append(_place(ckpt, name, transpose, leaf.shape, leaf.dtype, sharding))
   return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
 

@@ -11,8 +11,7 @@ never waits for the host's formatting:
   only when the device has finished it (each loop predicate is read back by the
   host), releasing the GIL meanwhile; the entry's snapshot (`live_ops.snapshot`)
   is queued for `collect`, and the driver can dispatch the next entry at once.
-- **`collect()`** (another thread, or the same one after `dispatch`) reads the
-  oldest entry's snapshot and turns it into each sample's `Delta`.
+- **`collect()`** (another thread, or the same one) turns the oldest entry's snapshot into `Delta`s.
 
 The host never needs the in-flight entry's results to dispatch the next one:
 
@@ -50,8 +49,9 @@ import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxkv._sharding import first_device
 from jaxkv.serve.admission import check_admission, plain_greedy
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.live_ops import abort_rows, enqueue, enqueue_batches, snapshot
@@ -339,7 +339,7 @@ class LiveQueue(SnapshotReader):
     """`tree` committed where the loop state lives: replicated on the mesh, or the first device."""
     mesh = self.engine.mesh
     return jax.device_put(tree, NamedSharding(mesh, P()) if mesh is not None
-                          else SingleDeviceSharding(jax.devices()[0]))
+                          else first_device())
 
   def _fill(self) -> None:
     """Appends waiting requests to the device queue while its slots and output rows allow."""
