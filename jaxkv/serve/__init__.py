@@ -34,9 +34,10 @@ Rooms: `requests` (what users hand in: `Request`, `SamplingParams`, the checks),
 `sampling`, `state` (what the loop carries, the device queue), `loop` (the jitted loop), `columns`
 (the per-column helpers both storages' admission share: admit, fork, column records),
 `paged_claims` (claims, preemption and the prefix cache's page hashes over paged storage) and
-`paged_admission` (the paged loop's admission, retirement and forks), `engine` (`Engine`),
-`incremental` (`Engine`'s incremental API methods), `parallel` (`DataParallelEngine`: one engine
-per device), `live`, `live_records`, `live_read` and `live_ops` (the incremental API's driver:
+`paged_admission` (the paged loop's admission, retirement and forks), `core` (`EngineCore`: the
+one owner of the loop state and the programs over it), `engine` (`Engine`: composes the core
+with its clients), `offline` (`Engine.run`'s client of the core), `parallel`
+(`DataParallelEngine`: one engine per device), `live`, `live_records`, `live_read` and `live_ops` (the incremental API's driver:
 its queue bookkeeping, request records, reading of an entry, jitted helpers), `aio`
 (`AsyncEngine`), `timing` (compile time), `report` (which attention implementation serves each
 layer, and why), `runner` (`ModelRunner`), `memory` (sizing, `paged_cache_config`), `decoding`
@@ -47,7 +48,8 @@ The package exports what users call (`__all__`); the loop's internals (`serve_lo
 (`jaxkv.serve.loop`, `jaxkv.serve.state`, `jaxkv.serve.sampling`, `jaxkv.serve.memory`).
 """
 
-from jaxkv.serve.engine import Engine, EngineError, default_widths
+from jaxkv.serve.engine import Engine, default_widths
+from jaxkv.serve.errors import EngineError
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.memory import paged_cache_config

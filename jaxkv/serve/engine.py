@@ -1,36 +1,33 @@
-"""`Engine`: continuous batching over a request queue, the whole queue in one `jax.jit` call.
+"""`Engine`: continuous batching over one engine core, offline (`run`) or incremental.
 
-The incremental API's methods (`add_request`, `step`, ...) come from `incremental.py`.
+`Engine` checks its arguments and composes the pieces: the `EngineCore`
+(`core.py`, the loop state and the programs over it), `Engine.run`'s client of
+it (`offline.py`) and the incremental API's (`LiveQueue`, `live.py`), to which
+`add_request`, `step`, `abort`, ... delegate.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import time
 import secrets
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import CacheConfig, Status, pure
+from jaxkv import CacheConfig
 from jaxkv.serve.admission import (ADMISSION_ORDERS, admission_order, check_admission, labelled,
-                                   plain_greedy, queue_order)
-from jaxkv.serve.errors import EngineError
-from jaxkv.serve.incremental import IncrementalAPI
+                                   queue_order)
+from jaxkv.serve.core import EngineCore
 from jaxkv.serve.live import LiveQueue
-from jaxkv.serve.loop import serve_loop
-from jaxkv.serve.memory import _grown_rows, check_engine_fits
+from jaxkv.serve.memory import check_engine_fits
+from jaxkv.serve.offline import serve_queue
 from jaxkv.serve.step_model import check_step_model
 from jaxkv.serve.report import layer_implementations
-from jaxkv.serve.requests import MAX_LOGPROBS, Request, check_request
-from jaxkv.serve.results import (PAGED_COUNTERS, Completion, EngineStats, RequestTiming,
-                                 read_paged_counters, token_logprobs)
-from jaxkv.serve.state import LoopState, init_loop_state, pack_queue
-from jaxkv.serve.timing import compile_seconds
+from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
+from jaxkv.serve.results import Completion, Delta, EngineStats
+from jaxkv.serve.state import LoopState
 
 
 def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
@@ -43,13 +40,6 @@ def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
     raise ValueError(f"mesh={mesh} differs from the model's mesh {model_mesh}")
   validate_mesh(config, mesh, kv_axis)
   return mesh, kv_axis
-
-
-def _split_placed(model, mesh):
-  """`(graphdef, params)`, the params placed on `mesh` by their sharding metadata."""
-  from jaxkv.nnx import shard_state, split_model   # pylint: disable=g-import-not-at-top
-  graphdef, params = split_model(model)
-  return graphdef, (params if mesh is None else shard_state(params, mesh))
 
 
 MIN_MIDDLE_WIDTH = 128
@@ -85,11 +75,7 @@ def default_widths(config: CacheConfig) -> tuple[int, ...]:
   return tuple(widths) + (narrow,)
 
 
-def _grow(config: CacheConfig, ls: LoopState, rows: int) -> LoopState:
-  return dataclasses.replace(ls, cache=pure.grow(config, ls.cache, rows))
-
-
-class Engine(IncrementalAPI):
+class Engine:
   """Continuous batching over a request queue, the serving loop in one `jax.jit`.
 
   Args:
@@ -208,47 +194,23 @@ class Engine(IncrementalAPI):
       raise TypeError(f"compiler_options={compiler_options!r} must be a mapping of XLA option "
                       "names (str) to values")
     self.compiler_options = dict(compiler_options)
-    jit = functools.partial(jax.jit, donate_argnums=1,
-                            compiler_options=self.compiler_options or None)
-    self.graphdef, self.params = _split_placed(model, self.mesh)
-    if device is not None:
-      self.params = jax.device_put(self.params, device)
-    # The parameters travel as a flat list of arrays: flattening the model's nnx.State on
-    # every loop entry is Python work per parameter, paid once per entry on the host.
-    self._param_leaves, treedef = jax.tree.flatten(self.params)
-    # Looked up here, not at import, so a test can wrap `serve_loop` (chex.assert_max_traces).
-    # The static arguments are bound once: as jit static arguments, the model's GraphDef
-    # would be hashed on every loop entry. `self._loop(leaves, ls, max_steps)`.
-    loop_fn = serve_loop
-
-    def entry(greedy):
-      return jit(lambda leaves, ls, max_steps: loop_fn(
-          self.graphdef, self.config, self.widths, jax.tree.unflatten(treedef, leaves), ls,
-          max_steps, greedy=greedy))
-    self._loop = entry(False)
-    # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
-    # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
-    self._greedy_loop = entry(True)
-    self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
-    self.state: LoopState | None = None
+    self.core = EngineCore(model, config, self.widths, mesh=self.mesh, kv_axis=self.kv_axis,
+                           device=device, prefix_cache=prefix_cache,
+                           compiler_options=self.compiler_options)
     self.implementations = layer_implementations(model, config)
     self.gemm = getattr(model, "gemm", None)   # the decode GEMM (CONTRACT §10.8), if it says
     self.stats = EngineStats(implementations=self.implementations)
     self.completions: list[Completion] = []   # of the last run, also when it failed
     self._live: LiveQueue | None = None
 
-  def enter(self, ls: LoopState, max_steps: int, *, greedy: bool = False) -> LoopState:
-    """One loop entry of at most `max_steps` steps over `ls` (donated); the new loop state."""
-    budget = self._budgets.get(max_steps)
-    if budget is None:
-      budget = self._budgets[max_steps] = jnp.int32(max_steps)
-    loop = self._greedy_loop if greedy else self._loop
-    return loop(self._param_leaves, ls, budget)
+  @property
+  def state(self) -> LoopState | None:
+    """The loop state (`EngineCore.state`): of the last `run`, or the incremental API's."""
+    return self.core.state
 
   def lower(self, ls: LoopState, max_steps: int, *, greedy: bool = False):
-    """The `jax.stages.Lowered` loop entry `enter` would run on `ls` (for HLO inspection)."""
-    loop = self._greedy_loop if greedy else self._loop
-    return loop.lower(self._param_leaves, ls, jnp.int32(max_steps))
+    """The `jax.stages.Lowered` loop entry the engine would run on `ls` (for HLO inspection)."""
+    return self.core.lower(ls, max_steps, greedy=greedy)
 
   def check(self, request: Request) -> None:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
@@ -313,115 +275,142 @@ class Engine(IncrementalAPI):
     if not requests:
       return []
     with contextlib.nullcontext() if self.device is None else jax.default_device(self.device):
-      return self._run(admission_order(requests, admission), order, on_progress)
+      done = serve_queue(self, admission_order(requests, admission), on_progress)
+    return sorted(done, key=lambda c: (order[c.request_id], c.index))
 
-  def _run(self, requests, order, on_progress) -> list[Completion]:
-    stats = self.stats
-    config = self.config
-    started, compiled = time.perf_counter(), compile_seconds()
-    host_queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],
-                            max_len=self.max_len, max_stop=self.max_stop,
-                            num_logprobs=self.max_logprobs)
-    # Queue and output rows are padded to powers of two (the output's token axis is
-    # `max_len`), so the loop compiles once per size class, not once per queue.
-    # One cache at a time: the previous run's state goes before the new one is allocated.
-    self.state = None
-    ls = init_loop_state(config, host_queue, num_widths=len(self.widths), mesh=self.mesh,
-                         kv_axis=self.kv_axis, prefix_cache=self.prefix_cache)
-    ls = self._grow_for(ls, requests)
-    self.state = ls
-    owner, lp_rows = {}, {}
-    for r in requests:
-      base = len(owner)
-      for j in range(r.params.n):
-        owner[base + j] = (r, j)
-        if r.params.logprobs is not None:   # pack_queue's order: logprob rows in queue order
-          lp_rows[base + j] = len(lp_rows)
-    greedy = all(plain_greedy(r.params) for r in requests)
-    collected = np.zeros((host_queue.rows,), bool)
-    collected[len(owner):] = True   # padding rows
-    step_counts = []   # (completion, admitted, first token, finished) for its timing
-    stats.setup_seconds = time.perf_counter() - started
-    steps_before = 0   # a fresh loop state counts from 0
-    try:
-      while True:
-        self.state = None   # donated below: never left pointing at a deleted buffer
-        entered = time.perf_counter()
-        ls = self.enter(ls, self.max_steps, greedy=greedy)
-        self.state = ls
-        stats.loop_entries += 1
-        o = ls.out
-        host = jax.device_get({k: getattr(ls, k) for k in (
-            "steps", "step_tokens", "occupancy", "status", "peak_rows", "width_steps",
-            *PAGED_COUNTERS)} | {
-                "out_done": o.done, "out_len": o.length, "out_stop": o.stop,
-                "out_admitted": o.admitted, "out_first": o.first, "out_finished": o.finished,
-                "active": ls.cols.active, "used": ls.cols.used, "next": ls.queue.next})
-        stats.loop_seconds += time.perf_counter() - entered
-        new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
-        new_results = []
-        if new_rows.size:
-          out = np.asarray(jax.device_get(ls.out.tokens))
-          lps = None
-          for row in new_rows:
-            request, index = owner[int(row)]
-            n_tok = int(host["out_len"][row])
-            logprobs = None
-            if request.params.logprobs is not None:
-              if lps is None:
-                lps = jax.device_get((ls.out.logprob, ls.out.top_ids, ls.out.top_logprobs))
-              logprobs = token_logprobs(lps, lp_rows[int(row)], out[row, :n_tok],
-                                        range(n_tok), request.params.logprobs)
-            new_results.append(Completion(request.request_id, index, request.prompt,
-                                          out[row, :n_tok].tolist(),
-                                          "stop" if host["out_stop"][row] else "length",
-                                          request.params.seed, logprobs=logprobs))
-            step_counts.append((new_results[-1], int(host["out_admitted"][row]),
-                                int(host["out_first"][row]), int(host["out_finished"][row])))
-          collected[new_rows] = True
-          self.completions.extend(new_results)
-        stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
-        stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
-        stats.width_steps = {w: int(c) for w, c in zip(self.widths, host["width_steps"])}
-        read_paged_counters(stats, host)
-        stats.generated = sum(len(c.tokens) for c in self.completions)
-        stats.seconds = time.perf_counter() - started
-        stats.compile_seconds = compile_seconds() - compiled
-        if int(host["status"]) != Status.OK:
-          raise EngineError(f"the cache refused a step: {Status(int(host['status'])).name}",
-                            self.completions)
-        if on_progress is not None:
-          on_progress(stats, new_results)
-        if collected.all():
-          break
-        # An entry that ended on its budget may have retired every column before admitting.
-        spent = int(host["steps"]) - steps_before >= self.max_steps
-        steps_before = int(host["steps"])
-        if not spent and not host["active"].any() and not host["used"].any():
-          raise EngineError(f"request {requests[int(host['next'])].request_id!r} cannot be "
-                            "admitted into an empty engine", self.completions)
-    except EngineError:
-      raise
-    except Exception as e:   # pylint: disable=broad-except  (model, device or callback failure)
-      raise EngineError(f"Engine.run failed after {len(self.completions)} finished samples: "
-                        f"{type(e).__name__}: {e}", self.completions) from e
-    finally:
-      stats.seconds = time.perf_counter() - started
-      stats.compile_seconds = compile_seconds() - compiled
-      for c, admitted, first, finished in step_counts:   # now that the mean step time is known
-        c.timing = RequestTiming.from_steps(admitted, first, finished, len(c.tokens),
-                                            stats.step_seconds)
-    return sorted(self.completions, key=lambda c: (order[c.request_id], c.index))
+  # ------------------------------------------------------------------ incremental API
+  # Each verb hands the work to the `LiveQueue` (made on first use; `live.py`).
 
-  def _grow_for(self, ls: LoopState, requests) -> LoopState:
-    """Grows flat rows once so that no request of the queue can hit NEEDS_ROWS in the loop."""
-    config = self.config
-    if not config.has_flat or config.page_size is not None:   # a paged pool never grows
-      return ls
-    current = next(ls.cache.k[l].shape[0] for l, layer in enumerate(config.layers)
-                   if not layer.policy.is_ring)
-    needed = max(len(r.prompt) + r.params.max_tokens - 1 for r in requests)
-    if needed <= current:
-      return ls
-    # `pure.grow` runs on the host (it builds each grown layer in place on its devices).
-    return _grow(config, ls, _grown_rows(config, current, needed))
+  def _live_queue(self) -> LiveQueue:
+    if self._live is None:
+      self.core.drop()   # run's state goes before the persistent one is allocated
+      self.stats = EngineStats(implementations=self.implementations)
+      self._live = LiveQueue(self)
+    return self._live
+
+  @property
+  def live(self) -> LiveQueue:
+    """The incremental API's `LiveQueue` (made on first use): its `dispatch` and `collect`
+    halves let a front run loop entries on one thread and read them back on another."""
+    return self._live_queue()
+
+  def add_request(self, request: Request):
+    """Queues one request for `step`/`stream`; returns its id.
+
+    The request is checked now (as by `run`); a refused request changes
+    nothing. It may be called from any thread, also while a step runs; the
+    request enters the loop at the next step. Its stop tokens may exceed
+    `max_stop_tokens`: the rest are checked on the host after each step. A
+    `seed` of None is drawn here and reported on every `Delta`.
+
+    Args:
+      request: the `Request`; its `request_id` (default: the lowest unused
+        int) must not be in flight.
+
+    Returns:
+      The request id.
+
+    Raises:
+      ValueError, TypeError: a malformed request, one that can never fit, or
+        an id already in flight.
+    """
+    return self._live_queue().add_request(request)
+
+  def abort(self, request_id, index: int | None = None) -> bool:
+    """Ends a request (or one running sample) at the next step, finish reason `"abort"`.
+
+    Its columns are removed and their reserved room freed before the next
+    loop entry, so waiting requests can take them.
+
+    Args:
+      request_id: the request.
+      index: one sample of it (only once that sample has produced tokens);
+        None: every unfinished sample.
+
+    Returns:
+      False (changing nothing) if the request or sample is not in flight.
+    """
+    return self._live is not None and self._live.abort(request_id, index)
+
+  def abort_many(self, request_ids) -> int:
+    """`abort` of every request in `request_ids` in one call (one lock, O(1) each): a client
+    that sent many prompts and left. Returns how many of them were in flight."""
+    return 0 if self._live is None else self._live.abort_many(request_ids)
+
+  def has_unfinished(self) -> bool:
+    """Whether a request added with `add_request` has not finished yet."""
+    return self._live is not None and self._live.has_unfinished()
+
+  def counts(self) -> tuple[int, int]:
+    """`(running, waiting)` requests of the incremental API: admitted into the loop, and not yet."""
+    return (0, 0) if self._live is None else self._live.counts()
+
+  @property
+  def waiting_tokens(self) -> int:
+    """Prompt tokens of the incremental API's requests not yet admitted into the loop."""
+    return 0 if self._live is None else self._live.waiting_tokens
+
+  @property
+  def held(self) -> int:
+    """Cache positions held by the incremental API's sequences after its last step."""
+    return 0 if self._live is None else self._live.held
+
+  def step(self, max_steps: int | None = None, *, overlap: bool = False) -> list[Delta]:
+    """One loop entry of at most `max_steps` steps over the persistent cache.
+
+    Applies pending aborts, moves waiting requests into the device queue,
+    runs the jitted loop (admission, forks, steps, retirement inside) and
+    reports every sample's new tokens. One entry runs at a time.
+
+    Args:
+      max_steps: the streaming interval `k` (default: the engine's `max_steps`).
+      overlap: dispatch the next entry before building this one's deltas, so
+        the device never waits for the host's formatting: the call returns the
+        deltas of the entry the previous call dispatched and leaves one entry in
+        flight while work remains; aborts and host-side stop cuts then take
+        effect one entry later. Off while a request that wants logprobs is in
+        flight. `AsyncEngine` (and so the server) steps this way.
+
+    Returns:
+      `Delta`s of the samples that produced tokens or finished, in arrival
+      order; the last delta of a request carries its `RequestTiming`.
+
+    Raises:
+      EngineError: the model, device or cache failed; the requests the
+        device held are dropped (`error.failed`), requests still waiting on
+        the host are kept, and the next step starts on a fresh cache;
+        `error.deltas` holds the deltas read before the failure.
+      RuntimeError: another step is running.
+    """
+    return self._live_queue().step(max_steps, overlap=overlap)
+
+  def warm_up(self, steps=(1,)) -> float:
+    """Compiles what the incremental API runs, before any request; returns the compile seconds.
+
+    For each entry length in `steps` (the `max_steps` the caller will step
+    with), a greedy and a sampled one-token request run one entry (the loop
+    without and with the sampler, which `step` picks by what is in flight, and
+    the entry's snapshot compile) and are aborted (the abort helper compiles);
+    nothing of them stays in the engine.
+
+    Raises:
+      RuntimeError: requests added with `add_request` are in flight.
+    """
+    if self.has_unfinished():
+      raise RuntimeError("warm_up: requests are in flight; call it before serving")
+    before = self.stats.compile_seconds
+    for temperature in (0.0, 1.0):
+      for k in steps:
+        rid = self.add_request(Request((0,), SamplingParams(max_tokens=2, temperature=temperature),
+                                       request_id="warm-up"))
+        self.step(k)
+        self.abort(rid)
+        while self.has_unfinished():
+          self.step(k)
+    return self.stats.compile_seconds - before
+
+  def stream(self, max_steps: int | None = None) -> Iterator[Delta]:
+    """Steps until every added request has finished, yielding the deltas as they come."""
+    live = self._live_queue()
+    while live.has_unfinished():
+      yield from live.step(max_steps)

@@ -40,32 +40,28 @@ The loop is `run`'s (`loop.serve_loop`); records: `live_records.py`; reading bac
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import secrets
 import threading
 import time
 
-import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxkv._sharding import first_device
 from jaxkv.serve.admission import check_admission, plain_greedy
 from jaxkv.serve.errors import EngineError
-from jaxkv.serve.live_ops import abort_rows, enqueue, enqueue_batches, snapshot
-from jaxkv.serve.live_read import Entry, SnapshotReader
-from jaxkv.serve.live_records import Tracked, Waiting, first_fit
+from jaxkv.serve.live_ops import enqueue_batches
+from jaxkv.serve.live_read import Entry, EntryReader
+from jaxkv.serve.live_records import Ledger, Tracked, first_fit
 from jaxkv.serve.requests import Request
-from jaxkv.serve.results import Delta, RequestTiming
-from jaxkv.serve.state import LOGPROB_WINDOW, HostQueue, _bucket, init_loop_state, pack_queue
+from jaxkv.serve.results import Delta
+from jaxkv.serve.state import LOGPROB_WINDOW, HostQueue, _bucket, pack_queue
 from jaxkv.serve.timing import compile_seconds
 
 # Entries dispatched and not yet collected, at most: the driver runs one entry ahead.
 MAX_IN_FLIGHT = 2
 
-class LiveQueue(SnapshotReader):
+class LiveQueue:
   """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
 
   Args:
@@ -81,29 +77,22 @@ class LiveQueue(SnapshotReader):
     self.queue_size = _bucket(2 * s if queue_size is None else queue_size)
     self.out_rows = _bucket(max(s, 2 * self.queue_size if out_rows is None else out_rows))
     self.logprob_window = min(LOGPROB_WINDOW, engine.max_len)
-    self._lock = threading.Lock()        # host bookkeeping (add_request/abort from any thread)
-    self._changed = threading.Condition(self._lock)   # an entry dispatched or collected
-    self._dispatching = threading.Lock()  # one dispatch at a time (it owns `engine.state`)
+    self.ledger = Ledger(self.out_rows, engine.scheduling)
+    self.reader = EntryReader(self.ledger, engine, self.out_rows)
+    self._dispatching = threading.Lock()  # one dispatch at a time (the core's verbs run in its order)
     self._collecting = threading.Lock()   # one collect at a time, entries in order
-    self._tracked: dict = {}             # request_id -> Tracked, in arrival order
-    self._waiting = Waiting(engine.scheduling)  # on the host, not yet in the device queue
-    self._free = np.ones((self.out_rows,), bool)
-    self._aborts: dict = {}   # (request_id, index) -> None, in call order: O(1) membership
     self._ids = itertools.count()
-    self._pending: collections.deque = collections.deque()   # Entry, oldest first
-    self._dispatched = 0                 # entries dispatched on this state
-    self._enqueued = 0                   # requests ever appended to the device queue
-    self._queued_seen = 0                # device queue length after the last entry read
-    self._enqueued_seen = 0              # `_enqueued` when that entry was dispatched
-    self._steps_seen = 0                 # the loop's step counter after the last entry read
-    self._cut_rows: list = []            # rows cut at a host-side stop, removed at next dispatch
-    self._free_after_abort: list = []    # (base, n) of released requests holding cut rows
     self._broken: Exception | None = None   # a status failure read back, reset at next dispatch
-    self.held = 0                        # cache positions held after the last entry read
-    self._sampled = 0                    # requests in flight that are not plain greedy
-    self._with_logprobs = 0              # requests in flight that want logprobs
-    self.waiting_tokens = 0              # prompt tokens of the requests not yet admitted
-    self._unadmitted = 0                 # requests not yet admitted (counts() is O(1))
+
+  @property
+  def held(self) -> int:
+    """Cache positions held after the last entry read."""
+    return self.ledger.held
+
+  @property
+  def waiting_tokens(self) -> int:
+    """Prompt tokens of the requests not yet admitted."""
+    return self.ledger.waiting_tokens
 
   # ------------------------------------------------------------------ requests
 
@@ -114,11 +103,11 @@ class LiveQueue(SnapshotReader):
     seed = secrets.randbelow(2**31) if p.seed is None else p.seed
     device = dataclasses.replace(p, seed=seed, stop_tokens=p.stop_tokens[:engine.max_stop])
     bad = [t for t in p.stop_tokens if not 0 <= t < engine.vocab_size]
-    with self._lock:
+    with self.ledger.lock:
       rid = request.request_id
       if rid is None:
-        rid = next(i for i in self._ids if i not in self._tracked)
-      elif rid in self._tracked:
+        rid = next(i for i in self._ids if i not in self.ledger.tracked)
+      elif rid in self.ledger.tracked:
         raise ValueError(f"request_id={rid!r} is already in flight")
       checked = request.replace(params=device, request_id=rid)
       engine.check(checked)
@@ -127,65 +116,65 @@ class LiveQueue(SnapshotReader):
                          f"[0, vocab_size={engine.vocab_size})")
       if p.n > self.out_rows:
         raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
-      self._sampled += not plain_greedy(p)
-      self._with_logprobs += p.logprobs is not None
-      self.waiting_tokens += len(request.prompt)
-      self._unadmitted += 1
-      self._tracked[rid] = Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
+      self.ledger.sampled += not plain_greedy(p)
+      self.ledger.with_logprobs += p.logprobs is not None
+      self.ledger.waiting_tokens += len(request.prompt)
+      self.ledger.unadmitted += 1
+      self.ledger.tracked[rid] = Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
                                     time.perf_counter(), emitted=[0] * p.n,
                                     finished=[False] * p.n)
-      self._waiting.append(rid, p.max_tokens)
+      self.ledger.waiting.append(rid, p.max_tokens)
     return rid
 
   def abort(self, request_id, index: int | None = None) -> bool:
-    with self._lock:
+    with self.ledger.lock:
       return self._abort(request_id, index)
 
   def abort_many(self, request_ids) -> int:
     """Aborts every request in `request_ids` under one lock (O(1) each); how many were in flight."""
-    with self._lock:
+    with self.ledger.lock:
       return sum(self._abort(rid, None) for rid in request_ids)
 
   def _abort(self, request_id, index) -> bool:   # holds `_lock`
-    t = self._tracked.get(request_id)
-    if t is None or (request_id, None) in self._aborts or (request_id, index) in self._aborts:
+    t = self.ledger.tracked.get(request_id)
+    if t is None or (request_id, None) in self.ledger.aborts or (request_id, index) in self.ledger.aborts:
       return False
     if index is not None and not (0 <= index < t.n and t.emitted[index]
                                   and not t.finished[index]):
       return False   # one sample is aborted only once it runs (it has a column of its own)
-    self._aborts[(request_id, index)] = None
+    self.ledger.aborts[(request_id, index)] = None
     return True
 
   def has_unfinished(self) -> bool:
-    with self._lock:
-      return bool(self._tracked)
+    with self.ledger.lock:
+      return bool(self.ledger.tracked)
 
   def counts(self) -> tuple[int, int]:
     """`(running, waiting)` requests: admitted into the loop, and not yet."""
-    with self._lock:
-      return len(self._tracked) - self._unadmitted, self._unadmitted
+    with self.ledger.lock:
+      return len(self.ledger.tracked) - self.ledger.unadmitted, self.ledger.unadmitted
 
   def has_work(self) -> bool:
     """Whether a dispatch would give the device something to do (by the last entry read)."""
-    with self._lock:
-      return bool(self._aborts or self._cut_rows or self._broken is not None
-                  or any(not all(t.finished) for t in self._tracked.values()))
+    with self.ledger.lock:
+      return bool(self.ledger.aborts or self.ledger.cut_rows or self._broken is not None
+                  or any(not all(t.finished) for t in self.ledger.tracked.values()))
 
   @property
   def in_flight(self) -> int:
     """Entries dispatched and not yet collected."""
-    with self._lock:
-      return len(self._pending)
+    with self.ledger.lock:
+      return len(self.ledger.pending)
 
   def wait_for_entry(self, timeout: float | None = None) -> bool:
     """Blocks until an entry is in flight (or `timeout` seconds pass); whether one is."""
-    with self._changed:
-      return self._changed.wait_for(lambda: bool(self._pending), timeout)
+    with self.ledger.changed:
+      return self.ledger.changed.wait_for(lambda: bool(self.ledger.pending), timeout)
 
   def notify(self) -> None:
     """Wakes the threads waiting in `wait_for_entry` (a front that is closing)."""
-    with self._changed:
-      self._changed.notify_all()
+    with self.ledger.changed:
+      self.ledger.changed.notify_all()
 
   # ------------------------------------------------------------------ stepping
 
@@ -202,9 +191,9 @@ class LiveQueue(SnapshotReader):
         deltas += self.dispatch(max_steps)
         if not self.in_flight:   # nothing to run, or collected at once (logprobs)
           return deltas
-      before = self._dispatched
+      before = self.ledger.dispatched
       deltas += self.dispatch(max_steps)
-      keep = 1 if overlap and self._dispatched != before else 0
+      keep = 1 if overlap and self.ledger.dispatched != before else 0
       while self.in_flight > keep:
         deltas += self.collect()
     except EngineError as e:
@@ -228,11 +217,11 @@ class LiveQueue(SnapshotReader):
     k = engine.max_steps if max_steps is None else max_steps
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
       raise ValueError(f"max_steps={max_steps!r} must be an int >= 1")
-    with self._changed:
-      while len(self._pending) >= MAX_IN_FLIGHT:
+    with self.ledger.changed:
+      while len(self.ledger.pending) >= MAX_IN_FLIGHT:
         if not wait:
           raise RuntimeError(f"dispatch: {MAX_IN_FLIGHT} entries are uncollected")
-        self._changed.wait()
+        self.ledger.changed.wait()
     if not self._dispatching.acquire(blocking=False):
       raise RuntimeError("step: another loop entry is running (one at a time)")
     started, compiled = time.perf_counter(), compile_seconds()
@@ -241,8 +230,8 @@ class LiveQueue(SnapshotReader):
       try:
         if self._broken is not None:
           raise self._broken
-        with self._lock:
-          sync = self._with_logprobs > 0
+        with self.ledger.lock:
+          sync = self.ledger.with_logprobs > 0
         if sync:   # no logprob slot is rewritten before it is read
           k = min(int(k), self.logprob_window)
         deltas += self._dispatch(int(k))
@@ -261,6 +250,44 @@ class LiveQueue(SnapshotReader):
     finally:
       self._dispatching.release()
 
+  def collect(self, *, reset: bool = True, _from_dispatch: bool = False) -> list:
+    """Reads the oldest uncollected entry (waiting for the device); its deltas ([] if none).
+
+    Args:
+      reset: on a failure read back, reset and raise here (unless another thread
+        is dispatching); False leaves both to the next `dispatch` (a reader
+        thread beside a driver thread: it never waits for the driver).
+
+    Raises:
+      EngineError: the cache refused a step in that entry; the requests the
+        device held are dropped (`error.failed`) and the next dispatch starts on
+        a fresh cache. Where this call does not reset (above), it returns []
+        and the next `dispatch` raises it.
+    """
+    with self._collecting:
+      try:
+        return self._collect_one()
+      except EngineError:
+        raise
+      except Exception as e:   # pylint: disable=broad-except  (reported by the next dispatch too)
+        self._broken = e
+    if _from_dispatch:   # the dispatch resets and reports
+      raise self._broken
+    if not reset or not self._dispatching.acquire(blocking=False):
+      return []   # the next dispatch resets and reports
+    try:
+      if self._broken is None:   # a dispatch reported and reset it already
+        return []
+      raise self._failed(self._broken, [])
+    finally:
+      self._dispatching.release()
+
+  def _collect_one(self) -> list:
+    with self.ledger.lock:
+      if self._broken is not None:
+        return []
+    return self.reader.read_oldest()
+
   def _failed(self, e: BaseException, deltas: list) -> BaseException:
     """Resets after a failure (the state was donated); the error to raise, naming the dropped.
 
@@ -269,7 +296,7 @@ class LiveQueue(SnapshotReader):
     finished before the failure (the fronts deliver it first). Holds `_dispatching`.
     """
     with self._collecting:   # what finished in entries still uncollected is delivered first
-      while self._pending and self._broken is None:
+      while self.ledger.pending and self._broken is None:
         try:
           deltas += self._collect_one()
         except Exception:   # pylint: disable=broad-except  (its own failure: dropped with the rest)
@@ -287,30 +314,28 @@ class LiveQueue(SnapshotReader):
 
   def _dispatch(self, k: int) -> list[Delta]:
     """Aborts, appends, and dispatches one entry unless the device has nothing to do."""
-    engine = self.engine
-    if engine.state is None:
+    core = self.engine.core
+    if core.state is None:
       self._init_state()
     deltas = self._apply_aborts()
     self._fill()
-    with self._lock:
+    with self.ledger.lock:
       # Device work: a request it holds, or a queue the last entry read left non-empty (aborts
       # may have emptied it since; an entry reads that back and frees the slots).
-      if not (any(t.base >= 0 and not all(t.finished) for t in self._tracked.values())
-              or self._queued_seen + self._enqueued - self._enqueued_seen > 0):
+      if not (any(t.base >= 0 and not all(t.finished) for t in self.ledger.tracked.values())
+              or self.ledger.queued_seen + self.ledger.enqueued - self.ledger.enqueued_seen > 0):
         return deltas
-      greedy = self._sampled == 0
-    ls, engine.state = engine.state, None   # donated below
+      greedy = self.ledger.sampled == 0
     # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
     # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
-    ls = engine.enter(ls, k, greedy=greedy)
-    engine.state = ls
-    engine.stats.loop_entries += 1
+    core.enter(k, greedy=greedy)
+    self.engine.stats.loop_entries += 1
     window = _bucket(k)   # one snapshot compiled per power of two, not per k
-    entry = Entry(snapshot(ls, window), window, k, self._dispatched, self._enqueued)
-    with self._changed:
-      self._dispatched += 1
-      self._pending.append(entry)
-      self._changed.notify_all()
+    entry = Entry(core.snapshot(window), window, k, self.ledger.dispatched, self.ledger.enqueued)
+    with self.ledger.changed:
+      self.ledger.dispatched += 1
+      self.ledger.pending.append(entry)
+      self.ledger.changed.notify_all()
     return deltas
 
   def _init_state(self) -> None:
@@ -319,13 +344,8 @@ class LiveQueue(SnapshotReader):
     host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0,
                            lp_rows=self.out_rows, lp_window=self.logprob_window,
                            num_logprobs=engine.max_logprobs)
-    state = init_loop_state(engine.config, host_queue, num_widths=len(engine.widths),
-                            mesh=engine.mesh, kv_axis=engine.kv_axis,
-                            prefix_cache=engine.prefix_cache)
-    # Committed from the start, as the loop's outputs are: jit keys its compiled code on
-    # whether each argument is committed, so a mix would compile the loop a second time.
-    engine.state = state if engine.mesh is not None else self._place(state)
-    assert engine.state.queue.prompt.shape[0] == self.queue_size
+    engine.core.start(host_queue, commit=True)
+    assert engine.core.state.queue.prompt.shape[0] == self.queue_size
 
   def _empty_queue(self) -> HostQueue:
     """The queue arrays of `Q` never-admitted fillers (the device queue starts empty)."""
@@ -335,51 +355,42 @@ class LiveQueue(SnapshotReader):
                       max_len=engine.max_len, max_stop=engine.max_stop,
                       num_logprobs=engine.max_logprobs)
 
-  def _place(self, tree):
-    """`tree` committed where the loop state lives: replicated on the mesh, or the first device."""
-    mesh = self.engine.mesh
-    return jax.device_put(tree, NamedSharding(mesh, P()) if mesh is not None
-                          else first_device())
-
   def _fill(self) -> None:
     """Appends waiting requests to the device queue while its slots and output rows allow."""
     engine = self.engine
-    with self._lock:
-      room = self.queue_size - (self._queued_seen + self._enqueued - self._enqueued_seen)
+    with self.ledger.lock:
+      room = self.queue_size - (self.ledger.queued_seen + self.ledger.enqueued - self.ledger.enqueued_seen)
       moved = []
-      while self._waiting and len(moved) < room:
-        t = self._tracked[self._waiting.peek()]
-        base = first_fit(self._free, t.n)
+      while self.ledger.waiting and len(moved) < room:
+        t = self.ledger.tracked[self.ledger.waiting.peek()]
+        base = first_fit(self.ledger.free, t.n)
         if base is None:
           break   # in order: a later request never overtakes one waiting for rows
-        self._free[base:base + t.n] = False
-        t.base, t.entry = base, self._dispatched
-        self._waiting.popleft()
+        self.ledger.free[base:base + t.n] = False
+        t.base, t.entry = base, self.ledger.dispatched
+        self.ledger.waiting.popleft()
         moved.append(t)
-      self._enqueued += len(moved)
+      self.ledger.enqueued += len(moved)
     if not moved:
       return
-    grow = engine._grow_for   # pylint: disable=protected-access
-    engine.state = grow(engine.state, [t.request for t in moved])
-    for tokens, arrays, num in enqueue_batches([t.request for t in moved], [t.base for t in moved],
-                                               max_stop=engine.max_stop,
-                                               num_logprobs=engine.max_logprobs):
-      ls, engine.state = engine.state, None   # donated below
-      engine.state = enqueue(ls, *self._place((tokens, arrays, np.int32(num))))
+    engine.core.grow_for([t.request for t in moved])
+    for batch in enqueue_batches([t.request for t in moved], [t.base for t in moved],
+                                 max_stop=engine.max_stop, num_logprobs=engine.max_logprobs):
+      engine.core.enqueue(*batch)
 
   def _apply_aborts(self) -> list[Delta]:
     """Ends the aborted requests and samples on the host, then removes theirs on the device."""
     rows = self.out_rows
     column_rows, queue_rows = np.zeros((rows,), bool), np.zeros((rows,), bool)
-    with self._lock:
-      aborts, self._aborts = list(self._aborts), {}
+    with self.ledger.lock:
+      aborts, self.ledger.aborts = list(self.ledger.aborts), {}
       deltas = []
-      for row in self._cut_rows:   # samples cut at a host-side stop while an entry was in flight
+      for row in self.ledger.cut_rows:   # samples cut at a host-side stop while an entry was in flight
         column_rows[row] = True
-      self._cut_rows = []
-      freed, self._free_after_abort = self._free_after_abort, []
+      self.ledger.cut_rows = []
+      freed, self.ledger.free_after_abort = self.ledger.free_after_abort, []
       for rid, index in aborts:
-        t = self._tracked.get(rid)
+        t = self.ledger.tracked.get(rid)
         if t is None or (index is not None and t.finished[index]):
           continue   # it finished in the step that ran when abort() was called
         samples = range(t.n) if index is None else (index,)
@@ -388,7 +399,7 @@ class LiveQueue(SnapshotReader):
           if index is None:
             queue_rows[t.base] = True
         elif index is None:
-          self._waiting.remove(rid)
+          self.ledger.waiting.remove(rid)
         for j in samples:
           if not t.finished[j]:
             t.finished[j] = True
@@ -396,55 +407,16 @@ class LiveQueue(SnapshotReader):
             deltas.append(Delta(rid, j, (), "abort", t.request.params.seed,
                                 logprobs=t.logprobs_of_none))
         if all(t.finished):
-          deltas[-1] = dataclasses.replace(deltas[-1], timing=self._release(rid))
+          deltas[-1] = dataclasses.replace(deltas[-1], timing=self.ledger.release(rid))
     if column_rows.any():
-      engine = self.engine
-      ls, engine.state = engine.state, None
-      engine.state = abort_rows(engine.config, ls, *self._place((column_rows, queue_rows)))
-    with self._lock:   # their columns are gone before any later use of the rows
+      self.engine.core.abort_rows(column_rows, queue_rows)
+    with self.ledger.lock:   # their columns are gone before any later use of the rows
       for base, n in freed:
-        self._free[base:base + n] = True
+        self.ledger.free[base:base + n] = True
     return deltas
-
-  def _release(self, rid) -> RequestTiming:
-    """Forgets a finished request and frees its output rows; its timing. Holds `_lock`.
-
-    Rows freed here are reused only by a later dispatch, which runs after any
-    device work on them (an abort or the entry that finished them) in the device's order.
-    """
-    t = self._tracked.pop(rid)
-    self._sampled -= not plain_greedy(t.request.params)
-    self._with_logprobs -= t.request.params.logprobs is not None
-    if t.admitted is None:
-      self.waiting_tokens -= len(t.request.prompt)
-      self._unadmitted -= 1
-    if t.base >= 0:
-      if any(t.base <= row < t.base + t.n for row in self._cut_rows):
-        self._free_after_abort.append((t.base, t.n))   # a column still writes there
-      else:
-        self._free[t.base:t.base + t.n] = True
-    now = time.perf_counter()
-    since = lambda x: None if x is None else x - t.arrived
-    tokens = max(t.emitted)   # the longest sample: the request's last token came with it
-    between = (now - t.first_token) / (tokens - 1) if tokens > 1 else None
-    return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
 
   def _reset(self) -> list:
     """After a failure: drops the state and every request the device held; their ids."""
-    with self._lock:
-      failed = [rid for rid, t in self._tracked.items() if t.base >= 0]
-      for rid in failed:
-        t = self._tracked.pop(rid)
-        self._sampled -= not plain_greedy(t.request.params)
-        self._with_logprobs -= t.request.params.logprobs is not None
-        if t.admitted is None:
-          self.waiting_tokens -= len(t.request.prompt)
-          self._unadmitted -= 1
-      self._aborts = {k: v for k, v in self._aborts.items() if k[0] in self._tracked}
-      self._free[:] = True
-      self._pending.clear()
-      self._dispatched = self._enqueued = self._queued_seen = self._enqueued_seen = 0
-      self._steps_seen, self.held, self._cut_rows, self._free_after_abort = 0, 0, [], []
-      self._changed.notify_all()
-    self.engine.state = None   # rebuilt (a fresh cache) at the next step
+    failed = self.ledger.reset()
+    self.engine.core.drop()   # rebuilt (a fresh cache) at the next step
     return failed

@@ -1,13 +1,12 @@
 """How `LiveQueue` (`live.py`) reads a loop entry back: its snapshot, then the deltas.
 
-`SnapshotReader` holds `collect`, which `LiveQueue` inherits: it takes the
-oldest uncollected entry, reads its snapshot (stats, status, the queue's
-counters, each output row's length and last tokens) and turns it into each
-sample's `Delta` (new tokens, finish reasons, host-side stop tokens, logprobs).
-It may run on its own thread while the driver dispatches the next entry: it
-reads only the entry's snapshot, never the loop state, unless no other entry
-is in flight (logprobs). The queue bookkeeping it updates (`_tracked`,
-`_lock`, ...) is `LiveQueue`'s.
+`EntryReader.read_oldest` takes the oldest uncollected entry, reads its
+snapshot (stats, status, the queue's counters, each output row's length and
+last tokens) and turns it into each sample's `Delta` (new tokens, finish
+reasons, host-side stop tokens, logprobs), updating the `Ledger` the queue
+shares with it. It may run on its own thread while the driver dispatches the
+next entry: it reads only the entry's snapshot, never the loop state, unless
+no other entry is in flight (logprobs).
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import dataclasses
 import time
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from jaxkv import Status
-from jaxkv.serve.errors import EngineError
 from jaxkv.serve.live_ops import unpack_snapshot
 from jaxkv.serve.results import Delta, read_paged_counters, token_logprobs
 
@@ -34,53 +31,38 @@ class Entry(NamedTuple):
   enqueued: int       # requests appended to the device queue before it was dispatched
 
 
-class SnapshotReader:
-  """`LiveQueue`'s reading of a loop entry (mixed into `LiveQueue`)."""
+class EntryReader:
+  """Reads `LiveQueue`'s entries back in order, updating its `Ledger` (module docstring).
 
-  def collect(self, *, reset: bool = True, _from_dispatch: bool = False) -> list:
-    """Reads the oldest uncollected entry (waiting for the device); its deltas ([] if none).
+  Args:
+    ledger: the incremental API's `Ledger` (`live_records.py`).
+    engine: the `Engine`: its stats, geometry and core (`EngineCore`, for reads of the
+      state itself).
+    out_rows: the output rows `R` of the loop state.
+  """
 
-    Args:
-      reset: on a failure read back, reset and raise here (unless another thread
-        is dispatching); False leaves both to the next `dispatch` (a reader
-        thread beside a driver thread: it never waits for the driver).
+  def __init__(self, ledger, engine, out_rows: int):
+    self.ledger, self.engine, self.out_rows = ledger, engine, out_rows
+
+  def read_oldest(self) -> list:
+    """The deltas of the oldest uncollected entry ([] if none), waiting for the device.
 
     Raises:
-      EngineError: the cache refused a step in that entry; the requests the
-        device held are dropped (`error.failed`) and the next dispatch starts on
-        a fresh cache. Where this call does not reset (above), it returns []
-        and the next `dispatch` raises it.
+      RuntimeError: the cache refused a step in that entry (its status), or a request
+        cannot be admitted into an empty engine.
     """
-    with self._collecting:
-      try:
-        return self._collect_one()
-      except EngineError:
-        raise
-      except Exception as e:   # pylint: disable=broad-except  (reported by the next dispatch too)
-        self._broken = e
-    if _from_dispatch:   # the dispatch resets and reports
-      raise self._broken
-    if not reset or not self._dispatching.acquire(blocking=False):
-      return []   # the next dispatch resets and reports
-    try:
-      if self._broken is None:   # a dispatch reported and reset it already
+    ledger = self.ledger
+    with ledger.lock:
+      if not ledger.pending:
         return []
-      raise self._failed(self._broken, [])
-    finally:
-      self._dispatching.release()
-
-  def _collect_one(self) -> list:
-    with self._lock:
-      if not self._pending or self._broken is not None:
-        return []
-      entry = self._pending[0]
+      entry = ledger.pending[0]
     engine = self.engine
     host = unpack_snapshot(np.asarray(entry.vec), num_widths=len(engine.widths),
                            columns=engine.config.max_seqs, rows=self.out_rows,
                            window=entry.window)
-    with self._changed:
-      self._pending.popleft()
-      self._changed.notify_all()
+    with ledger.changed:
+      ledger.pending.popleft()
+      ledger.changed.notify_all()
     self._read_counters(host, entry)
     return self._deltas(host, entry)
 
@@ -96,13 +78,13 @@ class SnapshotReader:
       raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
     used = host["used"] == 1
     queued = int(np.int32(host["count"] - host["next"]))   # int32 counters: a wrap is harmless
-    spent = int(host["steps"]) - self._steps_seen >= entry.steps   # it ended on its budget
+    spent = int(host["steps"]) - self.ledger.steps_seen >= entry.steps   # it ended on its budget
     if queued and not spent and not used.any() and not host["copies"]:
       raise RuntimeError("a request cannot be admitted into an empty engine")
-    with self._lock:
-      self.held = int(np.where(used, host["fed"], 0).sum())
-      self._queued_seen, self._enqueued_seen = queued, entry.enqueued
-      self._steps_seen = int(host["steps"])
+    with self.ledger.lock:
+      self.ledger.held = int(np.where(used, host["fed"], 0).sum())
+      self.ledger.queued_seen, self.ledger.enqueued_seen = queued, entry.enqueued
+      self.ledger.steps_seen = int(host["steps"])
 
   def _deltas(self, host: dict, entry) -> list:
     """The deltas of `entry`, read from `host`: admissions, new tokens, finishes, host-side stops.
@@ -121,16 +103,16 @@ class SnapshotReader:
     started[host["out_row"][(host["used"] == 1) & (host["out_row"] >= 0)
                             & (host["out_row"] < self.out_rows)]] = True
     deltas = []
-    with self._lock:
-      for rid, t in list(self._tracked.items()):
+    with self.ledger.lock:
+      for rid, t in list(self.ledger.tracked.items()):
         if t.base < 0 or t.entry > entry.index:
           continue
         if t.admitted is None:
           if not started[t.base:t.base + t.n].any():
             continue
           t.admitted = now
-          self.waiting_tokens -= len(t.request.prompt)
-          self._unadmitted -= 1
+          self.ledger.waiting_tokens -= len(t.request.prompt)
+          self.ledger.unadmitted -= 1
         for j in range(t.n):
           row = t.base + j
           if t.finished[j] or out_len[row] <= t.emitted[j] and not out_done[row]:
@@ -139,9 +121,9 @@ class SnapshotReader:
           if count <= window:
             new = host["last"][row, window - count:].tolist() if count > 0 else []
           else:   # more tokens than one entry adds (only when no entry is in flight behind it)
-            assert not self._pending, "an entry added more tokens than its snapshot holds"
+            assert not self.ledger.pending, "an entry added more tokens than its snapshot holds"
             if out is None:
-              out = np.asarray(jax.device_get(engine.state.out.tokens))
+              out = np.asarray(engine.core.read({"t": lambda ls: ls.out.tokens})["t"])
             new = out[row, t.emitted[j]:int(out_len[row])].tolist()
           reason = None
           if out_done[row]:
@@ -150,12 +132,12 @@ class SnapshotReader:
           if hit is not None:
             new, reason = new[:hit + 1], "stop"
             if not out_done[row]:
-              self._cut_rows.append(row)   # its column goes at the next dispatch
+              self.ledger.cut_rows.append(row)   # its column goes at the next dispatch
           logprobs = None
           if t.request.params.logprobs is not None:
             if lps is None:   # read from the state: no entry is in flight behind this one
-              ls = engine.state.out
-              lps = jax.device_get((ls.logprob, ls.top_ids, ls.top_logprobs))
+              lps = engine.core.read({"lp": lambda ls: (ls.out.logprob, ls.out.top_ids,
+                                                        ls.out.top_logprobs)})["lp"]
             logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
                                                                  t.emitted[j] + len(new)),
                                             t.request.params.logprobs))
@@ -167,7 +149,7 @@ class SnapshotReader:
           deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed,
                               logprobs=logprobs))
         if all(t.finished):
-          timing = self._release(rid)
+          timing = self.ledger.release(rid)
           if deltas and deltas[-1].request_id == rid:
             deltas[-1] = dataclasses.replace(deltas[-1], timing=timing)
     return deltas

@@ -1,20 +1,27 @@
-"""The incremental API's host records of its requests (`LiveQueue`, `live.py`, keeps them).
+"""The incremental API's host records: what `LiveQueue` (`live.py`) and its reader share.
 
-`Tracked` is one request in flight (its checked request, arrival, output rows,
-tokens reported per sample); `Waiting` is the line of requests on the host not
-yet in the device queue, in admission order; `first_fit` finds output rows
-for a request's samples.
+`Ledger` is the bookkeeping of one persistent loop state, guarded by its lock:
+the requests in flight (`Tracked`: checked request, arrival, output rows,
+tokens reported per sample), the line waiting on the host (`Waiting`, in
+admission order), the output rows' free map (`first_fit`), the entries in
+flight and the device queue's counters as last read. `LiveQueue` writes it
+when it dispatches, `EntryReader` (`live_read.py`) when it reads an entry.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
+import threading
+import time
 
 import numpy as np
 
+from jaxkv.serve.admission import plain_greedy
 from jaxkv.serve.requests import Request
+from jaxkv.serve.results import RequestTiming
 
 
 @dataclasses.dataclass
@@ -85,3 +92,76 @@ def first_fit(free: np.ndarray, n: int) -> int | None:
   runs = np.convolve(free.astype(np.int32), np.ones((n,), np.int32), mode="valid")
   hits = np.flatnonzero(runs == n)
   return int(hits[0]) if hits.size else None
+
+
+class Ledger:
+  """The host bookkeeping of the incremental API's loop state (module docstring).
+
+  Args:
+    out_rows: the output rows `R` of the loop state.
+    scheduling: the waiting line's order (`Engine.scheduling`).
+  """
+
+  def __init__(self, out_rows: int, scheduling: str):
+    self.lock = threading.Lock()           # every field below (add_request/abort from any thread)
+    self.changed = threading.Condition(self.lock)   # an entry dispatched or collected
+    self.tracked: dict = {}                # request_id -> Tracked, in arrival order
+    self.waiting = Waiting(scheduling)     # on the host, not yet in the device queue
+    self.free = np.ones((out_rows,), bool)
+    self.aborts: dict = {}   # (request_id, index) -> None, in call order: O(1) membership
+    self.pending: collections.deque = collections.deque()   # dispatched entries, oldest first
+    self.dispatched = 0                    # entries dispatched on this state
+    self.enqueued = 0                      # requests ever appended to the device queue
+    self.queued_seen = 0                   # device queue length after the last entry read
+    self.enqueued_seen = 0                 # `enqueued` when that entry was dispatched
+    self.steps_seen = 0                    # the loop's step counter after the last entry read
+    self.cut_rows: list = []               # rows cut at a host-side stop, removed at next dispatch
+    self.free_after_abort: list = []       # (base, n) of released requests holding cut rows
+    self.held = 0                          # cache positions held after the last entry read
+    self.sampled = 0                       # requests in flight that are not plain greedy
+    self.with_logprobs = 0                 # requests in flight that want logprobs
+    self.waiting_tokens = 0                # prompt tokens of the requests not yet admitted
+    self.unadmitted = 0                    # requests not yet admitted (counts() is O(1))
+
+  def _forget(self, rid) -> Tracked:
+    """Drops `rid`'s record and its share of the counters. Holds `lock`."""
+    t = self.tracked.pop(rid)
+    self.sampled -= not plain_greedy(t.request.params)
+    self.with_logprobs -= t.request.params.logprobs is not None
+    if t.admitted is None:
+      self.waiting_tokens -= len(t.request.prompt)
+      self.unadmitted -= 1
+    return t
+
+  def release(self, rid) -> RequestTiming:
+    """Forgets a finished request and frees its output rows; its timing. Holds `lock`.
+
+    Rows freed here are reused only by a later dispatch, which runs after any
+    device work on them (an abort or the entry that finished them) in the device's order.
+    """
+    t = self._forget(rid)
+    if t.base >= 0:
+      if any(t.base <= row < t.base + t.n for row in self.cut_rows):
+        self.free_after_abort.append((t.base, t.n))   # a column still writes there
+      else:
+        self.free[t.base:t.base + t.n] = True
+    now = time.perf_counter()
+    since = lambda x: None if x is None else x - t.arrived
+    tokens = max(t.emitted)   # the longest sample: the request's last token came with it
+    between = (now - t.first_token) / (tokens - 1) if tokens > 1 else None
+    return RequestTiming(since(t.admitted), since(t.first_token), now - t.arrived, between)
+
+  def reset(self) -> list:
+    """After a failure: forgets every request the device held (their ids) and the device's
+    counters; requests waiting on the host stay."""
+    with self.lock:
+      failed = [rid for rid, t in self.tracked.items() if t.base >= 0]
+      for rid in failed:
+        self._forget(rid)
+      self.aborts = {k: v for k, v in self.aborts.items() if k[0] in self.tracked}
+      self.free[:] = True
+      self.pending.clear()
+      self.dispatched = self.enqueued = self.queued_seen = self.enqueued_seen = 0
+      self.steps_seen, self.held, self.cut_rows, self.free_after_abort = 0, 0, [], []
+      self.changed.notify_all()
+    return failed

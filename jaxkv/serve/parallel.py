@@ -20,8 +20,9 @@ from typing import Sequence
 
 import jax
 
-from jaxkv.serve.engine import (Engine, EngineError, check_admission, labelled,
-                                queue_order)
+from jaxkv.serve.admission import check_admission, labelled, queue_order
+from jaxkv.serve.engine import Engine
+from jaxkv.serve.errors import EngineError
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import Completion, EngineStats
 

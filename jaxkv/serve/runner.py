@@ -15,7 +15,8 @@ import numpy as np
 
 from jaxkv import BatchedSequenceCache, CacheConfig, CacheState
 from jaxkv._host import _as_list
-from jaxkv.serve.engine import _model_mesh, _split_placed
+from jaxkv.serve.core import _split_placed
+from jaxkv.serve.engine import _model_mesh
 from jaxkv.serve.memory import ROW_MULTIPLE
 
 

@@ -102,7 +102,7 @@ def test_an_unknown_admission_order_is_refused_before_anything_is_served(engine,
 
 
 def engine_model(engine):
-  return nnx.merge(engine.graphdef, engine.params)
+  return nnx.merge(engine.core.graphdef, engine.core.params)
 
 
 def test_the_same_order_is_used_by_every_data_parallel_engine(engine, rng):

@@ -10,7 +10,7 @@ from flax import nnx
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve.decoding import greedy_generate
-import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
+import jaxkv.serve.core  # noqa: F401  (monkeypatched below)
 
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                           num_heads=2, num_kv_heads=1, head_dim=16)
@@ -102,13 +102,13 @@ def test_a_new_run_drops_the_previous_cache_before_allocating(model, monkeypatch
   engine.run(_requests()[:1])
   assert engine.state is not None
   seen = []
-  original = serve.engine.init_loop_state
+  original = serve.core.init_loop_state
 
   def checked(*args, **kwargs):
     seen.append(engine.state)   # must already be released
     return original(*args, **kwargs)
 
-  monkeypatch.setattr(serve.engine, "init_loop_state", checked)
+  monkeypatch.setattr(serve.core, "init_loop_state", checked)
   engine.run(_requests()[:1])
   assert seen == [None]
 
@@ -140,16 +140,16 @@ def test_an_interrupt_inside_a_step_leaves_the_engine_usable(model, monkeypatch)
                         request_id="a")
   engine.add_request(first)
   engine.step(1)
-  real = engine.enter
+  real = engine.core.enter
 
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(engine, "enter", interrupted)
+  monkeypatch.setattr(engine.core, "enter", interrupted)
   with pytest.raises(KeyboardInterrupt) as info:
     engine.step(1)
   assert info.value.failed == ["a"] and not engine.has_unfinished()
-  monkeypatch.setattr(engine, "enter", real)
+  monkeypatch.setattr(engine.core, "enter", real)
   again = serve.Request((4, 5), serve.SamplingParams(max_tokens=5, temperature=0.0),
                         request_id="a")   # the id is free again
   engine.add_request(again)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
-from jaxkv.serve import engine as engine_module
+from jaxkv.serve.admission import plain_greedy
 from jaxkv.serve.state import init_loop_state, pack_queue
 
 
@@ -40,7 +40,7 @@ def _requests(n, **params):
     ({"presence_penalty": 0.5}, False), ({"frequency_penalty": -0.5}, False),
     ({"logprobs": 0}, False)])
 def test_plain_greedy_names_the_requests_whose_token_is_the_argmax(params, plain):
-  assert engine_module.plain_greedy(serve.SamplingParams(**params)) is plain
+  assert plain_greedy(serve.SamplingParams(**params)) is plain
 
 
 def _conditionals(engine, greedy, requests):
@@ -59,8 +59,8 @@ def test_greedy_queue_runs_the_loop_without_the_sampler_cond(model, monkeypatch)
   # pylint: disable=protected-access
   used = []
   for name in ("_loop", "_greedy_loop"):
-    jitted = getattr(engine, name)
-    monkeypatch.setattr(engine, name, lambda *a, _j=jitted, _n=name: used.append(_n) or _j(*a))
+    jitted = getattr(engine.core, name)
+    monkeypatch.setattr(engine.core, name, lambda *a, _j=jitted, _n=name: used.append(_n) or _j(*a))
   greedy = engine.run(requests)
   assert set(used) == {"_greedy_loop"}
   # One seeded request in the queue: the general loop; the greedy requests' tokens agree.

@@ -18,7 +18,7 @@ from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import AsyncEngine
 from jaxkv.serve.live_ops import abort_rows
 from jaxkv.serve.state import init_loop_state, pack_queue
-import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
+import jaxkv.serve.core  # noqa: F401  (monkeypatched below)
 from jaxkv.serve.loop import serve_loop
 
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -70,7 +70,7 @@ def test_streamed_deltas_concatenate_to_run(model, rng, monkeypatch, interval):
   requests = _requests(rng, 9)
   want = _want(model, requests)
   chex.clear_trace_counter()   # parametrized: the count is per function, across cases
-  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve_loop, n=1))
+  monkeypatch.setattr(serve.core, "serve_loop", chex.assert_max_traces(serve_loop, n=1))
   engine = serve.Engine(model, max_len=48)
   assert [engine.add_request(r) for r in requests] == [r.request_id for r in requests]
   got = _collect(engine.stream(interval))
@@ -154,7 +154,7 @@ def test_abort_waiting_queued_and_one_sample(model, rng):
   assert engine.abort("r13")                   # waiting on the host
   assert not engine.abort(multi.request_id, index=0)   # not running yet: refused
   got = _collect(engine.step(1))
-  queued = next(rid for rid, t in reversed(engine._live._tracked.items())
+  queued = next(rid for rid, t in reversed(engine._live.ledger.tracked.items())
                 if t.base >= 0 and t.admitted is None)   # in the device queue, not admitted
   assert engine.abort(queued)                  # in the device queue, not admitted
   while not got.get((multi.request_id, 0), ([], None))[0]:
@@ -225,12 +225,12 @@ def test_errors_leave_the_engine_usable(model, rng, monkeypatch):
     calls.append(1)
     raise FloatingPointError("device lost")
 
-  good = engine._loop
-  monkeypatch.setattr(engine, "_loop", broken)
+  good = engine.core._loop
+  monkeypatch.setattr(engine.core, "_loop", broken)
   with pytest.raises(serve.EngineError, match="device lost") as info:
     engine.step()
   assert info.value.failed == ["r0"] and not engine.has_unfinished() and calls
-  monkeypatch.setattr(engine, "_loop", good)
+  monkeypatch.setattr(engine.core, "_loop", good)
   for r in requests:
     engine.add_request(r)
   assert _collect(engine.stream(4)) == _want(model, requests)
@@ -301,7 +301,7 @@ def test_stats_split_compile_time_from_serving(model, rng):
 def test_async_engine_reports_a_failed_step_and_recovers(model, rng, monkeypatch):
   engine = serve.Engine(model, max_len=48)
   requests = _requests(rng, 2)
-  good = engine._loop
+  good = engine.core._loop
 
   def broken(*args):
     raise FloatingPointError("device lost")
@@ -310,10 +310,10 @@ def test_async_engine_reports_a_failed_step_and_recovers(model, rng, monkeypatch
     return _collect([d async for d in aio.generate(request)])
 
   async def main():
-    monkeypatch.setattr(engine, "_loop", broken)
+    monkeypatch.setattr(engine.core, "_loop", broken)
     with pytest.raises(serve.EngineError, match="device lost"):
       await consume(requests[0])
-    monkeypatch.setattr(engine, "_loop", good)
+    monkeypatch.setattr(engine.core, "_loop", good)
     return await consume(requests[1])
 
   aio = AsyncEngine(engine, interval=3)
@@ -403,7 +403,7 @@ def test_a_request_added_while_an_entry_runs_joins_at_the_next_step(model):
   live.dispatch(4)                      # entry 1: b was appended before it
   with pytest.raises(RuntimeError, match="uncollected"):
     live.dispatch(4, wait=False)        # a third entry would run ahead of the reader
-  row = live._tracked["b"].base
+  row = live.ledger.tracked["b"].base
   out = engine.state.out
   assert (int(out.admitted[row]), int(out.first[row])) == (4, 5)
   got = {}
@@ -421,10 +421,9 @@ def test_queue_counters_wrap_past_int32(model, rng):
   for r in first:
     engine.add_request(r)
   got = _collect(engine.stream(4))
-  q, live = engine.state.queue, engine.live
-  near = lambda: live._place(jnp.int32(2**31 - 3))   # an empty queue: next == count
-  engine.state = dataclasses.replace(engine.state, queue=dataclasses.replace(q, next=near(),
-                                                                             count=near()))
+  near = lambda: engine.core.place(jnp.int32(2**31 - 3))   # an empty queue: next == count
+  engine.core.apply(lambda ls: dataclasses.replace(ls, queue=dataclasses.replace(
+      ls.queue, next=near(), count=near())))
   later = _requests(rng, 12, prefix="x")
   for r in later:
     engine.add_request(r)
@@ -468,16 +467,16 @@ def test_a_refused_step_read_back_fails_its_requests_and_the_engine_recovers(mod
   then serves on a fresh cache."""
   from jaxkv import Status   # pylint: disable=g-import-not-at-top
   engine = serve.Engine(model, max_len=48)
-  good = engine._loop, engine._greedy_loop
+  good = engine.core._loop, engine.core._greedy_loop
 
   def refusing(loop):
     def entry(leaves, ls, budget):
       out = loop(leaves, ls, budget)
-      return dataclasses.replace(out, status=engine.live._place(jnp.int32(Status.NO_ROOM)))
+      return dataclasses.replace(out, status=engine.core.place(jnp.int32(Status.NO_ROOM)))
     return entry
 
   def refuse(on):
-    engine._loop, engine._greedy_loop = (tuple(map(refusing, good)) if on else good)
+    engine.core._loop, engine.core._greedy_loop = (tuple(map(refusing, good)) if on else good)
 
   requests = _requests(rng, 3)
   refuse(True)
@@ -511,7 +510,7 @@ def test_aborting_a_full_device_queue_lets_the_requests_behind_it_in(model, rng)
     engine.add_request(r)
   engine.step(1)   # 3 admitted (the capacity holds three reservations), 5 queued
   engine.step(1)   # 3 more appended: the device queue's 8 slots are full, 1 waits on the host
-  assert engine.counts() == (3, 9) and engine.live._queued_seen == engine.live.queue_size
+  assert engine.counts() == (3, 9) and engine.live.ledger.queued_seen == engine.live.queue_size
   later = _requests(rng, 3, prefix="y")
   for r in later:
     engine.add_request(r)

@@ -21,7 +21,7 @@ def test_loop_entries_never_hash_the_graphdef(monkeypatch):
   request = serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=4))
   want = engine.run([request])          # compiles
   hashes = []
-  graphdef_type = type(engine.graphdef)
+  graphdef_type = type(engine.core.graphdef)
   original = graphdef_type.__hash__
   monkeypatch.setattr(graphdef_type, "__hash__", lambda self: hashes.append(1) or original(self))
   assert engine.run([request]) == want  # a warm entry

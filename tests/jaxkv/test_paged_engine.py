@@ -94,7 +94,7 @@ def test_free_pages_are_never_read(flat, rng):
   requests = _requests(rng)
   want = _tokens(serve.Engine(flat["columns"], **ENGINE).run(requests))
   engine = serve.Engine(flat["paged"], max_steps=1, **ENGINE)
-  config, loop, entries = engine.config, engine._loop, []   # pylint: disable=protected-access
+  config, loop, entries = engine.config, engine.core._loop, []   # pylint: disable=protected-access
 
   def poisoned_loop(params, ls, max_steps):
     check_page_invariants(config, ls.cache)
@@ -102,7 +102,7 @@ def test_free_pages_are_never_read(flat, rng):
     ls = dataclasses.replace(ls, cache=poison_free_storage(ls.cache, config))
     return loop(params, ls, max_steps)
 
-  engine._loop = poisoned_loop   # pylint: disable=protected-access
+  engine.core._loop = poisoned_loop   # pylint: disable=protected-access
   assert _tokens(engine.run(requests)) == want
   assert entries[-1] > 0   # entries ran after preemptions freed pages
 
@@ -148,7 +148,7 @@ def test_abort_of_a_preempted_request(flat, rng):
 def _sample_of_row(engine, row):
   """`(request_id, index)` of the sample writing output row `row`."""
   live = engine._live   # pylint: disable=protected-access
-  return next((rid, row - t.base) for rid, t in live._tracked.items()   # pylint: disable=protected-access
+  return next((rid, row - t.base) for rid, t in live.ledger.tracked.items()   # pylint: disable=protected-access
               if t.base <= row < t.base + t.n)
 
 

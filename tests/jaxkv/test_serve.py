@@ -14,7 +14,7 @@ from jaxkv.serve.decoding import greedy_generate
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv import serve
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy
-import jaxkv.serve.engine  # noqa: F401  (monkeypatched below)
+import jaxkv.serve.core  # noqa: F401  (monkeypatched below)
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.sampling import sample
 from jaxkv.serve.state import init_loop_state, pack_queue
@@ -52,7 +52,7 @@ def test_greedy_batch_equals_one_by_one_and_traces_once(model, rng, monkeypatch)
   The loop (two widths) is compiled once (chex), and the whole queue, longer than the
   column count, is admitted inside it: one loop entry.
   """
-  monkeypatch.setattr(serve.engine, "serve_loop", chex.assert_max_traces(serve_loop, n=1))
+  monkeypatch.setattr(serve.core, "serve_loop", chex.assert_max_traces(serve_loop, n=1))
   engine = serve.Engine(model, max_len=48, widths=(WIDTH, 4))
   prompts = _prompts(rng, 10)
   limits = [int(rng.integers(1, 14)) for _ in prompts]

@@ -247,7 +247,7 @@ def test_sharded_engine_greedy_equals_unsharded(arch, rng):
   assert cache_state.k[1].shape[0] > cache.initial_flat_rows   # flat rows grew, still split
   for array in cache_state.k + cache_state.v:
     _assert_split(array, P(None, None, "tp", None), mesh)
-  for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(engine.core.params)[0]:
     assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, param_spec(path)), leaf.ndim), path
 
 

@@ -67,7 +67,7 @@ def _engine(geometry: int) -> serve.Engine:
 
 @functools.cache
 def _greedy(geometry: int, prompt: tuple[int, ...], max_new: int) -> tuple[int, ...]:
-  model = nnx.merge(_engine(geometry).graphdef, _engine(geometry).params)
+  model = nnx.merge(_engine(geometry).core.graphdef, _engine(geometry).core.params)
   return tuple(greedy_generate(serve.ModelRunner(model), [list(prompt)], max_new)[0])
 
 
@@ -176,7 +176,7 @@ def _live_engine(geometry: int) -> serve.Engine:
   """A second engine per geometry for the incremental API: its persistent state lives across
   examples, so each example also checks that the last one left nothing behind."""
   run = _engine(geometry)
-  model = nnx.merge(run.graphdef, run.params)
+  model = nnx.merge(run.core.graphdef, run.core.params)
   return serve.Engine(model, max_len=MAX_LEN, max_stop_tokens=MAX_STOP,
                       max_logprobs=MAX_LOGPROBS, prefix_cache=run.prefix_cache)
 
