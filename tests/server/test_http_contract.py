@@ -331,3 +331,19 @@ def test_chat_logprobs_report_top_logprobs_by_count(client):
   plain = _one(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
                                               temperature=0))
   assert plain.logprobs is None and plain.message.content == "".join(CHAT_HI[:3])
+
+
+@pytest.mark.parametrize("length", [63, 64, 65])
+def test_a_repeated_prompt_around_a_whole_page_gets_the_same_text(client, length):
+  """The server caches prefixes in pages of 64 tokens. A prompt sent again adopts its full
+  pages (a 64-token one all but its last page: the step needs a token to feed, else it fails
+  with EMPTY and drops every request). Oracle: the first answer, whose random prompt no
+  earlier request shares, so nothing was adopted for it."""
+  ids = np.random.default_rng(length).integers(8, 128, length).tolist()   # 0-7: special tokens
+  answers = []
+  for _ in range(3):
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (length, 6)
+    answers.append((_one(got).text, _one(got).finish_reason))
+  assert answers == [answers[0]] * 3 and answers[0][1] == "length"
