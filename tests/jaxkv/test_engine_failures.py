@@ -164,3 +164,30 @@ def test_max_len_past_what_the_cache_holds_is_refused(model):
   with pytest.raises(ValueError, match=f"max_len={limit + 2} must be <= the cache's longest"):
     serve.Engine(model, max_len=limit + 2)
   assert serve.Engine(model, max_len=limit + 1).max_len == limit + 1
+
+
+def test_a_failed_step_counts_only_the_requests_still_waiting(model, monkeypatch):
+  """`waiting_tokens` (the server's queued-token bound) after failed steps: the requests the
+  device queue held are dropped and no longer counted; those still on the host are."""
+  engine = serve.Engine(model, max_len=32)
+
+  def failing(*args, **kwargs):
+    raise _Boom("the loop failed")
+
+  monkeypatch.setattr(engine, "enter", failing)
+  requests = [serve.Request(tuple(range(1, 2 + i % 4)), serve.SamplingParams(max_tokens=2),
+                            request_id=i) for i in range(10)]
+  for r in requests:
+    engine.add_request(r)
+  assert engine.waiting_tokens == 1 + 2 + 3 + 4 + 1 + 2 + 3 + 4 + 1 + 2
+  # The device queue holds 8 requests (its least size): the first step moves 8 there, 2 wait.
+  assert engine.live.queue_size == 8
+  with pytest.raises(serve.EngineError) as raised:
+    engine.step(1)
+  assert raised.value.failed == list(range(8))
+  assert engine.counts() == (0, 2) and engine.waiting_tokens == 1 + 2
+  with pytest.raises(serve.EngineError) as raised:
+    engine.step(1)
+  assert raised.value.failed == [8, 9]
+  assert engine.counts() == (0, 0) and engine.waiting_tokens == 0
+  assert not engine.has_unfinished()

@@ -207,13 +207,15 @@ def _step_loop_whiles(hlo: str) -> list[str]:
   model only through its step loops).
   """
   comps, _ = hlo_walk.computations(hlo)
-  found = []
+  found, step_loops = [], 0
   for line in hlo_walk.whiles([line for lines in comps.values() for line in lines]):
     # What the loop's body reaches without entering a nested while (a `while` line has no `dot`).
     body = hlo_walk.reached(comps, hlo_walk.LOOP.search(line).group(2))
     if any(" dot(" in body_line for body_line in body):
+      step_loops += 1
       found += hlo_walk.whiles(body)
-  assert found or any(" dot(" in line for lines in comps.values() for line in lines)
+  # Else the walk missed the model and an empty list would compare equal to anything.
+  assert step_loops, "no while loop whose body runs the model"
   return found
 
 
@@ -237,4 +239,5 @@ def test_the_paged_serving_step_runs_no_loop_the_column_step_does_not():
       pool = ",".join(str(d) for d in (model.cache_config.num_pages, page_size,
                                        MODEL.num_kv_heads, MODEL.head_dim))
       assert not [line for line in found[page_size] if f"[{pool}]" in line], found[page_size]
-  assert len(found[8]) == len(found[None]), found
+  # At least the sampler's random-bits loop, in both.
+  assert len(found[8]) == len(found[None]) >= 1, found

@@ -117,3 +117,21 @@ def test_prefixes_persist_across_incremental_requests(models, rng):
   assert engine.stats.cached_tokens == 12
   want = _tokens(serve.Engine(paged, **ENGINE).run([second]))
   assert [t for d in got for t in d.tokens] == want[(second.request_id, 0)][0]
+
+
+def test_a_repeated_prompt_of_whole_pages_adopts_all_but_its_last_page(models, rng):
+  """Prompts of 8 and 12 tokens (whole pages) and 7 and 9 (a page +- 1), each sent twice in a
+  row: the repeat adopts its twin's full pages but keeps at least one prompt token to feed
+  (adopting a whole prompt leaves nothing to prefill, and the step fails with EMPTY). Tokens
+  equal the columns', which cache nothing. The last request forks (n=2) so the output rows
+  pad to the shared-prompt test's 16: the same compiled shapes."""
+  columns, paged = models
+  prompts = [tuple(int(t) for t in rng.integers(0, 64, k)) for k in (8, 7, 9, 12)]
+  requests = [serve.Request(prompts[i // 2], serve.SamplingParams(
+      max_tokens=3 + i % 4, temperature=0.8 * (i % 2), seed=i, n=1 + i // 7), request_id=i)
+              for i in range(8)]
+  want = _tokens(serve.Engine(columns, **ENGINE).run(requests))
+  engine = serve.Engine(paged, prefix_cache=True, **ENGINE)
+  assert _tokens(engine.run(requests, admission="fcfs")) == want
+  # Each repeat adopts (len - 1) // 4 full pages of its twin: 1, 1, 2 and 2.
+  assert engine.stats.cached_tokens >= 4 * (1 + 1 + 2 + 2), engine.stats

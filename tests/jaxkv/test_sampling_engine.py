@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import collections
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -87,6 +89,36 @@ def test_greedy_with_penalties_and_logprobs_matches_the_host_oracle(model, engin
       assert d.logprobs is None
   assert done[0].tokens != plain[0].tokens and done[1].tokens != plain[1].tokens
   assert done[3].tokens == plain[3].tokens   # logprobs alone never change the tokens
+
+
+def _sampled_oracle(model, prompt, max_new, *, seed, n):
+  """`n` samples at temperature 1 on the host: `categorical` over a `ModelRunner`'s logits with
+  the documented key `fold_in(fold_in(key(seed), i), t)` for sample `i`'s token `t`."""
+  runner = serve.ModelRunner(model)
+  out = []
+  for i in range(n):
+    s = runner.seq_new()
+    logits = feed(runner, {s: list(prompt)})[s][-1]
+    tokens = []
+    for t in range(max_new):
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), t)
+      tokens.append(int(jax.random.categorical(key, jnp.asarray(logits, jnp.float32))))
+      if t + 1 < max_new:
+        logits = feed(runner, {s: [tokens[-1]]})[s][-1]
+    runner.seq_rm(s)
+    out.append(tokens)
+  return out
+
+
+def test_every_forked_sample_draws_with_its_own_key(model, engine):
+  """n=4 samples of one prompt (forked from its prefill): sample i's tokens are the host's
+  draws with sample i's key, so no two siblings share a key (then they would be equal).
+  logprobs=0 (which changes no token) gives `_target`'s queue shapes: no new compile."""
+  request = serve.Request((5, 17, 3, 40, 22, 9), serve.SamplingParams(
+      max_tokens=8, temperature=1.0, seed=23, n=4, logprobs=0))
+  got = [c.tokens for c in engine.run([request])]
+  assert len({tuple(t) for t in got}) == 4
+  assert got == _sampled_oracle(model, request.prompt, 8, seed=23, n=4)
 
 
 def _target():

@@ -98,6 +98,24 @@ def test_gpu_memory_utilization_counts_weights_and_loop_buffers():
   assert f"{util} x {sizing.CPU_DEVICE_BYTES:,} bytes" in cpu.budget_source
 
 
+def test_tensor_parallel_budgets_leave_the_loop_buffers_on_every_device():
+  """With shards=2 each device holds the weights given (per device), its own copy of the loop
+  buffers and control values, and half the K/V: the K/V budget is twice what one device has
+  left after those, not twice its share less one copy of the loop buffers."""
+  limit, util, weights, seqs, shards = 8 << 20, 0.5, 3 << 20, 32, 2
+  plan = sizing.plan_serving(CONFIG, dtype=jnp.float32, kv_dtype=jnp.float32,
+                             weights_bytes=weights, gpu_memory_utilization=util,
+                             device=_Device(limit), max_write=64, max_seqs=seqs, shards=shards)
+  left = int(util * limit) - weights   # per device
+  loop = seqs * (4 * 128 + 4 * 8 + 23 * 4)   # token buffer, stop tokens, per-column values
+  control = 1 << 16   # at most, per device
+  assert shards * (left - loop - control) <= plan.kv_budget_bytes <= shards * (left - loop)
+  assert plan.kv_bytes // shards + loop <= left   # what one device holds fits it
+  subtracted = int(plan.budget_source.split(" - ")[-1].split(" bytes of loop")[0].replace(",", ""))
+  assert loop <= subtracted <= loop + control, plan.budget_source
+  assert plan.budget_source.startswith(f"{shards} devices x ({util} x {limit:,} bytes")
+
+
 def test_kv_cache_memory_wins_over_gpu_memory_utilization():
   alone = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, **F32)
   both = sizing.plan_serving(CONFIG, kv_cache_memory=4 << 20, gpu_memory_utilization=0.01,

@@ -13,6 +13,7 @@ a free localhost port, driven by the official `openai` client, always stopped.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -331,3 +332,42 @@ def test_chat_logprobs_report_top_logprobs_by_count(client):
   plain = _one(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3,
                                               temperature=0))
   assert plain.logprobs is None and plain.message.content == "".join(CHAT_HI[:3])
+
+
+@pytest.mark.parametrize("length", [63, 64, 65])
+def test_a_repeated_prompt_around_a_whole_page_gets_the_same_text(client, length):
+  """The server caches prefixes in pages of 64 tokens. A prompt sent again adopts its full
+  pages (a 64-token one all but its last page: the step needs a token to feed, else it fails
+  with EMPTY and drops every request). Oracle: the first answer, whose random prompt no
+  earlier request shares, so nothing was adopted for it."""
+  ids = np.random.default_rng(length).integers(8, 128, length).tolist()   # 0-7: special tokens
+  answers = []
+  for _ in range(3):
+    got = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (length, 6)
+    answers.append((_one(got).text, _one(got).finish_reason))
+  assert answers == [answers[0]] * 3 and answers[0][1] == "length"
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_builds_the_prompt_the_template_renders_for_add_generation_prompt(
+    client, add_generation_prompt):
+  """The checkpoint's template, rendered here with jinja2 and encoded with `tokenizers`, ends
+  with '<|assistant|>' only when add_generation_prompt is true. The chat's prompt has those
+  ids: their count, and the greedy text of the same ids sent as a completion prompt."""
+  import jinja2   # pylint: disable=g-import-not-at-top
+  with open(os.path.join(CHECKPOINT, "tokenizer_config.json"), encoding="utf-8") as f:
+    config = json.load(f)
+  text = jinja2.Environment().from_string(config["chat_template"]).render(
+      messages=HI, bos_token=config["bos_token"], add_generation_prompt=add_generation_prompt)
+  tok = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+  ids = tok.encode(text, add_special_tokens=False).ids   # the template writes <s> itself
+  assert len(ids) == (6 if add_generation_prompt else 5)
+  chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, temperature=0,
+                                        extra_body={"add_generation_prompt": add_generation_prompt,
+                                                    "ignore_eos": True})
+  assert chat.usage.prompt_tokens == len(ids)
+  plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+  assert _one(chat).message.content == _one(plain).text

@@ -196,3 +196,17 @@ def test_every_error_body_is_json_in_openais_shape(url):
                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
   assert r.status_code == 400 and set(json.loads(r.text)["error"]) == {
       "message", "type", "param", "code"}
+
+
+def test_a_body_of_exactly_max_body_bytes_is_accepted_and_one_byte_more_is_not(url):
+  """max_body_bytes=4096 is the largest body served: the guard refuses only bodies over it."""
+  def body(size):
+    head = '{"model": "%s", "prompt": "' % MODEL
+    raw = (head + "x" * (size - len(head) - 2) + '"}').encode()
+    assert len(raw) == size
+    return httpx.post(url + "/tokenize", content=raw, timeout=180,
+                      headers={"Content-Type": "application/json"})
+  r = body(4096)
+  assert r.status_code == 200 and r.json()["count"] > 0, r.text
+  r = body(4097)
+  assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]["message"], r.text
