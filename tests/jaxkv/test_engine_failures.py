@@ -174,7 +174,7 @@ def test_a_failed_step_counts_only_the_requests_still_waiting(model, monkeypatch
   def failing(*args, **kwargs):
     raise _Boom("the loop failed")
 
-  monkeypatch.setattr(engine, "enter", failing)
+  monkeypatch.setattr(engine.core, "enter", failing)
   requests = [serve.Request(tuple(range(1, 2 + i % 4)), serve.SamplingParams(max_tokens=2),
                             request_id=i) for i in range(10)]
   for r in requests:
