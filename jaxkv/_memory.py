@@ -10,6 +10,7 @@ available memory (CPU arrays live there).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -125,3 +126,70 @@ def check_state_fits(config: CacheConfig, flat_rows: int, *, shards: int = 1,
   check_fits(total, what=(f"a cache of {flat_rows} flat rows (max_seqs={config.max_seqs}, "
                           f"max_write={config.max_write}, {config.num_layers} layers)"),
              formula=formula, device=device)
+
+
+# The page size of a pool sized from a byte budget, unless one is given (`jaxkv serve`'s).
+DEFAULT_PAGE_SIZE = 64
+
+
+def paged_cache_config(config: CacheConfig, kv_budget_bytes: int, *,
+                       page_size: int | None = None) -> CacheConfig:
+  """The paged `CacheConfig` with the largest `capacity` whose K/V fit `kv_budget_bytes`.
+
+  Layers, `max_seqs`, `max_write`, `kv_dtype` and `max_seq_len` come from
+  `config` (a `max_seq_len` narrows the page table: set it to the longest
+  request the engine serves); the pool
+  then holds `ceil(capacity / page_size) + max_seqs + 1` pages per flat layer
+  (CONTRACT §3.1), so K/V bytes are `num_pages x page bytes` over the flat
+  layers plus the ring layers' fixed columns. `capacity` is a multiple of
+  `page_size`. Build the model on the result (`Decoder(model_config, result)`)
+  and serve it with `Engine`: admission follows claims and preemption, so the
+  budget, not the longest request, sets how many requests run at once.
+
+  Args:
+    config: a `CacheConfig` giving the geometry (its capacity is ignored).
+    kv_budget_bytes: bytes for K and V storage of all layers.
+    page_size: positions per page (default `config.page_size`, else 16).
+
+  Raises:
+    TypeError: a non-int budget or page size.
+    ValueError: a budget too small for one page per sequence beyond the scratch
+      page (the message gives the byte formula of the smallest pool), or for
+      `config.max_seq_len` positions.
+  """
+  if not isinstance(config, CacheConfig):
+    raise TypeError(f"config={config!r} must be a CacheConfig")
+  page = (config.page_size or 16) if page_size is None else page_size
+  for name, value in (("kv_budget_bytes", kv_budget_bytes), ("page_size", page)):
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"{name}={value!r} must be an int")
+  if page < 1:
+    raise ValueError(f"page_size={page} must be >= 1")
+  if not config.has_flat:
+    raise ValueError("paged storage needs a flat layer; every layer of config is a ring")
+  # A `max_seq_len` above a candidate's capacity is clipped while searching; the result
+  # must hold it whole (checked below).
+  sized = lambda pages: dataclasses.replace(
+      config, capacity=pages * page, page_size=page,
+      initial_capacity=min(config.initial_capacity, pages * page),
+      max_seq_len=None if config.max_seq_len is None else min(config.max_seq_len, pages * page))
+  cost = lambda pages: kv_formula(sized(pages), 0)
+  # The smallest pool holds one step's tokens (`max_write <= capacity`).
+  least = max(1, -(-config.max_write // page))
+  smallest, formula = cost(least)
+  if smallest > kv_budget_bytes:
+    raise ValueError(f"kv_budget_bytes={kv_budget_bytes:,} is below the smallest paged cache "
+                     f"(capacity = {least * page}, one step of max_write={config.max_write} "
+                     f"in pages of {page}): {smallest:,} bytes = {formula}")
+  lo, hi = least, max(least + 1, (2**31 - 1) // page)   # K/V bytes grow with pages: bisect
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if cost(mid)[0] <= kv_budget_bytes:
+      lo = mid
+    else:
+      hi = mid - 1
+  result = sized(lo)
+  if config.max_seq_len is not None and result.capacity < config.max_seq_len:
+    raise ValueError(f"kv_budget_bytes={kv_budget_bytes:,} holds capacity={result.capacity} "
+                     f"positions, below config.max_seq_len={config.max_seq_len}")
+  return result

@@ -2,7 +2,7 @@
 
 The server's packages come with the `serve` extra (`pip install "jaxkv[serve]"`).
 With no sizing flags the K/V storage is sized from device memory (paged, prefix
-caching on, `max_len` the checkpoint's context: `jaxkv.sizing`). Before it
+caching on, `max_len` the checkpoint's context: `jaxkv.serve.sizing`). Before it
 listens, `jaxkv serve` prints one block: which attention implementation serves
 each layer and why, the decode GEMM, the model, dtypes, storage, K/V bytes and
 token capacity, `max_len` and where it came from, the concurrency, the
@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-import numpy as np
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jax")
@@ -120,31 +119,19 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
                  max_logprobs: int | None = None, scheduling: str = "fcfs", flags: bool = False):
   """`(engine, tokenizer, plan)` for a checkpoint: sized from memory, loaded, the engine built.
 
-  Sizing follows `jaxkv.sizing.plan_serving` (through `jaxkv.models.hf.load_for_serving`).
+  The flags' values go to `jaxkv.serve.loading.build_engine` (sizing:
+  `jaxkv.serve.sizing.plan_serving`); a server needs the checkpoint's tokenizer.
 
   Raises:
     ValueError: a bad checkpoint or size (named).
   """
-  from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
-  from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
-  mesh = None
-  if tensor_parallel_size != 1:
-    import jax   # pylint: disable=g-import-not-at-top
-    devices = jax.local_devices()
-    if tensor_parallel_size > len(devices):
-      raise ValueError(f"--tensor-parallel-size={tensor_parallel_size}: only {len(devices)} "
-                       "local devices")
-    mesh = jax.sharding.Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
-  model, tokenizer, plan = hf.load_for_serving(
-      checkpoint, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_len=max_len, max_seqs=max_seqs,
-      page_size=page_size, kv_cache_memory=kv_cache_memory,
+  from jaxkv.serve.loading import build_engine   # pylint: disable=g-import-not-at-top
+  engine, _, tokenizer, plan = build_engine(
+      checkpoint, tensor_parallel_size=tensor_parallel_size, max_logprobs=max_logprobs,
+      scheduling=scheduling, need_tokenizer=True, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+      max_len=max_len, max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
       gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
-      max_write=max_write, implementation=implementation, mesh=mesh, flags=flags)
-  if tokenizer is None:
-    path = os.path.join(hf.resolve_checkpoint(checkpoint), "tokenizer.json")
-    raise ValueError(f"{path} does not exist: the server needs the checkpoint's tokenizer")
-  engine = Engine(model, max_len=plan.max_len, max_logprobs=max_logprobs,
-                  prefix_cache=plan.prefix_caching, scheduling=scheduling)
+      max_write=max_write, implementation=implementation, flags=flags)
   return engine, tokenizer, plan
 
 

@@ -7,7 +7,7 @@ print(llm.generate("The capital of France is", SamplingParams(max_tokens=8))[0].
 ```
 
 The checkpoint is loaded and sized from memory by
-`jaxkv.models.hf.load_for_serving` (`jaxkv.sizing.plan_serving`: paged K/V
+`jaxkv.serve.loading.build_engine` (`jaxkv.serve.sizing.plan_serving`: paged K/V
 with prefix caching, `max_len` from the checkpoint, `max_seqs` from the
 budget; `LLM.plan` says what was chosen, `LLM.plan.lines()` in words) and
 served by one `jaxkv.serve.Engine`. Results are shaped like vLLM's:
@@ -34,8 +34,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from jaxkv import sizing
-from jaxkv.serve import Engine, Request, RequestTiming, SamplingParams, TokenLogprob
+from jaxkv.serve import sizing
+from jaxkv.serve.loading import build_engine
+from jaxkv.serve import Request, RequestTiming, SamplingParams, TokenLogprob
 from jaxkv.tokenizer import TextStream, Tokenizer
 
 
@@ -136,7 +137,7 @@ class LLM:
     implementation: attention implementation (None: automatic).
 
   Attributes:
-    plan: the `jaxkv.sizing.ServingPlan` it runs on.
+    plan: the `jaxkv.serve.sizing.ServingPlan` it runs on.
     tokenizer: the `jaxkv.tokenizer.Tokenizer` (None when the checkpoint has
       no tokenizer.json: prompts must then be token ids).
     engine: the `jaxkv.serve.Engine`.
@@ -153,15 +154,12 @@ class LLM:
                kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                prefix_caching: bool = True, max_write: int = sizing.DEFAULT_MAX_WRITE,
                implementation: str | None = None):
-    from jaxkv.models import hf   # pylint: disable=g-import-not-at-top
-    self.model, self.tokenizer, self.plan = hf.load_for_serving(
+    self.engine, self.model, self.tokenizer, self.plan = build_engine(
         model, dtype=_dtype_arg("dtype", dtype),
         kv_cache_dtype=_dtype_arg("kv_cache_dtype", kv_cache_dtype), max_len=max_len,
         max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
         gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
         max_write=max_write, implementation=implementation)
-    self.engine = Engine(self.model, max_len=self.plan.max_len,
-                         prefix_cache=self.plan.prefix_caching)
     eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
     self.eos_ids = tuple(eos) or tuple(self.model.config.eos_token_ids)
 

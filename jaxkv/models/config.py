@@ -44,7 +44,7 @@ class ModelConfig:
       (`(1 + weight) * x̂`); Gemma 3 always has `"gemma"` (set when None).
     bos_token_id, eos_token_ids: special tokens (eos ids end a request).
     max_position_embeddings: the checkpoint's context length (None: not
-      given); the default `max_len` of `jaxkv.sizing.plan_serving`. The math
+      given); the default `max_len` of `jaxkv.serve.sizing.plan_serving`. The math
       does not read it.
   """
 

@@ -34,7 +34,6 @@ from jaxkv._sharding import first_device
 from jaxkv.models import hf_config
 from jaxkv.models.decoder import GEMMA3, Decoder, ModelConfig, param_spec
 from jaxkv.models.safetensors_io import FLOAT_DTYPES, Checkpoint
-from jaxkv.sizing import DEFAULT_MAX_WRITE, DEFAULT_PAGE_SIZE
 
 # Derived buffers some exporters save; the config determines them.
 _DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -179,7 +178,7 @@ def _place(ckpt: Checkpoint, name: str, transpose: bool, shape, dtype, sharding)
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
-def _resolve_dtypes(ckpt: Checkpoint, meta: dict, dtype, param_dtype, kv_dtype):
+def resolve_dtypes(ckpt: Checkpoint, meta: dict, dtype, param_dtype, kv_dtype):
   """`(dtype, param_dtype, kv_dtype)` as NumPy dtypes, `"auto"` resolved against the checkpoint."""
   auto = meta["dtype"] or FLOAT_DTYPES[ckpt.dtypes["model.embed_tokens.weight"]]
   dtype = _dtype("dtype", dtype, auto)
@@ -198,14 +197,13 @@ def _cache_config(config: ModelConfig, *, capacity, max_seqs, max_write, kv_dtyp
     return config.cache_config(capacity=capacity, max_seqs=max_seqs, max_write=max_write,
                                kv_dtype=kv_dtype, initial_capacity=initial_capacity,
                                max_seq_len=max_seq_len, page_size=page_size)
-  from jaxkv import sizing   # pylint: disable=g-import-not-at-top
-  from jaxkv.serve.memory import paged_cache_config   # pylint: disable=g-import-not-at-top
-  page = sizing.DEFAULT_PAGE_SIZE if page_size is None else page_size
+  from jaxkv import _memory   # pylint: disable=g-import-not-at-top
+  page = _memory.DEFAULT_PAGE_SIZE if page_size is None else page_size
   # The geometry only: paged_cache_config replaces capacity (a page or max_seq_len here).
   probe = max(page, max_seq_len or 1)
   geometry = config.cache_config(capacity=probe, max_seqs=max_seqs, max_write=max_write,
                                  kv_dtype=kv_dtype, max_seq_len=max_seq_len, page_size=page)
-  return paged_cache_config(geometry, kv_budget_bytes, page_size=page)
+  return _memory.paged_cache_config(geometry, kv_budget_bytes, page_size=page)
 
 
 def load_model(checkpoint: str, *, max_seqs: int, max_write: int, capacity: int | None = None,
@@ -228,8 +226,8 @@ def load_model(checkpoint: str, *, max_seqs: int, max_write: int, capacity: int 
     capacity: cache positions of all sequences; or give `kv_budget_bytes`.
     kv_budget_bytes: instead of `capacity`: K/V bytes, and the paged pool
       with the largest capacity they hold (`jaxkv.serve.paged_cache_config`;
-      `page_size` defaults to `jaxkv.sizing.DEFAULT_PAGE_SIZE` then). To size
-      everything from device memory, use `load_for_serving`.
+      `page_size` defaults to 64 then). To size everything from device memory,
+      use `jaxkv.serve.loading.load_for_serving`.
     page_size: None: column storage; an int: flat layers in a pool of pages of
       that many positions (serve with `jaxkv.serve.Engine(model, prefix_cache=True)`
       to reuse prompt pages).
@@ -252,19 +250,25 @@ def load_model(checkpoint: str, *, max_seqs: int, max_write: int, capacity: int 
   checkpoint = resolve_checkpoint(checkpoint)
   config, meta = hf_config.read(checkpoint)
   with Checkpoint(checkpoint) as ckpt:
-    dtype, param_dtype, kv_dtype = _resolve_dtypes(ckpt, meta, dtype, param_dtype, kv_dtype)
+    dtype, param_dtype, kv_dtype = resolve_dtypes(ckpt, meta, dtype, param_dtype, kv_dtype)
   cache_config = _cache_config(config, capacity=capacity, max_seqs=max_seqs,
                                max_write=max_write, kv_dtype=kv_dtype,
                                initial_capacity=initial_capacity, page_size=page_size,
                                max_seq_len=max_seq_len, kv_budget_bytes=kv_budget_bytes)
-  model = _build(checkpoint, config, meta, cache_config, dtype=dtype, param_dtype=param_dtype,
-                 implementation=implementation, gemm=gemm, mesh=mesh, kv_axis=kv_axis)
+  model = build_decoder(checkpoint, config, meta, cache_config, dtype=dtype,
+                        param_dtype=param_dtype, implementation=implementation, gemm=gemm,
+                        mesh=mesh, kv_axis=kv_axis)
   return model, config, cache_config
 
 
-def _build(checkpoint: str, config: ModelConfig, meta: dict, cache_config, *, dtype,
-           param_dtype, implementation, gemm, mesh, kv_axis):
-  """The `Decoder` of `config` on `cache_config`, its weights read from `checkpoint`."""
+def build_decoder(checkpoint: str, config: ModelConfig, meta: dict, cache_config, *, dtype,
+                  param_dtype, implementation, gemm, mesh, kv_axis):
+  """The `Decoder` of `config` on `cache_config`, its weights read from `checkpoint`.
+
+  `config, meta` are `hf_config.read(checkpoint)`'s; `dtype`, `param_dtype` as
+  `resolve_dtypes` gives them; the rest as `load_model` takes them. Each weight is read
+  lazily and placed straight onto its devices.
+  """
   from flax import nnx   # pylint: disable=g-import-not-at-top
   config_path = os.path.join(os.fspath(checkpoint), "config.json")
   with Checkpoint(checkpoint) as ckpt:
@@ -287,64 +291,6 @@ def _build(checkpoint: str, config: ModelConfig, meta: dict, cache_config, *, dt
                   else first_device())
       values.append(_place(ckpt, name, transpose, leaf.shape, leaf.dtype, sharding))
   return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
-
-
-def load_for_serving(checkpoint: str, *, dtype="auto", kv_cache_dtype="auto",
-                     max_len: int | None = None, max_seqs: int | None = None,
-                     page_size: int | None = DEFAULT_PAGE_SIZE,
-                     kv_cache_memory: int | None = None,
-                     gpu_memory_utilization: float | None = None, prefix_caching: bool = True,
-                     max_write: int = DEFAULT_MAX_WRITE, implementation: str | None = None,
-                     mesh=None, kv_axis: str = "tp", flags: bool = False):
-  """`(model, tokenizer, plan)`: a checkpoint sized from memory, ready for `jaxkv.serve.Engine`.
-
-  The one place a checkpoint and serving sizes become a model (`jaxkv.LLM` and
-  `jaxkv serve` call it). The sizes come from `jaxkv.sizing.plan_serving` (its
-  docstring: the rules); serve the model with
-  `Engine(model, max_len=plan.max_len, prefix_cache=plan.prefix_caching)`.
-
-  Args:
-    checkpoint: a directory or a Hugging Face model id (`resolve_checkpoint`).
-    dtype, kv_cache_dtype: compute and K/V dtypes, `"auto"`: the checkpoint's
-      (K/V: the compute dtype).
-    max_len, max_seqs, page_size, kv_cache_memory, gpu_memory_utilization,
-      prefix_caching, max_write, flags: `plan_serving`'s.
-    implementation: attention implementation of every layer (None: automatic).
-    mesh, kv_axis: optional tensor parallelism (K/V and weights split over
-      `kv_axis`; the budget is per device, so the pool holds that many times more).
-
-  Returns:
-    `(model, tokenizer, plan)`: the `Decoder`, the `jaxkv.tokenizer.Tokenizer`
-    (None when the checkpoint has no tokenizer.json) and the `ServingPlan`.
-
-  Raises:
-    ValueError, TypeError: a bad checkpoint or size (named).
-    ImportError: an optional package a hub id or the tokenizer needs.
-  """
-  from jaxkv import sizing   # pylint: disable=g-import-not-at-top
-  from jaxkv import tokenizer as tokenizer_lib   # pylint: disable=g-import-not-at-top
-  name = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
-  directory = resolve_checkpoint(checkpoint)
-  config, meta = hf_config.read(directory)
-  with Checkpoint(directory) as ckpt:
-    dtype, param_dtype, kv_dtype = _resolve_dtypes(ckpt, meta, dtype, None, kv_cache_dtype)
-  shards = 1 if mesh is None else int(mesh.shape[kv_axis])
-  weights = config.num_params * param_dtype.itemsize
-  plan = sizing.plan_serving(
-      config, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=-(-weights // shards),
-      max_len=max_len, max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
-      gpu_memory_utilization=gpu_memory_utilization, max_write=max_write,
-      device=None if mesh is None else mesh.devices.flat[0], prefix_caching=prefix_caching,
-      model=name, flags=flags, shards=shards)
-  tokenizer = (tokenizer_lib.Tokenizer.from_checkpoint(directory)
-               if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None)
-  if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
-    raise ValueError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens; config.json's "
-                     f"vocab_size is {config.vocab_size}")
-  model = _build(directory, config, meta, plan.cache_config, dtype=dtype,
-                 param_dtype=param_dtype, implementation=implementation, gemm=None, mesh=mesh,
-                 kv_axis=kv_axis)
-  return model, tokenizer, plan
 
 
 # What `resolve_checkpoint` fetches of a hub repository: the model, tokenizer and templates.
@@ -462,6 +408,6 @@ def load_tokenizer(checkpoint: str):
   return tokenizers.Tokenizer.from_file(path)
 
 
-__all__ = ["HUB_FILES", "check_tensors", "expected_tensors", "hf_name", "hub_cache_dir",
-           "load_for_serving", "load_model", "load_tokenizer", "load_weights", "read_config",
-           "read_tensors", "resolve_checkpoint"]
+__all__ = ["HUB_FILES", "build_decoder", "check_tensors", "expected_tensors", "hf_name",
+           "hub_cache_dir", "load_model", "load_tokenizer", "load_weights", "read_config",
+           "read_tensors", "resolve_checkpoint", "resolve_dtypes"]

@@ -1,5 +1,5 @@
 """`jaxkv.models.hf` defaults: the checkpoint's dtype, paged storage from load_model, hub ids
-resolved offline from a fake Hugging Face cache, and load_for_serving's model the engine takes."""
+resolved offline from a fake Hugging Face cache, and jaxkv.serve.loading.load_for_serving's model the engine takes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import safetensors.numpy
 
 from jaxkv import serve
 from jaxkv.models import hf
+from jaxkv.serve import loading
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
 LLAMA = os.path.join(FIXTURES, "hf_llama")
@@ -127,13 +128,13 @@ def test_a_missing_optional_package_names_the_extra(monkeypatch):
 
 
 def test_load_for_serving_gives_what_the_engine_takes():
-  model, tokenizer, plan = hf.load_for_serving(LLAMA, kv_cache_memory=1 << 20, max_write=16)
+  model, tokenizer, plan = loading.load_for_serving(LLAMA, kv_cache_memory=1 << 20, max_write=16)
   assert plan.storage == "paged" and plan.max_len == 128 and plan.model == LLAMA
   assert model.cache_config == plan.cache_config and tokenizer.eos_ids == (2, 7)
   engine = serve.Engine(model, max_len=plan.max_len, prefix_cache=plan.prefix_caching)
   assert engine.max_len == 128 and engine.config.page_size == 64
   with pytest.raises(ValueError, match="max_len=128 .max_len argument. does not fit"):
-    hf.load_for_serving(LLAMA, kv_cache_memory=1 << 12, max_len=128)
+    loading.load_for_serving(LLAMA, kv_cache_memory=1 << 12, max_len=128)
   with pytest.raises(ValueError, match="max_len=4096 is past the checkpoint's "
                                        "max_position_embeddings=128"):
-    hf.load_for_serving(LLAMA, kv_cache_memory=1 << 20, max_len=4096)
+    loading.load_for_serving(LLAMA, kv_cache_memory=1 << 20, max_len=4096)

@@ -1,4 +1,4 @@
-"""`jaxkv.sizing.plan_serving`: sizes from a memory budget, re-derived here by hand.
+"""`jaxkv.serve.sizing.plan_serving`: sizes from a memory budget, re-derived here by hand.
 
 The fixture model (tests/fixtures/hf_llama: 2 flat layers, 2 KV heads of dim 8,
 max_position_embeddings 128) in float32 costs 2 layers x 2 (K, V) x 2 heads x 8
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv import sizing
+from jaxkv.serve import sizing
 from jaxkv.models import ModelConfig, hf
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")

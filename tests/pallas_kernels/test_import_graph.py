@@ -146,7 +146,7 @@ def test_no_cycles_between_modules_anywhere():
 # the rooms below it. The first matching prefix names a module's room.
 ROOMS = (
     ("HTTP front and CLI", ("jaxkv.http", "jaxkv.cli")),
-    ("serving engine", ("jaxkv.serve", "jaxkv.llm", "jaxkv.sizing", "jaxkv.demo")),
+    ("serving engine", ("jaxkv.serve", "jaxkv.llm", "jaxkv.demo")),
     ("models", ("jaxkv.models", "jaxkv.tokenizer")),
     ("Flax adapter, public names, facade", ("jaxkv.nnx", "jaxkv.rope", "jaxkv._host")),
     ("core", ("jaxkv.pure", "jaxkv._", "jaxkv")),
@@ -156,9 +156,6 @@ ROOMS = (
 UPWARD = {
     # The package's public names re-export the facade and the Flax adapter.
     ("jaxkv", "jaxkv._host"), ("jaxkv", "jaxkv.nnx"), ("jaxkv", "jaxkv.rope"),
-    # load_model(kv_budget_bytes=) and load_for_serving size a checkpoint's cache with the
-    # engine's own byte counts and defaults (function-level imports).
-    ("jaxkv.models.hf", "jaxkv.serve.memory"), ("jaxkv.models.hf", "jaxkv.sizing"),
 }
 
 

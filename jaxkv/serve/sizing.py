@@ -49,8 +49,8 @@ import numpy as np
 
 from jaxkv import CacheConfig
 from jaxkv import _memory
+from jaxkv._memory import DEFAULT_PAGE_SIZE
 
-DEFAULT_PAGE_SIZE = 64
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_WRITE = 512
 CPU_DEVICE_BYTES = 1 << 30

@@ -1,0 +1,119 @@
+"""The checkpoint-to-engine path: a checkpoint sized from device memory, loaded, served.
+
+`load_for_serving` reads a checkpoint's config, sizes its cache from memory
+(`sizing.plan_serving`), loads the weights onto it (`jaxkv.models.hf`) and
+returns `(model, tokenizer, plan)`; `build_engine` builds the `Engine` on top (a
+`Served`), the one way `jaxkv serve` (`cli.build_server`) and `jaxkv.LLM` make theirs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxkv import tokenizer as tokenizer_lib
+from jaxkv.models import hf, hf_config
+from jaxkv.models.safetensors_io import Checkpoint
+from jaxkv.serve import sizing
+from jaxkv.serve.engine import Engine
+from jaxkv.serve.sizing import DEFAULT_MAX_WRITE, DEFAULT_PAGE_SIZE
+
+
+def load_for_serving(checkpoint: str, *, dtype="auto", kv_cache_dtype="auto",
+                     max_len: int | None = None, max_seqs: int | None = None,
+                     page_size: int | None = DEFAULT_PAGE_SIZE,
+                     kv_cache_memory: int | None = None,
+                     gpu_memory_utilization: float | None = None, prefix_caching: bool = True,
+                     max_write: int = DEFAULT_MAX_WRITE, implementation: str | None = None,
+                     mesh=None, kv_axis: str = "tp", flags: bool = False):
+  """`(model, tokenizer, plan)`: a checkpoint sized from memory, ready for `jaxkv.serve.Engine`.
+
+  The one place a checkpoint and serving sizes become a model (`build_engine`
+  calls it for `jaxkv.LLM` and `jaxkv serve`). The sizes come from `sizing.plan_serving` (its
+  docstring: the rules); serve the model with
+  `Engine(model, max_len=plan.max_len, prefix_cache=plan.prefix_caching)`.
+
+  Args:
+    checkpoint: a directory or a Hugging Face model id (`jaxkv.models.hf.resolve_checkpoint`).
+    dtype, kv_cache_dtype: compute and K/V dtypes, `"auto"`: the checkpoint's
+      (K/V: the compute dtype).
+    max_len, max_seqs, page_size, kv_cache_memory, gpu_memory_utilization,
+      prefix_caching, max_write, flags: `plan_serving`'s.
+    implementation: attention implementation of every layer (None: automatic).
+    mesh, kv_axis: optional tensor parallelism (K/V and weights split over
+      `kv_axis`; the budget is per device, so the pool holds that many times more).
+
+  Returns:
+    `(model, tokenizer, plan)`: the `Decoder`, the `jaxkv.tokenizer.Tokenizer`
+    (None when the checkpoint has no tokenizer.json) and the `ServingPlan`.
+
+  Raises:
+    ValueError, TypeError: a bad checkpoint or size (named).
+    ImportError: an optional package a hub id or the tokenizer needs.
+  """
+  name = os.fspath(checkpoint) if isinstance(checkpoint, (str, os.PathLike)) else None
+  directory = hf.resolve_checkpoint(checkpoint)
+  config, meta = hf_config.read(directory)
+  with Checkpoint(directory) as ckpt:
+    dtype, param_dtype, kv_dtype = hf.resolve_dtypes(ckpt, meta, dtype, None, kv_cache_dtype)
+  shards = 1 if mesh is None else int(mesh.shape[kv_axis])
+  weights = config.num_params * param_dtype.itemsize
+  plan = sizing.plan_serving(
+      config, dtype=dtype, kv_dtype=kv_dtype, weights_bytes=-(-weights // shards),
+      max_len=max_len, max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
+      gpu_memory_utilization=gpu_memory_utilization, max_write=max_write,
+      device=None if mesh is None else mesh.devices.flat[0], prefix_caching=prefix_caching,
+      model=name, flags=flags, shards=shards)
+  tokenizer = (tokenizer_lib.Tokenizer.from_checkpoint(directory)
+               if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None)
+  if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+    raise ValueError(f"{name}: the tokenizer has {tokenizer.vocab_size} tokens; config.json's "
+                     f"vocab_size is {config.vocab_size}")
+  model = hf.build_decoder(directory, config, meta, plan.cache_config, dtype=dtype,
+                 param_dtype=param_dtype, implementation=implementation, gemm=None, mesh=mesh,
+                 kv_axis=kv_axis)
+  return model, tokenizer, plan
+
+
+class Served(NamedTuple):
+  """What `build_engine` makes of a checkpoint."""
+  engine: Engine
+  model: object       # the `Decoder` the engine serves
+  tokenizer: object   # the `jaxkv.tokenizer.Tokenizer`, None without tokenizer.json
+  plan: sizing.ServingPlan
+
+
+def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, max_logprobs: int | None = None,
+                 scheduling: str = "fcfs", need_tokenizer: bool = False, **load) -> Served:
+  """`load_for_serving(checkpoint, **load)` and the `Engine` on its model (a `Served`).
+
+  Args:
+    checkpoint: a directory or a Hugging Face model id.
+    tensor_parallel_size: devices the weights and K/V are split over (a mesh of the
+      first that many local devices, axis `"tp"`).
+    max_logprobs, scheduling: the `Engine`'s.
+    need_tokenizer: refuse a checkpoint without tokenizer.json (a server decodes text).
+    **load: `load_for_serving`'s sizing and dtype arguments.
+
+  Raises:
+    ValueError, TypeError: a bad checkpoint, size or device count (named).
+  """
+  if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
+    raise TypeError(f"tensor_parallel_size={tensor_parallel_size!r} must be an int")
+  mesh = None
+  if tensor_parallel_size != 1:
+    devices = jax.local_devices()
+    if not 1 <= tensor_parallel_size <= len(devices):
+      raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: must be in "
+                       f"[1, {len(devices)}] (the local devices)")
+    mesh = jax.sharding.Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
+  model, tokenizer, plan = load_for_serving(checkpoint, mesh=mesh, **load)
+  if tokenizer is None and need_tokenizer:
+    path = os.path.join(hf.resolve_checkpoint(checkpoint), "tokenizer.json")
+    raise ValueError(f"{path} does not exist: the server needs the checkpoint's tokenizer")
+  engine = Engine(model, max_len=plan.max_len, max_logprobs=max_logprobs,
+                  prefix_cache=plan.prefix_caching, scheduling=scheduling)
+  return Served(engine, model, tokenizer, plan)
