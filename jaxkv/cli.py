@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="step width W: most tokens per step (default 512)")
   g.add_argument("--tensor-parallel-size", type=int, default=1,
                  help="split K/V heads and weights over this many local devices (default 1)")
+  g.add_argument("--data-parallel-size", type=int, default=1,
+                 help="engines behind the one server, each with its own weights and cache on its "
+                      "own --tensor-parallel-size devices; a request goes to the least busy "
+                      "(default 1)")
   g.add_argument("--dtype", choices=_DTYPES, default="auto",
                  help="compute dtype (default auto: the checkpoint's)")
   g.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
@@ -115,7 +119,8 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
                  max_write: int = 512, page_size: int | None = 64, dtype: str = "auto",
                  kv_cache_dtype: str = "auto", kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float | None = None, prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, implementation: str | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 implementation: str | None = None,
                  max_logprobs: int | None = None, scheduling: str = "fcfs", flags: bool = False):
   """`(engine, tokenizer, plan)` for a checkpoint: sized from memory, loaded, the engine built.
 
@@ -127,7 +132,8 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
   """
   from jaxkv.serve.loading import build_engine   # pylint: disable=g-import-not-at-top
   engine, _, tokenizer, plan = build_engine(
-      checkpoint, tensor_parallel_size=tensor_parallel_size, max_logprobs=max_logprobs,
+      checkpoint, tensor_parallel_size=tensor_parallel_size,
+      data_parallel_size=data_parallel_size, max_logprobs=max_logprobs,
       scheduling=scheduling, need_tokenizer=True, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
       max_len=max_len, max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
       gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
@@ -160,8 +166,8 @@ def summary(stats, since) -> str:
 
 def _check_args(args) -> str | None:
   """The first bad flag's message, or None (checked before anything is loaded)."""
-  for name in ("max_write", "interval", "tensor_parallel_size", "max_queued", "max_queued_tokens",
-               "max_body_bytes", "max_prompts"):
+  for name in ("max_write", "interval", "tensor_parallel_size", "data_parallel_size",
+               "max_queued", "max_queued_tokens", "max_body_bytes", "max_prompts"):
     if getattr(args, name) < 1:
       return f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
   for name in ("max_seqs", "max_len", "min_interval", "kv_cache_memory"):
@@ -216,7 +222,8 @@ def serve(args) -> int:
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_caching=not args.no_prefix_caching,
-        tensor_parallel_size=args.tensor_parallel_size, implementation=args.implementation,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size, implementation=args.implementation,
         max_logprobs=args.max_logprobs, scheduling=args.scheduling, flags=True)
   except (ValueError, OSError, ImportError) as e:
     print(f"jaxkv serve: {e}", file=sys.stderr)
@@ -227,6 +234,10 @@ def serve(args) -> int:
   print(f"jaxkv serve: {gemm_line(engine.gemm)}", flush=True)
   for line in plan.lines():
     print(f"jaxkv serve: {line}", flush=True)
+  if args.data_parallel_size > 1:
+    print(f"jaxkv serve: data parallel: {args.data_parallel_size} engines, each sized as above, "
+          f"on devices {[str(e.device or e.mesh.devices.tolist()) for e in engine.engines]}",
+          flush=True)
   print(f"jaxkv serve: compilation cache: {cache_dir or 'off'}", flush=True)
   # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))

@@ -83,7 +83,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   if api_key is not None and (not isinstance(api_key, str) or not api_key):
     raise ValueError("api_key must be a non-empty string (or None: no key)")
   ignored: set = set()   # unknown request fields already logged
-  metrics = Metrics(engine.config.capacity, model_name)
+  metrics = Metrics(engine.capacity, model_name)
   aio = AsyncEngine(engine, interval=interval, min_interval=min_interval,
                     on_step=lambda deltas: metrics.after_step(engine, deltas))
 

@@ -31,7 +31,7 @@ async def log_stats(engine, metrics: Metrics, every: float) -> None:
     now, tokens = time.perf_counter(), engine.stats.generated
     if running or waiting or tokens != last_tokens:
       print(f"jaxkv serve: {(tokens - last_tokens) / (now - last_time):.1f} tokens/s, "
-            f"running {running}, waiting {waiting}, K/V {100 * engine.held / engine.config.capacity:.1f}%, "
+            f"running {running}, waiting {waiting}, K/V {100 * engine.held / engine.capacity:.1f}%, "
             f"preemptions {engine.stats.preemptions}", flush=True)
     last_tokens, last_time = tokens, now
 

@@ -19,16 +19,23 @@ admission. A consumer that stops early (a closed generator, a cancelled task: a
 client that went away) aborts its request, which frees its columns at the next
 entry. The first `AsyncEngine` to step lowers the interpreter's thread switch
 interval to `SWITCH_INTERVAL` (process-wide, never raised again).
+
+Over a `DataParallelEngine` each engine gets its own driver and reader, and
+each new request goes to the engine with the fewest requests in flight
+(running + waiting); its id is then unique across the group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import sys
 import threading
 from typing import AsyncIterator, Callable
 
 from jaxkv.serve.engine import Engine
+from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import Delta
 
@@ -42,7 +49,8 @@ class AsyncEngine:
   """Serves `Engine.add_request`/`step` from asyncio.
 
   Args:
-    engine: the `Engine` (only this object should drive its incremental API).
+    engine: the `Engine`, or a `DataParallelEngine` whose engines it drives (only this
+      object should drive their incremental API).
     interval: most steps per loop entry while requests wait for a column: new
       tokens reach consumers every `interval` steps at the latest.
     min_interval: steps per entry while fewer than a sixteenth of the columns
@@ -52,7 +60,8 @@ class AsyncEngine:
       with the step's deltas (metrics).
   """
 
-  def __init__(self, engine: Engine, *, interval: int = 8, min_interval: int | None = None,
+  def __init__(self, engine: Engine | DataParallelEngine, *, interval: int = 8,
+               min_interval: int | None = None,
                on_step: Callable[[list[Delta]], None] | None = None):
     for name, value in (("interval", interval), ("min_interval", min_interval)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -61,12 +70,14 @@ class AsyncEngine:
     self.engine, self.interval, self.on_step = engine, interval, on_step
     self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
                                                                                interval)
+    self.parts = list(engine.engines) if isinstance(engine, DataParallelEngine) else [engine]
     self._queues: dict = {}
+    self._owner: dict = {}   # request_id -> the engine serving it (event loop thread only)
+    self._ids = itertools.count()
     self._loop: asyncio.AbstractEventLoop | None = None
-    self._wake = threading.Event()
+    self._wakes = [threading.Event() for _ in self.parts]
     self._closed = False
-    self._thread: threading.Thread | None = None
-    self._reader: threading.Thread | None = None
+    self._threads: list[threading.Thread] = []
 
   def add_request(self, request: Request):
     """Checks and queues `request` (raising ValueError/TypeError as `Engine.add_request`); its id.
@@ -76,33 +87,52 @@ class AsyncEngine:
     if self._closed:
       raise RuntimeError("the AsyncEngine is closed")
     self._loop = asyncio.get_running_loop()
-    rid = self.engine.add_request(request)
+    part = 0
+    if len(self.parts) > 1:   # the least busy engine; ids unique across the group
+      part = min(range(len(self.parts)), key=lambda i: sum(self.parts[i].counts()))
+      rid = request.request_id
+      if rid is None:
+        rid = next(i for i in self._ids if i not in self._owner)
+        request = request.replace(request_id=rid)
+      elif rid in self._owner:
+        raise ValueError(f"request_id={rid!r} is already in flight")
+    rid = self.parts[part].add_request(request)
+    self._owner[rid] = part
     self._queues[rid] = (asyncio.Queue(), request.params.n)
-    if self._thread is None:
+    if not self._threads:
       sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
-      self._thread = threading.Thread(target=self._drive, name="jaxkv-driver", daemon=True)
-      self._reader = threading.Thread(target=self._read, name="jaxkv-reader", daemon=True)
-      self._thread.start()
-      self._reader.start()
-    self._wake.set()
+      for i in range(len(self.parts)):
+        self._threads += [
+            threading.Thread(target=self._drive, args=(i,), name=f"jaxkv-driver-{i}", daemon=True),
+            threading.Thread(target=self._read, args=(i,), name=f"jaxkv-reader-{i}", daemon=True)]
+      for t in self._threads:
+        t.start()
+    self._wakes[part].set()
     return rid
 
   def abort(self, request_id, index: int | None = None) -> bool:
     """`Engine.abort`: ends the request (or one running sample) at the next step."""
-    return self.engine.abort(request_id, index)
+    part = self._owner.get(request_id)
+    return part is not None and self.parts[part].abort(request_id, index)
 
   def abort_many(self, request_ids) -> int:
     """`Engine.abort_many`: ends every request in `request_ids` at the next step."""
-    return self.engine.abort_many(request_ids)
+    by_part: dict = {}
+    for rid in request_ids:
+      if rid in self._owner:
+        by_part.setdefault(self._owner[rid], []).append(rid)
+    return sum(self.parts[p].abort_many(ids) for p, ids in by_part.items())
 
   def close(self, timeout: float | None = None) -> None:
     """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
     self._closed = True
-    self._wake.set()
-    if self._thread is not None:
-      self.engine.live.notify()
-      self._thread.join(timeout)
-      self._reader.join(timeout)
+    for wake in self._wakes:
+      wake.set()
+    if self._threads:
+      for part in self.parts:
+        part.live.notify()
+      for t in self._threads:
+        t.join(timeout)
 
   async def deltas(self, request_id) -> AsyncIterator[Delta]:
     """The request's deltas until each sample has finished; leaving early aborts it.
@@ -121,7 +151,8 @@ class AsyncEngine:
     finally:
       self._queues.pop(request_id, None)
       if remaining:
-        self.engine.abort(request_id)
+        self.abort(request_id)
+      self._owner.pop(request_id, None)
 
   async def generate(self, request: Request) -> AsyncIterator[Delta]:
     """`add_request` then `deltas`."""
@@ -129,49 +160,50 @@ class AsyncEngine:
     async for delta in self.deltas(rid):
       yield delta
 
-  def _steps(self) -> int:
-    running, waiting = self.engine.counts()
-    quiet = not waiting and 16 * running < self.engine.config.max_seqs
+  def _steps(self, engine: Engine) -> int:
+    running, waiting = engine.counts()
+    quiet = not waiting and 16 * running < engine.config.max_seqs
     return self.min_interval if quiet else self.interval
 
-  def _drive(self) -> None:
-    """The driver thread: dispatches entries while there is work (at most two uncollected)."""
-    live = self.engine.live
+  def _drive(self, part: int) -> None:
+    """A driver thread: dispatches entries while there is work (at most two uncollected)."""
+    engine, wake = self.parts[part], self._wakes[part]
+    live = engine.live
     while not self._closed:
-      self._wake.clear()   # cleared before the check: an add_request after it sets it again
+      wake.clear()   # cleared before the check: an add_request after it sets it again
       if not live.has_work():
-        self._wake.wait()
+        wake.wait()
         continue
       try:
-        deltas = live.dispatch(self._steps())
+        deltas = live.dispatch(self._steps(engine))
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
-        self._report(e)
+        self._report(e, part)
         continue
       if deltas:   # aborts (and entries collected at once: logprobs)
         self._post(self._route, deltas)
 
-  def _read(self) -> None:
-    """The reader thread: collects each entry while the next one runs, posts its deltas."""
-    live = self.engine.live
+  def _read(self, part: int) -> None:
+    """A reader thread: collects each entry while the next one runs, posts its deltas."""
+    live = self.parts[part].live
     while not self._closed:
       if not live.wait_for_entry(timeout=1.0):
         continue
       try:
         deltas = live.collect(reset=False)   # a failure is reported by the driver's dispatch
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
-        self._report(e)
+        self._report(e, part)
         continue
       finally:
-        self._wake.set()   # what the driver decides from may have changed
+        self._wakes[part].set()   # what the driver decides from may have changed
       if deltas or self.on_step is not None:
         self._post(self._route, deltas)
 
-  def _report(self, e: Exception) -> None:
+  def _report(self, e: Exception, part: int) -> None:
     if getattr(e, "deltas", None):   # what finished before the failure is delivered first
       self._post(self._route, e.deltas)
-    self._post(self._fail, e)
+    self._post(functools.partial(self._fail, part=part), e)
     if getattr(e, "failed", None) is None:   # not the engine's own report: wait for news
-      self._wake.wait(1.0)
+      self._wakes[part].wait(1.0)
 
   def _post(self, fn, arg) -> None:
     try:
@@ -179,9 +211,11 @@ class AsyncEngine:
     except RuntimeError:   # the event loop is closed: nobody is listening any more
       self._closed = True
 
-  def _fail(self, e: Exception) -> None:
+  def _fail(self, e: Exception, part: int) -> None:
     failed = getattr(e, "failed", None)
-    for rid in list(self._queues) if failed is None else failed:
+    if failed is None:   # unnamed: every request of that engine
+      failed = [rid for rid in self._queues if self._owner.get(rid) == part]
+    for rid in failed:
       if rid in self._queues:
         self._queues[rid][0].put_nowait(e)
 

@@ -204,6 +204,11 @@ class Engine:
     self._live: LiveQueue | None = None
 
   @property
+  def capacity(self) -> int:
+    """Cache positions of this engine (`CacheConfig.capacity`)."""
+    return self.config.capacity
+
+  @property
   def state(self) -> LoopState | None:
     """The loop state (`EngineCore.state`): of the last `run`, or the incremental API's."""
     return self.core.state

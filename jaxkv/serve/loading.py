@@ -19,6 +19,7 @@ from jaxkv.models import hf, hf_config
 from jaxkv.models.safetensors_io import Checkpoint
 from jaxkv.serve import sizing
 from jaxkv.serve.engine import Engine
+from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.sizing import DEFAULT_MAX_WRITE, DEFAULT_PAGE_SIZE
 
 
@@ -80,20 +81,24 @@ def load_for_serving(checkpoint: str, *, dtype="auto", kv_cache_dtype="auto",
 
 class Served(NamedTuple):
   """What `build_engine` makes of a checkpoint."""
-  engine: Engine
-  model: object       # the `Decoder` the engine serves
+  engine: Engine | DataParallelEngine
+  model: object       # the `Decoder` the (first) engine serves
   tokenizer: object   # the `jaxkv.tokenizer.Tokenizer`, None without tokenizer.json
   plan: sizing.ServingPlan
 
 
-def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, max_logprobs: int | None = None,
-                 scheduling: str = "fcfs", need_tokenizer: bool = False, **load) -> Served:
+def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 max_logprobs: int | None = None, scheduling: str = "fcfs",
+                 need_tokenizer: bool = False, **load) -> Served:
   """`load_for_serving(checkpoint, **load)` and the `Engine` on its model (a `Served`).
 
   Args:
     checkpoint: a directory or a Hugging Face model id.
-    tensor_parallel_size: devices the weights and K/V are split over (a mesh of the
-      first that many local devices, axis `"tp"`).
+    tensor_parallel_size: devices each engine's weights and K/V are split over (a mesh of
+      that many local devices, axis `"tp"`).
+    data_parallel_size: engines, each with its own copy of the weights and its own cache
+      on its own `tensor_parallel_size` devices; more than one: a `DataParallelEngine`.
+      Each engine is sized as one would be (the budget is per device).
     max_logprobs, scheduling: the `Engine`'s.
     need_tokenizer: refuse a checkpoint without tokenizer.json (a server decodes text).
     **load: `load_for_serving`'s sizing and dtype arguments.
@@ -101,19 +106,35 @@ def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, max_logprobs
   Raises:
     ValueError, TypeError: a bad checkpoint, size or device count (named).
   """
-  if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int):
-    raise TypeError(f"tensor_parallel_size={tensor_parallel_size!r} must be an int")
-  mesh = None
-  if tensor_parallel_size != 1:
-    devices = jax.local_devices()
-    if not 1 <= tensor_parallel_size <= len(devices):
-      raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: must be in "
-                       f"[1, {len(devices)}] (the local devices)")
-    mesh = jax.sharding.Mesh(np.array(devices[:tensor_parallel_size]), ("tp",))
-  model, tokenizer, plan = load_for_serving(checkpoint, mesh=mesh, **load)
+  tp, dp = tensor_parallel_size, data_parallel_size
+  for name, value in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise TypeError(f"{name}={value!r} must be an int")
+    if value < 1:
+      raise ValueError(f"{name}={value} must be >= 1")
+  devices = jax.local_devices()
+  if tp * dp > len(devices):
+    raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} = {tp * dp} devices; "
+                     f"this host has {len(devices)} local devices")
+  groups = [devices[g * tp:(g + 1) * tp] for g in range(dp)]
+  # One engine's arguments; data parallel engines without a mesh each copy the weights
+  # loaded once to their own device.
+  kwargs = lambda plan: dict(max_len=plan.max_len, max_logprobs=max_logprobs,
+                             prefix_cache=plan.prefix_caching, scheduling=scheduling)
+  if tp == 1:
+    model, tokenizer, plan = load_for_serving(checkpoint, **load)
+    engines = ([Engine(model, **kwargs(plan))] if dp == 1 else
+               DataParallelEngine(model, devices=[g[0] for g in groups], **kwargs(plan)).engines)
+  else:   # each group its own mesh, the weights loaded onto it
+    engines, models = [], []
+    for group in groups:
+      mesh = jax.sharding.Mesh(np.array(group), ("tp",))
+      loaded, tokenizer, plan = load_for_serving(checkpoint, mesh=mesh, **load)
+      engines.append(Engine(loaded, **kwargs(plan)))
+      models.append(loaded)
+    model = models[0]
   if tokenizer is None and need_tokenizer:
     path = os.path.join(hf.resolve_checkpoint(checkpoint), "tokenizer.json")
     raise ValueError(f"{path} does not exist: the server needs the checkpoint's tokenizer")
-  engine = Engine(model, max_len=plan.max_len, max_logprobs=max_logprobs,
-                  prefix_cache=plan.prefix_caching, scheduling=scheduling)
+  engine = engines[0] if dp == 1 else DataParallelEngine.of(engines)
   return Served(engine, model, tokenizer, plan)

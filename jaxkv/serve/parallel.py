@@ -11,6 +11,11 @@ The queue is split greedily by work: requests are taken longest first
 far; each device admits its share in the `admission` order of `Engine.run`. Completions come
 back in the order of the queue, exactly as one `Engine` returns them; with the
 same seeds, sampled tokens do not depend on which device served a request.
+
+Served incrementally (`AsyncEngine(DataParallelEngine(...))`, `jaxkv serve
+--data-parallel-size`), each request goes to the engine with the fewest requests
+in flight and each engine steps on its own threads; the front reads the group's
+counters here (`counts`, `held`, `stats`, ...: sums over the engines).
 """
 
 from __future__ import annotations
@@ -48,8 +53,74 @@ class DataParallelEngine:
         raise ValueError(f"{name}= is chosen per device by DataParallelEngine")
     self.devices = devices
     self.engines = [Engine(model, device=d, **engine_kwargs) for d in devices]
-    self.stats = EngineStats()
     self.completions: list[Completion] = []
+
+  @classmethod
+  def of(cls, engines: Sequence[Engine]) -> "DataParallelEngine":
+    """A group of engines built elsewhere (each on its own devices or mesh), served alike.
+
+    Raises:
+      ValueError: no engines, or engines that differ in what they accept (`max_len`,
+        vocabulary, stop tokens, logprobs).
+    """
+    engines = list(engines)
+    if not engines or not all(isinstance(e, Engine) for e in engines):
+      raise ValueError(f"engines={engines!r} must be a non-empty sequence of Engine")
+    alike = lambda e: (e.max_len, e.vocab_size, e.max_stop, e.max_logprobs, e.config.max_seqs)
+    if len({alike(e) for e in engines}) != 1:
+      raise ValueError("engines differ in max_len, vocab_size, max_stop_tokens, max_logprobs "
+                       f"or max_seqs: {[alike(e) for e in engines]}")
+    group = cls.__new__(cls)
+    group.devices = [e.device for e in engines]
+    group.engines, group.completions = engines, []
+    return group
+
+  # ------------------------------------------------------------------ what a front reads
+
+  @property
+  def config(self):
+    """The first engine's `CacheConfig` (every engine's geometry is the same)."""
+    return self.engines[0].config
+
+  @property
+  def capacity(self) -> int:
+    """Cache positions of all the engines together."""
+    return sum(e.capacity for e in self.engines)
+
+  # What every engine of the group shares.
+  max_len = property(lambda self: self.engines[0].max_len)
+  vocab_size = property(lambda self: self.engines[0].vocab_size)
+  max_stop = property(lambda self: self.engines[0].max_stop)
+  max_logprobs = property(lambda self: self.engines[0].max_logprobs)
+  implementations = property(lambda self: self.engines[0].implementations)
+  gemm = property(lambda self: self.engines[0].gemm)
+
+  def check(self, request: Request) -> None:
+    """Raises unless the engines can serve `request` (they accept the same requests)."""
+    self.engines[0].check(request)
+
+  def counts(self) -> tuple[int, int]:
+    """`(running, waiting)` requests of the incremental API, over every engine."""
+    pairs = [e.counts() for e in self.engines]
+    return sum(r for r, _ in pairs), sum(w for _, w in pairs)
+
+  @property
+  def waiting_tokens(self) -> int:
+    return sum(e.waiting_tokens for e in self.engines)
+
+  @property
+  def held(self) -> int:
+    return sum(e.held for e in self.engines)
+
+  @property
+  def stats(self) -> EngineStats:
+    """The engines' stats merged (counters summed; wall and compile times the slowest's)."""
+    return self._merged_stats(self.engines)
+
+  def warm_up(self, steps=(1,)) -> float:
+    """`Engine.warm_up` on every engine at once; the slowest one's compile seconds."""
+    with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
+      return max(pool.map(lambda e: e.warm_up(steps), self.engines))
 
   def run(self, requests: Sequence[Request], *,
           admission: str = "longest_first") -> list[Completion]:
@@ -69,16 +140,16 @@ class DataParallelEngine:
       self.engines[0].check(r)   # the engines are alike: one check refuses before any serves
     shares = self._split(requests)
     with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-      futures = [pool.submit(e.run, share, admission=admission) if share else None
+      # An engine with no share runs [] too: its stats restart, so `stats` merges this run only.
+      futures = [pool.submit(e.run, share, admission=admission)
                  for e, share in zip(self.engines, shares)]
       errors = []
       for f in futures:
-        if f is not None and f.exception() is not None:
+        if f.exception() is not None:
           errors.append(f.exception())
     self.completions = sorted([c for e, share in zip(self.engines, shares) if share
                                for c in e.completions],
                               key=lambda c: (order[c.request_id], c.index))
-    self.stats = self._merged_stats([e for e, share in zip(self.engines, shares) if share])
     if errors:
       raise EngineError(f"{len(errors)} of {len(self.engines)} engines failed; first: "
                         f"{errors[0]}", self.completions) from errors[0]
@@ -106,6 +177,10 @@ class DataParallelEngine:
       out.generated += s.generated
       out.occupancy += s.occupancy
       out.loop_entries += s.loop_entries
+      out.aborted += s.aborted
+      out.preemptions += s.preemptions
+      out.evictions += s.evictions
+      out.cached_tokens += s.cached_tokens
       out.seconds = max(out.seconds, s.seconds)
       out.peak_rows = max(out.peak_rows, s.peak_rows)
       for w, n in s.width_steps.items():

@@ -50,3 +50,67 @@ def test_data_parallel_refuses_bad_input_before_serving():
     serve.DataParallelEngine(model, devices=_devices(2), mesh=None)
   with pytest.raises(ValueError, match="twice"):
     serve.DataParallelEngine(model, devices=[jax.devices()[0]] * 2)
+
+
+def test_async_engine_over_a_data_parallel_group_streams_what_one_engine_returns():
+  """`AsyncEngine(DataParallelEngine)`: each request goes to the least busy engine, ids stay unique
+  across the group, every stream equals one engine's completions, an abort reaches the engine
+  serving the request, and the group's counters sum the engines'."""
+  import asyncio   # pylint: disable=g-import-not-at-top
+  devices = _devices(2)
+  model = Decoder(MODEL, CACHE, rngs=nnx.Rngs(0), implementation=IMPL)
+  requests = [serve.Request(tuple(range(1, 2 + i % 5)),
+                            serve.SamplingParams(max_tokens=2 + i % 4, temperature=float(i % 2),
+                                                 seed=i, n=1 + i % 2), request_id=f"r{i}")
+              for i in range(6)]
+  want = {(c.request_id, c.index): c.tokens for c in serve.Engine(model, max_len=32).run(requests)}
+  dp = serve.DataParallelEngine(model, devices=devices, max_len=32)
+  assert dp.capacity == 2 * CACHE.capacity and dp.max_len == 32
+
+  async def main():
+    aio = serve.AsyncEngine(dp, interval=2)
+    try:
+      ids = [aio.add_request(r) for r in requests]
+      with pytest.raises(ValueError, match="already in flight"):
+        aio.add_request(requests[0])   # an id in flight on another engine of the group
+      unnamed = aio.add_request(serve.Request((1, 2), serve.SamplingParams(max_tokens=30)))
+      owners = {aio._owner[rid] for rid in ids}   # pylint: disable=protected-access
+      assert aio.abort(unnamed) and sum(dp.counts()) == len(ids) + 1
+      got = {}
+      for rid in ids:
+        async for d in aio.deltas(rid):
+          got[(d.request_id, d.index)] = got.get((d.request_id, d.index), []) + list(d.tokens)
+      aborted = [d.finish_reason async for d in aio.deltas(unnamed)]
+      return got, owners, aborted
+    finally:
+      aio.close()
+
+  got, owners, aborted = asyncio.run(main())
+  assert got == want and owners == {0, 1} and aborted[-1] == "abort"
+  assert dp.counts() == (0, 0) and dp.held == 0
+  assert dp.stats.generated == sum(e.stats.generated for e in dp.engines) > 0
+  assert dp.stats.aborted == 1
+
+
+def test_build_engine_splits_the_devices_into_data_parallel_engines():
+  """`build_engine(data_parallel_size=)`: one engine per device group, each sized alike; too many
+  devices asked for is refused with the numbers, before anything is loaded."""
+  import os   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve import loading   # pylint: disable=g-import-not-at-top
+  fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "hf_llama")
+  _devices(4)
+  with pytest.raises(ValueError, match=r"tensor_parallel_size=3 x data_parallel_size=2 = 6 "
+                                       r"devices; this host has \d+ local devices"):
+    loading.build_engine(fixture, tensor_parallel_size=3, data_parallel_size=2, max_len=64)
+  with pytest.raises(ValueError, match="data_parallel_size=0 must be >= 1"):
+    loading.build_engine(fixture, data_parallel_size=0, max_len=64)
+  served = loading.build_engine(fixture, data_parallel_size=2, max_len=64, max_seqs=2,
+                                kv_cache_memory=1 << 20)
+  group = served.engine
+  assert isinstance(group, serve.DataParallelEngine) and len(group.engines) == 2
+  assert [e.device for e in group.engines] == jax.devices()[:2]
+  assert {e.config for e in group.engines} == {served.plan.cache_config}
+  split = loading.build_engine(fixture, tensor_parallel_size=2, data_parallel_size=2, max_len=64,
+                               max_seqs=2, kv_cache_memory=1 << 20).engine
+  assert [e.mesh.devices.tolist() for e in split.engines] == [jax.devices()[:2],
+                                                             jax.devices()[2:4]]

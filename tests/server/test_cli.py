@@ -41,6 +41,10 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
       capsys.readouterr().err)
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-write", "100000000"]) == 2
   assert "--max-write=100000000 does not fit: one step" in capsys.readouterr().err
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--data-parallel-size", "0"]) == 2
+  assert "--data-parallel-size=0 must be >= 1" in capsys.readouterr().err
+  assert cli.main(["serve", "--checkpoint", FIXTURE, "--data-parallel-size", "99"]) == 2
+  assert "data_parallel_size=99 = 99 devices; this host has" in capsys.readouterr().err
 
 
 def test_max_logprobs_reaches_the_engine():
