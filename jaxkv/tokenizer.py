@@ -300,19 +300,39 @@ class TextStream:
 
   Args:
     tokenizer: the `Tokenizer`.
-    stop: stop strings (the text ends before the first one found; it is not
-      part of the text).
+    stop: stop strings (the text ends before the first one found).
+    include_stop: the stop string found ends the text, included in it.
+    skip_special_tokens: leave special tokens' text out (`Tokenizer.decode`).
   """
 
-  def __init__(self, tokenizer: Tokenizer, stop=()):
+  def __init__(self, tokenizer: Tokenizer, stop=(), *, include_stop: bool = False,
+               skip_special_tokens: bool = True):
     self.tokenizer = tokenizer
     self.stop = [s for s in stop if s]
+    self.include_stop, self.skip = include_stop, skip_special_tokens
     self.hold = max((len(s) for s in self.stop), default=1) - 1
     self.ids: list[int] = []
     self.text = ""            # stable text so far (stop strings not yet cut)
     self.emitted = 0          # characters of `text` handed out
     self.stopped = False
     self._prefix, self._read = 0, 0   # token offsets: decoded context, read so far
+
+  def _decode(self, ids) -> str:
+    return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+  def tokens_returned(self) -> int:
+    """Tokens whose text was handed out: all of them, or, once a stop string ended the
+    text, the fewest whose decoded text reaches its end (a token straddling the end counts)."""
+    if not self.stopped:
+      return len(self.ids)
+    lo, hi = 0, len(self.ids)   # decoded length grows with the tokens: bisect
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if len(self._decode(self.ids[:mid])) >= self.emitted:
+        hi = mid
+      else:
+        lo = mid + 1
+    return lo
 
   def push(self, tokens) -> str:
     """Adds tokens; returns the text newly safe to emit ('' once stopped)."""
@@ -322,8 +342,8 @@ class TextStream:
     # Decode a short window: the tokens since the last stable point, with the one
     # before as context, so a decoder's rewrite of a token's first character (e.g. a
     # Metaspace leading space) is seen in both decodes and cancels out.
-    before = self.tokenizer.decode(self.ids[self._prefix:self._read])
-    after = self.tokenizer.decode(self.ids[self._prefix:])
+    before = self._decode(self.ids[self._prefix:self._read])
+    after = self._decode(self.ids[self._prefix:])
     if len(after) > len(before) and not after.endswith("\ufffd"):
       self.text += after[len(before):]
       self._prefix, self._read = self._read, len(self.ids)
@@ -333,17 +353,19 @@ class TextStream:
     """The sample ended: the rest of the text (a trailing incomplete character included)."""
     if self.stopped:
       return ""
-    rest = self.tokenizer.decode(self.ids[self._prefix:])
-    before = self.tokenizer.decode(self.ids[self._prefix:self._read])
+    rest = self._decode(self.ids[self._prefix:])
+    before = self._decode(self.ids[self._prefix:self._read])
     if len(rest) > len(before):
       self.text += rest[len(before):]
     return self._release(final=True)
 
   def _release(self, *, final: bool) -> str:
     start = max(self.emitted - self.hold, 0)   # a stop string may straddle the emitted end
-    hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+    hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
     if hits:
-      self.stopped, end = True, min(hits)
+      at = min(i for i, _ in hits)   # the first stop string found
+      size = max(n for i, n in hits if i == at)   # the longest of those starting there
+      self.stopped, end = True, at + (size if self.include_stop else 0)
     else:
       end = len(self.text) if final else max(len(self.text) - self.hold, self.emitted)
     out = self.text[self.emitted:max(end, self.emitted)]

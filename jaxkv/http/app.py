@@ -27,7 +27,8 @@ from jaxkv.http.errors import (BadRequest, check_text, encode_or_refuse, engine_
 from jaxkv.http.guard import Guard
 from jaxkv.http.logprobs import LogprobFormatter
 from jaxkv.http.metrics import Metrics
-from jaxkv.http.schema import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxkv.http.schema import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                               unsupported_field)
 from jaxkv.http.tasks import disconnected, log_stats, off_loop, until
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.requests import Request as EngineRequest
@@ -37,10 +38,19 @@ from jaxkv.tokenizer import TextStream, Tokenizer
 class _Sample:
   """One sample's text state, logprob formatter (None: not asked) and timing while it is served."""
 
-  def __init__(self, tokenizer, stop, arrived, logprobs: LogprobFormatter | None):
-    self.text = TextStream(tokenizer, stop)
+  def __init__(self, tokenizer, stop, arrived, logprobs: LogprobFormatter | None, *,
+               include_stop: bool = False, skip_special_tokens: bool = True):
+    self.text = TextStream(tokenizer, stop, include_stop=include_stop,
+                           skip_special_tokens=skip_special_tokens)
     self.tokens, self.finish, self.arrived, self.last = 0, None, arrived, None
     self.logprobs = logprobs
+    self.reported = 0   # logprob entries handed out
+
+  @property
+  def usage_tokens(self) -> int:
+    """Completion tokens to report: those whose text was returned once a stop string ended
+    the sample (`TextStream.tokens_returned`), else every token generated."""
+    return self.text.tokens_returned() if self.text.stopped else self.tokens
 
   def push(self, delta) -> tuple[str, dict | None]:
     """The delta's new text, and the logprobs of its tokens up to a stop string (if asked)."""
@@ -52,6 +62,9 @@ class _Sample:
         break
       text += self.text.push((entry.token,))
       entries.append(entry)
+    if self.text.stopped:   # as many entries as `usage` counts tokens
+      entries = entries[:max(self.text.tokens_returned() - self.reported, 0)]
+    self.reported += len(entries)
     return text, self.logprobs.format(entries)
 
 
@@ -82,7 +95,6 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       raise ValueError(f"{name}={value!r} must be an int >= 1")
   if api_key is not None and (not isinstance(api_key, str) or not api_key):
     raise ValueError("api_key must be a non-empty string (or None: no key)")
-  ignored: set = set()   # unknown request fields already logged
   metrics = Metrics(engine.capacity, model_name)
   aio = AsyncEngine(engine, interval=interval, min_interval=min_interval,
                     on_step=lambda deltas: metrics.after_step(engine, deltas))
@@ -179,10 +191,9 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if body.model not in (None, model_name):
       raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                        f"{model_name!r}", status=404, param="model", kind="not_found_error")
-    for name in sorted(body.model_extra or ()):   # accepted, as vLLM does, and said once
-      if name not in ignored:
-        ignored.add(name)
-        _log.warning("ignoring the request field %r, which this server does not know", name)
+    refused = unsupported_field(body.model_extra or {})
+    if refused is not None:   # never accepted and ignored: the client would not know
+      raise BadRequest(refused[1], param=refused[0])
 
   def build(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
     if len(prompts) > max_prompts:
@@ -208,15 +219,23 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       out.append(request)
     return out
 
-  async def serve(http: Request, requests, stop, chat: bool) -> tuple[list, list, dict]:
+  async def serve(http: Request, requests, body, chat: bool) -> tuple[list, list, dict]:
     """Adds every request (all or none); returns its ids, samples and an event stream."""
     arrived = time.perf_counter()
+    # A request no queue could ever take is the request's fault (413), not the server's (503).
+    if len(requests) > max_queued:
+      raise BadRequest(f"the request holds {len(requests)} prompts; at most max_queued="
+                       f"{max_queued} may wait at once", status=413, param="prompt")
+    own = sum(len(r.prompt) for r in requests)
+    if own > max_queued_tokens:
+      raise BadRequest(f"the request's prompts hold {own} tokens; at most max_queued_tokens="
+                       f"{max_queued_tokens} may wait at once", status=413, param="prompt")
     waiting = engine.counts()[1]
     if waiting + len(requests) > max_queued:
       raise BadRequest(f"the server is busy: {waiting} requests are waiting (at most "
                        f"{max_queued}); retry later", status=503, kind="server_busy",
                        headers={"Retry-After": "1"})
-    tokens = engine.waiting_tokens + sum(len(r.prompt) for r in requests)
+    tokens = engine.waiting_tokens + own
     if tokens > max_queued_tokens:
       raise BadRequest(f"the server is busy: the waiting prompts would hold {tokens} tokens (at "
                        f"most {max_queued_tokens}); retry later", status=503,
@@ -229,9 +248,12 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       aio.abort_many(ids)
       raise BadRequest(public_message(e)) from e
     metrics.accepted(sum(len(r.prompt) for r in requests))
+    stop = body.stop or []
+    include_stop, skip_special_tokens = body.include_stop_str_in_output, body.skip_special_tokens
     samples = [[_Sample(tokenizer, stop, arrived,
                         None if r.params.logprobs is None else LogprobFormatter(tokenizer,
-                                                                                chat=chat))
+                                                                                chat=chat),
+                        include_stop=include_stop, skip_special_tokens=skip_special_tokens)
                 for _ in range(r.params.n)] for r in requests]
     return ids, samples, arrived
 
@@ -314,12 +336,12 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
 
   def usage(requests, samples):
     prompt = sum(len(r.prompt) for r in requests)
-    completion = sum(s.tokens for ss in samples for s in ss)
+    completion = sum(s.usage_tokens for ss in samples for s in ss)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
   async def respond(http, body, requests, *, chat: bool):
-    ids, samples, _ = await serve(http, requests, body.stop or [], chat)
+    ids, samples, _ = await serve(http, requests, body, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     n = body.n
     head = {"id": rid, "created": int(time.time()), "model": model_name}
@@ -411,7 +433,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     check_text(messages, "messages")
     size = sum(len(str(m.get("content", ""))) for m in messages)
     prompt = await off_loop(size, lambda: encode_or_refuse(lambda: tokenizer.encode_chat(
-        messages, add_generation_prompt=body.add_generation_prompt), "messages"))
+        messages, add_generation_prompt=body.add_generation_prompt,
+        **(body.chat_template_kwargs or {})), "messages"))
     return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 
   return app

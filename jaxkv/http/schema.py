@@ -49,6 +49,38 @@ _REFUSED = {
 }
 
 
+# Fields outside the schema that change nothing whatever their value: accepted. Any other field
+# a request sets is refused with 400 naming it (`unsupported_field`), never accepted and ignored.
+_NO_EFFECT = {
+    "metadata",             # tags for stored completions; nothing is stored
+    "parallel_tool_calls",  # tools are refused, so there are no tool calls to run in parallel
+    "service_tier",         # one tier
+}
+# Known vLLM/OpenAI fields this server does not implement yet, and why (the rest: "unknown").
+_NOT_YET = {
+    "guided_json": "structured output is not supported yet",
+    "guided_choice": "structured output is not supported yet",
+    "guided_regex": "structured output is not supported yet",
+    "guided_grammar": "structured output is not supported yet",
+    "structured_outputs": "structured output is not supported yet",
+    "allowed_token_ids": "allowed_token_ids is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "reasoning_effort": "reasoning_effort is not supported (the model's template decides)",
+    "store": "store=true is not supported: this server does not store completions",
+}
+
+
+def unsupported_field(extra: dict) -> tuple[str, str] | None:
+  """`(field, message)` of the first field of `extra` (a request's fields outside the schema)
+  that this server would otherwise ignore, or None."""
+  for name in sorted(extra):
+    if name in _NO_EFFECT or (name == "store" and not extra[name]):
+      continue
+    return name, _NOT_YET.get(name, f"{name} is not a field this server knows")
+  return None
+
+
 def _refuse(name: str, refused: bool) -> None:
   if refused:
     raise ValueError(_REFUSED[name])
@@ -101,6 +133,8 @@ class _Common(BaseModel):
   min_p: Float = 0.0
   logit_bias: dict | None = None
   min_tokens: Int = 0
+  include_stop_str_in_output: StrictBool = False
+  skip_special_tokens: StrictBool = True
 
   @field_validator("stop", mode="plain")
   @classmethod
@@ -199,6 +233,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
   messages: list[ChatMessage] = Field(min_length=1)
   add_generation_prompt: StrictBool = True
+  chat_template_kwargs: dict[str, Any] | None = None   # passed to the template (enable_thinking)
   tools: list | None = None
   tool_choice: Union[str, dict, None] = None
   response_format: dict | None = None
@@ -217,6 +252,15 @@ class ChatRequest(_Common):
   @classmethod
   def _text_only(cls, v):
     _refuse("response_format", bool(v) and v.get("type") != "text")
+    return v
+
+  @field_validator("chat_template_kwargs")
+  @classmethod
+  def _template_variables(cls, v):
+    taken = sorted(set(v or ()) & {"messages", "add_generation_prompt", "chat_template", "tools",
+                                   "documents"})
+    if taken:
+      raise ValueError(f"{taken[0]!r} is set by the request itself, not by chat_template_kwargs")
     return v
 
   @field_validator("top_logprobs")

@@ -371,3 +371,55 @@ def test_chat_builds_the_prompt_the_template_renders_for_add_generation_prompt(
   plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0,
                                     extra_body={"ignore_eos": True})
   assert _one(chat).message.content == _one(plain).text
+
+
+# Greedy "Hello": the pieces of its first output tokens (the module docstring's ids).
+HELLO_PIECES = ["he", "es", "r", "y", "ca", "q", ",", "+", ",", "y", ",", "+", "?"]
+
+
+def _expected_cut(stop: str, include: bool) -> tuple[str, int]:
+  """`(text, completion tokens)` a stop string leaves of greedy "Hello", from its pieces: the
+  text up to the stop string (with it, if included) and the tokens whose text reaches its end."""
+  full = "".join(HELLO_PIECES)
+  end = full.index(stop) + (len(stop) if include else 0)
+  reach = next(k for k in range(len(HELLO_PIECES) + 1) if len("".join(HELLO_PIECES[:k])) >= end)
+  return full[:end], reach
+
+
+@pytest.mark.parametrize("stop", ["e", "y", "q,+", "ca"])
+@pytest.mark.parametrize("include", [False, True])
+def test_usage_counts_the_tokens_whose_text_was_returned(client, stop, include):
+  """With a stop string, `usage.completion_tokens` counts exactly the tokens whose text came
+  back (a token straddling the cut counts), plain and streamed, and the logprobs match it."""
+  text, tokens = _expected_cut(stop, include)
+  extra = {"ignore_eos": True, "include_stop_str_in_output": include}
+  got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0,
+                                  stop=[stop], logprobs=0, extra_body=extra)
+  assert (_one(got).text, _one(got).finish_reason) == (text, "stop")
+  assert got.usage.completion_tokens == tokens
+  assert len(_one(got).logprobs.tokens) == tokens
+  chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20,
+                                          temperature=0, stop=[stop], stream=True,
+                                          stream_options={"include_usage": True},
+                                          extra_body=extra))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+  assert chunks[-1].usage.completion_tokens == tokens
+
+
+def test_skip_special_tokens_false_keeps_their_text(client):
+  ids = [104, 107, 89, 96, 113, 88, 19, 18, 19, 96, 19, 18, 38, 20, 45, 104, 39, 89, 20, 5]
+  tok = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+  for skip in (True, False):
+    got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+    assert _one(got).text == tok.decode(ids, skip_special_tokens=skip)
+  assert "<|user|>" in tok.decode(ids, skip_special_tokens=False)   # the check can tell
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+  plain = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, temperature=0)
+  no_bos = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"bos_token": ""}})
+  assert (plain.usage.prompt_tokens, no_bos.usage.prompt_tokens) == (6, 5)
+  _check_error(*_refusal(client, "chat", {"chat_template_kwargs": {"tools": []}}),
+               param="chat_template_kwargs", fragment="set by the request itself")

@@ -67,14 +67,23 @@ def _error(r, status, param, fragment):
   return error
 
 
-def test_unknown_fields_are_accepted(client):
+def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_name(client, url):
   got = client.chat.completions.create(
       model=MODEL, messages=HI, max_tokens=3, temperature=0,
-      extra_body={"store": True, "metadata": {"k": "v"}, "parallel_tool_calls": False,
-                  "reasoning_effort": "low", "made_up_field": [1, 2]})
+      extra_body={"store": False, "metadata": {"k": "v"}, "parallel_tool_calls": False,
+                  "service_tier": "auto"})
   plain = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0)
   assert got.choices[0].message.content == plain.choices[0].message.content
   assert got.usage.completion_tokens == 3
+  for name, value, fragment in (("made_up_field", [1, 2], "made_up_field is not a field"),
+                                ("reasoning_effort", "low", "reasoning_effort is not supported"),
+                                ("store", True, "does not store completions"),
+                                ("guided_json", {"type": "object"}, "structured output"),
+                                ("prompt_logprobs", 1, "prompt_logprobs is not supported")):
+    for path, body in (("/v1/chat/completions", {"messages": HI}),
+                       ("/v1/completions", {"prompt": "Hi"})):
+      _error(_post(url, path, {"model": MODEL, "max_tokens": 2, name: value} | body), 400, name,
+             fragment)
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -168,27 +177,38 @@ def test_refusals_name_no_internal_request_ids(url):
   assert "request " not in error["message"], error
 
 
-def test_a_queue_past_max_queued_gets_503_and_keeps_what_it_accepted(url, built):
+def test_a_request_no_queue_could_take_gets_413_and_a_full_queue_503(url, built, monkeypatch):
+  """Past `max_queued` or `max_queued_tokens` by itself: 413 naming the limit (a retry cannot
+  succeed); past them only beside what waits: 503 with Retry-After. Nothing is served or kept."""
   engine, _ = built
   before = engine.stats.generated
-  # Three prompts at once would wait beside nothing: 3 > max_queued=2, refused whole.
+  # Three prompts: 3 > max_queued=2 even on an idle server.
   r = _post(url, "/v1/completions", {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2})
-  assert r.status_code == 503 and r.headers["retry-after"] == "1"
-  assert r.json()["error"]["type"] == "server_busy"
+  _error(r, 413, "prompt", "at most max_queued=2")
+  assert "retry-after" not in r.headers
   assert engine.stats.generated == before and not engine.has_unfinished()
-  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2,
-                                     "ignore_eos": True})
-  assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == [
-      "length", "length"]
-  # Two prompts of 21 tokens: 42 waiting tokens > max_queued_tokens=40, refused whole.
+  # Two prompts of 21 tokens: 42 > max_queued_tokens=40 even on an idle server.
   r = _post(url, "/v1/completions", {"model": MODEL, "prompt": [[5] * 21, [6] * 21],
                                      "max_tokens": 2})
-  assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-  assert "would hold 42 tokens (at most 40)" in r.json()["error"]["message"]
+  _error(r, 413, "prompt", "hold 42 tokens; at most max_queued_tokens=40")
   assert engine.waiting_tokens == 0 and not engine.has_unfinished()
+  # What would fit an emptier queue: 503 while others wait (their count faked, nothing runs).
+  monkeypatch.setattr(engine, "counts", lambda: (4, 1))
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
+  assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+  assert r.json()["error"]["type"] == "server_busy"
+  monkeypatch.setattr(engine, "counts", lambda: (4, 0))
+  monkeypatch.setattr(type(engine), "waiting_tokens", property(lambda self: 30))
+  r = _post(url, "/v1/completions", {"model": MODEL, "prompt": [[5] * 6, [6] * 5],
+                                     "max_tokens": 2})
+  assert r.status_code == 503 and "would hold 41 tokens (at most 40)" in r.text, r.text
+  monkeypatch.undo()
+  assert engine.stats.generated == before and not engine.has_unfinished()
   r = _post(url, "/v1/completions", {"model": MODEL, "prompt": [[5] * 20, [6] * 20],
                                      "max_tokens": 2, "ignore_eos": True})
-  assert r.status_code == 200 and engine.waiting_tokens == 0, r.text
+  assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == [
+      "length", "length"]
+  assert engine.waiting_tokens == 0, r.text
 
 
 def test_every_error_body_is_json_in_openais_shape(url):
