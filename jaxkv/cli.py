@@ -18,10 +18,12 @@ import dataclasses
 import gc
 import os
 import sys
+import textwrap
 import time
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jax")
 
 
@@ -29,14 +31,27 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="jaxkv", description=__doc__)
   p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
   sub = p.add_subparsers(dest="command", required=True)
-  s = sub.add_parser("serve", help="serve a Hugging Face checkpoint over an OpenAI-compatible API")
-  s.add_argument("--checkpoint", required=True,
+  s = sub.add_parser(
+      "serve", help="serve a Hugging Face checkpoint over an OpenAI-compatible API",
+      description=textwrap.fill(
+          "Serve a Hugging Face checkpoint (a directory or a hub id) over an OpenAI-compatible "
+          "HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /metrics). "
+          "With no sizing flags the K/V cache is sized from device memory. vLLM's spellings of "
+          "the common flags are accepted (a positional model or --model, --served-model-name, "
+          "--max-model-len, --max-num-seqs, --max-num-batched-tokens).", 78),
+      epilog="example:\n  jaxkv serve tests/fixtures/hf_llama --port 8000\n"
+             "  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\\n"
+             "    -d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'",
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  s.add_argument("model", nargs="?", default=None,
+                 help="the checkpoint (as --checkpoint; vLLM's positional model)")
+  s.add_argument("--checkpoint", "--model", dest="checkpoint", default=None,
                  help="checkpoint directory or Hugging Face model id: config.json, *.safetensors, "
                       "tokenizer.json (tokenizer_config.json / chat_template.jinja for chat, "
                       "generation_config.json for stop ids)")
   s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
   s.add_argument("--port", type=int, default=8000, help="port, 1..65535 (default 8000)")
-  s.add_argument("--model-name", default=None,
+  s.add_argument("--model-name", "--served-model-name", dest="model_name", default=None,
                  help="the model id clients send (default: the checkpoint's directory name)")
   g = s.add_argument_group("sizing (default: from device memory)")
   g.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
@@ -44,10 +59,10 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                  help="fraction of the device's memory for weights, K/V and the loop (default "
                       "0.9); ignored when --kv-cache-memory is given")
-  g.add_argument("--max-seqs", type=int, default=None,
+  g.add_argument("--max-seqs", "--max-num-seqs", dest="max_seqs", type=int, default=None,
                  help="sequences served at once (default: what the K/V budget holds, at most "
                       "256 and the step width)")
-  g.add_argument("--max-len", type=int, default=None,
+  g.add_argument("--max-len", "--max-model-len", dest="max_len", type=int, default=None,
                  help="longest prompt + completion (default: the checkpoint's "
                       "max_position_embeddings; refused if one sequence of it cannot fit)")
   g.add_argument("--page-size", type=int, default=64,
@@ -56,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--no-prefix-caching", action="store_true",
                  help="do not keep and reuse prompt pages across requests (on by default with "
                       "paged storage)")
-  g.add_argument("--max-write", type=int, default=512,
+  g.add_argument("--max-write", "--max-num-batched-tokens", dest="max_write", type=int,
+                 default=512,
                  help="step width W: most tokens per step (default 512)")
   g.add_argument("--tensor-parallel-size", type=int, default=1,
                  help="split K/V heads and weights over this many local devices (default 1)")
@@ -106,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--shutdown-timeout", type=float, default=30.0,
                  help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before "
                       "they are aborted (default 30); new connections are refused meanwhile")
-  r.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+  r.add_argument("--log-level", default="info", choices=_LOG_LEVELS,
+                 help="uvicorn log level (default info)")
   return p
 
 
@@ -166,6 +183,10 @@ def summary(stats, since) -> str:
 
 def _check_args(args) -> str | None:
   """The first bad flag's message, or None (checked before anything is loaded)."""
+  if (args.model is None) == (args.checkpoint is None):
+    return ("give the checkpoint once: as the positional model or as --checkpoint/--model"
+            if args.model is not None else "the checkpoint is required: jaxkv serve MODEL "
+            "(a directory or a Hugging Face model id), or --checkpoint MODEL")
   for name in ("max_write", "interval", "tensor_parallel_size", "data_parallel_size",
                "max_queued", "max_queued_tokens", "max_body_bytes", "max_prompts"):
     if getattr(args, name) < 1:
@@ -187,6 +208,24 @@ def _check_args(args) -> str | None:
     return f"--stats-interval={args.stats_interval} must be >= 0"
   if args.api_key is not None and not args.api_key:
     return "--api-key must not be empty"
+  return _port_taken(args.host, args.port)
+
+
+def _port_taken(host: str, port: int) -> str | None:
+  """Why `host:port` cannot be listened on, or None: checked before the minutes of loading and
+  compiling, not after (the server binds it again when it starts)."""
+  import socket   # pylint: disable=g-import-not-at-top
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+  except OSError as e:
+    return f"--host={host}: {e}"
+  family, kind, proto, _, address = infos[0]
+  with socket.socket(family, kind, proto) as sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds
+    try:
+      sock.bind(address)
+    except OSError as e:
+      return f"--port={port}: cannot listen on {host}:{port}: {e.strerror or e}"
   return None
 
 
@@ -213,6 +252,7 @@ def serve(args) -> int:
   if problem:
     print(problem, file=sys.stderr)
     return 2
+  args.checkpoint = args.checkpoint or args.model
   started = time.perf_counter()
   cache_dir = use_compilation_cache(args.compilation_cache)
   try:
@@ -225,7 +265,7 @@ def serve(args) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, implementation=args.implementation,
         max_logprobs=args.max_logprobs, scheduling=args.scheduling, flags=True)
-  except (ValueError, OSError, ImportError) as e:
+  except (ValueError, TypeError, OSError, ImportError) as e:   # TypeError: a config.json type
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
   from jaxkv.serve.report import gemm_line, implementation_lines   # pylint: disable=g-import-not-at-top

@@ -27,9 +27,8 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
   os.remove(untokenized / "tokenizer.json")
   assert cli.main(["serve", "--checkpoint", str(untokenized), "--max-len", "64"]) == 2
   assert "tokenizer.json does not exist" in capsys.readouterr().err
-  with pytest.raises(SystemExit):
-    cli.main(["serve"])   # --checkpoint is required
-  assert "--checkpoint" in capsys.readouterr().err
+  assert cli.main(["serve"]) == 2   # the checkpoint is required
+  assert "the checkpoint is required: jaxkv serve MODEL" in capsys.readouterr().err
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-logprobs", "-1"]) == 2
   assert "--max-logprobs=-1 must be >= 0" in capsys.readouterr().err
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2",
@@ -45,6 +44,42 @@ def test_bad_arguments_and_checkpoints_are_named(tmp_path, capsys):
   assert "--data-parallel-size=0 must be >= 1" in capsys.readouterr().err
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--data-parallel-size", "99"]) == 2
   assert "data_parallel_size=99 = 99 devices; this host has" in capsys.readouterr().err
+
+
+def test_vllm_spellings_parse_to_the_same_flags():
+  ours = cli._parser().parse_args(["serve", "--checkpoint", "m", "--model-name", "x",
+                                   "--max-len", "64", "--max-seqs", "2", "--max-write", "32"])
+  theirs = cli._parser().parse_args(["serve", "m", "--served-model-name", "x",
+                                     "--max-model-len", "64", "--max-num-seqs", "2",
+                                     "--max-num-batched-tokens", "32"])
+  assert vars(ours) | {"model": None, "checkpoint": "m"} == vars(theirs) | {"model": None,
+                                                                           "checkpoint": "m"}
+  assert cli._parser().parse_args(["serve", "--model", "m"]).checkpoint == "m"
+
+
+def test_startup_refusals_come_before_loading(tmp_path, capsys):
+  """A taken port, a bad log level, the checkpoint given twice and a config.json of the wrong
+  types: one line and rc 2, without loading or compiling anything."""
+  import json, socket   # pylint: disable=g-import-not-at-top,multiple-imports
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    assert cli.main(["serve", FIXTURE, "--port", str(port)]) == 2
+    assert f"--port={port}: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    cli.main(["serve", FIXTURE, "--log-level", "bogus"])
+  assert "invalid choice: 'bogus'" in capsys.readouterr().err
+  assert cli.main(["serve", FIXTURE, "--checkpoint", FIXTURE]) == 2
+  assert "give the checkpoint once" in capsys.readouterr().err
+  for field, value in (("vocab_size", "128"), ("max_position_embeddings", "abc")):
+    bad = tmp_path / field
+    shutil.copytree(FIXTURE, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config | {field: value}))
+    assert cli.main(["serve", str(bad), "--max-len", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{field}={value!r} must be an integer" in err, err
 
 
 def test_max_logprobs_reaches_the_engine():
