@@ -288,6 +288,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(ids)] if len(ids) > 1 else []
     source = merged() if tasks else single()
     slice_start = time.perf_counter()
+    failed = False
     try:
       async for i, d in source:
         # An entry's deltas arrive together, and taking a ready item from a queue does not
@@ -297,7 +298,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
           await asyncio.sleep(0)
           slice_start = time.perf_counter()
         if isinstance(d, BaseException):
-          raise BadRequest(f"the engine failed: {d}", status=500, kind="server_error")
+          # The failure's text names every dropped request and the engine's internals: it goes
+          # to the server's log (once), and each client hears only of its own request.
+          failed = True
+          if not getattr(d, "_logged", False):
+            _log.error("the engine failed; its requests were dropped: %s", d)
+            d._logged = True   # pylint: disable=protected-access
+          raise BadRequest("the engine failed while serving this request, which was dropped; "
+                           "the server serves on (see its log)", status=500, kind="server_error")
         s = samples[i][d.index]
         if s.finish is not None:
           continue
@@ -331,8 +339,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       for t in tasks:
         t.cancel()   # their generators close (what they would abort is aborted already)
       unfinished = sum(s.finish is None for ss in samples for s in ss)
-      if unfinished:
-        metrics.finished.labels("abort").inc(unfinished)
+      if unfinished:   # the engine's failure, or a client that went away
+        metrics.finished.labels("error" if failed else "abort").inc(unfinished)
 
   def usage(requests, samples):
     prompt = sum(len(r.prompt) for r in requests)

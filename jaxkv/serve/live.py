@@ -413,6 +413,7 @@ class LiveQueue:
     with self.ledger.lock:   # their columns are gone before any later use of the rows
       for base, n in freed:
         self.ledger.free[base:base + n] = True
+      self.ledger.settle_held()
     return deltas
 
   def _reset(self) -> list:

@@ -83,6 +83,7 @@ class EntryReader:
       raise RuntimeError("a request cannot be admitted into an empty engine")
     with self.ledger.lock:
       self.ledger.held = int(np.where(used, host["fed"], 0).sum())
+      self.ledger.settle_held()
       self.ledger.queued_seen, self.ledger.enqueued_seen = queued, entry.enqueued
       self.ledger.steps_seen = int(host["steps"])
 

@@ -123,6 +123,12 @@ class Ledger:
     self.waiting_tokens = 0                # prompt tokens of the requests not yet admitted
     self.unadmitted = 0                    # requests not yet admitted (counts() is O(1))
 
+  def settle_held(self) -> None:
+    """`held` is 0 once no request is on the device (a snapshot read after the last one left
+    may still count its columns, which are gone). Holds `lock`."""
+    if len(self.tracked) == len(self.waiting):
+      self.held = 0
+
   def _forget(self, rid) -> Tracked:
     """Drops `rid`'s record and its share of the counters. Holds `lock`."""
     t = self.tracked.pop(rid)

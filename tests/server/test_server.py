@@ -192,6 +192,51 @@ def test_client_disconnect_aborts_the_request(server, client):
     time.sleep(0.05)
   assert (f'jaxkv_requests_finished_total{{model_name="{MODEL}",reason="abort"}}'
           in httpx.get(url + "/metrics").text)
+  # Nothing runs after the abort: the K/V usage gauge is back at zero without another request.
+  gauge = f'jaxkv_kv_cache_usage_ratio{{model_name="{MODEL}"}} '
+  while True:
+    text = httpx.get(url + "/metrics").text
+    usage = float(next(l.split()[-1] for l in text.splitlines() if l.startswith(gauge)))
+    if usage == 0.0:
+      break
+    assert time.monotonic() < deadline, f"the K/V gauge stayed at {usage} with nothing running"
+    time.sleep(0.05)
+
+
+def test_an_engine_failure_tells_each_client_of_its_own_request_only(server, monkeypatch):
+  """Two clients in flight when the engine fails: each gets a 500 that names no request ids and
+  no internals, the samples count as finished by `error` (not `abort`), and the server serves on."""
+  url, engine = server
+  counter = lambda reason: sum(float(l.split()[-1]) for l in httpx.get(url + "/metrics").text
+                               .splitlines() if l.startswith("jaxkv_requests_finished_total")
+                               and f'reason="{reason}"' in l)
+  errors, aborts = counter("error"), counter("abort")
+  good = engine.core._loop, engine.core._greedy_loop   # pylint: disable=protected-access
+
+  def broken(*args):
+    raise FloatingPointError("device lost in a secret place")
+
+  monkeypatch.setattr(engine.core, "_loop", broken)
+  monkeypatch.setattr(engine.core, "_greedy_loop", broken)
+
+  async def main():
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as c:
+      calls = [c.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0)
+               for p in ("Hello", "World")]
+      return await asyncio.gather(*calls, return_exceptions=True)
+
+  got = asyncio.run(main())
+  for e in got:
+    assert isinstance(e, openai.InternalServerError), e
+    message = e.response.json()["error"]["message"]
+    assert "dropped" in message and "secret" not in message and "[" not in message, message
+  assert counter("error") - errors == 2 and counter("abort") == aborts
+  monkeypatch.setattr(engine.core, "_loop", good[0])
+  monkeypatch.setattr(engine.core, "_greedy_loop", good[1])
+  r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                 timeout=120)
+  assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("call, status, match", [
