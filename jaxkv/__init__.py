@@ -5,7 +5,7 @@ pure jittable function in `jaxkv.pure` and, for host code, as a method of
 `BatchedSequenceCache`.
 
 `jaxkv.LLM` (text in, text out from a checkpoint, `jaxkv.llm`) and
-`jaxkv.SamplingParams` (`jaxkv.serve`'s) are imported on first use, so
+`jaxkv.SamplingParams` (its parameters, spelled as vLLM's) are imported on first use, so
 `import jaxkv` does not load the models or the serving engine.
 """
 
@@ -18,7 +18,7 @@ from jaxkv._implementation import (KernelFallbackWarning, LayerImplementation,
                                    implementation_plan)
 from jaxkv._state import CacheState, Phase, Status, Step, StepError, init_state
 
-_LAZY = {"LLM": "jaxkv.llm", "SamplingParams": "jaxkv.serve"}
+_LAZY = {"LLM": "jaxkv.llm", "SamplingParams": "jaxkv.llm"}
 
 
 def __getattr__(name: str):

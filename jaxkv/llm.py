@@ -18,9 +18,11 @@ Defaults as a vLLM user expects them:
 - requests stop at the checkpoint's end-of-sequence ids (generation_config.json's
   `eos_token_id`, else the tokenizer's eos token, else config.json's), added to
   `SamplingParams.stop_tokens`; `ignore_eos=True` turns that off;
-- with no `params`, requests are greedy (`SamplingParams()`: 16 tokens) and draw
-  a fresh seed each; a `SamplingParams` given keeps its `seed` (0 unless set:
-  pass `seed=None` for a fresh random seed per request);
+- `jaxkv.SamplingParams` is spelled as vLLM's (`stop`, `stop_token_ids`,
+  `ignore_eos`, `max_tokens=None`, temperature 1.0 and a fresh seed by default);
+  with no `params`, requests use `SamplingParams()` (16 tokens), as vLLM's; the
+  engine's `jaxkv.serve.SamplingParams` (temperature 0 and seed 0 by default)
+  are taken too;
 - a request that ends on a stop token keeps the token in `token_ids` but not
   its text in `text` (vLLM's rule);
 - `SamplingParams(top_k=-1)` means no top-k, as in vLLM.
@@ -30,14 +32,85 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from jaxkv.serve import sizing
 from jaxkv.serve.loading import build_engine
-from jaxkv.serve import Request, RequestTiming, SamplingParams, TokenLogprob
-from jaxkv.tokenizer import TextStream, Tokenizer
+from jaxkv.serve import Request, RequestTiming, TokenLogprob
+from jaxkv.serve import SamplingParams as EngineParams
+from jaxkv.tokenizer import TextStream
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How `LLM` samples a prompt, spelled as vLLM's `SamplingParams` (`jaxkv.SamplingParams`).
+
+  Attributes:
+    n: samples of the prompt.
+    max_tokens: most tokens to generate; None: up to the engine's `max_len`.
+    temperature: 0 is greedy (default 1.0, as vLLM).
+    top_p, top_k, min_p: nucleus, top-k (0 or -1: off) and min-p filtering.
+    presence_penalty, frequency_penalty, repetition_penalty: as vLLM's.
+    seed: the request's seed; None (the default): a fresh one per request,
+      reported on each output (`CompletionOutput.seed`).
+    stop: strings that end the text (not included unless
+      `include_stop_str_in_output`).
+    stop_token_ids: token ids that end the output (the id is kept in `token_ids`).
+    ignore_eos: do not stop at the checkpoint's end-of-sequence ids.
+    include_stop_str_in_output: keep the stop string found in the text.
+    skip_special_tokens: leave special tokens' text out of `text`.
+    logprobs: top alternatives reported per token (None: none).
+
+  vLLM fields that are not here (`min_tokens`, `logit_bias`, `allowed_token_ids`,
+  `prompt_logprobs`, ...) are refused by name (a TypeError); the README lists
+  the differences that remain.
+  """
+
+  n: int = 1
+  max_tokens: int | None = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  min_p: float = 0.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  seed: int | None = None
+  stop: str | Sequence[str] | None = None
+  stop_token_ids: Sequence[int] | None = None
+  ignore_eos: bool = False
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
+  logprobs: int | None = None
+
+  def __post_init__(self):
+    stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+    if not all(isinstance(x, str) and x for x in stop):
+      raise ValueError(f"stop={self.stop!r} must be a string or a list of non-empty strings")
+    object.__setattr__(self, "stop", tuple(stop))
+    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+    self.engine_params(max_tokens=self.max_tokens or 1, eos=())   # the engine's checks, by name
+
+  def engine_params(self, *, max_tokens: int, eos: Sequence[int]) -> EngineParams:
+    """The engine's `SamplingParams` of this request (`eos` added unless `ignore_eos`)."""
+    stops = tuple(self.stop_token_ids) + (() if self.ignore_eos else tuple(eos))
+    return EngineParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                        top_p=self.top_p, seed=self.seed, stop_tokens=tuple(dict.fromkeys(stops)),
+                        n=self.n, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, logprobs=self.logprobs)
+
+
+class _Text(NamedTuple):
+  """How a finished sample's tokens become text: stop strings and special tokens."""
+  stop: tuple = ()
+  include_stop: bool = False
+  skip_special_tokens: bool = True
 
 
 @dataclasses.dataclass
@@ -135,6 +208,8 @@ class LLM:
     prefix_caching: reuse the K/V of prompt prefixes across requests (paged).
     max_write: tokens per step (the widest compiled step).
     implementation: attention implementation (None: automatic).
+    tensor_parallel_size: devices the weights and K/V are split over.
+    max_model_len, max_num_seqs: vLLM's names of `max_len` and `max_seqs`.
 
   Attributes:
     plan: the `jaxkv.serve.sizing.ServingPlan` it runs on.
@@ -153,9 +228,16 @@ class LLM:
                page_size: int | None = sizing.DEFAULT_PAGE_SIZE,
                kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                prefix_caching: bool = True, max_write: int = sizing.DEFAULT_MAX_WRITE,
-               implementation: str | None = None):
+               implementation: str | None = None, tensor_parallel_size: int = 1,
+               max_model_len: int | None = None, max_num_seqs: int | None = None):
+    for ours, value, theirs, alias in (("max_len", max_len, "max_model_len", max_model_len),
+                                       ("max_seqs", max_seqs, "max_num_seqs", max_num_seqs)):
+      if value is not None and alias is not None:
+        raise ValueError(f"give {ours} or {theirs} (vLLM's name), not both")
+    max_len = max_len if max_model_len is None else max_model_len
+    max_seqs = max_seqs if max_num_seqs is None else max_num_seqs
     self.engine, self.model, self.tokenizer, self.plan = build_engine(
-        model, dtype=_dtype_arg("dtype", dtype),
+        model, tensor_parallel_size=tensor_parallel_size, dtype=_dtype_arg("dtype", dtype),
         kv_cache_dtype=_dtype_arg("kv_cache_dtype", kv_cache_dtype), max_len=max_len,
         max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
         gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
@@ -172,30 +254,52 @@ class LLM:
       return prompt, tuple(self.tokenizer.encode(prompt))
     return None, tuple(int(t) for t in prompt)
 
-  def _params(self, params: SamplingParams | None, ignore_eos: bool) -> SamplingParams:
+  def _params(self, params, ignore_eos: bool, prompt_len: int) -> tuple[EngineParams, _Text]:
+    """The engine's parameters of one prompt, and how its tokens become text.
+
+    `params`: a `jaxkv.SamplingParams` (vLLM's spelling), the engine's
+    `jaxkv.serve.SamplingParams`, or None (`jaxkv.SamplingParams()`, as vLLM).
+    """
     if params is None:
-      params = SamplingParams(seed=None)
-    if not isinstance(params, SamplingParams):
-      raise TypeError(f"params={params!r} must be a jaxkv.serve.SamplingParams (or None)")
-    if ignore_eos:
-      return params
-    extra = tuple(t for t in self.eos_ids if t not in params.stop_tokens)
-    return dataclasses.replace(params, stop_tokens=params.stop_tokens + extra)
+      params = SamplingParams()
+    if isinstance(params, SamplingParams):
+      max_tokens = params.max_tokens
+      if max_tokens is None:   # up to max_len, as vLLM's up to max_model_len
+        max_tokens = self.engine.max_len - prompt_len
+        if max_tokens < 1:
+          raise ValueError(f"the prompt has {prompt_len} tokens; max_len={self.engine.max_len} "
+                           "leaves none to generate")
+      eos = () if ignore_eos else self.eos_ids
+      return (params.engine_params(max_tokens=max_tokens, eos=eos),
+              _Text(params.stop, params.include_stop_str_in_output, params.skip_special_tokens))
+    if not isinstance(params, EngineParams):
+      raise TypeError(f"params={params!r} must be a jaxkv.SamplingParams, a "
+                      "jaxkv.serve.SamplingParams or None")
+    if not ignore_eos:
+      extra = tuple(t for t in self.eos_ids if t not in params.stop_tokens)
+      params = dataclasses.replace(params, stop_tokens=params.stop_tokens + extra)
+    return params, _Text()
 
-  def _per_prompt(self, params, count: int, ignore_eos: bool) -> list[SamplingParams]:
+  def _per_prompt(self, params, encoded, ignore_eos: bool) -> list[tuple[EngineParams, _Text]]:
     if isinstance(params, (list, tuple)):
-      if len(params) != count:
-        raise ValueError(f"params has {len(params)} entries for {count} prompts")
-      return [self._params(p, ignore_eos) for p in params]
-    return [self._params(params, ignore_eos)] * count
+      if len(params) != len(encoded):
+        raise ValueError(f"params has {len(params)} entries for {len(encoded)} prompts")
+      return [self._params(p, ignore_eos, len(ids)) for p, (_, ids) in zip(params, encoded)]
+    return [self._params(params, ignore_eos, len(ids)) for _, ids in encoded]
 
-  def _text(self, tokens: Sequence[int], finish_reason: str | None) -> str:
-    """The text of a finished sample, as `stream` would deliver it."""
+  def _finish(self, tokens: Sequence[int], finish_reason: str,
+              text: _Text) -> tuple[str, list[int], str]:
+    """`(text, token_ids, finish_reason)` of a finished sample, as `stream` delivers its text:
+    a stop string ends the text (the tokens kept are those whose text came back)."""
     if self.tokenizer is None:
-      return ""
+      return "", list(tokens), finish_reason
     kept = list(tokens[:-1]) if finish_reason == "stop" else list(tokens)
-    s = TextStream(self.tokenizer)
-    return s.push(kept) + s.finish()
+    s = TextStream(self.tokenizer, text.stop, include_stop=text.include_stop,
+                   skip_special_tokens=text.skip_special_tokens)
+    out = s.push(kept) + s.finish()
+    if s.stopped:
+      return out, kept[:s.tokens_returned()], "stop"
+    return out, list(tokens), finish_reason
 
   # ------------------------------------------------------------------ public API
 
@@ -206,26 +310,27 @@ class LLM:
     Args:
       prompts: a str, a list of token ids, or a list of those.
       params: one `SamplingParams` for all prompts, one per prompt, or None
-        (greedy, 16 tokens, a random seed).
-      ignore_eos: do not stop at the checkpoint's eos ids.
+        (`SamplingParams()`: 16 tokens at temperature 1, a fresh seed, as vLLM);
+        the engine's `jaxkv.serve.SamplingParams` are taken too.
+      ignore_eos: do not stop at the checkpoint's eos ids (as `SamplingParams.ignore_eos`).
 
     Raises:
       TypeError, ValueError: a malformed prompt or parameters, or a request the
         engine cannot hold (nothing is served then).
     """
-    prompts = _prompts(prompts)
-    return self._generate([self._encode(p) for p in prompts],
-                          self._per_prompt(params, len(prompts), ignore_eos))
+    encoded = [self._encode(p) for p in _prompts(prompts)]
+    return self._generate(encoded, self._per_prompt(params, encoded, ignore_eos))
 
   def _generate(self, encoded, params) -> list[RequestOutput]:
-    requests = [Request(ids, p, request_id=i) for i, ((_, ids), p) in
+    requests = [Request(ids, p, request_id=i) for i, ((_, ids), (p, _)) in
                 enumerate(zip(encoded, params))]
     completions = self.engine.run(requests, admission="fcfs")
     outputs = [RequestOutput(i, text, list(ids), []) for i, (text, ids) in enumerate(encoded)]
     for c in completions:
+      text, token_ids, reason = self._finish(c.tokens, c.finish_reason, params[c.request_id][1])
+      logprobs = None if c.logprobs is None else list(c.logprobs)[:len(token_ids)]
       outputs[c.request_id].outputs.append(CompletionOutput(
-          c.index, self._text(c.tokens, c.finish_reason), list(c.tokens), c.finish_reason,
-          c.seed, c.timing, c.logprobs))
+          c.index, text, token_ids, reason, c.seed, c.timing, logprobs))
     return outputs
 
   def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -265,7 +370,7 @@ class LLM:
                                         add_generation_prompt=add_generation_prompt,
                                         chat_template=chat_template, **template_kwargs)
       encoded.append((text, tuple(self.tokenizer.encode(text, add_special_tokens=False))))
-    return self._generate(encoded, self._per_prompt(params, len(encoded), ignore_eos))
+    return self._generate(encoded, self._per_prompt(params, encoded, ignore_eos))
 
   def stream(self, prompt, params: SamplingParams | None = None, *,
              ignore_eos: bool = False, steps: int = 1) -> Iterator[str]:
@@ -289,11 +394,12 @@ class LLM:
     if not (isinstance(prompt, str) or _is_ids(prompt)):
       raise TypeError(f"prompt={prompt!r:.200} must be a str or a list of token ids")
     _, ids = self._encode(prompt)
-    p = self._params(params, ignore_eos)
+    p, how = self._params(params, ignore_eos, len(ids))
     if p.n != 1:
       raise ValueError(f"stream: n={p.n} must be 1 (use generate for several samples)")
     rid = self.engine.add_request(Request(ids, p, request_id=f"stream-{time.monotonic_ns()}"))
-    text = TextStream(self.tokenizer)
+    text = TextStream(self.tokenizer, how.stop, include_stop=how.include_stop,
+                      skip_special_tokens=how.skip_special_tokens)
     finished = False
     try:
       while not finished:
@@ -304,9 +410,12 @@ class LLM:
           if delta.finish_reason == "stop":
             tokens = tokens[:-1]   # the stop token's text is left out, as in generate
           out = text.push(tokens)
-          if delta.finish_reason is not None:
-            finished = True
+          if text.stopped or delta.finish_reason is not None:   # a stop string ends it early
+            finished = delta.finish_reason is not None
             out += text.finish()
+            if not finished:
+              yield out
+              return   # `finally` aborts the rest of the request
           if out:
             yield out
     finally:
@@ -326,4 +435,4 @@ def _dtype_arg(name: str, value):
   return value
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

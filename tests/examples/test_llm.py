@@ -136,3 +136,48 @@ def test_top_k_minus_one_means_off():
   assert serve.SamplingParams(top_k=-1) == serve.SamplingParams(top_k=0)
   with pytest.raises(ValueError, match="top_k=-2"):
     serve.SamplingParams(top_k=-2)
+
+
+def test_vllm_spelled_sampling_params(setup):
+  """`jaxkv.SamplingParams` as a vLLM user writes it: stop strings (the text cut before them, or
+  with them; the tokens kept those whose text came back), stop_token_ids, ignore_eos,
+  max_tokens=None, temperature 1 and a fresh seed by default. The oracle is the greedy
+  continuation from `greedy_generate`, decoded here with the tokenizer."""
+  llm, _, _, continuation, _ = setup
+  defaults = jaxkv.SamplingParams()
+  assert (defaults.temperature, defaults.seed, defaults.max_tokens) == (1.0, None, 16)
+  greedy = lambda **kw: jaxkv.SamplingParams(temperature=0.0, ignore_eos=True, **kw)
+  full = llm.tokenizer.decode(continuation)
+  stop = full[len(full) // 3:len(full) // 3 + 2]
+  at = full.index(stop)
+  for include in (False, True):
+    [out] = llm.generate(TEXT, greedy(max_tokens=12, stop=stop, include_stop_str_in_output=include))
+    end = at + len(stop) * include
+    reach = next(k for k in range(13) if len(llm.tokenizer.decode(continuation[:k])) >= end)
+    assert (out.text, out.finish_reason) == (full[:end], "stop")
+    assert out.token_ids == continuation[:reach]
+    assert "".join(llm.stream(TEXT, greedy(max_tokens=12, stop=[stop],
+                                           include_stop_str_in_output=include))) == out.text
+  assert not llm.engine.has_unfinished()   # the stream's request ended at the stop string
+  k = next(i for i, t in enumerate(continuation) if i >= 2 and t not in continuation[:i])
+  [out] = llm.generate(TEXT, greedy(max_tokens=12, stop_token_ids=[continuation[k]]))
+  assert out.token_ids == continuation[:k + 1] and out.finish_reason == "stop"
+  [out] = llm.generate([5, 9, 11], greedy(max_tokens=None))
+  assert len(out.token_ids) == llm.engine.max_len - 3 and out.finish_reason == "length"
+  seeds = [o.outputs[0].seed for o in llm.generate([[5, 9], [5, 9]], jaxkv.SamplingParams(
+      max_tokens=2))]
+  assert seeds[0] != seeds[1]
+  with pytest.raises(TypeError, match="min_tokens"):
+    jaxkv.SamplingParams(min_tokens=2)   # not implemented: refused by name
+  with pytest.raises(ValueError, match="stop=.* non-empty strings"):
+    jaxkv.SamplingParams(stop=[""])
+  with pytest.raises(ValueError, match="temperature"):
+    jaxkv.SamplingParams(temperature=-1.0)
+
+
+def test_llm_takes_vllms_constructor_names():
+  llm = jaxkv.LLM(model=FIXTURE, max_model_len=64, max_num_seqs=2, tensor_parallel_size=1,
+                  max_write=16, kv_cache_memory=1 << 20)
+  assert (llm.engine.max_len, llm.engine.config.max_seqs) == (64, 2)
+  with pytest.raises(ValueError, match="give max_len or max_model_len"):
+    jaxkv.LLM(FIXTURE, max_len=64, max_model_len=64)
