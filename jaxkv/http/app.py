@@ -251,8 +251,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     stop = body.stop or []
     include_stop, skip_special_tokens = body.include_stop_str_in_output, body.skip_special_tokens
     samples = [[_Sample(tokenizer, stop, arrived,
-                        None if r.params.logprobs is None else LogprobFormatter(tokenizer,
-                                                                                chat=chat),
+                        None if r.params.logprobs is None else LogprobFormatter(
+                            tokenizer, chat=chat, as_ids=body.return_tokens_as_token_ids),
                         include_stop=include_stop, skip_special_tokens=skip_special_tokens)
                 for _ in range(r.params.n)] for r in requests]
     return ids, samples, arrived

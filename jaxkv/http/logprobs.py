@@ -8,8 +8,9 @@
   `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 
 A token's text is its id decoded alone with special tokens kept (so a byte
-of a multi-byte character shows as U+FFFD, as in vLLM); `bytes` is that
-text's UTF-8. `text_offset` counts those texts' characters from the start of
+of a multi-byte character shows as U+FFFD, as in vLLM), or `token_id:<id>`
+with `return_tokens_as_token_ids` (vLLM's spelling, for tokens that do not
+decode alone); `bytes` is that text's UTF-8. `text_offset` counts those texts' characters from the start of
 the completion. Values are the model's raw log-probabilities (see
 `SamplingParams.logprobs`); a `-inf` is reported as -9999.0 (OpenAI's
 convention; JSON has no infinity).
@@ -32,13 +33,16 @@ class LogprobFormatter:
   Args:
     tokenizer: the server's `Tokenizer`.
     chat: chat shape (else the completions shape).
+    as_ids: name tokens `token_id:<id>` instead of their text.
   """
 
-  def __init__(self, tokenizer, *, chat: bool):
-    self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+  def __init__(self, tokenizer, *, chat: bool, as_ids: bool = False):
+    self.tokenizer, self.chat, self.offset, self.as_ids = tokenizer, chat, 0, as_ids
     self._texts: dict[int, str] = {}
 
   def text(self, token: int) -> str:
+    if self.as_ids:
+      return f"token_id:{token}"
     if token not in self._texts:
       self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
     return self._texts[token]

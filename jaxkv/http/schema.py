@@ -65,7 +65,6 @@ _NOT_YET = {
     "structured_outputs": "structured output is not supported yet",
     "allowed_token_ids": "allowed_token_ids is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "reasoning_effort": "reasoning_effort is not supported (the model's template decides)",
     "store": "store=true is not supported: this server does not store completions",
 }
@@ -134,6 +133,7 @@ class _Common(BaseModel):
   logit_bias: dict | None = None
   min_tokens: Int = 0
   include_stop_str_in_output: StrictBool = False
+  return_tokens_as_token_ids: StrictBool = False
   skip_special_tokens: StrictBool = True
 
   @field_validator("stop", mode="plain")

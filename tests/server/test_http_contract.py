@@ -423,3 +423,16 @@ def test_chat_template_kwargs_reach_the_template(client):
   assert (plain.usage.prompt_tokens, no_bos.usage.prompt_tokens) == (6, 5)
   _check_error(*_refusal(client, "chat", {"chat_template_kwargs": {"tools": []}}),
                param="chat_template_kwargs", fragment="set by the request itself")
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client):
+  got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
+                                  logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+  lp = _one(got).logprobs
+  assert lp.tokens == [f"token_id:{t}" for t in (104, 107, 89, 96)]   # the docstring's ids
+  assert all(len(top) >= 1 and all(k.startswith("token_id:") for k in top)
+             for top in lp.top_logprobs)
+  chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0,
+                                        logprobs=True, top_logprobs=1,
+                                        extra_body={"return_tokens_as_token_ids": True})
+  assert [c.token for c in _one(chat).logprobs.content] == ["token_id:92", "token_id:54"]

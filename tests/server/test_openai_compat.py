@@ -79,7 +79,8 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
                                 ("reasoning_effort", "low", "reasoning_effort is not supported"),
                                 ("store", True, "does not store completions"),
                                 ("guided_json", {"type": "object"}, "structured output"),
-                                ("prompt_logprobs", 1, "prompt_logprobs is not supported")):
+                                ("prompt_logprobs", 1, "prompt_logprobs is not supported"),
+                                ("allowed_token_ids", [1], "allowed_token_ids is not supported")):
     for path, body in (("/v1/chat/completions", {"messages": HI}),
                        ("/v1/completions", {"prompt": "Hi"})):
       _error(_post(url, path, {"model": MODEL, "max_tokens": 2, name: value} | body), 400, name,
