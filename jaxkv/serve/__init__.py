@@ -40,7 +40,9 @@ with its clients), `offline` (`Engine.run`'s client of the core), `parallel`
 (`DataParallelEngine`: one engine per device), `live`, `live_records`, `live_read` and `live_ops` (the incremental API's driver:
 its queue bookkeeping, request records, reading of an entry, jitted helpers), `aio`
 (`AsyncEngine`), `timing` (compile time), `report` (which attention implementation serves each
-layer, and why), `runner` (`ModelRunner`), `memory` (sizing, `paged_cache_config`), `decoding`
+layer, and why), `runner` (`ModelRunner`), `memory` (byte counts, engine size bounds),
+`sizing` (`ServingPlan`: a checkpoint's cache sized from memory), `loading` (`load_for_serving`,
+`build_engine`: the checkpoint-to-engine path of `jaxkv serve` and `LLM`), `decoding`
 (host-level feeding and greedy decoding over a `ModelRunner`).
 
 The package exports what users call (`__all__`); the loop's internals (`serve_loop`,
