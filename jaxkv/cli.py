@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--compilation-cache", default=DEFAULT_COMPILATION_CACHE,
                  help="JAX persistent compilation cache directory, or 'none' (default "
                       f"{DEFAULT_COMPILATION_CACHE})")
+  r.add_argument("--chat-template", default=None, metavar="FILE_OR_NAME",
+                 help="the chat template: a file of Jinja text, or a template name of the "
+                      "checkpoint's set (default: the checkpoint's default template)")
   r.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
                  default=None, help="attention implementation (default: automatic)")
   r.add_argument("--max-logprobs", type=int, default=None,
@@ -253,6 +256,10 @@ def serve(args) -> int:
     print(problem, file=sys.stderr)
     return 2
   args.checkpoint = args.checkpoint or args.model
+  chat_template = args.chat_template
+  if chat_template is not None and os.path.isfile(chat_template):
+    with open(chat_template, encoding="utf-8") as f:
+      chat_template = f.read()
   started = time.perf_counter()
   cache_dir = use_compilation_cache(args.compilation_cache)
   try:
@@ -268,6 +275,14 @@ def serve(args) -> int:
   except (ValueError, TypeError, OSError, ImportError) as e:   # TypeError: a config.json type
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
+  if chat_template is not None and chat_template == args.chat_template and not any(
+      mark in chat_template for mark in ("{{", "{%")):   # neither a file nor Jinja: a name
+    names = sorted(tokenizer.chat_template) if isinstance(tokenizer.chat_template, dict) else []
+    if chat_template not in names:
+      print(f"jaxkv serve: --chat-template={chat_template!r} is neither a file nor a template "
+            f"name of the checkpoint (its names: {names or 'none, one template'})",
+            file=sys.stderr)
+      return 2
   from jaxkv.serve.report import gemm_line, implementation_lines   # pylint: disable=g-import-not-at-top
   for line in implementation_lines(engine.implementations):
     print(f"jaxkv serve: {line}", flush=True)
@@ -288,6 +303,7 @@ def serve(args) -> int:
                    allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
                                     if o.strip()],
                    max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                   chat_template=chat_template,
                    on_shutdown=lambda: close())
   aio = app.state.aio
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)

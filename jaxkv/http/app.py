@@ -73,7 +73,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                max_queued_tokens: int = 2**23,
                stats_interval: float = 0.0, api_key: str | None = None,
                allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
-               max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+               max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None,
+               chat_template: str | None = None) -> FastAPI:
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
   `interval` and `min_interval` are the `AsyncEngine`'s steps per loop entry while
@@ -87,6 +88,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   turns on CORS for those origins. A body over `max_body_bytes` is answered 413,
   and so is a request of more than `max_prompts` prompts. `on_shutdown` is called
   when the app stops, after the driver thread has ended (the CLI prints its summary).
+  `chat_template` (a template name of the checkpoint's set, or template text)
+  replaces the checkpoint's default chat template.
   """
   for name, value in (("max_queued", max_queued), ("max_queued_tokens", max_queued_tokens),
                       ("max_body_bytes", max_body_bytes),
@@ -172,7 +175,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if body.messages is not None:
       ids = encode_or_refuse(lambda: tokenizer.encode_chat(
           [m.for_template() for m in body.messages],
-          add_generation_prompt=body.add_generation_prompt), "messages")
+          add_generation_prompt=body.add_generation_prompt, chat_template=chat_template),
+          "messages")
     else:
       ids = encode_or_refuse(lambda: tokenizer.encode(body.prompt,
                                              add_special_tokens=body.add_special_tokens), "prompt")
@@ -441,7 +445,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     check_text(messages, "messages")
     size = sum(len(str(m.get("content", ""))) for m in messages)
     prompt = await off_loop(size, lambda: encode_or_refuse(lambda: tokenizer.encode_chat(
-        messages, add_generation_prompt=body.add_generation_prompt,
+        messages, add_generation_prompt=body.add_generation_prompt, chat_template=chat_template,
         **(body.chat_template_kwargs or {})), "messages"))
     return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 

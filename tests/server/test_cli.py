@@ -199,3 +199,22 @@ def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
     if proc.poll() is None:
       proc.kill()
   assert "jaxkv serve: generated" in out and "tokens/s" in out, out[-2000:]
+
+
+def test_chat_template_flag_replaces_the_checkpoints_template(tmp_path, capsys):
+  """--chat-template: a file's Jinja text renders every chat (seen through /tokenize, which runs
+  no engine); a value that is neither a file nor one of the checkpoint's names is refused."""
+  import httpx   # pylint: disable=g-import-not-at-top
+  import tokenizers   # pylint: disable=g-import-not-at-top
+  from http_server import running   # pylint: disable=g-import-not-at-top
+  from jaxkv.http.app import create_app   # pylint: disable=g-import-not-at-top
+  template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+  engine, tokenizer, _ = cli.build_server(FIXTURE, max_seqs=2, max_len=64)
+  with running(create_app(engine, tokenizer, model_name="m", chat_template=template)) as url:
+    got = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
+                     timeout=60).json()["tokens"]
+  tok = tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
+  assert got == tok.encode("[user]Hi", add_special_tokens=False).ids
+  assert cli.main(["serve", FIXTURE, "--max-len", "64", "--chat-template", "nosuchname"]) == 2
+  assert "--chat-template='nosuchname' is neither a file nor a template name" in (
+      capsys.readouterr().err)
