@@ -231,3 +231,35 @@ def test_a_body_of_exactly_max_body_bytes_is_accepted_and_one_byte_more_is_not(u
   assert r.status_code == 200 and r.json()["count"] > 0, r.text
   r = body(4097)
   assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]["message"], r.text
+
+
+def _rss() -> int:
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+
+
+def test_the_body_limit_holds_for_chunked_bodies(url):
+  """A body sent chunked (no Content-Length) is refused once it passes max_body_bytes=4096, and
+  the server reads no more of it: 40 MB sent that way leaves its memory within 64 MB."""
+  headers = {"Content-Type": "application/json"}
+  def chunked(size, piece=1024):   # made as sent: the client holds one piece at a time
+    head = b'{"model": "%s", "prompt": "' % MODEL.encode()
+    yield head
+    left = size - len(head) - 2
+    while left > 0:
+      yield b"x" * min(piece, left)
+      left -= piece
+    yield b'"}'
+  r = httpx.post(url + "/tokenize", content=chunked(4000), headers=headers, timeout=60)
+  assert r.status_code == 200 and r.json()["count"] > 0, r.text   # within the limit: served
+  r = httpx.post(url + "/tokenize", content=chunked(64 * 1024), headers=headers, timeout=60)
+  assert r.status_code == 413 and "over 4096 bytes" in r.json()["error"]["message"], r.text
+  before = _rss()
+  try:
+    r = httpx.post(url + "/tokenize", content=chunked(40 << 20, 1 << 16), headers=headers,
+                   timeout=60)
+    assert r.status_code == 413, r.text
+  except httpx.TransportError:
+    pass   # the server answered and closed while the client was still sending
+  assert _rss() - before < 64 << 20
+  assert httpx.get(url + "/health", timeout=60).status_code == 200
