@@ -201,9 +201,9 @@ def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
   assert "jaxkv serve: generated" in out and "tokens/s" in out, out[-2000:]
 
 
-def test_chat_template_flag_replaces_the_checkpoints_template(tmp_path, capsys):
-  """--chat-template: a file's Jinja text renders every chat (seen through /tokenize, which runs
-  no engine); a value that is neither a file nor one of the checkpoint's names is refused."""
+def test_chat_template_flag_replaces_the_checkpoints_template():
+  """--chat-template's Jinja text renders every chat (seen through /tokenize, which runs no
+  engine). No capsys here: uvicorn's log handlers would keep its capture file past the test."""
   import httpx   # pylint: disable=g-import-not-at-top
   import tokenizers   # pylint: disable=g-import-not-at-top
   from http_server import running   # pylint: disable=g-import-not-at-top
@@ -215,6 +215,9 @@ def test_chat_template_flag_replaces_the_checkpoints_template(tmp_path, capsys):
                      timeout=60).json()["tokens"]
   tok = tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
   assert got == tok.encode("[user]Hi", add_special_tokens=False).ids
+
+
+def test_a_chat_template_that_is_neither_a_file_nor_a_name_is_refused(capsys):
   assert cli.main(["serve", FIXTURE, "--max-len", "64", "--chat-template", "nosuchname"]) == 2
   assert "--chat-template='nosuchname' is neither a file nor a template name" in (
       capsys.readouterr().err)
