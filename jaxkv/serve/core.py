@@ -10,7 +10,7 @@ keeping what it returns:
 - `enter` runs one loop entry of at most `max_steps` steps;
 - `enqueue` and `abort_rows` append requests to the device queue and remove
   what aborted requests hold (`live_ops.py`), between entries;
-- `snapshot` and `read` read the state back (a packed vector; named fields).
+- `snapshot` and `read` read the state back (a packed vector; any arrays of it, in one transfer).
 
 Its clients (`Engine.run` in `offline.py`, the incremental API's `LiveQueue`
 in `live.py`, and through it `AsyncEngine` and the HTTP front) decide what to
@@ -174,11 +174,9 @@ class EngineCore:
     it with `live_ops.unpack_snapshot` while later verbs run."""
     return live_ops.snapshot(self._state, window)
 
-  def read(self, fields: Mapping[str, object]) -> dict:
-    """`{name: host value}` of `fields`, a mapping of names to functions of the loop state
-    (one transfer for all of them)."""
-    ls = self._state
-    return jax.device_get({name: get(ls) for name, get in fields.items()})
+  def read(self, pick):
+    """`pick(state)` (a pytree of the state's arrays) on the host, in one transfer."""
+    return jax.device_get(pick(self._state))
 
   def lower(self, ls: LoopState, max_steps: int, *, greedy: bool = False):
     """The `jax.stages.Lowered` loop entry `enter` would run on `ls` (for HLO inspection)."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxkv import Status
 from jaxkv.serve.live_ops import unpack_snapshot
-from jaxkv.serve.results import Delta, read_paged_counters, token_logprobs
+from jaxkv.serve.results import Delta, logprob_buffers, read_paged_counters, token_logprobs
 
 
 class Entry(NamedTuple):
@@ -124,7 +124,7 @@ class EntryReader:
           else:   # more tokens than one entry adds (only when no entry is in flight behind it)
             assert not self.ledger.pending, "an entry added more tokens than its snapshot holds"
             if out is None:
-              out = np.asarray(engine.core.read({"t": lambda ls: ls.out.tokens})["t"])
+              out = np.asarray(engine.core.read(lambda ls: ls.out.tokens))
             new = out[row, t.emitted[j]:int(out_len[row])].tolist()
           reason = None
           if out_done[row]:
@@ -137,8 +137,7 @@ class EntryReader:
           logprobs = None
           if t.request.params.logprobs is not None:
             if lps is None:   # read from the state: no entry is in flight behind this one
-              lps = engine.core.read({"lp": lambda ls: (ls.out.logprob, ls.out.top_ids,
-                                                        ls.out.top_logprobs)})["lp"]
+              lps = engine.core.read(logprob_buffers)
             logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
                                                                  t.emitted[j] + len(new)),
                                             t.request.params.logprobs))

@@ -15,19 +15,21 @@ import numpy as np
 from jaxkv import Status
 from jaxkv.serve.admission import plain_greedy
 from jaxkv.serve.errors import EngineError
-from jaxkv.serve.results import (PAGED_COUNTERS, Completion, RequestTiming, read_paged_counters,
-                                 token_logprobs)
+from jaxkv.serve.results import (PAGED_COUNTERS, Completion, RequestTiming, logprob_buffers,
+                                 read_paged_counters, token_logprobs)
 from jaxkv.serve.state import pack_queue
 from jaxkv.serve.timing import compile_seconds
 
-# What the host reads after every entry: counters, and per output row its progress.
-_READ = {k: (lambda ls, k=k: getattr(ls, k)) for k in (
-    "steps", "step_tokens", "occupancy", "status", "peak_rows", "width_steps", *PAGED_COUNTERS)}
-_READ |= {"out_done": lambda ls: ls.out.done, "out_len": lambda ls: ls.out.length,
-          "out_stop": lambda ls: ls.out.stop, "out_admitted": lambda ls: ls.out.admitted,
-          "out_first": lambda ls: ls.out.first, "out_finished": lambda ls: ls.out.finished,
-          "active": lambda ls: ls.cols.active, "used": lambda ls: ls.cols.used,
-          "next": lambda ls: ls.queue.next}
+
+def _progress(ls) -> dict:
+  """What the host reads after every entry: counters, and per output row its progress."""
+  o = ls.out
+  return {k: getattr(ls, k) for k in (
+      "steps", "step_tokens", "occupancy", "status", "peak_rows", "width_steps",
+      *PAGED_COUNTERS)} | {
+          "out_done": o.done, "out_len": o.length, "out_stop": o.stop, "out_admitted": o.admitted,
+          "out_first": o.first, "out_finished": o.finished, "active": ls.cols.active,
+          "used": ls.cols.used, "next": ls.queue.next}
 
 
 def serve_queue(engine, requests, on_progress) -> list[Completion]:
@@ -63,12 +65,12 @@ def serve_queue(engine, requests, on_progress) -> list[Completion]:
       entered = time.perf_counter()
       core.enter(engine.max_steps, greedy=greedy)
       stats.loop_entries += 1
-      host = core.read(_READ)
+      host = core.read(_progress)
       stats.loop_seconds += time.perf_counter() - entered
       new_rows = np.flatnonzero(host["out_done"].astype(bool) & ~collected)
       new_results = []
       if new_rows.size:
-        out = np.asarray(core.read({"tokens": lambda ls: ls.out.tokens})["tokens"])
+        out = np.asarray(core.read(lambda ls: ls.out.tokens))
         lps = None
         for row in new_rows:
           request, index = owner[int(row)]
@@ -76,8 +78,7 @@ def serve_queue(engine, requests, on_progress) -> list[Completion]:
           logprobs = None
           if request.params.logprobs is not None:
             if lps is None:
-              lps = core.read({"lp": lambda ls: (ls.out.logprob, ls.out.top_ids,
-                                                 ls.out.top_logprobs)})["lp"]
+              lps = core.read(logprob_buffers)
             logprobs = token_logprobs(lps, lp_rows[int(row)], out[row, :n_tok], range(n_tok),
                                       request.params.logprobs)
           new_results.append(Completion(request.request_id, index, request.prompt,

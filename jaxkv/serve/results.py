@@ -29,11 +29,17 @@ class TokenLogprob:
   top: tuple[tuple[int, float], ...] = ()
 
 
+def logprob_buffers(ls) -> tuple:
+  """`(out_logprob, out_top_ids, out_top_logprobs)` of a loop state, `token_logprobs`' input
+  once on the host (`EngineCore.read(logprob_buffers)`)."""
+  return ls.out.logprob, ls.out.top_ids, ls.out.top_logprobs
+
+
 def token_logprobs(buffers, row: int, tokens, indices, n: int) -> list[TokenLogprob]:
   """`TokenLogprob`s of `tokens` (generated indices `indices`) from host copies of the outputs.
 
   Args:
-    buffers: `(out_logprob, out_top_ids, out_top_logprobs)` as NumPy arrays.
+    buffers: `logprob_buffers` as NumPy arrays.
     row: the sample's logprob row.
     tokens: its generated tokens at `indices`.
     indices: their indices among its generated tokens (slot `index % T`).
