@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 
-from jaxkv.serve.admission import check_admission, plain_greedy
+from jaxkv.serve.admission import check_admission
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.live_ops import enqueue_batches
 from jaxkv.serve.live_read import Entry, EntryReader
@@ -79,7 +79,7 @@ class LiveQueue:
     self.logprob_window = min(LOGPROB_WINDOW, engine.max_len)
     self.ledger = Ledger(self.out_rows, engine.scheduling)
     self.reader = EntryReader(self.ledger, engine, self.out_rows)
-    self._dispatching = threading.Lock()  # one dispatch at a time (the core's verbs run in its order)
+    self._dispatching = threading.Lock()  # one dispatch at a time: the core's verbs, in order
     self._collecting = threading.Lock()   # one collect at a time, entries in order
     self._ids = itertools.count()
     self._broken: Exception | None = None   # a status failure read back, reset at next dispatch
@@ -116,14 +116,9 @@ class LiveQueue:
                          f"[0, vocab_size={engine.vocab_size})")
       if p.n > self.out_rows:
         raise ValueError(f"request {rid!r}: n={p.n} must be <= out_rows={self.out_rows}")
-      self.ledger.sampled += not plain_greedy(p)
-      self.ledger.with_logprobs += p.logprobs is not None
-      self.ledger.waiting_tokens += len(request.prompt)
-      self.ledger.unadmitted += 1
-      self.ledger.tracked[rid] = Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
-                                    time.perf_counter(), emitted=[0] * p.n,
-                                    finished=[False] * p.n)
-      self.ledger.waiting.append(rid, p.max_tokens)
+      self.ledger.track(rid, Tracked(checked, frozenset(p.stop_tokens[engine.max_stop:]),
+                                     time.perf_counter(), emitted=[0] * p.n,
+                                     finished=[False] * p.n))
     return rid
 
   def abort(self, request_id, index: int | None = None) -> bool:
@@ -135,9 +130,9 @@ class LiveQueue:
     with self.ledger.lock:
       return sum(self._abort(rid, None) for rid in request_ids)
 
-  def _abort(self, request_id, index) -> bool:   # holds `_lock`
-    t = self.ledger.tracked.get(request_id)
-    if t is None or (request_id, None) in self.ledger.aborts or (request_id, index) in self.ledger.aborts:
+  def _abort(self, request_id, index) -> bool:   # holds `ledger.lock`
+    t, aborts = self.ledger.tracked.get(request_id), self.ledger.aborts
+    if t is None or (request_id, None) in aborts or (request_id, index) in aborts:
       return False
     if index is not None and not (0 <= index < t.n and t.emitted[index]
                                   and not t.finished[index]):
@@ -323,7 +318,7 @@ class LiveQueue:
       # Device work: a request it holds, or a queue the last entry read left non-empty (aborts
       # may have emptied it since; an entry reads that back and frees the slots).
       if not (any(t.base >= 0 and not all(t.finished) for t in self.ledger.tracked.values())
-              or self.ledger.queued_seen + self.ledger.enqueued - self.ledger.enqueued_seen > 0):
+              or self.ledger.queued > 0):
         return deltas
       greedy = self.ledger.sampled == 0
     # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
@@ -359,7 +354,7 @@ class LiveQueue:
     """Appends waiting requests to the device queue while its slots and output rows allow."""
     engine = self.engine
     with self.ledger.lock:
-      room = self.queue_size - (self.ledger.queued_seen + self.ledger.enqueued - self.ledger.enqueued_seen)
+      room = self.queue_size - self.ledger.queued
       moved = []
       while self.ledger.waiting and len(moved) < room:
         t = self.ledger.tracked[self.ledger.waiting.peek()]
@@ -385,7 +380,7 @@ class LiveQueue:
     with self.ledger.lock:
       aborts, self.ledger.aborts = list(self.ledger.aborts), {}
       deltas = []
-      for row in self.ledger.cut_rows:   # samples cut at a host-side stop while an entry was in flight
+      for row in self.ledger.cut_rows:   # cut at a host-side stop while an entry was in flight
         column_rows[row] = True
       self.ledger.cut_rows = []
       freed, self.ledger.free_after_abort = self.ledger.free_after_abort, []

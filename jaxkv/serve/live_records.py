@@ -123,6 +123,22 @@ class Ledger:
     self.waiting_tokens = 0                # prompt tokens of the requests not yet admitted
     self.unadmitted = 0                    # requests not yet admitted (counts() is O(1))
 
+  @property
+  def queued(self) -> int:
+    """Requests in the device queue by the last entry read, plus those appended since (an
+    upper bound: admissions since then only free slots)."""
+    return self.queued_seen + self.enqueued - self.enqueued_seen
+
+  def track(self, rid, t: Tracked) -> None:
+    """Records a new request `t` as waiting on the host, with its share of the counters
+    (`_forget` takes it back). Holds `lock`."""
+    self.sampled += not plain_greedy(t.request.params)
+    self.with_logprobs += t.request.params.logprobs is not None
+    self.waiting_tokens += len(t.request.prompt)
+    self.unadmitted += 1
+    self.tracked[rid] = t
+    self.waiting.append(rid, t.request.params.max_tokens)
+
   def settle_held(self) -> None:
     """`held` is 0 once no request is on the device (a snapshot read after the last one left
     may still count its columns, which are gone). Holds `lock`."""
