@@ -54,7 +54,7 @@ from jaxkv.serve.engine import Engine, default_widths
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.parallel import DataParallelEngine
-from jaxkv.serve.memory import paged_cache_config
+from jaxkv._memory import paged_cache_config
 from jaxkv.serve.step_model import StepModel, check_step_model
 from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
 from jaxkv.serve.results import Completion, Delta, EngineStats, RequestTiming, TokenLogprob

@@ -6,7 +6,6 @@ import math
 from typing import Sequence
 
 from jaxkv import CacheConfig, CacheState, _memory
-from jaxkv._memory import paged_cache_config  # noqa: F401  (jaxkv.serve.paged_cache_config)
 
 # Flat growth rounds rows up to this multiple (capped at capacity), a multiple of every
 # K/V tile the Mosaic GPU kernels use. They serve any row count, but read one that is not

@@ -50,6 +50,7 @@ import numpy as np
 from jaxkv import CacheConfig
 from jaxkv import _memory
 from jaxkv._memory import DEFAULT_PAGE_SIZE
+from jaxkv.serve.memory import loop_buffer_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_WRITE = 512
@@ -208,11 +209,9 @@ def _fit(config: CacheConfig, budget: int, *, paged: bool, fixed_kv: bool,
   """`(K/V budget, capacity)` for `config`'s `max_seqs`: `budget` (per device) less the loop's
   buffers and control values (unless the budget is K/V only), times `shards`, and the largest
   capacity it holds."""
-  from jaxkv.serve import memory   # pylint: disable=g-import-not-at-top
   kv = budget
   if not fixed_kv:
-    kv -= memory.loop_buffer_bytes(config.max_seqs, config.max_seq_len,
-                                   DEFAULT_MAX_STOP_TOKENS)[0]
+    kv -= loop_buffer_bytes(config.max_seqs, config.max_seq_len, DEFAULT_MAX_STOP_TOKENS)[0]
     # Control values grow with the pool's pages: count them at the most pages the budget holds.
     most = max(kv // max(_flat_token_bytes(config), 1), config.max_seq_len)
     kv -= _memory.control_bytes(dataclasses.replace(config, capacity=most))
@@ -222,7 +221,7 @@ def _fit(config: CacheConfig, budget: int, *, paged: bool, fixed_kv: bool,
     return kv, (config.max_seq_len if kv >= (config.max_seqs + 1) * per_column else 0)
   ceiling = -(-config.max_seqs * config.max_seq_len // config.page_size) * config.page_size
   try:
-    sized = memory.paged_cache_config(
+    sized = _memory.paged_cache_config(
         dataclasses.replace(config, max_seq_len=None), kv, page_size=config.page_size)
   except ValueError:   # not even one page beyond the scratch page
     return kv, 0
