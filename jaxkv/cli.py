@@ -256,10 +256,12 @@ def serve(args) -> int:
     print(problem, file=sys.stderr)
     return 2
   args.checkpoint = args.checkpoint or args.model
-  chat_template = args.chat_template
+  chat_template, template_name = args.chat_template, None
   if chat_template is not None and os.path.isfile(chat_template):
     with open(chat_template, encoding="utf-8") as f:
       chat_template = f.read()
+  elif chat_template is not None and not any(mark in chat_template for mark in ("{{", "{%")):
+    template_name = chat_template   # neither a file nor Jinja text: a name, checked once loaded
   started = time.perf_counter()
   cache_dir = use_compilation_cache(args.compilation_cache)
   try:
@@ -275,11 +277,10 @@ def serve(args) -> int:
   except (ValueError, TypeError, OSError, ImportError) as e:   # TypeError: a config.json type
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
-  if chat_template is not None and chat_template == args.chat_template and not any(
-      mark in chat_template for mark in ("{{", "{%")):   # neither a file nor Jinja: a name
+  if template_name is not None:
     names = sorted(tokenizer.chat_template) if isinstance(tokenizer.chat_template, dict) else []
-    if chat_template not in names:
-      print(f"jaxkv serve: --chat-template={chat_template!r} is neither a file nor a template "
+    if template_name not in names:
+      print(f"jaxkv serve: --chat-template={template_name!r} is neither a file nor a template "
             f"name of the checkpoint (its names: {names or 'none, one template'})",
             file=sys.stderr)
       return 2

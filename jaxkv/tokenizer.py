@@ -316,6 +316,7 @@ class TextStream:
     self.emitted = 0          # characters of `text` handed out
     self.stopped = False
     self._prefix, self._read = 0, 0   # token offsets: decoded context, read so far
+    self._returned: int | None = None   # `tokens_returned` once stopped (nothing changes after)
 
   def _decode(self, ids) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -325,6 +326,8 @@ class TextStream:
     text, the fewest whose decoded text reaches its end (a token straddling the end counts)."""
     if not self.stopped:
       return len(self.ids)
+    if self._returned is not None:
+      return self._returned
     lo, hi = 0, len(self.ids)   # decoded length grows with the tokens: bisect
     while lo < hi:
       mid = (lo + hi) // 2
@@ -332,6 +335,7 @@ class TextStream:
         hi = mid
       else:
         lo = mid + 1
+    self._returned = lo
     return lo
 
   def push(self, tokens) -> str:

@@ -251,7 +251,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     except (ValueError, TypeError) as e:
       aio.abort_many(ids)
       raise BadRequest(public_message(e)) from e
-    metrics.accepted(sum(len(r.prompt) for r in requests))
+    metrics.accepted(own)
     stop = body.stop or []
     include_stop, skip_special_tokens = body.include_stop_str_in_output, body.skip_special_tokens
     samples = [[_Sample(tokenizer, stop, arrived,

@@ -10,8 +10,8 @@
 A token's text is its id decoded alone with special tokens kept (so a byte
 of a multi-byte character shows as U+FFFD, as in vLLM), or `token_id:<id>`
 with `return_tokens_as_token_ids` (vLLM's spelling, for tokens that do not
-decode alone); `bytes` is that text's UTF-8. `text_offset` counts those texts' characters from the start of
-the completion. Values are the model's raw log-probabilities (see
+decode alone); `bytes` is that text's UTF-8. `text_offset` counts those
+texts' characters from the start of the completion. Values are the model's raw log-probabilities (see
 `SamplingParams.logprobs`); a `-inf` is reported as -9999.0 (OpenAI's
 convention; JSON has no infinity).
 """
