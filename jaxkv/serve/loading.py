@@ -117,24 +117,19 @@ def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, data_paralle
     raise ValueError(f"tensor_parallel_size={tp} x data_parallel_size={dp} = {tp * dp} devices; "
                      f"this host has {len(devices)} local devices")
   groups = [devices[g * tp:(g + 1) * tp] for g in range(dp)]
-  # One engine's arguments; data parallel engines without a mesh each copy the weights
-  # loaded once to their own device.
   kwargs = lambda plan: dict(max_len=plan.max_len, max_logprobs=max_logprobs,
                              prefix_cache=plan.prefix_caching, scheduling=scheduling)
-  if tp == 1:
+  if tp == 1:   # the weights loaded once; data parallel engines copy them to their devices
     model, tokenizer, plan = load_for_serving(checkpoint, **load)
-    engines = ([Engine(model, **kwargs(plan))] if dp == 1 else
-               DataParallelEngine(model, devices=[g[0] for g in groups], **kwargs(plan)).engines)
+    engine = (Engine(model, **kwargs(plan)) if dp == 1 else
+              DataParallelEngine(model, devices=[g[0] for g in groups], **kwargs(plan)))
   else:   # each group its own mesh, the weights loaded onto it
-    engines, models = [], []
-    for group in groups:
-      mesh = jax.sharding.Mesh(np.array(group), ("tp",))
-      loaded, tokenizer, plan = load_for_serving(checkpoint, mesh=mesh, **load)
-      engines.append(Engine(loaded, **kwargs(plan)))
-      models.append(loaded)
-    model = models[0]
+    loads = [load_for_serving(checkpoint, mesh=jax.sharding.Mesh(np.array(g), ("tp",)), **load)
+             for g in groups]
+    model, tokenizer, plan = loads[0]
+    engines = [Engine(m, **kwargs(p)) for m, _, p in loads]
+    engine = engines[0] if dp == 1 else DataParallelEngine.of(engines)
   if tokenizer is None and need_tokenizer:
     path = os.path.join(hf.resolve_checkpoint(checkpoint), "tokenizer.json")
     raise ValueError(f"{path} does not exist: the server needs the checkpoint's tokenizer")
-  engine = engines[0] if dp == 1 else DataParallelEngine.of(engines)
   return Served(engine, model, tokenizer, plan)
