@@ -26,10 +26,9 @@ from typing import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, pure
-from jaxkv._sharding import first_device
+from jaxkv._sharding import first_device, replicated
 from jaxkv.serve import live_ops
 from jaxkv.serve.loop import serve_loop
 from jaxkv.serve.memory import _grown_rows
@@ -131,7 +130,7 @@ class EngineCore:
     """`tree` committed where the loop state lives: replicated on the mesh, else on `device`
     or the first device."""
     if self.mesh is not None:
-      return jax.device_put(tree, NamedSharding(self.mesh, P()))
+      return jax.device_put(tree, replicated(self.mesh))
     return jax.device_put(tree, first_device() if self.device is None else self.device)
 
   # ------------------------------------------------------------------ device verbs
