@@ -7,7 +7,9 @@ keeping what it returns:
 
 - `start` allocates a fresh state for a packed queue (`state.init_loop_state`)
   and `drop` frees it; `grow_for` grows flat rows for the requests to come;
-- `enter` runs one loop entry of at most `max_steps` steps;
+- `enter` runs one loop entry of at most `max_steps` steps; `step` runs one
+  step with no host-synchronised control flow (dispatched ahead of the device)
+  and `admit` the entry's retire / admit / fork block alone;
 - `enqueue` and `abort_rows` append requests to the device queue and remove
   what aborted requests hold (`live_ops.py`), between entries;
 - `snapshot` and `read` read the state back (a packed vector; any arrays of it, in one transfer).
@@ -30,7 +32,7 @@ import numpy as np
 from jaxkv import CacheConfig, pure
 from jaxkv._sharding import first_device, replicated
 from jaxkv.serve import live_ops
-from jaxkv.serve.loop import serve_loop
+from jaxkv.serve.loop import serve_admit, serve_loop, serve_step
 from jaxkv.serve.memory import _grown_rows
 from jaxkv.serve.state import HostQueue, LoopState, init_loop_state
 
@@ -81,6 +83,15 @@ class EngineCore:
     # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
     self._greedy_loop = entry(True)
+
+    def one_step(which, greedy):
+      return jit(lambda leaves, ls: step_fn(
+          self.graphdef, config, self.widths, which, jax.tree.unflatten(treedef, leaves), ls,
+          greedy=greedy))
+    step_fn = serve_step
+    self._steps = {(w, g): one_step(w, g) for w in range(len(self.widths)) for g in (False, True)}
+    self._admit = jax.jit(functools.partial(serve_admit, config), donate_argnums=0,
+                          compiler_options=dict(compiler_options) or None)
     self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
     self._state: LoopState | None = None
 
@@ -155,6 +166,24 @@ class EngineCore:
       budget = self._budgets[max_steps] = jnp.int32(max_steps)
     loop = self._greedy_loop if greedy else self._loop
     return self.apply(lambda ls: loop(self._param_leaves, ls, budget))
+
+  def step(self, which: int, *, greedy: bool = False):
+    """One step at width `widths[which]` (`loop.serve_step`): no loop and, `greedy`, no branch,
+    so on a GPU the call returns before the device runs it.
+
+    Returns:
+      A device scalar (the step counter after it) that is ready once the step has run.
+    """
+    fn = self._steps[(which, greedy)]
+    ls, self._state = self._state, None
+    self._state, marker = fn(self._param_leaves, ls)
+    return marker
+
+  def admit(self) -> LoopState:
+    """The loop's retire / admit / fork block alone (`loop.serve_admit`); the new loop state.
+
+    It returns once the device has run it (its loops read their predicates back)."""
+    return self.apply(self._admit)
 
   def enqueue(self, tokens, arrays: dict, num: int) -> None:
     """Appends `num` packed requests to the device queue (`live_ops.enqueue_batches`' batches)."""

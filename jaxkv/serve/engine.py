@@ -389,14 +389,17 @@ class Engine:
     """
     return self._live_queue().step(max_steps, overlap=overlap)
 
-  def warm_up(self, steps=(1,)) -> float:
+  def warm_up(self, steps=(1,), *, stepwise: bool = False) -> float:
     """Compiles what the incremental API runs, before any request; returns the compile seconds.
 
     For each entry length in `steps` (the `max_steps` the caller will step
     with), a greedy and a sampled one-token request run one entry (the loop
     without and with the sampler, which `step` picks by what is in flight, and
     the entry's snapshot compile) and are aborted (the abort helper compiles);
-    nothing of them stays in the engine.
+    nothing of them stays in the engine. With `stepwise` (the caller dispatches
+    with `stepwise=True`, reading back at most `max(steps)` steps at once), the
+    entries are steps, and every width's step program and every snapshot up to
+    that many steps then run once on the idle engine.
 
     Raises:
       RuntimeError: requests added with `add_request` are in flight.
@@ -404,14 +407,17 @@ class Engine:
     if self.has_unfinished():
       raise RuntimeError("warm_up: requests are in flight; call it before serving")
     before = self.stats.compile_seconds
+    live = self._live_queue()
     for temperature in (0.0, 1.0):
       for k in steps:
         rid = self.add_request(Request((0,), SamplingParams(max_tokens=2, temperature=temperature),
                                        request_id="warm-up"))
-        self.step(k)
+        live.step(k, stepwise=stepwise)
         self.abort(rid)
-        while self.has_unfinished():
-          self.step(k)
+        while self.has_unfinished() or stepwise and live.has_work():
+          live.step(k, stepwise=stepwise)
+    if stepwise:
+      live.warm_steps(max(steps))
     return self.stats.compile_seconds - before
 
   def stream(self, max_steps: int | None = None) -> Iterator[Delta]:

@@ -40,6 +40,7 @@ The loop is `run`'s (`loop.serve_loop`); records: `live_records.py`; reading bac
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import secrets
@@ -58,8 +59,13 @@ from jaxkv.serve.results import Delta
 from jaxkv.serve.state import LOGPROB_WINDOW, HostQueue, _bucket, pack_queue
 from jaxkv.serve.timing import compile_seconds
 
-# Entries dispatched and not yet collected, at most: the driver runs one entry ahead.
+# Entries dispatched and not yet collected, at most: the driver runs one entry ahead (two
+# when stepping: a step is short, and the host reads and dispatches between two steps).
 MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT_STEPPING = 3
+# Stepping: steps queued on the device and not yet known to have run, at most. Two keep the
+# device fed while the host prepares the next; more only delay what the host decides.
+RUN_AHEAD = 2
 
 class LiveQueue:
   """The incremental API's host side for one `Engine` (`Engine.add_request` etc. delegate here).
@@ -83,6 +89,10 @@ class LiveQueue:
     self._collecting = threading.Lock()   # one collect at a time, entries in order
     self._ids = itertools.count()
     self._broken: Exception | None = None   # a status failure read back, reset at next dispatch
+    # Stepping (driver only): markers of the steps not yet known to have run, and the steps
+    # (and whether an admission block) dispatched since the last entry read back.
+    self._ahead: collections.deque = collections.deque()
+    self._unread, self._unread_admit = 0, False
 
   @property
   def held(self) -> int:
@@ -153,7 +163,8 @@ class LiveQueue:
     """Whether a dispatch would give the device something to do (by the last entry read)."""
     with self.ledger.lock:
       return bool(self.ledger.aborts or self.ledger.cut_rows or self._broken is not None
-                  or any(not all(t.finished) for t in self.ledger.tracked.values()))
+                  or any(not all(t.finished) for t in self.ledger.tracked.values())
+                  or self._retire_due())
 
   @property
   def in_flight(self) -> int:
@@ -173,21 +184,22 @@ class LiveQueue:
 
   # ------------------------------------------------------------------ stepping
 
-  def step(self, max_steps: int | None = None, *, overlap: bool = False) -> list[Delta]:
+  def step(self, max_steps: int | None = None, *, overlap: bool = False,
+           stepwise: bool = False) -> list[Delta]:
     """One loop entry; its deltas (see `Engine.step`): `dispatch`, then `collect`.
 
     With `overlap`, the next entry is dispatched before the last one is
     collected, and left in flight while work remains: the call returns the
-    deltas of the entry the previous call dispatched.
+    deltas of the entry the previous call dispatched. `stepwise`: see `dispatch`.
     """
     deltas: list[Delta] = []
     try:
       if overlap and not self.in_flight:
-        deltas += self.dispatch(max_steps)
+        deltas += self.dispatch(max_steps, stepwise=stepwise)
         if not self.in_flight:   # nothing to run, or collected at once (logprobs)
           return deltas
       before = self.ledger.dispatched
-      deltas += self.dispatch(max_steps)
+      deltas += self.dispatch(max_steps, stepwise=stepwise)
       keep = 1 if overlap and self.ledger.dispatched != before else 0
       while self.in_flight > keep:
         deltas += self.collect()
@@ -196,13 +208,24 @@ class LiveQueue:
       raise
     return deltas
 
-  def dispatch(self, max_steps: int | None = None, *, wait: bool = True) -> list[Delta]:
+  def dispatch(self, max_steps: int | None = None, *, wait: bool = True,
+               stepwise: bool = False, read_every: int | None = None) -> list[Delta]:
     """Applies aborts and cuts, appends waiting requests and dispatches one entry (unless idle).
 
     Returns the deltas of the aborts it applied (and, while a request that wants
     logprobs is in flight, of the entry itself, which is collected at once). With
     `wait`, it first waits until fewer than `MAX_IN_FLIGHT` entries are uncollected
     (another thread collects them); without, it raises RuntimeError instead.
+
+    With `stepwise`, the entry is not a loop entry but the admission block where it
+    is due (`_admission_due`) and then `max_steps` single steps (`EngineCore.step`),
+    read back as one entry: with only plain greedy requests in flight, nothing in
+    it but the admission block waits for the device, so the host queues it while
+    the entry before it runs (at most `RUN_AHEAD` steps ahead of the device). With
+    `read_every` too, the steps are read back only when no entry waits to be
+    collected or `read_every` steps are unread (else with a later dispatch's): the
+    host reads every step while it keeps up, and less often, never making the
+    device wait, when it does not.
 
     Raises:
       EngineError: the model, device or cache failed (now, or in an entry read
@@ -212,10 +235,11 @@ class LiveQueue:
     k = engine.max_steps if max_steps is None else max_steps
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
       raise ValueError(f"max_steps={max_steps!r} must be an int >= 1")
+    limit = MAX_IN_FLIGHT_STEPPING if stepwise else MAX_IN_FLIGHT
     with self.ledger.changed:
-      while len(self.ledger.pending) >= MAX_IN_FLIGHT:
+      while len(self.ledger.pending) >= limit:
         if not wait:
-          raise RuntimeError(f"dispatch: {MAX_IN_FLIGHT} entries are uncollected")
+          raise RuntimeError(f"dispatch: {limit} entries are uncollected")
         self.ledger.changed.wait()
     if not self._dispatching.acquire(blocking=False):
       raise RuntimeError("step: another loop entry is running (one at a time)")
@@ -229,7 +253,7 @@ class LiveQueue:
           sync = self.ledger.with_logprobs > 0
         if sync:   # no logprob slot is rewritten before it is read
           k = min(int(k), self.logprob_window)
-        deltas += self._dispatch(int(k))
+        deltas += self._dispatch(int(k), stepwise, None if sync else read_every)
         if sync:
           while self.in_flight:
             deltas += self.collect(_from_dispatch=True)
@@ -307,31 +331,135 @@ class LiveQueue:
     err.failed, err.deltas = failed, deltas
     return err
 
-  def _dispatch(self, k: int) -> list[Delta]:
+  def _dispatch(self, k: int, stepwise: bool = False, read_every: int | None = None) -> list[Delta]:
     """Aborts, appends, and dispatches one entry unless the device has nothing to do."""
     core = self.engine.core
     if core.state is None:
       self._init_state()
     deltas = self._apply_aborts()
     self._fill()
-    with self.ledger.lock:
+    ledger = self.ledger
+    with ledger.lock:
       # Device work: a request it holds, or a queue the last entry read left non-empty (aborts
-      # may have emptied it since; an entry reads that back and frees the slots).
-      if not (any(t.base >= 0 and not all(t.finished) for t in self.ledger.tracked.values())
-              or self.ledger.queued > 0):
+      # may have emptied it since; an entry reads that back and frees the slots), or (stepping)
+      # finished columns to retire.
+      work = (any(t.base >= 0 and not all(t.finished) for t in ledger.tracked.values())
+              or ledger.queued > 0)
+      if not (work or stepwise and self._retire_due()):
         return deltas
-      greedy = self.ledger.sampled == 0
+      greedy = ledger.sampled == 0
+      admit = not stepwise or self._admission_due()
+      if not work:
+        k = 0   # stepping: the admission block retires the finished columns, nothing to step
+      index, enqueued, enqueued_tokens = ledger.dispatched, ledger.enqueued, ledger.enqueued_tokens
     # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
     # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
-    core.enter(k, greedy=greedy)
+    if not stepwise:
+      core.enter(k, greedy=greedy)
+    else:
+      if admit:
+        core.admit()
+        with ledger.lock:
+          ledger.admitted_at, ledger.enqueued_at_admit = index, enqueued
+      for _ in range(k):
+        while len(self._ahead) >= RUN_AHEAD:   # paced by the device, not ahead of it
+          self._ahead.popleft().block_until_ready()
+        which = self._step_width()
+        self._ahead.append(core.step(which, greedy=greedy))
+        with ledger.lock:
+          ledger.width_total += self.engine.widths[which]
+          ledger.steps_total += 1
+      self._unread += k
+      self._unread_admit |= admit
+      with ledger.lock:
+        if read_every is not None and ledger.pending and self._unread < read_every:
+          return deltas   # the reader is busy: a later entry reads these steps
+      k, admit, self._unread, self._unread_admit = self._unread, self._unread_admit, 0, False
+      enqueued, enqueued_tokens = ledger.enqueued, ledger.enqueued_tokens
     self.engine.stats.loop_entries += 1
-    window = _bucket(k)   # one snapshot compiled per power of two, not per k
-    entry = Entry(core.snapshot(window), window, k, self.ledger.dispatched, self.ledger.enqueued)
-    with self.ledger.changed:
-      self.ledger.dispatched += 1
-      self.ledger.pending.append(entry)
-      self.ledger.changed.notify_all()
+    window = _bucket(max(k, 1))   # one snapshot compiled per power of two, not per k
+    entry = Entry(core.snapshot(window), window, k, index, enqueued, admit=admit,
+                  width_total=ledger.width_total, steps_total=ledger.steps_total,
+                  enqueued_tokens=enqueued_tokens)
+    with ledger.changed:
+      if admit and not stepwise:
+        ledger.admitted_at, ledger.enqueued_at_admit = index, enqueued
+      ledger.dispatched += 1
+      ledger.pending.append(entry)
+      ledger.changed.notify_all()
     return deltas
+
+  def warm_steps(self, read_every: int = 1) -> None:
+    """Runs every width's step program, with and without the sampler, on the idle state (each
+    carries no token), the admission block, and the snapshots of up to `read_every` steps:
+    what stepping may run, compiled."""
+    with self.ledger.lock:
+      if any(t.base >= 0 for t in self.ledger.tracked.values()) or self.ledger.pending:
+        raise RuntimeError("warm_steps: requests are on the device")
+    core = self.engine.core
+    if core.state is None:
+      self._init_state()
+    started, compiled = time.perf_counter(), compile_seconds()
+    with self._dispatching:
+      core.admit()
+      for greedy in (True, False):
+        for which in range(len(self.engine.widths)):
+          core.step(which, greedy=greedy)
+      window = 1
+      while window <= _bucket(read_every):
+        core.snapshot(window)
+        window *= 2
+      core.read(lambda ls: ls.status)
+    stats = self.engine.stats
+    stats.seconds += time.perf_counter() - started
+    stats.compile_seconds += compile_seconds() - compiled
+
+  def _fresh(self):
+    """The last entry read, if it was dispatched with or after the last admission block (what
+    it says is not already acted on). Holds `ledger.lock`."""
+    seen = self.ledger.seen
+    return seen if seen is not None and seen.index >= self.ledger.admitted_at else None
+
+  def _retire_due(self) -> bool:
+    """Stepping: whether finished columns hold the device's only work (retire them, freeing
+    their K/V, once nothing else runs). Holds `ledger.lock`."""
+    seen = self._fresh()
+    return seen is not None and seen.done > 0 and seen.active == 0
+
+  def _admission_due(self) -> bool:
+    """Stepping: whether the admission block has work (module docstring). Holds `ledger.lock`.
+
+    Due when requests entered the device queue since the last one, and when the last
+    entry read after it shows a column ready to fork, a stall (a step that did not
+    fit, or a head that may now adopt a prefix), or finished columns while requests
+    or preempted columns wait or nothing else runs.
+    """
+    ledger = self.ledger
+    if ledger.admitted_at < 0 or ledger.enqueued_at_admit != ledger.enqueued:
+      return True
+    seen = self._fresh()
+    if seen is None:
+      return False
+    return bool(seen.forking or seen.stalled
+                or seen.done and (ledger.queued > 0 or seen.parked or not seen.active))
+
+  def _step_width(self) -> int:
+    """The index of the width the next step takes: the narrowest that holds the tokens the
+    columns want by the last entry read (its prompt remainders less what the steps
+    dispatched since could carry of them past one token per running column), plus the
+    prompts enqueued since. A stale guess costs rows or a slower prefill, never tokens:
+    the step schedules what fits its width."""
+    widths, ledger = self.engine.widths, self.ledger
+    with ledger.lock:
+      seen = ledger.seen
+      if seen is None:
+        want = ledger.enqueued_tokens
+      else:
+        steps = ledger.steps_total - seen.steps_total
+        prefill = seen.wanted - seen.active - (ledger.width_total - seen.width_total
+                                               - steps * seen.active)
+        want = seen.active + max(prefill, 0) + ledger.enqueued_tokens - seen.enqueued_tokens
+    return next((i for i in range(len(widths) - 1, -1, -1) if want <= widths[i]), 0)
 
   def _init_state(self) -> None:
     engine = self.engine
@@ -366,6 +494,7 @@ class LiveQueue:
         self.ledger.waiting.popleft()
         moved.append(t)
       self.ledger.enqueued += len(moved)
+      self.ledger.enqueued_tokens += sum(len(t.request.prompt) for t in moved)
     if not moved:
       return
     engine.core.grow_for([t.request for t in moved])
@@ -414,5 +543,7 @@ class LiveQueue:
   def _reset(self) -> list:
     """After a failure: drops the state and every request the device held; their ids."""
     failed = self.ledger.reset()
+    self._ahead.clear()
+    self._unread, self._unread_admit = 0, False
     self.engine.core.drop()   # rebuilt (a fresh cache) at the next step
     return failed

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
-from jaxkv.serve.columns import update
+from jaxkv.serve.columns import fork_ready, update
 from jaxkv.serve.results import PAGED_COUNTERS
 from jaxkv.serve.requests import Request
 from jaxkv.serve.state import NO_ROW, LoopState, Queue, _bucket, merge_status, pack_queue
@@ -163,6 +163,9 @@ def _enqueue_arrays(chunk, max_stop: int, num_logprobs: int):
 
 # The scalars `snapshot` packs first, in this order (the paged counters follow).
 SNAPSHOT_SCALARS = ("status", "steps", "step_tokens", "occupancy", "peak_rows")
+# Column counts the host decides stepping from (`LiveQueue`: when the admission block is due,
+# which width the next step takes), packed after the queue's counters.
+SNAPSHOT_COLUMNS = ("cols_active", "cols_done", "cols_forking", "cols_parked", "wanted")
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -170,7 +173,8 @@ def snapshot(ls: LoopState, window: int):
   """Everything the host reads after a loop entry, as one `int32` vector (one transfer).
 
   Layout: `SNAPSHOT_SCALARS`, the paged counters, the queue's `next`,
-  `copies` and `count`, `width_steps`, then per column `used`, `out_row`, `fed`, per
+  `copies` and `count`, `SNAPSHOT_COLUMNS` (columns running, finished, ready to
+  fork, parked; tokens wanted), `width_steps`, then per column `used`, `out_row`, `fed`, per
   output row `out_done`, `out_len`, `out_stop` (`Outputs.done/length/stop`),
   and each output row's last `window` tokens
   (`Outputs.tokens[r, out_len - window : out_len]`, clipped at 0):
@@ -180,6 +184,8 @@ def snapshot(ls: LoopState, window: int):
   scalars = [getattr(ls, f) for f in SNAPSHOT_SCALARS + PAGED_COUNTERS]
   scalars += [ls.queue.next, ls.queue.copies, ls.queue.count]
   c, o = ls.cols, ls.out
+  wanted = jnp.where(c.active == 1, jnp.maximum(jnp.minimum(c.length, c.hold) - c.fed, 0), 0)
+  scalars += [(c.active == 1).sum(), (c.done == 1).sum(), fork_ready(c).sum(), (c.parked == 1).sum(), wanted.sum()]
   max_new = o.tokens.shape[1]
   at = jnp.clip(o.length[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :],
                 0, max_new - 1)
@@ -192,7 +198,7 @@ def snapshot(ls: LoopState, window: int):
 
 def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: int) -> dict:
   """The host dict of a `snapshot` vector (NumPy views; `last` is `[rows, window]`)."""
-  names = SNAPSHOT_SCALARS + PAGED_COUNTERS + ("next", "copies", "count")
+  names = SNAPSHOT_SCALARS + PAGED_COUNTERS + ("next", "copies", "count") + SNAPSHOT_COLUMNS
   host = {name: int(v) for name, v in zip(names, vec[:len(names)])}
   at = len(names)
   for name, size in (("width_steps", num_widths), ("used", columns), ("out_row", columns),

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import numpy as np
 
 from jaxkv import Status
-from jaxkv.serve.live_ops import unpack_snapshot
+from jaxkv.serve.live_ops import SNAPSHOT_COLUMNS, unpack_snapshot
+from jaxkv.serve.live_records import Seen
 from jaxkv.serve.results import Delta, logprob_buffers, read_paged_counters, token_logprobs
 
 
@@ -29,6 +30,10 @@ class Entry(NamedTuple):
   steps: int          # its step budget
   index: int          # entries dispatched before it on this state
   enqueued: int       # requests appended to the device queue before it was dispatched
+  admit: bool = True  # it ran the admission block (a loop entry always does)
+  width_total: int = 0      # `Ledger.width_total` and `steps_total` after its steps were dispatched
+  steps_total: int = 0
+  enqueued_tokens: int = 0  # `Ledger.enqueued_tokens` when it was dispatched
 
 
 class EntryReader:
@@ -78,10 +83,15 @@ class EntryReader:
       raise RuntimeError(f"the cache refused a step: {Status(int(host['status'])).name}")
     used = host["used"] == 1
     queued = int(np.int32(host["count"] - host["next"]))   # int32 counters: a wrap is harmless
-    spent = int(host["steps"]) - self.ledger.steps_seen >= entry.steps   # it ended on its budget
-    if queued and not spent and not used.any() and not host["copies"]:
+    advanced = int(np.int32(host["steps"] - self.ledger.steps_seen))
+    spent = advanced >= entry.steps   # it ended on its budget
+    if entry.admit and queued and not spent and not used.any() and not host["copies"]:
       raise RuntimeError("a request cannot be admitted into an empty engine")
     with self.ledger.lock:
+      self.ledger.seen = Seen(entry.index, *(int(host[k]) for k in SNAPSHOT_COLUMNS),
+                              stalled=not spent, width_total=entry.width_total,
+                              steps_total=entry.steps_total,
+                              enqueued_tokens=entry.enqueued_tokens)
       self.ledger.held = int(np.where(used, host["fed"], 0).sum())
       self.ledger.settle_held()
       self.ledger.queued_seen, self.ledger.enqueued_seen = queued, entry.enqueued

@@ -16,6 +16,7 @@ import heapq
 import itertools
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -94,6 +95,20 @@ def first_fit(free: np.ndarray, n: int) -> int | None:
   return int(hits[0]) if hits.size else None
 
 
+class Seen(NamedTuple):
+  """What the last entry read says about the device's columns (`live_ops.SNAPSHOT_COLUMNS`)."""
+  index: int            # the entry's index
+  active: int           # columns running
+  done: int             # finished, not yet retired
+  forking: int          # ready to fork
+  parked: int           # preempted, waiting to come back
+  wanted: int           # tokens the columns could feed now
+  stalled: bool         # it ran fewer steps than dispatched (a step did not fit, or a head may adopt)
+  width_total: int      # `Ledger.width_total` and `steps_total` after its steps were dispatched
+  steps_total: int
+  enqueued_tokens: int  # `Ledger.enqueued_tokens` when it was dispatched
+
+
 class Ledger:
   """The host bookkeeping of the incremental API's loop state (module docstring).
 
@@ -122,6 +137,14 @@ class Ledger:
     self.with_logprobs = 0                 # requests in flight that want logprobs
     self.waiting_tokens = 0                # prompt tokens of the requests not yet admitted
     self.unadmitted = 0                    # requests not yet admitted (counts() is O(1))
+    # Stepping (`LiveQueue.dispatch(stepwise=True)`): prompt tokens ever enqueued, rows of the
+    # steps ever dispatched, the last admission block's entry, and the last entry read.
+    self.enqueued_tokens = 0
+    self.width_total = 0
+    self.steps_total = 0
+    self.admitted_at = -1                  # index of that entry
+    self.enqueued_at_admit = 0             # `enqueued` when it was dispatched
+    self.seen: Seen | None = None
 
   @property
   def queued(self) -> int:
@@ -185,5 +208,7 @@ class Ledger:
       self.pending.clear()
       self.dispatched = self.enqueued = self.queued_seen = self.enqueued_seen = 0
       self.steps_seen, self.held, self.cut_rows, self.free_after_abort = 0, 0, [], []
+      self.enqueued_tokens = self.width_total = self.steps_total = self.enqueued_at_admit = 0
+      self.admitted_at, self.seen = -1, None
       self.changed.notify_all()
     return failed

@@ -119,16 +119,25 @@ def _step_tokens(config: CacheConfig, width: int, cols: Columns, alloc, start, n
 
 
 def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
-          greedy: bool = False) -> LoopState:
+          greedy: bool = False, gated: bool = False) -> LoopState:
   """One step at width `widths[which]`: plan, model, commit, sample, record.
 
   `greedy` (static): every request is plain greedy (no temperature, penalty or
   logprobs), so the token is the argmax and no sampler `lax.cond` is compiled.
+  `gated` (static, `serve_step`): the step carries no token where the loop's phase
+  condition would not run it (a failed status, or paged storage where the step
+  does not fit or a waiting head may now adopt), and counts as a step only if it
+  carried tokens, so the host sees a stall in `steps`.
   """
   width = widths[which]
   s = config.max_seqs
   c, o = ls.cols, ls.out
   alloc, start = _schedule(width, c, paged_claims.room(config, ls) if config.is_paged else None)
+  if gated:
+    run = ls.status == Status.OK
+    if config.is_paged:
+      run &= paged_admission.step_may_run(config, ls)
+    alloc = jnp.where(run, alloc, 0)
   # The step's tokens and occupied columns; the used columns' positions now and the ones
   # the step adds if it succeeds (`peak_rows`).
   used = c.used == 1
@@ -143,6 +152,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
                                              lambda kv: model(tokens, kv, rows=rows))
   cache, st_commit = pure.commit_step(config, cache)
   status = _first_bad(st_declare, st_prepare, st_narrow, st_commit)
+  if gated:   # a step of no token: every verb refused it (EMPTY first) and changed nothing
+    status = jnp.where(n > 0, status, Status.OK)
   ok = status == Status.OK
 
   emits = ok & (alloc > 0) & (c.fed + alloc == c.length)
@@ -185,13 +196,14 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
       done=o.done.at[fin_at].set(1, mode="drop"),
       first=o.first.at[first_at].set(ls.steps + 1, mode="drop"),
       finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"))
+  counted = ok & (n > 0) if gated else ok
   return dataclasses.replace(
       ls, cache=cache, cols=cols, out=out,
-      steps=ls.steps + as_int(ok), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
+      steps=ls.steps + as_int(counted), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
       occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
       peak_rows=jnp.maximum(ls.peak_rows, held),
       # Elementwise, not `.at[which].add` (a dynamic-update-slice kernel of its own per step).
-      width_steps=ls.width_steps + as_int(ok & (jnp.arange(len(widths)) == which)),
+      width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
       status=merge_status(ls.status, status))
 
 
@@ -221,6 +233,24 @@ def _retire_one(config: CacheConfig, ls: LoopState) -> LoopState:
                           used=jnp.where(ok, 0, ls.cols.used[col]),
                           reserve=jnp.where(ok, 0, ls.cols.reserve[col])),
       status=merge_status(ls.status, status))
+
+
+def _column_block(config: CacheConfig, ls: LoopState) -> LoopState:
+  """Retire, admit and fork (column storage: admission reserves prompt + max_tokens)."""
+  ls = jax.lax.while_loop(lambda ls: jnp.any(ls.cols.done == 1) & (ls.status == Status.OK),
+                          lambda ls: _retire_one(config, ls), ls)
+  ls = jax.lax.while_loop(lambda ls: _can_admit(config, ls),
+                          lambda ls: columns.admit_one(config, ls), ls)
+  return jax.lax.while_loop(
+      lambda ls: jnp.any(columns.fork_ready(ls.cols)) & (ls.status == Status.OK),
+      lambda ls: columns.fork_one(config, ls), ls)
+
+
+def admit_block(config: CacheConfig, ls: LoopState) -> LoopState:
+  """The outer loop's block before its steps: retire, admit, fork (and, paged, make room)."""
+  if config.is_paged:   # claims, preemption and the prefix cache (paged_claims.py)
+    return paged_admission.outer_body(config, ls)
+  return _column_block(config, ls)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -272,21 +302,8 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
     return lambda ls: jax.lax.while_loop(
         cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
 
-  def column_block(ls):
-    """Retire, admit and fork (column storage: admission reserves prompt + max_tokens)."""
-    ls = jax.lax.while_loop(lambda ls: jnp.any(ls.cols.done == 1) & (ls.status == Status.OK),
-                            lambda ls: _retire_one(config, ls), ls)
-    ls = jax.lax.while_loop(lambda ls: _can_admit(config, ls),
-                            lambda ls: columns.admit_one(config, ls), ls)
-    return jax.lax.while_loop(
-        lambda ls: jnp.any(columns.fork_ready(ls.cols)) & (ls.status == Status.OK),
-        lambda ls: columns.fork_one(config, ls), ls)
-
   def body(ls):
-    if paged:   # claims, preemption and the prefix cache (paged_claims.py)
-      ls = paged_admission.outer_body(config, ls)
-    else:
-      ls = column_block(ls)
+    ls = admit_block(config, ls)
     for which in range(len(widths)):
       ls = phase(which)(ls)
     return ls
@@ -301,3 +318,41 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
       lambda ls: _retire_one(config, ls))
   return jax.lax.while_loop(lambda ls: jnp.any(ls.cols.done == 1) & (ls.status == Status.OK),
                             retire, ls)
+
+
+# ----------------------------------------------------------------------------- stepping
+
+
+def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: int, params,
+               ls: LoopState, *, greedy: bool = False) -> LoopState:
+  """One step at width `widths[which]` (static), with no loop and no branch around it.
+
+  On a GPU a jitted program holding a `while` or a `cond` returns to the host only
+  when the device has run it (each predicate is read back), so the host cannot
+  queue the next program meanwhile. This one holds neither (with `greedy`; the
+  sampler keeps its `lax.cond`s), so the host dispatches steps ahead of the device
+  and reads each one back later. It runs what the loop's phases would: the
+  tokens `_schedule` picks at this width (more are left for later steps, a wider
+  width than needed costs rows), nothing where the loop would not step (a failed
+  status; paged storage: the step does not fit, or a waiting head may now adopt),
+  and counts a step only when it carried tokens. Retirements, admissions, forks
+  and preemptions are `admit_block`'s (`serve_admit`), run by the host when due.
+
+  Jit it with `graphdef`, `config`, `widths` and `which` static and `ls` donated.
+
+  Returns:
+    `(ls, steps)`: the new state, and its step counter apart from it (the state is
+    donated to the next program; the host waits on this one to pace itself).
+  """
+  from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
+  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy, gated=True)
+  return ls, ls.steps
+
+
+def serve_admit(config: CacheConfig, ls: LoopState) -> LoopState:
+  """`admit_block` alone: retire the finished, admit, fork, make room; no step.
+
+  Its loops read their predicates back, so the host waits for it: `LiveQueue` runs it
+  between steps only when one of its actions is due.
+  """
+  return admit_block(config, ls)

@@ -117,10 +117,10 @@ class DataParallelEngine:
     """The engines' stats merged (counters summed; wall and compile times the slowest's)."""
     return self._merged_stats(self.engines)
 
-  def warm_up(self, steps=(1,)) -> float:
+  def warm_up(self, steps=(1,), *, stepwise: bool = False) -> float:
     """`Engine.warm_up` on every engine at once; the slowest one's compile seconds."""
     with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
-      return max(pool.map(lambda e: e.warm_up(steps), self.engines))
+      return max(pool.map(lambda e: e.warm_up(steps, stepwise=stepwise), self.engines))
 
   def run(self, requests: Sequence[Request], *,
           admission: str = "longest_first") -> list[Completion]:

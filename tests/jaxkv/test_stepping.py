@@ -1,0 +1,259 @@
+"""Stepping: single steps queued ahead of the device (`LiveQueue.dispatch(stepwise=True)`).
+
+The step program holds no loop and no branch (on a GPU the host queues it while
+the device runs the one before); retirement, admission, forks and preemption
+run in the admission block only when the host finds one due. The tokens are
+each request's alone, whatever the schedule: against the loop, against each
+request served by itself, under preemption, forks, aborts and a reader that
+falls behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hlo_walk
+from jaxkv import serve
+from jaxkv.models import Decoder, ModelConfig
+from jaxkv.serve import AsyncEngine, aio, live
+from jaxkv.serve.loop import serve_step
+from jaxkv.serve.results import Delta
+
+MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                          num_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def _model(capacity=160, page_size=None):
+  cache = MODEL.cache_config(capacity=capacity, max_seqs=4, max_write=8)
+  return Decoder(MODEL, dataclasses.replace(cache, page_size=page_size), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def columns_model():
+  return _model()
+
+
+@pytest.fixture(scope="module")
+def paged_model():
+  return _model(page_size=8)
+
+
+def _requests(rng, count, *, sampled=True, prefix="r"):
+  out = []
+  for i in range(count):
+    prompt = tuple(int(t) for t in rng.integers(0, 64, size=int(rng.integers(1, 12))))
+    params = serve.SamplingParams(
+        max_tokens=int(rng.integers(1, 14)),
+        temperature=float(rng.choice([0.0, 0.9])) if sampled else 0.0,
+        top_k=int(rng.choice([0, 5])), seed=int(rng.integers(0, 100)),
+        n=int(rng.choice([1, 1, 2, 3])), stop_tokens=tuple(int(t) for t in rng.integers(0, 64, 2)))
+    out.append(serve.Request(prompt, params, request_id=f"{prefix}{i}"))
+  return out
+
+
+def _collect(deltas, into=None):
+  """`{(request_id, index): (tokens, finish_reason)}`, checking nothing follows a finish."""
+  into = {} if into is None else into
+  for d in deltas:
+    tokens, reason = into.get((d.request_id, d.index), ([], None))
+    assert reason is None, f"delta after the finish of {d.request_id}/{d.index}"
+    into[(d.request_id, d.index)] = (tokens + list(d.tokens), d.finish_reason)
+  return into
+
+
+def _alone(model, requests, **engine_args):
+  """Each request served by itself (no batching, no admission order): the reference."""
+  engine = serve.Engine(model, max_len=48, **engine_args)
+  want = {}
+  for r in requests:
+    for c in engine.run([r]):
+      want[(c.request_id, c.index)] = (c.tokens, c.finish_reason)
+  return want
+
+
+def _step_through(engine, *, read_every=None, add=None, limit=2000):
+  """Dispatches one step at a time until nothing is left; the deltas collected.
+
+  `read_every`: the adaptive read-back, with the reader collecting only every third
+  dispatch (it falls behind). `add`: `{dispatch number: [requests]}` added then.
+  """
+  live_q, got, n = engine.live, {}, 0
+  while engine.has_unfinished() or live_q.has_work() or add:
+    for r in (add or {}).pop(n, []):
+      engine.add_request(r)
+    _collect(live_q.dispatch(1, stepwise=True, read_every=read_every), got)
+    if read_every is None or n % 3 == 2 or live_q.in_flight >= live.MAX_IN_FLIGHT_STEPPING:
+      while live_q.in_flight:
+        _collect(live_q.collect(), got)
+    n += 1
+    assert n < limit, "stepping did not finish"
+  while live_q.in_flight:
+    _collect(live_q.collect(), got)
+  return got
+
+
+@pytest.mark.parametrize("layout", ["columns", "paged"])
+def test_stepped_tokens_are_each_requests_alone(layout, columns_model, paged_model, rng):
+  """Greedy and seeded samples, forks, stop tokens, arrivals mid-run: each request's tokens
+  are the ones it gets served alone, and the engine ends holding nothing."""
+  model = paged_model if layout == "paged" else columns_model
+  extra = {"prefix_cache": True} if layout == "paged" else {}
+  requests = _requests(rng, 10)
+  engine = serve.Engine(model, max_len=48, **extra)
+  for r in requests[:6]:
+    engine.add_request(r)
+  got = _step_through(engine, add={3: requests[6:8], 7: requests[8:]})
+  assert got == _alone(model, requests, **extra)
+  cols = engine.core.state.cols
+  # Retired: no column in use (with prefix caching a retired one may stay as a cached prefix).
+  assert not np.asarray(cols.used).any() and not np.asarray(cols.done).any()
+  assert engine.held == 0
+
+
+def test_preemption_and_a_reader_that_falls_behind(rng):
+  """Paged storage too small for the load (steps stall, the admission block preempts) and a
+  reader that collects every third dispatch: no token lost, none repeated."""
+  model = _model(capacity=48, page_size=8)
+  requests = [r.replace(params=dataclasses.replace(r.params, n=1, max_tokens=12, stop_tokens=()))
+              for r in _requests(rng, 8, sampled=False)]
+  engine = serve.Engine(model, max_len=40)
+  for r in requests:
+    engine.add_request(r)
+  got = _step_through(engine, read_every=4)
+  assert got == _alone(model, requests)
+  assert engine.stats.preemptions > 0, "the load never needed a preemption: make it larger"
+
+
+def test_greedy_step_has_no_loop_and_no_branch(paged_model):
+  """What lets the host run ahead: the compiled greedy step has no `while` and no
+  `conditional` (each would read a predicate back to the host on a GPU)."""
+  engine = serve.Engine(paged_model, max_len=48, prefix_cache=True)
+  engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=2)))
+  engine.live.dispatch(1, stepwise=True)
+  core = engine.core
+  graphdef, config, widths = core.graphdef, core.config, core.widths
+  _, treedef = jax.tree.flatten(core.params)
+  fn = jax.jit(lambda leaves, ls: serve_step(graphdef, config, widths, 0,
+                                             jax.tree.unflatten(treedef, leaves), ls, greedy=True))
+  hlo = fn.lower(core._param_leaves, core.state).compile().as_text()
+  comps, entry = hlo_walk.computations(hlo)
+  lines = hlo_walk.reached(comps, entry, branches=True)
+  assert hlo_walk.whiles(lines) == []
+  assert not [l for l in lines if " conditional(" in l]
+  # The sampling step keeps the sampler's branches (the host then waits for each step).
+  sampled = jax.jit(lambda leaves, ls: serve_step(
+      graphdef, config, widths, 0, jax.tree.unflatten(treedef, leaves), ls, greedy=False))
+  assert " conditional(" in sampled.lower(core._param_leaves, core.state).compile().as_text()
+
+
+def test_a_request_added_between_steps_is_admitted_at_the_next_step(paged_model):
+  """Counted in steps: b, added after a's steps 1..3 were dispatched (unread), is admitted by
+  the next dispatch's admission block and samples its first token in the step after it."""
+  engine = serve.Engine(paged_model, max_len=48)
+  live_q = engine.live
+  a = serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=20), "a")
+  b = serve.Request((4, 5), serve.SamplingParams(max_tokens=6), "b")
+  engine.add_request(a)
+  for _ in range(3):
+    live_q.dispatch(1, stepwise=True, read_every=8)   # a's reads wait behind the first entry
+  engine.add_request(b)
+  live_q.dispatch(1, stepwise=True, read_every=8)
+  row = live_q.ledger.tracked["b"].base
+  out = engine.core.read(lambda ls: (ls.out.admitted[row], ls.out.first[row], ls.steps))
+  assert tuple(int(v) for v in out) == (3, 4, 4)
+  got = {}
+  while live_q.in_flight:
+    _collect(live_q.collect(), got)
+  _extend(got, _step_through(engine))
+  assert got == _alone(paged_model, [a, b])
+
+
+def _extend(got, more):
+  """`got` with each sample's tokens of `more` appended (its finish taken)."""
+  for key, (tokens, reason) in more.items():
+    before, old_reason = got.get(key, ([], None))
+    assert old_reason is None, f"{key} went on after its finish"
+    got[key] = (before + tokens, reason)
+  return got
+
+
+def test_abort_while_stepping_frees_what_it_held(paged_model, rng):
+  """An abort between steps removes the request's columns at the next dispatch; the others'
+  tokens are unchanged and nothing stays held."""
+  requests = _requests(rng, 5, sampled=False)
+  long = serve.Request((7, 8, 9), serve.SamplingParams(max_tokens=40), "long")
+  engine = serve.Engine(paged_model, max_len=48)
+  for r in [long, *requests]:
+    engine.add_request(r)
+  live_q, got = engine.live, {}
+  for _ in range(4):
+    _collect(live_q.step(1, stepwise=True), got)
+  assert got["long", 0][0], "the long request has not started"
+  assert engine.abort("long")
+  _extend(got, _step_through(engine))
+  assert got.pop(("long", 0))[1] == "abort"
+  assert engine.stats.aborted == 1
+  assert not np.asarray(engine.core.state.cache.live).any()   # no prefix cache: all gone
+  assert engine.held == 0
+  assert got == _alone(paged_model, requests)
+
+
+def test_async_engine_stepping_streams_each_requests_tokens(paged_model, rng):
+  requests = _requests(rng, 6)
+  engine = serve.Engine(paged_model, max_len=48)
+  engine.warm_up([4], stepwise=True)
+
+  async def consume(request):
+    return _collect([d async for d in engine_aio.generate(request)])
+
+  async def main():
+    return await asyncio.gather(*(consume(r) for r in requests))
+
+  engine_aio = AsyncEngine(engine, interval=4, stepping="steps")
+  got = {}
+  for part in asyncio.run(main()):
+    got |= part
+  engine_aio.close(timeout=10)
+  assert got == _alone(paged_model, requests)
+
+
+def test_a_slow_consumer_gets_merged_deltas():
+  """Deltas of one sample waiting in the queue come as one; another sample's, an error and a
+  finish end the merge, and nothing is lost or reordered."""
+  engine = object.__new__(AsyncEngine)
+  engine._queues, engine._owner = {}, {}
+  queue = asyncio.Queue()
+  d = lambda i, toks, reason=None: Delta("r", i, toks, reason, 0)
+  for item in (d(0, (1,)), d(0, (2, 3)), d(1, (9,)), d(0, (4,)), d(0, (5,), "stop"),
+               d(1, (), "length")):
+    queue.put_nowait(item)
+  engine._queues["r"] = (queue, 2)
+
+  async def main():
+    return [x async for x in engine.deltas("r")]
+
+  out = asyncio.run(main())
+  assert [(x.index, x.tokens, x.finish_reason) for x in out] == [
+      (0, (1, 2, 3), None), (1, (9,), None), (0, (4, 5), "stop"), (1, (), "length")]
+
+
+def test_cli_stepping_choices_are_the_engines():
+  from jaxkv import cli   # pylint: disable=g-import-not-at-top
+  assert cli._STEPPING == aio.STEPPING
+  args = cli._parser().parse_args(["serve", "m"])
+  assert (args.stepping, args.interval) == ("steps", 16)
+  with pytest.raises(SystemExit):
+    cli._parser().parse_args(["serve", "m", "--stepping", "sometimes"])
+
+
+def test_stepping_argument_is_checked(columns_model):
+  engine = serve.Engine(columns_model, max_len=48)
+  with pytest.raises(ValueError, match="stepping='often'"):
+    AsyncEngine(engine, stepping="often")
