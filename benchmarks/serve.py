@@ -77,10 +77,11 @@ def _args(argv=None):
   p.add_argument("--rate-requests", type=int, default=0,
                  help="requests per finite-rate run (default: --requests)")
   p.add_argument("--client-procs", type=int, default=4)
-  p.add_argument("--server-configs", default="16:fcfs",
-                 help="in-process server settings to measure, comma-separated INTERVAL:SCHEDULING "
-                      "(steps per loop entry while requests wait; fcfs or longest_first), each "
-                      "on an engine of its own over the same weights")
+  p.add_argument("--server-configs", default="1:fcfs:steps",
+                 help="in-process server settings to measure, comma-separated "
+                      "INTERVAL:SCHEDULING:STEPPING (steps per entry read back; fcfs or "
+                      "longest_first; steps or entries, as `jaxkv serve --stepping`), each on an "
+                      "engine of its own over the same weights")
   p.add_argument("--compilation-cache", default="none",
                  help="JAX persistent compilation cache directory (default none): later "
                       "engines of the run load the serving loop from it")
@@ -577,8 +578,8 @@ def main(argv=None) -> int:
         f"(sum {sum(max_tokens)})", flush=True)
   configs = []
   for item in args.server_configs.split(","):
-    interval, _, scheduling = item.partition(":")
-    configs.append((int(interval), scheduling or "fcfs"))
+    interval, scheduling, stepping = (item.split(":") + ["", ""])[:3]
+    configs.append((int(interval), scheduling or "fcfs", stepping or "steps"))
   if args.url:
     run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
   else:
@@ -601,7 +602,7 @@ def main(argv=None) -> int:
       del engine, model
       gc.collect()   # the columns engine's cache goes before the default one takes the memory
       engine = None
-    for i, (interval, scheduling) in enumerate(configs):
+    for i, (interval, scheduling, stepping) in enumerate(configs):
       if args.engine == "default":
         engine = None
         gc.collect()
@@ -624,11 +625,15 @@ def main(argv=None) -> int:
           results[f"offline_fcfs_{k}_steps"] = {k2: v for k2, v in off.items() if k2 != "tokens"}
           print(_line(f"offline (fcfs, {k}-step entries)", off)
                 + f"  step {off['step_ms']:.2f} ms, {off['loop_entries']} entries", flush=True)
-      app = create_app(engine, tokenizer, model_name="bench", interval=interval)
+      app = create_app(engine, tokenizer, model_name="bench", interval=interval,
+                       stepping=stepping)
       t = time.perf_counter()
       aio = app.state.aio
-      warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
-      print(f"server: interval {interval}, {scheduling}: warmed up in "
+      if stepping == "steps":
+        warm_up(engine, steps=[interval], stepwise=True)
+      else:
+        warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
+      print(f"server: interval {interval}, {scheduling}, {stepping}: warmed up in "
             f"{time.perf_counter() - t:.1f} s", flush=True)
       timers = _Timers(args.profile)
       driver_prof = None
@@ -638,9 +643,12 @@ def main(argv=None) -> int:
       server = InProcessServer(app)
       try:
         run_rates(args, results, server.url, "bench", prompts, max_tokens, server, timers,
-                  f"i{interval}-{scheduling}", engine=engine)
+                  f"i{interval}-{scheduling}-{stepping}", engine=engine)
       finally:
         server.stop()
+        # The driver threads keep the engine alive: its K/V goes now, before the next engine.
+        aio.close(timeout=10)
+        engine.core.drop()
         if driver_prof is not None:
           _print_profile("server driver", driver_prof)
       del app

@@ -24,6 +24,8 @@ import time
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# `jaxkv.serve.aio.STEPPING`, spelled here so that parsing the flags imports no jax.
+_STEPPING = ("steps", "entries")
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jax")
 
 
@@ -85,13 +87,18 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
                  help="K/V storage dtype (default auto: the compute dtype)")
   r = s.add_argument_group("serving")
+  r.add_argument("--stepping", choices=_STEPPING, default="steps",
+                 help="steps: single steps queued ahead of the GPU, new requests joining at the "
+                      "next step, tokens read back after every step while the host keeps up; "
+                      "entries: loop entries of up to --interval steps, each returning when the "
+                      "GPU has run it (default steps)")
   r.add_argument("--interval", type=int, default=16,
-                 help="steps per loop entry while requests wait for a column: tokens stream in "
-                      "chunks of at most this many (default 16)")
+                 help="most steps read back at once: tokens stream in chunks of at most this "
+                      "many (default 16)")
   r.add_argument("--min-interval", type=int, default=None,
-                 help="steps per loop entry while fewer than a sixteenth of the sequences run "
-                      "and nothing waits: the longest a request waits to join a quiet server "
-                      "(default interval / 4)")
+                 help="--stepping entries: steps per loop entry while fewer than a sixteenth of "
+                      "the sequences run and nothing waits: the longest a request waits to join "
+                      "a quiet server (default interval / 4)")
   r.add_argument("--scheduling", choices=("fcfs", "longest_first"), default="fcfs",
                  help="admission order of waiting requests (default fcfs)")
   r.add_argument("--max-queued", type=int, default=4096,
@@ -161,14 +168,14 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
   return engine, tokenizer, plan
 
 
-def warm_up(engine, steps=(1,)) -> float:
+def warm_up(engine, steps=(1,), *, stepwise: bool = False) -> float:
   """`Engine.warm_up`: compiles what serving runs before the first client; the compile seconds.
 
   Everything alive after it (the model, the compiled loop, the imports) is then frozen out of
   the garbage collector's generations (`gc.freeze`), so a full collection under load walks
   only the objects serving makes, not the whole start-up heap.
   """
-  seconds = engine.warm_up(steps)
+  seconds = engine.warm_up(steps, stepwise=stepwise)
   gc.collect()
   gc.freeze()
   return seconds
@@ -298,7 +305,8 @@ def serve(args) -> int:
   # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
   app = create_app(engine, tokenizer, model_name=name, interval=args.interval,
-                   min_interval=args.min_interval, max_queued=args.max_queued,
+                   min_interval=args.min_interval, stepping=args.stepping,
+                   max_queued=args.max_queued,
                    max_queued_tokens=args.max_queued_tokens,
                    stats_interval=args.stats_interval, api_key=args.api_key,
                    allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
@@ -308,7 +316,8 @@ def serve(args) -> int:
                    on_shutdown=lambda: close())
   aio = app.state.aio
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
-  compiled = warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
+  steps = {aio.interval} if aio.stepping == "steps" else {aio.interval, aio.min_interval}
+  compiled = warm_up(engine, steps=sorted(steps), stepwise=aio.stepping == "steps")
   print(f"jaxkv serve: compiled the serving loop in {compiled:.2f} s (before the first "
         f"client); ready {time.perf_counter() - started:.2f} s after start", flush=True)
   warm = dataclasses.replace(engine.stats)

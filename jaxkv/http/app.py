@@ -74,11 +74,11 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                stats_interval: float = 0.0, api_key: str | None = None,
                allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
                max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None,
-               chat_template: str | None = None) -> FastAPI:
+               chat_template: str | None = None, stepping: str = "entries") -> FastAPI:
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
-  `interval` and `min_interval` are the `AsyncEngine`'s steps per loop entry while
-  requests wait, and while a column is free. A request that would put more than
+  `interval`, `min_interval` and `stepping` are the `AsyncEngine`'s (steps per entry
+  while requests wait, and while a column is free; single steps or loop entries). A request that would put more than
   `max_queued` requests in the waiting queue is answered 503 with `Retry-After`
   (nothing already accepted is dropped), and so is one that would put more than
   `max_queued_tokens` prompt tokens there. Every `stats_interval` seconds (0: never)
@@ -99,7 +99,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   if api_key is not None and (not isinstance(api_key, str) or not api_key):
     raise ValueError("api_key must be a non-empty string (or None: no key)")
   metrics = Metrics(engine.capacity, model_name)
-  aio = AsyncEngine(engine, interval=interval, min_interval=min_interval,
+  aio = AsyncEngine(engine, interval=interval, min_interval=min_interval, stepping=stepping,
                     on_step=lambda deltas: metrics.after_step(engine, deltas))
 
   @contextlib.asynccontextmanager

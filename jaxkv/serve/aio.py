@@ -44,6 +44,17 @@ from jaxkv.serve.results import Delta
 # that long each time while the device waits.
 SWITCH_INTERVAL = 0.0005
 
+# How the driver steps (`LiveQueue.dispatch`): loop entries of up to `interval` steps, or
+# single steps queued ahead of the device, read back every `interval` steps.
+STEPPING = ("steps", "entries")
+
+
+def _merged(a: Delta, b: Delta) -> Delta:
+  """One delta for `a` then `b` (the same sample's, in order)."""
+  return Delta(a.request_id, a.index, a.tokens + b.tokens, b.finish_reason, a.seed,
+               timing=b.timing,
+               logprobs=None if a.logprobs is None else a.logprobs + b.logprobs)
+
 
 class AsyncEngine:
   """Serves `Engine.add_request`/`step` from asyncio.
@@ -58,16 +69,24 @@ class AsyncEngine:
       arrives at a quiet engine waits at most this many steps before it joins the loop.
     on_step: optional callback after every step, called on the event loop
       with the step's deltas (metrics).
+    stepping: `"entries"`: the driver runs loop entries (each call returns when the
+      device has run it); `"steps"`: it queues single steps ahead of the device
+      (`LiveQueue.dispatch(stepwise=True)`), read back whenever the reader is free
+      and at least every `interval` steps; `min_interval` does not apply.
   """
 
   def __init__(self, engine: Engine | DataParallelEngine, *, interval: int = 8,
                min_interval: int | None = None,
-               on_step: Callable[[list[Delta]], None] | None = None):
+               on_step: Callable[[list[Delta]], None] | None = None,
+               stepping: str = "entries"):
     for name, value in (("interval", interval), ("min_interval", min_interval)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value < 1):
         raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if stepping not in STEPPING:
+      raise ValueError(f"stepping={stepping!r} must be one of {STEPPING}")
     self.engine, self.interval, self.on_step = engine, interval, on_step
+    self.stepping = stepping
     self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
                                                                                interval)
     self.parts = list(engine.engines) if isinstance(engine, DataParallelEngine) else [engine]
@@ -141,11 +160,19 @@ class AsyncEngine:
       EngineError: the step serving the request failed (the request is dropped).
     """
     queue, remaining = self._queues[request_id]
+    held = None   # taken off the queue while merging, yielded next
     try:
       while remaining:
-        item = await queue.get()
+        item, held = (held if held is not None else await queue.get()), None
         if isinstance(item, BaseException):
           raise item
+        # A consumer slower than the steps gets what arrived meanwhile as one delta: fewer,
+        # longer chunks where the event loop is busy, one per step where it keeps up.
+        while item.finish_reason is None and not queue.empty():
+          held = queue.get_nowait()
+          if isinstance(held, BaseException) or held.index != item.index:
+            break
+          item, held = _merged(item, held), None
         remaining -= item.finish_reason is not None
         yield item
     finally:
@@ -175,7 +202,10 @@ class AsyncEngine:
         wake.wait()
         continue
       try:
-        deltas = live.dispatch(self._steps(engine))
+        if self.stepping == "steps":   # one step at a time, read back as the host keeps up
+          deltas = live.dispatch(1, stepwise=True, read_every=self.interval)
+        else:
+          deltas = live.dispatch(self._steps(engine))
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)
         self._report(e, part)
         continue
