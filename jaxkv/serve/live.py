@@ -219,9 +219,11 @@ class LiveQueue:
 
     With `stepwise`, the entry is not a loop entry but the admission block where it
     is due (`_admission_due`) and then `max_steps` single steps (`EngineCore.step`),
-    read back as one entry: with only plain greedy requests in flight, nothing in
-    it but the admission block waits for the device, so the host queues it while
-    the entry before it runs (at most `RUN_AHEAD` steps ahead of the device). With
+    read back as one entry: nothing in it but the admission block waits for the
+    device, so the host queues it while the entry before it runs (at most
+    `RUN_AHEAD` steps ahead of the device). That holds while every request in flight
+    is plain greedy; otherwise (the sampler's branches would make each step wait)
+    it runs a loop entry of `max(max_steps, read_every)` steps. With
     `read_every` too, the steps are read back only when no entry waits to be
     collected or `read_every` steps are unread (else with a later dispatch's): the
     host reads every step while it keeps up, and less often, never making the
@@ -348,6 +350,9 @@ class LiveQueue:
       if not (work or stepwise and self._retire_due()):
         return deltas
       greedy = ledger.sampled == 0
+      if stepwise and not greedy:
+        # The sampler's branches make each step wait for the device: a loop entry instead.
+        stepwise, k = False, max(k, read_every or 1)
       admit = not stepwise or self._admission_due()
       if not work:
         k = 0   # stepping: the admission block retires the finished columns, nothing to step
@@ -356,6 +361,8 @@ class LiveQueue:
     # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
     if not stepwise:
       core.enter(k, greedy=greedy)
+      k += self._unread   # steps queued before it and not read yet are read with it
+      self._unread, self._unread_admit = 0, False
     else:
       if admit:
         core.admit()
@@ -390,9 +397,9 @@ class LiveQueue:
     return deltas
 
   def warm_steps(self, read_every: int = 1) -> None:
-    """Runs every width's step program, with and without the sampler, on the idle state (each
-    carries no token), the admission block, and the snapshots of up to `read_every` steps:
-    what stepping may run, compiled."""
+    """Runs every width's greedy step program on the idle state (each carries no token), the
+    admission block, and the snapshots of up to `read_every` steps: what stepping may run,
+    compiled (sampled requests step in loop entries, which `Engine.warm_up` compiles)."""
     with self.ledger.lock:
       if any(t.base >= 0 for t in self.ledger.tracked.values()) or self.ledger.pending:
         raise RuntimeError("warm_steps: requests are on the device")
@@ -402,9 +409,8 @@ class LiveQueue:
     started, compiled = time.perf_counter(), compile_seconds()
     with self._dispatching:
       core.admit()
-      for greedy in (True, False):
-        for which in range(len(self.engine.widths)):
-          core.step(which, greedy=greedy)
+      for which in range(len(self.engine.widths)):
+        core.step(which, greedy=True)
       window = 1
       while window <= _bucket(read_every):
         core.snapshot(window)

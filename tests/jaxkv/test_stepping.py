@@ -147,10 +147,17 @@ def test_greedy_step_has_no_loop_and_no_branch(paged_model):
   lines = hlo_walk.reached(comps, entry, branches=True)
   assert hlo_walk.whiles(lines) == []
   assert not [l for l in lines if " conditional(" in l]
-  # The sampling step keeps the sampler's branches (the host then waits for each step).
-  sampled = jax.jit(lambda leaves, ls: serve_step(
-      graphdef, config, widths, 0, jax.tree.unflatten(treedef, leaves), ls, greedy=False))
-  assert " conditional(" in sampled.lower(core._param_leaves, core.state).compile().as_text()
+
+
+def test_sampled_requests_step_in_loop_entries(paged_model):
+  """The sampler keeps its branches (each step would wait for the device), so while a sampled
+  request is in flight a stepwise dispatch runs one loop entry of `read_every` steps."""
+  engine = serve.Engine(paged_model, max_len=48)
+  engine.add_request(serve.Request((1, 2), serve.SamplingParams(max_tokens=30, temperature=1.0,
+                                                                seed=3)))
+  live_q = engine.live
+  live_q.dispatch(1, stepwise=True, read_every=4)
+  assert (engine.stats.loop_entries, engine.core.read(lambda ls: int(ls.steps))) == (1, 4)
 
 
 def test_a_request_added_between_steps_is_admitted_at_the_next_step(paged_model):
