@@ -255,7 +255,7 @@ def test_cli_stepping_choices_are_the_engines():
   from jaxkv import cli   # pylint: disable=g-import-not-at-top
   assert cli._STEPPING == aio.STEPPING
   args = cli._parser().parse_args(["serve", "m"])
-  assert (args.stepping, args.interval) == ("steps", 16)
+  assert (args.stepping, args.interval) == ("entries", 16)
   with pytest.raises(SystemExit):
     cli._parser().parse_args(["serve", "m", "--stepping", "sometimes"])
 
