@@ -579,7 +579,7 @@ def main(argv=None) -> int:
   configs = []
   for item in args.server_configs.split(","):
     interval, scheduling, stepping = (item.split(":") + ["", ""])[:3]
-    configs.append((int(interval), scheduling or "fcfs", stepping or "steps"))
+    configs.append((int(interval), scheduling or "fcfs", stepping or "entries"))
   if args.url:
     run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
   else:
