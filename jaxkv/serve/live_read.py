@@ -113,6 +113,9 @@ class EntryReader:
     started = (out_len > 0) | (out_done != 0)
     started[host["out_row"][(host["used"] == 1) & (host["out_row"] >= 0)
                             & (host["out_row"] < self.out_rows)]] = True
+    # Python lists: read per sample below, where indexing NumPy arrays costs a scalar object each.
+    lengths, done, stops = out_len.tolist(), out_done.tolist(), host["out_stop"].tolist()
+    last, generated = host["last"].tolist(), 0
     deltas = []
     with self.ledger.lock:
       for rid, t in list(self.ledger.tracked.items()):
@@ -124,42 +127,45 @@ class EntryReader:
           t.admitted = now
           self.ledger.waiting_tokens -= len(t.request.prompt)
           self.ledger.unadmitted -= 1
+        emitted, finished, params = t.emitted, t.finished, t.request.params
         for j in range(t.n):
           row = t.base + j
-          if t.finished[j] or out_len[row] <= t.emitted[j] and not out_done[row]:
+          length, is_done = lengths[row], done[row]
+          if finished[j] or length <= emitted[j] and not is_done:
             continue
-          count = int(out_len[row]) - t.emitted[j]
+          count = length - emitted[j]
           if count <= window:
-            new = host["last"][row, window - count:].tolist() if count > 0 else []
+            new = last[row][window - count:] if count > 0 else []
           else:   # more tokens than one entry adds (only when no entry is in flight behind it)
             assert not self.ledger.pending, "an entry added more tokens than its snapshot holds"
             if out is None:
               out = np.asarray(engine.core.read(lambda ls: ls.out.tokens))
-            new = out[row, t.emitted[j]:int(out_len[row])].tolist()
+            new = out[row, emitted[j]:length].tolist()
           reason = None
-          if out_done[row]:
-            reason = "stop" if host["out_stop"][row] else "length"
-          hit = next((i for i, tok in enumerate(new) if tok in t.host_stops), None)
-          if hit is not None:
-            new, reason = new[:hit + 1], "stop"
-            if not out_done[row]:
-              self.ledger.cut_rows.append(row)   # its column goes at the next dispatch
+          if is_done:
+            reason = "stop" if stops[row] else "length"
+          if t.host_stops:
+            hit = next((i for i, tok in enumerate(new) if tok in t.host_stops), None)
+            if hit is not None:
+              new, reason = new[:hit + 1], "stop"
+              if not is_done:
+                self.ledger.cut_rows.append(row)   # its column goes at the next dispatch
           logprobs = None
-          if t.request.params.logprobs is not None:
+          if params.logprobs is not None:
             if lps is None:   # read from the state: no entry is in flight behind this one
               lps = engine.core.read(logprob_buffers)
-            logprobs = tuple(token_logprobs(lps, row, new, range(t.emitted[j],
-                                                                 t.emitted[j] + len(new)),
-                                            t.request.params.logprobs))
-          t.emitted[j] += len(new)
-          stats.generated += len(new)
+            logprobs = tuple(token_logprobs(lps, row, new, range(emitted[j],
+                                                                 emitted[j] + len(new)),
+                                            params.logprobs))
+          emitted[j] += len(new)
+          generated += len(new)
           if new and t.first_token is None:
             t.first_token = now
-          t.finished[j] = reason is not None
-          deltas.append(Delta(rid, j, tuple(new), reason, t.request.params.seed,
-                              logprobs=logprobs))
-        if all(t.finished):
+          finished[j] = reason is not None
+          deltas.append(Delta(rid, j, tuple(new), reason, params.seed, logprobs=logprobs))
+        if all(finished):
           timing = self.ledger.release(rid)
           if deltas and deltas[-1].request_id == rid:
             deltas[-1] = dataclasses.replace(deltas[-1], timing=timing)
+    stats.generated += generated
     return deltas
