@@ -253,7 +253,7 @@ def use_compilation_cache(directory: str) -> str | None:
 
 def serve(args) -> int:
   try:
-    import uvicorn   # pylint: disable=g-import-not-at-top
+    import uvicorn  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (checked up front)
     from jaxkv.http.app import create_app   # pylint: disable=g-import-not-at-top
   except ImportError as e:
     print(f"jaxkv serve needs the serve extra (pip install 'jaxkv[serve]'): {e}", file=sys.stderr)
@@ -328,10 +328,18 @@ def serve(args) -> int:
       closed.append(True)
       print(summary(engine.stats, warm), flush=True)
 
-  uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-              timeout_graceful_shutdown=args.shutdown_timeout)
+  _run_server(app, args)
   close()
   return 0
+
+
+def _run_server(app, args) -> None:
+  """Serves `app` until a shutdown signal; the drain answers what is left at the timeout."""
+  import uvicorn   # pylint: disable=g-import-not-at-top
+  from jaxkv.http.tasks import DrainingServer   # pylint: disable=g-import-not-at-top
+  config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=args.shutdown_timeout)
+  DrainingServer(config, app.state.drain).run()
 
 
 def main(argv=None) -> int:

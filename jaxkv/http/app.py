@@ -29,7 +29,7 @@ from jaxkv.http.logprobs import LogprobFormatter
 from jaxkv.http.metrics import Metrics
 from jaxkv.http.schema import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                unsupported_field)
-from jaxkv.http.tasks import disconnected, log_stats, off_loop, until
+from jaxkv.http.tasks import Drain, Draining, disconnected, log_stats, off_loop, until
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.requests import Request as EngineRequest
 from jaxkv.tokenizer import TextStream, Tokenizer
@@ -102,19 +102,24 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   aio = AsyncEngine(engine, interval=interval, min_interval=min_interval, stepping=stepping,
                     on_step=lambda deltas: metrics.after_step(engine, deltas))
 
+  drain = Drain(lambda: aio.fail_all(Draining()))
+
   @contextlib.asynccontextmanager
   async def lifespan(_):
+    drain.attach()
     logger = (asyncio.ensure_future(log_stats(engine, metrics, stats_interval))
               if stats_interval > 0 else None)
     yield
     if logger is not None:
       logger.cancel()
+    drain.report()
     await asyncio.to_thread(aio.close, 60.0)   # the driver thread ends with the app
     if on_shutdown is not None:
       on_shutdown()
 
   app = FastAPI(title="jaxkv", version=_version(), lifespan=lifespan)
   app.state.engine, app.state.aio, app.state.metrics = engine, aio, metrics
+  app.state.drain = drain   # `jaxkv serve` starts it when the shutdown begins
   created = int(time.time())
   expected = None if api_key is None else f"Bearer {api_key}".encode()
 
@@ -301,6 +306,11 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         if time.perf_counter() - slice_start > _SLICE_SECONDS:
           await asyncio.sleep(0)
           slice_start = time.perf_counter()
+        if isinstance(d, Draining):   # counted in one line by the drain
+          drain.answered += 1
+          raise BadRequest("the server is shutting down and this request did not finish within "
+                           "its shutdown timeout; retry it", status=503,
+                           kind="service_unavailable")
         if isinstance(d, BaseException):
           # The failure's text names every dropped request and the engine's internals: it goes
           # to the server's log (once), and each client hears only of its own request.
@@ -415,8 +425,10 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       if include_usage:
         yield chunk([], usage=usage(requests, samples))
       yield "data: [DONE]\n\n"
-    except BadRequest as e:   # headers are sent: report in the stream
-      yield "data: " + json.dumps({"error": {"message": e.message, "type": e.kind}}) + "\n\n"
+    except BadRequest as e:   # headers are sent: report in the stream, then end it as usual
+      yield "data: " + json.dumps({"error": {"message": e.message, "type": e.kind,
+                                             "param": e.param, "code": None}}) + "\n\n"
+      yield "data: [DONE]\n\n"
     finally:
       await gen.aclose()
 

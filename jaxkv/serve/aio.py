@@ -142,6 +142,14 @@ class AsyncEngine:
         by_part.setdefault(self._owner[rid], []).append(rid)
     return sum(self.parts[p].abort_many(ids) for p, ids in by_part.items())
 
+  def fail_all(self, error: Exception) -> int:
+    """Ends every request a consumer is reading with `error` (raised from `deltas`, which then
+    aborts it in the engine; a consumer that reads its last delta first never sees it); how
+    many were given it. Call it on the event loop."""
+    for queue, _ in self._queues.values():
+      queue.put_nowait(error)
+    return len(self._queues)
+
   def close(self, timeout: float | None = None) -> None:
     """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
     self._closed = True

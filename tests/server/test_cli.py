@@ -91,10 +91,9 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
   """Before it listens: one line per (implementation, reason), the decode GEMM and the warm-up's
   compile time;
   when it stops: the tokens served after the warm-up and their tokens/s."""
-  import uvicorn   # pylint: disable=g-import-not-at-top
   ran = {}
 
-  def fake_run(app, **kwargs):   # the server "serves" one request while it runs
+  def fake_run(app, args):   # the server "serves" one request while it runs
     engine = app.state.engine
     ran["compile_before"] = engine.stats.compile_seconds
     assert not engine.has_unfinished()   # the warm-up left nothing behind
@@ -103,7 +102,7 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
     ran["tokens"] = sum(len(d.tokens) for d in engine.stream(8))
     ran["compile_after"] = engine.stats.compile_seconds
 
-  monkeypatch.setattr(uvicorn, "run", fake_run)
+  monkeypatch.setattr(cli, "_run_server", fake_run)
   assert cli.main(["serve", "--checkpoint", FIXTURE, "--max-len", "64", "--max-seqs", "2",
                    "--compilation-cache", "none"]) == 0
   out = capsys.readouterr().out.splitlines()
