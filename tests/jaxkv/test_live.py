@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from live_utils import collect, random_requests
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import AsyncEngine
@@ -37,26 +38,7 @@ def model():
   return _model()
 
 
-def _requests(rng, count, prefix="r"):
-  out = []
-  for i in range(count):
-    prompt = tuple(int(t) for t in rng.integers(0, 64, size=int(rng.integers(1, 12))))
-    params = serve.SamplingParams(
-        max_tokens=int(rng.integers(1, 14)), temperature=float(rng.choice([0.0, 0.9])),
-        top_k=int(rng.choice([0, 5])), seed=int(rng.integers(0, 100)),
-        n=int(rng.choice([1, 1, 2, 3])), stop_tokens=tuple(int(t) for t in rng.integers(0, 64, 2)))
-    out.append(serve.Request(prompt, params, request_id=f"{prefix}{i}"))
-  return out
-
-
-def _collect(deltas, into=None):
-  """`{(request_id, index): (tokens, finish_reason)}` from deltas, checking their order."""
-  into = {} if into is None else into
-  for d in deltas:
-    tokens, reason = into.get((d.request_id, d.index), ([], None))
-    assert reason is None, f"delta after the finish of {d.request_id}/{d.index}"
-    into[(d.request_id, d.index)] = (tokens + list(d.tokens), d.finish_reason)
-  return into
+_requests, _collect = random_requests, collect
 
 
 def _want(model, requests, max_len=48, **engine_args):
