@@ -382,21 +382,29 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     finally:
       watcher.cancel()
       await gen.aclose()
-    choices = []
+    # Each choice is merged and encoded on its own, the event loop let in between slices: a
+    # response of many samples with logprobs (tens of MB) never holds it for long.
+    choices, slice_start = [], time.perf_counter()
     for i in range(len(requests)):
       for j in range(n):
+        if time.perf_counter() - slice_start > _SLICE_SECONDS:
+          await asyncio.sleep(0)
+          slice_start = time.perf_counter()
         reason = samples[i][j].finish
         reason = "stop" if reason == "abort" else reason
         logprobs = (None if samples[i][j].logprobs is None
                     else LogprobFormatter.merge(lps[i][j], chat=chat))
         if chat:
-          choices.append({"index": i * n + j, "finish_reason": reason, "logprobs": logprobs,
-                          "message": {"role": "assistant", "content": texts[i][j]}})
+          choice = {"index": i * n + j, "finish_reason": reason, "logprobs": logprobs,
+                    "message": {"role": "assistant", "content": texts[i][j]}}
         else:
-          choices.append({"index": i * n + j, "text": texts[i][j], "finish_reason": reason,
-                          "logprobs": logprobs})
-    return head | {"object": "chat.completion" if chat else "text_completion",
-                   "choices": choices, "usage": usage(requests, samples)}
+          choice = {"index": i * n + j, "text": texts[i][j], "finish_reason": reason,
+                    "logprobs": logprobs}
+        choices.append(_json(choice))
+    head = _json(head | {"object": "chat.completion" if chat else "text_completion"})
+    return Response(f'{head[:-1]},"choices":[{",".join(choices)}],'
+                    f'"usage":{_json(usage(requests, samples))}}}'.encode(),
+                    media_type="application/json")
 
   async def _sse(head, ids, samples, requests, body, *, chat: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -465,6 +473,12 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
 
 
 _log = logging.getLogger("jaxkv.http")
+
+
+def _json(obj) -> str:
+  """`obj` as FastAPI's JSONResponse writes it (UTF-8 text, no NaN, compact)."""
+  return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
 # Most time one request's delta formatting holds the event loop before it lets others in.
 _SLICE_SECONDS = 0.005
 
