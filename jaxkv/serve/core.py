@@ -32,7 +32,7 @@ import numpy as np
 from jaxkv import CacheConfig, pure
 from jaxkv._sharding import first_device, replicated
 from jaxkv.serve import live_ops
-from jaxkv.serve.loop import serve_admit, serve_loop, serve_step
+from jaxkv.serve.loop import admit_block, serve_loop, serve_step
 from jaxkv.serve.memory import _grown_rows
 from jaxkv.serve.state import HostQueue, LoopState, init_loop_state
 
@@ -84,13 +84,12 @@ class EngineCore:
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
     self._greedy_loop = entry(True)
 
-    def one_step(which, greedy):
+    def one_step(which):
       return jit(lambda leaves, ls: step_fn(
-          self.graphdef, config, self.widths, which, jax.tree.unflatten(treedef, leaves), ls,
-          greedy=greedy))
+          self.graphdef, config, self.widths, which, jax.tree.unflatten(treedef, leaves), ls))
     step_fn = serve_step
-    self._steps = {(w, g): one_step(w, g) for w in range(len(self.widths)) for g in (False, True)}
-    self._admit = jax.jit(functools.partial(serve_admit, config), donate_argnums=0,
+    self._steps = [one_step(w) for w in range(len(self.widths))]
+    self._admit = jax.jit(functools.partial(admit_block, config), donate_argnums=0,
                           compiler_options=dict(compiler_options) or None)
     self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
     self._state: LoopState | None = None
@@ -167,20 +166,20 @@ class EngineCore:
     loop = self._greedy_loop if greedy else self._loop
     return self.apply(lambda ls: loop(self._param_leaves, ls, budget))
 
-  def step(self, which: int, *, greedy: bool = False):
-    """One step at width `widths[which]` (`loop.serve_step`): no loop and, `greedy`, no branch,
-    so on a GPU the call returns before the device runs it.
+  def step(self, which: int):
+    """One greedy step at width `widths[which]` (`loop.serve_step`): no loop and no branch, so
+    on a GPU the call returns before the device runs it.
 
     Returns:
       A device scalar (the step counter after it) that is ready once the step has run.
     """
-    fn = self._steps[(which, greedy)]
+    fn = self._steps[which]
     ls, self._state = self._state, None
     self._state, marker = fn(self._param_leaves, ls)
     return marker
 
   def admit(self) -> LoopState:
-    """The loop's retire / admit / fork block alone (`loop.serve_admit`); the new loop state.
+    """The loop's retire / admit / fork block alone (`loop.admit_block`); the new loop state.
 
     It returns once the device has run it (its loops read their predicates back)."""
     return self.apply(self._admit)

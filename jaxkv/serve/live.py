@@ -372,7 +372,7 @@ class LiveQueue:
         while len(self._ahead) >= RUN_AHEAD:   # paced by the device, not ahead of it
           self._ahead.popleft().block_until_ready()
         which = self._step_width()
-        self._ahead.append(core.step(which, greedy=greedy))
+        self._ahead.append(core.step(which))
         with ledger.lock:
           ledger.width_total += self.engine.widths[which]
           ledger.steps_total += 1
@@ -410,7 +410,7 @@ class LiveQueue:
     with self._dispatching:
       core.admit()
       for which in range(len(self.engine.widths)):
-        core.step(which, greedy=True)
+        core.step(which)
       window = 1
       while window <= _bucket(read_every):
         core.snapshot(window)

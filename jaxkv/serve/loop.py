@@ -324,19 +324,21 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
 
 
 def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: int, params,
-               ls: LoopState, *, greedy: bool = False) -> LoopState:
-  """One step at width `widths[which]` (static), with no loop and no branch around it.
+               ls: LoopState) -> LoopState:
+  """One greedy step at width `widths[which]` (static), with no loop and no branch around it.
 
   On a GPU a jitted program holding a `while` or a `cond` returns to the host only
   when the device has run it (each predicate is read back), so the host cannot
-  queue the next program meanwhile. This one holds neither (with `greedy`; the
-  sampler keeps its `lax.cond`s), so the host dispatches steps ahead of the device
-  and reads each one back later. It runs what the loop's phases would: the
-  tokens `_schedule` picks at this width (more are left for later steps, a wider
-  width than needed costs rows), nothing where the loop would not step (a failed
-  status; paged storage: the step does not fit, or a waiting head may now adopt),
-  and counts a step only when it carried tokens. Retirements, admissions, forks
-  and preemptions are `admit_block`'s (`serve_admit`), run by the host when due.
+  queue the next program meanwhile. This one holds neither (it is greedy: the
+  sampler keeps its `lax.cond`s, and sampled requests run loop entries), so the
+  host dispatches steps ahead of the device and reads each one back later. It
+  runs what the loop's phases would: the tokens `_schedule` picks at this width
+  (more are left for later steps, a wider width than needed costs rows), nothing
+  where the loop would not step (a failed status; paged storage: the step does
+  not fit, or a waiting head may now adopt), and counts a step only when it
+  carried tokens. Retirements, admissions, forks and preemptions are
+  `admit_block`'s, which the host runs alone when one is due (its loops read
+  their predicates back, so the host waits for it).
 
   Jit it with `graphdef`, `config`, `widths` and `which` static and `ls` donated.
 
@@ -345,14 +347,5 @@ def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: in
     donated to the next program; the host waits on this one to pace itself).
   """
   from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
-  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy, gated=True)
+  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=True, gated=True)
   return ls, ls.steps
-
-
-def serve_admit(config: CacheConfig, ls: LoopState) -> LoopState:
-  """`admit_block` alone: retire the finished, admit, fork, make room; no step.
-
-  Its loops read their predicates back, so the host waits for it: `LiveQueue` runs it
-  between steps only when one of its actions is due.
-  """
-  return admit_block(config, ls)

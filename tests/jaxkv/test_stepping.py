@@ -121,7 +121,7 @@ def test_greedy_step_has_no_loop_and_no_branch(paged_model):
   graphdef, config, widths = core.graphdef, core.config, core.widths
   _, treedef = jax.tree.flatten(core.params)
   fn = jax.jit(lambda leaves, ls: serve_step(graphdef, config, widths, 0,
-                                             jax.tree.unflatten(treedef, leaves), ls, greedy=True))
+                                             jax.tree.unflatten(treedef, leaves), ls))
   hlo = fn.lower(core._param_leaves, core.state).compile().as_text()
   comps, entry = hlo_walk.computations(hlo)
   lines = hlo_walk.reached(comps, entry, branches=True)
