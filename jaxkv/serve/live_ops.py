@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve.columns import fork_ready, update
+from jaxkv.serve.loop import _wanted
 from jaxkv.serve.results import PAGED_COUNTERS
 from jaxkv.serve.requests import Request
 from jaxkv.serve.state import NO_ROW, LoopState, Queue, _bucket, merge_status, pack_queue
@@ -184,8 +185,8 @@ def snapshot(ls: LoopState, window: int):
   scalars = [getattr(ls, f) for f in SNAPSHOT_SCALARS + PAGED_COUNTERS]
   scalars += [ls.queue.next, ls.queue.copies, ls.queue.count]
   c, o = ls.cols, ls.out
-  wanted = jnp.where(c.active == 1, jnp.maximum(jnp.minimum(c.length, c.hold) - c.fed, 0), 0)
-  scalars += [(c.active == 1).sum(), (c.done == 1).sum(), fork_ready(c).sum(), (c.parked == 1).sum(), wanted.sum()]
+  scalars += [(c.active == 1).sum(), (c.done == 1).sum(), fork_ready(c).sum(),
+              (c.parked == 1).sum(), _wanted(c).sum()]
   max_new = o.tokens.shape[1]
   at = jnp.clip(o.length[:, None] - window + jnp.arange(window, dtype=jnp.int32)[None, :],
                 0, max_new - 1)
