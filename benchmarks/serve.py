@@ -629,10 +629,7 @@ def main(argv=None) -> int:
                        stepping=stepping)
       t = time.perf_counter()
       aio = app.state.aio
-      if stepping == "steps":
-        warm_up(engine, steps=[interval], stepwise=True)
-      else:
-        warm_up(engine, steps=sorted({aio.interval, aio.min_interval}))
+      warm_up(aio)
       print(f"server: interval {interval}, {scheduling}, {stepping}: warmed up in "
             f"{time.perf_counter() - t:.1f} s", flush=True)
       timers = _Timers(args.profile)

@@ -168,14 +168,15 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
   return engine, tokenizer, plan
 
 
-def warm_up(engine, steps=(1,), *, stepwise: bool = False) -> float:
-  """`Engine.warm_up`: compiles what serving runs before the first client; the compile seconds.
+def warm_up(aio) -> float:
+  """`AsyncEngine.warm_up`: compiles what serving runs before the first client; the compile
+  seconds.
 
   Everything alive after it (the model, the compiled loop, the imports) is then frozen out of
   the garbage collector's generations (`gc.freeze`), so a full collection under load walks
   only the objects serving makes, not the whole start-up heap.
   """
-  seconds = engine.warm_up(steps, stepwise=stepwise)
+  seconds = aio.warm_up()
   gc.collect()
   gc.freeze()
   return seconds
@@ -314,10 +315,8 @@ def serve(args) -> int:
                    max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
                    chat_template=chat_template,
                    on_shutdown=lambda: close())
-  aio = app.state.aio
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
-  steps = {aio.interval} if aio.stepping == "steps" else {aio.interval, aio.min_interval}
-  compiled = warm_up(engine, steps=sorted(steps), stepwise=aio.stepping == "steps")
+  compiled = warm_up(app.state.aio)
   print(f"jaxkv serve: compiled the serving loop in {compiled:.2f} s (before the first "
         f"client); ready {time.perf_counter() - started:.2f} s after start", flush=True)
   warm = dataclasses.replace(engine.stats)

@@ -142,6 +142,13 @@ class AsyncEngine:
         by_part.setdefault(self._owner[rid], []).append(rid)
     return sum(self.parts[p].abort_many(ids) for p, ids in by_part.items())
 
+  def warm_up(self) -> float:
+    """`Engine.warm_up` for what the driver will dispatch (its entry lengths, or its steps and
+    their read-backs); the compile seconds."""
+    if self.stepping == "steps":
+      return self.engine.warm_up([self.interval], stepwise=True)
+    return self.engine.warm_up(sorted({self.interval, self.min_interval}))
+
   def fail_all(self, error: Exception) -> int:
     """Ends every request a consumer is reading with `error` (raised from `deltas`, which then
     aborts it in the engine; a consumer that reads its last delta first never sees it); how
