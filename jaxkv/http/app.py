@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 
 from jaxkv.http.errors import (BadRequest, check_text, encode_or_refuse, engine_refusal,
-                               error_response, public_message)
+                               error_body, error_response, public_message)
 from jaxkv.http.guard import Guard
 from jaxkv.http.logprobs import LogprobFormatter
 from jaxkv.http.metrics import Metrics
@@ -78,8 +78,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
   `interval`, `min_interval` and `stepping` are the `AsyncEngine`'s (steps per entry
-  while requests wait, and while a column is free; single steps or loop entries). A request that would put more than
-  `max_queued` requests in the waiting queue is answered 503 with `Retry-After`
+  while requests wait, and while a column is free; single steps or loop entries). A
+  request that would put more than `max_queued` requests in the waiting queue is answered 503 with `Retry-After`
   (nothing already accepted is dropped), and so is one that would put more than
   `max_queued_tokens` prompt tokens there. Every `stats_interval` seconds (0: never)
   one line of serving stats is printed while requests are in flight. With
@@ -434,8 +434,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         yield chunk([], usage=usage(requests, samples))
       yield "data: [DONE]\n\n"
     except BadRequest as e:   # headers are sent: report in the stream, then end it as usual
-      yield "data: " + json.dumps({"error": {"message": e.message, "type": e.kind,
-                                             "param": e.param, "code": None}}) + "\n\n"
+      yield "data: " + json.dumps(error_body(e.message, e.kind, e.param)) + "\n\n"
       yield "data: [DONE]\n\n"
     finally:
       await gen.aclose()

@@ -17,11 +17,15 @@ class BadRequest(Exception):
     self.headers = headers
 
 
+def error_body(message: str, kind: str, param=None) -> dict:
+  """OpenAI's error object (a response's body, or a stream's event)."""
+  return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 def error_response(status: int, message: str, kind: str, param=None,
                    headers=None) -> JSONResponse:
   """OpenAI's error body with `status`."""
-  return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                 "code": None}}, status_code=status, headers=headers)
+  return JSONResponse(error_body(message, kind, param), status_code=status, headers=headers)
 
 
 # The engine names a request by its internal id ("request 7: ..."); clients never see those.

@@ -96,10 +96,7 @@ class Drain:
       return
     self.started = True
     grace = max(0.0, timeout - min(DRAIN_MARGIN, timeout / 4))
-    self.loop.call_soon_threadsafe(self.loop.call_later, grace, self._past)
-
-  def _past(self) -> None:
-    self.on_past()
+    self.loop.call_soon_threadsafe(self.loop.call_later, grace, self.on_past)
 
   def report(self) -> None:
     """One line for the requests answered 503 at the deadline (at the app's shutdown)."""
@@ -119,4 +116,3 @@ class DrainingServer(uvicorn.Server):
   def handle_exit(self, sig, frame) -> None:
     super().handle_exit(sig, frame)
     self.drain.start(self.config.timeout_graceful_shutdown or 0.0)
-
