@@ -79,9 +79,11 @@ def _args(argv=None):
   p.add_argument("--client-procs", type=int, default=4)
   p.add_argument("--server-configs", default="16:fcfs:entries",
                  help="in-process server settings to measure, comma-separated "
-                      "INTERVAL:SCHEDULING:STEPPING (steps per entry read back; fcfs or "
-                      "longest_first; steps or entries, as `jaxkv serve --stepping`), each on an "
-                      "engine of its own over the same weights")
+                      "INTERVAL:SCHEDULING:STEPPING[:SWITCH_US[:AHEAD]] (steps per entry read "
+                      "back; fcfs or longest_first; steps or entries, as `jaxkv serve "
+                      "--stepping`; the interpreter's switch interval in microseconds and the "
+                      "steps queued ahead, the AsyncEngine's switch_interval and run_ahead), "
+                      "consecutive configs of one scheduling on one engine over the same weights")
   p.add_argument("--compilation-cache", default="none",
                  help="JAX persistent compilation cache directory (default none): later "
                       "engines of the run load the serving loop from it")
@@ -376,9 +378,11 @@ class InProcessServer:
     self.url = f"http://127.0.0.1:{self.port}"
     self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                 log_level="warning", lifespan="on"))
-    self.lags = []
+    self.lags, self.gil_lags = [], []
     self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
     self.thread.start()
+    self._gil_probe = threading.Thread(target=self._gil, daemon=True)
+    self._gil_probe.start()
     deadline = time.time() + 60
     while not self.server.started:
       if time.time() > deadline or not self.thread.is_alive():
@@ -398,9 +402,18 @@ class InProcessServer:
       await asyncio.sleep(0.01)
       self.lags.append(time.perf_counter() - t - 0.01)
 
+  def _gil(self):
+    # How late a thread wakes from a 1 ms sleep: mostly the wait for the interpreter lock,
+    # which the driver pays each time a step's launch or a device wait returns.
+    while not self.server.should_exit:
+      t = time.perf_counter()
+      time.sleep(0.001)
+      self.gil_lags.append(time.perf_counter() - t - 0.001)
+
   def stop(self):
     self.server.should_exit = True
     self.thread.join(timeout=30)
+    self._gil_probe.join(timeout=5)
 
 
 def build_engine(checkpoint, args, prompts, max_tokens):
@@ -519,18 +532,30 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
     n = args.requests if math.isinf(rate) or not args.rate_requests else args.rate_requests
     if server is not None:
       server.lags.clear()
+      server.gil_lags.clear()
       before = timers.snapshot()
     if engine is not None:
-      steps0, entries0 = engine.stats.steps, engine.stats.loop_entries
+      s0 = engine.stats
+      steps0, entries0, pace0, call0 = (s0.steps, s0.loop_entries, s0.pace_seconds,
+                                        s0.step_call_seconds)
     r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
     if engine is not None:
-      r["steps"] = engine.stats.steps - steps0
-      r["loop_entries"] = engine.stats.loop_entries - entries0
+      s1 = engine.stats
+      r["steps"] = s1.steps - steps0
+      r["loop_entries"] = s1.loop_entries - entries0
       r["wall_ms_per_step"] = 1e3 * r["wall_s"] / max(1, r["steps"])
+      # Stepping's driver: waiting for the device (it sets the pace) and inside the steps'
+      # calls (the launches, then the interpreter lock), per step.
+      r["pace_ms_per_step"] = 1e3 * (s1.pace_seconds - pace0) / max(1, r["steps"])
+      r["call_ms_per_step"] = 1e3 * (s1.step_call_seconds - call0) / max(1, r["steps"])
       print(f"  {r['steps']} steps in {r['loop_entries']} loop entries, "
-            f"{r['wall_ms_per_step']:.2f} ms of wall per step", flush=True)
+            f"{r['wall_ms_per_step']:.2f} ms of wall per step (driver: waiting for the device "
+            f"{r['pace_ms_per_step']:.2f} ms, in step calls {r['call_ms_per_step']:.2f} ms)",
+            flush=True)
     if server is not None:
       r["loop_lag_s"] = _percentiles(server.lags) | {"max": max(server.lags, default=0.0)}
+      r["gil_lag_s"] = _percentiles(server.gil_lags) | {"max": max(server.gil_lags,
+                                                                  default=0.0)}
       after = timers.snapshot()
       r["profile"] = {k: {"calls": after[k][0] - before[k][0],
                           "seconds": after[k][1] - before[k][1]} for k in after}
@@ -549,6 +574,9 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
       lag = r["loop_lag_s"]
       print(f"  event-loop lag p50/p99/max {1e3 * (lag['p50'] or 0):.1f}/"
             f"{1e3 * (lag['p99'] or 0):.1f}/{1e3 * lag['max']:.1f} ms", flush=True)
+      gil = r["gil_lag_s"]
+      print(f"  thread wake-up lag (1 ms sleeps) p50/p99/max {1e3 * (gil['p50'] or 0):.2f}/"
+            f"{1e3 * (gil['p99'] or 0):.2f}/{1e3 * gil['max']:.2f} ms", flush=True)
     for k, v in r.get("profile", {}).items():
       print(f"  {k}: {v['calls']} calls, {v['seconds']:.3f} s", flush=True)
     for admission in ("best", "longest_first", "fcfs"):
@@ -576,10 +604,13 @@ def main(argv=None) -> int:
   print(f"queue: {len(prompts)} requests, prompts {min(map(len, prompts))}..{max(map(len, prompts))} "
         f"(sum {sum(map(len, prompts))}), outputs {min(max_tokens)}..{max(max_tokens)} "
         f"(sum {sum(max_tokens)})", flush=True)
+  from jaxkv.serve.aio import SWITCH_INTERVAL   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.live import RUN_AHEAD   # pylint: disable=g-import-not-at-top
   configs = []
   for item in args.server_configs.split(","):
-    interval, scheduling, stepping = (item.split(":") + ["", ""])[:3]
-    configs.append((int(interval), scheduling or "fcfs", stepping or "entries"))
+    interval, scheduling, stepping, switch_us, ahead = (item.split(":") + [""] * 4)[:5]
+    configs.append((int(interval), scheduling or "fcfs", stepping or "entries",
+                    int(switch_us or 1e6 * SWITCH_INTERVAL), int(ahead or RUN_AHEAD)))
   if args.url:
     run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
   else:
@@ -602,17 +633,20 @@ def main(argv=None) -> int:
       del engine, model
       gc.collect()   # the columns engine's cache goes before the default one takes the memory
       engine = None
-    for i, (interval, scheduling, stepping) in enumerate(configs):
-      if args.engine == "default":
+    built = None   # the scheduling the default engine was built for: reused while it holds
+    for i, (interval, scheduling, stepping, switch_us, ahead) in enumerate(configs):
+      if args.engine == "default" and built != scheduling:
         engine = None
         gc.collect()
         t = time.perf_counter()
         engine, tokenizer, plan = build_server(checkpoint, scheduling=scheduling)
+        built = scheduling
         if i == 0:
           print(f"default engine built in {time.perf_counter() - t:.1f} s:\n  "
                 + "\n  ".join(plan.lines()), flush=True)
-      else:
+      elif built != scheduling:
         engine = Engine(model, max_len=max_len, scheduling=scheduling)
+        built = scheduling
       if i == 0 and not args.no_offline:   # the same engine offline: the server's anchor
         for admission in ("longest_first", "fcfs"):
           _offline(results, admission, f"{args.engine} engine, {admission}", engine, prompts,
@@ -629,9 +663,14 @@ def main(argv=None) -> int:
                        stepping=stepping)
       t = time.perf_counter()
       aio = app.state.aio
-      warm_up(aio)
-      print(f"server: interval {interval}, {scheduling}, {stepping}: warmed up in "
-            f"{time.perf_counter() - t:.1f} s", flush=True)
+      # Experiment knobs of the AsyncEngine create_app builds (not flags of `jaxkv serve`).
+      aio.switch_interval, aio.run_ahead = switch_us * 1e-6, ahead
+      compiled = warm_up(aio)
+      tag = f"i{interval}-{scheduling}-{stepping}" + (
+          "" if (switch_us, ahead) == (int(1e6 * SWITCH_INTERVAL), RUN_AHEAD)
+          else f"-s{switch_us}-a{ahead}")
+      print(f"server {tag}: warmed up in {time.perf_counter() - t:.1f} s ({compiled:.1f} s "
+            "compiling)", flush=True)
       timers = _Timers(args.profile)
       driver_prof = None
       if args.cprofile:   # one profiler at a time in Python 3.12: the driver's
@@ -640,7 +679,7 @@ def main(argv=None) -> int:
       server = InProcessServer(app)
       try:
         run_rates(args, results, server.url, "bench", prompts, max_tokens, server, timers,
-                  f"i{interval}-{scheduling}-{stepping}", engine=engine)
+                  tag, engine=engine)
       finally:
         server.stop()
         # The driver threads keep the engine alive: its K/V goes now, before the next engine.

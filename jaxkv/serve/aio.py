@@ -17,8 +17,8 @@ steps while fewer than a sixteenth of its columns run and nothing waits, so a
 request that arrives at a quiet engine waits at most that many steps for its
 admission. A consumer that stops early (a closed generator, a cancelled task: a
 client that went away) aborts its request, which frees its columns at the next
-entry. The first `AsyncEngine` to step lowers the interpreter's thread switch
-interval to `SWITCH_INTERVAL` (process-wide, never raised again).
+entry. While an `AsyncEngine` steps it lowers the interpreter's thread switch
+interval (process-wide) to its `switch_interval`, and `close` puts the old one back.
 
 Over a `DataParallelEngine` each engine gets its own driver and reader, and
 each new request goes to the engine with the fewest requests in flight
@@ -35,13 +35,14 @@ import threading
 from typing import AsyncIterator, Callable
 
 from jaxkv.serve.engine import Engine
+from jaxkv.serve.live import RUN_AHEAD
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import Delta
 
 # The interpreter's thread switch interval while an AsyncEngine steps: the driver wants the
-# GIL back as soon as an entry returns, and with the default 5 ms a busy event loop keeps it
-# that long each time while the device waits.
+# GIL back as soon as an entry (or a step's launch) returns, and a busy event loop or reader
+# keeps it about this long each time while the device waits.
 SWITCH_INTERVAL = 0.0005
 
 # How the driver steps (`LiveQueue.dispatch`): loop entries of up to `interval` steps, or
@@ -73,18 +74,29 @@ class AsyncEngine:
       device has run it); `"steps"`: it queues single steps ahead of the device
       (`LiveQueue.dispatch(stepwise=True)`), read back whenever the reader is free
       and at least every `interval` steps; `min_interval` does not apply.
+    switch_interval: the interpreter's thread switch interval (seconds) while the
+      engine steps (`sys.setswitchinterval`, process-wide; `close` restores it).
+    run_ahead: `"steps"`: steps queued on the device at most (`live.RUN_AHEAD`).
   """
 
   def __init__(self, engine: Engine | DataParallelEngine, *, interval: int = 8,
                min_interval: int | None = None,
                on_step: Callable[[list[Delta]], None] | None = None,
-               stepping: str = "entries"):
-    for name, value in (("interval", interval), ("min_interval", min_interval)):
+               stepping: str = "entries", switch_interval: float = SWITCH_INTERVAL,
+               run_ahead: int = RUN_AHEAD):
+    for name, value in (("interval", interval), ("min_interval", min_interval),
+                        ("run_ahead", run_ahead)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value < 1):
         raise ValueError(f"{name}={value!r} must be an int >= 1")
     if stepping not in STEPPING:
       raise ValueError(f"stepping={stepping!r} must be one of {STEPPING}")
+    if (isinstance(switch_interval, bool) or not isinstance(switch_interval, (int, float))
+        or not 0 < switch_interval <= 1):
+      raise ValueError(f"switch_interval={switch_interval!r} must be a number of seconds in "
+                       "(0, 1]")
+    self.switch_interval, self.run_ahead = float(switch_interval), run_ahead
+    self._switch_before: float | None = None
     self.engine, self.interval, self.on_step = engine, interval, on_step
     self.stepping = stepping
     self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
@@ -119,7 +131,8 @@ class AsyncEngine:
     self._owner[rid] = part
     self._queues[rid] = (asyncio.Queue(), request.params.n)
     if not self._threads:
-      sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
+      self._switch_before = sys.getswitchinterval()
+      sys.setswitchinterval(self.switch_interval)
       for i in range(len(self.parts)):
         self._threads += [
             threading.Thread(target=self._drive, args=(i,), name=f"jaxkv-driver-{i}", daemon=True),
@@ -167,6 +180,9 @@ class AsyncEngine:
         part.live.notify()
       for t in self._threads:
         t.join(timeout)
+    if self._switch_before is not None:
+      sys.setswitchinterval(self._switch_before)
+      self._switch_before = None
 
   async def deltas(self, request_id) -> AsyncIterator[Delta]:
     """The request's deltas until each sample has finished; leaving early aborts it.
@@ -218,7 +234,8 @@ class AsyncEngine:
         continue
       try:
         if self.stepping == "steps":   # one step at a time, read back as the host keeps up
-          deltas = live.dispatch(1, stepwise=True, read_every=self.interval)
+          deltas = live.dispatch(1, stepwise=True, read_every=self.interval,
+                                 run_ahead=self.run_ahead)
         else:
           deltas = live.dispatch(self._steps(engine))
       except Exception as e:   # pylint: disable=broad-except  (routed to the requests it failed)

@@ -209,7 +209,8 @@ class LiveQueue:
     return deltas
 
   def dispatch(self, max_steps: int | None = None, *, wait: bool = True,
-               stepwise: bool = False, read_every: int | None = None) -> list[Delta]:
+               stepwise: bool = False, read_every: int | None = None,
+               run_ahead: int = RUN_AHEAD) -> list[Delta]:
     """Applies aborts and cuts, appends waiting requests and dispatches one entry (unless idle).
 
     Returns the deltas of the aborts it applied (and, while a request that wants
@@ -227,7 +228,8 @@ class LiveQueue:
     `read_every` too, the steps are read back only when no entry waits to be
     collected or `read_every` steps are unread (else with a later dispatch's): the
     host reads every step while it keeps up, and less often, never making the
-    device wait, when it does not.
+    device wait, when it does not. `run_ahead` is how many steps it keeps queued
+    on the device, at most (`RUN_AHEAD`).
 
     Raises:
       EngineError: the model, device or cache failed (now, or in an entry read
@@ -237,6 +239,8 @@ class LiveQueue:
     k = engine.max_steps if max_steps is None else max_steps
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
       raise ValueError(f"max_steps={max_steps!r} must be an int >= 1")
+    if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
+      raise ValueError(f"run_ahead={run_ahead!r} must be an int >= 1")
     limit = MAX_IN_FLIGHT_STEPPING if stepwise else MAX_IN_FLIGHT
     with self.ledger.changed:
       while len(self.ledger.pending) >= limit:
@@ -255,7 +259,7 @@ class LiveQueue:
           sync = self.ledger.with_logprobs > 0
         if sync:   # no logprob slot is rewritten before it is read
           k = min(int(k), self.logprob_window)
-        deltas += self._dispatch(int(k), stepwise, None if sync else read_every)
+        deltas += self._dispatch(int(k), stepwise, None if sync else read_every, run_ahead)
         if sync:
           while self.in_flight:
             deltas += self.collect(_from_dispatch=True)
@@ -333,7 +337,8 @@ class LiveQueue:
     err.failed, err.deltas = failed, deltas
     return err
 
-  def _dispatch(self, k: int, stepwise: bool = False, read_every: int | None = None) -> list[Delta]:
+  def _dispatch(self, k: int, stepwise: bool = False, read_every: int | None = None,
+                run_ahead: int = RUN_AHEAD) -> list[Delta]:
     """Aborts, appends, and dispatches one entry unless the device has nothing to do."""
     core = self.engine.core
     if core.state is None:
@@ -368,11 +373,16 @@ class LiveQueue:
         core.admit()
         with ledger.lock:
           ledger.admitted_at, ledger.enqueued_at_admit = index, enqueued
+      stats, clock = self.engine.stats, time.perf_counter
       for _ in range(k):
-        while len(self._ahead) >= RUN_AHEAD:   # paced by the device, not ahead of it
+        t0 = clock()
+        while len(self._ahead) >= run_ahead:   # paced by the device, not ahead of it
           self._ahead.popleft().block_until_ready()
         which = self._step_width()
+        t1 = clock()
         self._ahead.append(core.step(which))
+        stats.pace_seconds += t1 - t0
+        stats.step_call_seconds += clock() - t1
         with ledger.lock:
           ledger.width_total += self.engine.widths[which]
           ledger.steps_total += 1

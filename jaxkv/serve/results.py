@@ -116,6 +116,12 @@ class EngineStats:
       counters are on the host (the steps themselves, and the compilation of a
       first run); the rest of `seconds` is reading outputs and building
       completions between and after entries.
+    step_call_seconds: stepping (`LiveQueue.dispatch(stepwise=True)`): of
+      `seconds`, inside the single steps' calls (launching each step's kernels,
+      then taking the interpreter lock back).
+    pace_seconds: stepping: of `seconds`, waiting for the device to run a step
+      queued earlier. Near `seconds` the device sets the pace; near zero the
+      host does and the device waits for it.
   """
 
   steps: int = 0
@@ -134,6 +140,8 @@ class EngineStats:
   cached_tokens: int = 0
   setup_seconds: float = 0.0
   loop_seconds: float = 0.0
+  step_call_seconds: float = 0.0
+  pace_seconds: float = 0.0
 
   @property
   def serve_seconds(self) -> float:

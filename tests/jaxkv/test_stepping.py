@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 
 import jax
 import numpy as np
@@ -203,12 +204,18 @@ def test_async_engine_stepping_streams_each_requests_tokens(paged_model, rng):
   async def main():
     return await asyncio.gather(*(consume(r) for r in requests))
 
-  engine_aio = AsyncEngine(engine, interval=4, stepping="steps")
+  before = sys.getswitchinterval()
+  engine_aio = AsyncEngine(engine, interval=4, stepping="steps", switch_interval=0.0002,
+                           run_ahead=1)
   got = {}
   for part in asyncio.run(main()):
     got |= part
+  assert sys.getswitchinterval() == pytest.approx(0.0002)   # while it steps
   engine_aio.close(timeout=10)
+  assert sys.getswitchinterval() == before
   assert got == _alone(paged_model, requests)
+  stats = engine.stats   # the driver's time: waiting for the device, inside the steps' calls
+  assert 0 < stats.pace_seconds + stats.step_call_seconds < stats.seconds
 
 
 def test_a_slow_consumer_gets_merged_deltas():
@@ -244,3 +251,19 @@ def test_stepping_argument_is_checked(columns_model):
   engine = serve.Engine(columns_model, max_len=48)
   with pytest.raises(ValueError, match="stepping='often'"):
     AsyncEngine(engine, stepping="often")
+  for bad in (0, -1e-3, 2.0, True, "fast"):
+    with pytest.raises(ValueError, match="switch_interval="):
+      AsyncEngine(engine, switch_interval=bad)
+  for bad in (0, 1.5, True):
+    with pytest.raises(ValueError, match="run_ahead="):
+      AsyncEngine(engine, run_ahead=bad)
+
+
+def test_run_ahead_is_checked_before_anything_changes(columns_model):
+  engine = serve.Engine(columns_model, max_len=48)
+  engine.add_request(serve.Request((1, 2), serve.SamplingParams(max_tokens=3), "a"))
+  for bad in (0, 2.0, False):
+    with pytest.raises(ValueError, match="run_ahead="):
+      engine.live.dispatch(1, stepwise=True, run_ahead=bad)
+  assert engine.core.state is None and engine.counts() == (0, 1)   # nothing dispatched
+  assert engine.live.ledger.dispatched == 0
