@@ -79,11 +79,13 @@ def _args(argv=None):
   p.add_argument("--client-procs", type=int, default=4)
   p.add_argument("--server-configs", default="16:fcfs:entries",
                  help="in-process server settings to measure, comma-separated "
-                      "INTERVAL:SCHEDULING:STEPPING[:SWITCH_US[:AHEAD]] (steps per entry read "
-                      "back; fcfs or longest_first; steps or entries, as `jaxkv serve "
+                      "INTERVAL:SCHEDULING:STEPPING[:SWITCH_US[:AHEAD[:FRONT]]] (steps per "
+                      "entry read back; fcfs or longest_first; steps or entries, as `jaxkv serve "
                       "--stepping`; the interpreter's switch interval in microseconds and the "
-                      "steps queued ahead, the AsyncEngine's switch_interval and run_ahead), "
-                      "consecutive configs of one scheduling on one engine over the same weights")
+                      "steps queued ahead, the AsyncEngine's switch_interval and run_ahead; "
+                      "FRONT auto (uvloop and httptools where installed, as `jaxkv serve`) or "
+                      "asyncio (asyncio's loop and h11)), consecutive configs of one scheduling "
+                      "on one engine over the same weights")
   p.add_argument("--compilation-cache", default="none",
                  help="JAX persistent compilation cache directory (default none): later "
                       "engines of the run load the serving loop from it")
@@ -370,16 +372,22 @@ class _Timers:
 class InProcessServer:
   """The OpenAI app over `engine` on 127.0.0.1, run by uvicorn in a thread, with a loop-lag probe."""
 
-  def __init__(self, app):
+  def __init__(self, app, front: str = "auto"):
     import uvicorn   # pylint: disable=g-import-not-at-top
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       self.port = s.getsockname()[1]
     self.url = f"http://127.0.0.1:{self.port}"
-    self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                log_level="warning", lifespan="on"))
+    # "auto" is what `jaxkv serve` gets (uvloop and httptools where installed); "asyncio"
+    # the pure-Python pair (asyncio's loop, h11).
+    loop, http = ("auto", "auto") if front == "auto" else ("asyncio", "h11")
+    config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                            lifespan="on", loop=loop, http=http)
+    self.server = uvicorn.Server(config)
     self.lags, self.gil_lags = [], []
-    self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+    self.thread = threading.Thread(
+        target=lambda: asyncio.run(self._main(), loop_factory=config.get_loop_factory()),
+        daemon=True)
     self.thread.start()
     self._gil_probe = threading.Thread(target=self._gil, daemon=True)
     self._gil_probe.start()
@@ -388,8 +396,13 @@ class InProcessServer:
       if time.time() > deadline or not self.thread.is_alive():
         raise RuntimeError("the in-process server did not start")
       time.sleep(0.05)
+    http = getattr(config, "http_protocol_class", None)
+    self.front = (f"{getattr(http, '__module__', '?').rsplit('.', 1)[-1].removesuffix('_impl')}"
+                  f" on {self.loop_kind}")
 
   async def _main(self):
+    self.loop = asyncio.get_running_loop()
+    self.loop_kind = type(self.loop).__module__.split(".")[0]
     probe = asyncio.ensure_future(self._probe())
     try:
       await self.server.serve()
@@ -608,9 +621,12 @@ def main(argv=None) -> int:
   from jaxkv.serve.live import RUN_AHEAD   # pylint: disable=g-import-not-at-top
   configs = []
   for item in args.server_configs.split(","):
-    interval, scheduling, stepping, switch_us, ahead = (item.split(":") + [""] * 4)[:5]
+    interval, scheduling, stepping, switch_us, ahead, front = (item.split(":") + [""] * 5)[:6]
+    if front not in ("", "auto", "asyncio"):
+      raise SystemExit(f"--server-configs: front {front!r} must be auto or asyncio")
     configs.append((int(interval), scheduling or "fcfs", stepping or "entries",
-                    int(switch_us or 1e6 * SWITCH_INTERVAL), int(ahead or RUN_AHEAD)))
+                    int(switch_us or 1e6 * SWITCH_INTERVAL), int(ahead or RUN_AHEAD),
+                    front or "auto"))
   if args.url:
     run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
   else:
@@ -634,7 +650,7 @@ def main(argv=None) -> int:
       gc.collect()   # the columns engine's cache goes before the default one takes the memory
       engine = None
     built = None   # the scheduling the default engine was built for: reused while it holds
-    for i, (interval, scheduling, stepping, switch_us, ahead) in enumerate(configs):
+    for i, (interval, scheduling, stepping, switch_us, ahead, front) in enumerate(configs):
       if args.engine == "default" and built != scheduling:
         engine = None
         gc.collect()
@@ -668,7 +684,7 @@ def main(argv=None) -> int:
       compiled = warm_up(aio)
       tag = f"i{interval}-{scheduling}-{stepping}" + (
           "" if (switch_us, ahead) == (int(1e6 * SWITCH_INTERVAL), RUN_AHEAD)
-          else f"-s{switch_us}-a{ahead}")
+          else f"-s{switch_us}-a{ahead}") + ("" if front == "auto" else f"-{front}")
       print(f"server {tag}: warmed up in {time.perf_counter() - t:.1f} s ({compiled:.1f} s "
             "compiling)", flush=True)
       timers = _Timers(args.profile)
@@ -676,7 +692,8 @@ def main(argv=None) -> int:
       if args.cprofile:   # one profiler at a time in Python 3.12: the driver's
         driver_prof = cProfile.Profile()
         _profile_method(args.driver_method, driver_prof)
-      server = InProcessServer(app)
+      server = InProcessServer(app, front)
+      print(f"  HTTP front: {server.front}", flush=True)
       try:
         run_rates(args, results, server.url, "bench", prompts, max_tokens, server, timers,
                   tag, engine=engine)

@@ -328,8 +328,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
           if s.last is None:
             metrics.ttft.observe(now - s.arrived)
           else:
-            for _ in d.tokens:
-              metrics.itl.observe((now - s.last) / len(d.tokens))
+            metrics.itl.observe((now - s.last) / len(d.tokens), len(d.tokens))
           s.last = now
         s.tokens += len(d.tokens)
         text, logprobs = s.push(d)

@@ -7,7 +7,7 @@ returns when the device has finished it, with the GIL released meanwhile, and
 the next entry is dispatched at once. The reader collects each entry
 (`LiveQueue.collect`) while the next one runs and hands its deltas to the event
 loop in one call (`call_soon_threadsafe`), where they are routed to one
-`asyncio.Queue` per request. While they step, the event loop keeps serving:
+mailbox per request. While they step, the event loop keeps serving:
 detokenising, writing streams and accepting requests, which join the loop at
 the next entry.
 
@@ -50,11 +50,35 @@ SWITCH_INTERVAL = 0.0005
 STEPPING = ("steps", "entries")
 
 
-def _merged(a: Delta, b: Delta) -> Delta:
-  """One delta for `a` then `b` (the same sample's, in order)."""
-  return Delta(a.request_id, a.index, a.tokens + b.tokens, b.finish_reason, a.seed,
-               timing=b.timing,
-               logprobs=None if a.logprobs is None else a.logprobs + b.logprobs)
+def _merged(run: list[Delta]) -> Delta:
+  """One delta for `run` (one sample's consecutive deltas, in order)."""
+  if len(run) == 1:
+    return run[0]
+  first, last = run[0], run[-1]
+  tokens = tuple(t for d in run for t in d.tokens)
+  logprobs = None if first.logprobs is None else tuple(x for d in run for x in d.logprobs)
+  return Delta(first.request_id, first.index, tokens, last.finish_reason, first.seed,
+               timing=last.timing, logprobs=logprobs)
+
+
+class _Mailbox:
+  """One request's undelivered deltas (and errors), and its consumer's wake-up while it waits.
+
+  A plain list, not an `asyncio.Queue`: a read-back routes one delta per running sample,
+  and the consumer takes everything that arrived at once, so each costs an append.
+  """
+
+  __slots__ = ("items", "waiter", "remaining")
+
+  def __init__(self, remaining: int):
+    self.items: list = []
+    self.waiter: asyncio.Future | None = None
+    self.remaining = remaining
+
+  def put(self, item) -> None:
+    self.items.append(item)
+    if self.waiter is not None and not self.waiter.done():
+      self.waiter.set_result(None)
 
 
 class AsyncEngine:
@@ -102,7 +126,7 @@ class AsyncEngine:
     self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
                                                                                interval)
     self.parts = list(engine.engines) if isinstance(engine, DataParallelEngine) else [engine]
-    self._queues: dict = {}
+    self._boxes: dict[object, _Mailbox] = {}   # request_id -> its undelivered deltas
     self._owner: dict = {}   # request_id -> the engine serving it (event loop thread only)
     self._ids = itertools.count()
     self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,7 +153,7 @@ class AsyncEngine:
         raise ValueError(f"request_id={rid!r} is already in flight")
     rid = self.parts[part].add_request(request)
     self._owner[rid] = part
-    self._queues[rid] = (asyncio.Queue(), request.params.n)
+    self._boxes[rid] = _Mailbox(request.params.n)
     if not self._threads:
       self._switch_before = sys.getswitchinterval()
       sys.setswitchinterval(self.switch_interval)
@@ -166,9 +190,9 @@ class AsyncEngine:
     """Ends every request a consumer is reading with `error` (raised from `deltas`, which then
     aborts it in the engine; a consumer that reads its last delta first never sees it); how
     many were given it. Call it on the event loop."""
-    for queue, _ in self._queues.values():
-      queue.put_nowait(error)
-    return len(self._queues)
+    for box in self._boxes.values():
+      box.put(error)
+    return len(self._boxes)
 
   def close(self, timeout: float | None = None) -> None:
     """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
@@ -190,25 +214,35 @@ class AsyncEngine:
     Raises:
       EngineError: the step serving the request failed (the request is dropped).
     """
-    queue, remaining = self._queues[request_id]
-    held = None   # taken off the queue while merging, yielded next
+    box = self._boxes[request_id]
     try:
-      while remaining:
-        item, held = (held if held is not None else await queue.get()), None
+      while box.remaining:
+        items = box.items
+        if not items:
+          box.waiter = asyncio.get_running_loop().create_future()
+          try:
+            await box.waiter
+          finally:
+            box.waiter = None
+          continue
+        item = items[0]
         if isinstance(item, BaseException):
+          del items[0]
           raise item
-        # A consumer slower than the steps gets what arrived meanwhile as one delta: fewer,
-        # longer chunks where the event loop is busy, one per step where it keeps up.
-        while item.finish_reason is None and not queue.empty():
-          held = queue.get_nowait()
-          if isinstance(held, BaseException) or held.index != item.index:
-            break
-          item, held = _merged(item, held), None
-        remaining -= item.finish_reason is not None
-        yield item
+        # A consumer slower than the steps gets one sample's deltas that arrived meanwhile as
+        # one: fewer, longer chunks where the event loop is busy, one per step where it keeps up.
+        end = 1
+        while (item.finish_reason is None and end < len(items)
+               and not isinstance(items[end], BaseException) and items[end].index == item.index):
+          item = items[end]
+          end += 1
+        merged = _merged(items[:end])
+        del items[:end]
+        box.remaining -= merged.finish_reason is not None
+        yield merged
     finally:
-      self._queues.pop(request_id, None)
-      if remaining:
+      self._boxes.pop(request_id, None)
+      if box.remaining:
         self.abort(request_id)
       self._owner.pop(request_id, None)
 
@@ -276,15 +310,17 @@ class AsyncEngine:
   def _fail(self, e: Exception, part: int) -> None:
     failed = getattr(e, "failed", None)
     if failed is None:   # unnamed: every request of that engine
-      failed = [rid for rid in self._queues if self._owner.get(rid) == part]
+      failed = [rid for rid in self._boxes if self._owner.get(rid) == part]
     for rid in failed:
-      if rid in self._queues:
-        self._queues[rid][0].put_nowait(e)
+      box = self._boxes.get(rid)
+      if box is not None:
+        box.put(e)
 
   def _route(self, deltas: list[Delta]) -> None:
+    boxes = self._boxes
     for delta in deltas:
-      entry = self._queues.get(delta.request_id)
-      if entry is not None:
-        entry[0].put_nowait(delta)
+      box = boxes.get(delta.request_id)
+      if box is not None:
+        box.put(delta)
     if self.on_step is not None:
       self.on_step(deltas)

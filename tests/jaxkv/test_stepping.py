@@ -222,20 +222,62 @@ def test_a_slow_consumer_gets_merged_deltas():
   """Deltas of one sample waiting in the queue come as one; another sample's, an error and a
   finish end the merge, and nothing is lost or reordered."""
   engine = object.__new__(AsyncEngine)
-  engine._queues, engine._owner = {}, {}
-  queue = asyncio.Queue()
+  engine._boxes, engine._owner = {}, {}
   d = lambda i, toks, reason=None: Delta("r", i, toks, reason, 0)
+  engine._boxes["r"] = box = aio._Mailbox(2)
   for item in (d(0, (1,)), d(0, (2, 3)), d(1, (9,)), d(0, (4,)), d(0, (5,), "stop"),
-               d(1, (), "length")):
-    queue.put_nowait(item)
-  engine._queues["r"] = (queue, 2)
+               d(0, (6,)), d(1, (), "length")):
+    box.put(item)
 
   async def main():
     return [x async for x in engine.deltas("r")]
 
   out = asyncio.run(main())
   assert [(x.index, x.tokens, x.finish_reason) for x in out] == [
-      (0, (1, 2, 3), None), (1, (9,), None), (0, (4, 5), "stop"), (1, (), "length")]
+      (0, (1, 2, 3), None), (1, (9,), None), (0, (4, 5), "stop"), (0, (6,), None),
+      (1, (), "length")]
+  assert not engine._boxes   # delivered to the end: nothing kept
+
+
+def test_deltas_arriving_while_the_consumer_waits_wake_it_in_order():
+  """Deltas routed in batches from another thread reach the consumer in order (merged per
+  sample where several wait), an error ends it after what came before, and a consumer that
+  leaves early aborts its request."""
+  engine = object.__new__(AsyncEngine)
+  engine._boxes, engine._owner, engine.on_step = {}, {}, None
+  aborted = []
+  engine.abort = lambda rid, index=None: aborted.append(rid)
+  d = lambda rid, toks, reason=None: Delta(rid, 0, toks, reason, 0)
+
+  async def main():
+    loop = asyncio.get_running_loop()
+    engine._boxes.update(a=aio._Mailbox(1), b=aio._Mailbox(1), c=aio._Mailbox(1))
+    got = {"a": [], "b": []}
+
+    async def consume(rid):
+      try:
+        async for x in engine.deltas(rid):
+          got[rid].append(x.tokens)
+      except RuntimeError as e:
+        got[rid].append(str(e))
+
+    tasks = [asyncio.ensure_future(consume(r)) for r in "ab"]
+    await asyncio.sleep(0)   # both wait now
+    batches = [[d("a", (1,)), d("b", (5,))], [d("a", (2,))], [d("a", (3,), "length")]]
+    for batch in batches:
+      await loop.run_in_executor(None, lambda b=batch: loop.call_soon_threadsafe(
+          engine._route, b))
+    engine._boxes["b"].put(RuntimeError("step failed"))
+    await asyncio.gather(*tasks)
+    gen = engine.deltas("c")
+    engine._boxes["c"].put(d("c", (7,)))
+    assert (await gen.__anext__()).tokens == (7,)
+    await gen.aclose()   # left before its finish
+    return got
+
+  got = asyncio.run(main())
+  assert [t for x in got["a"] for t in x] == [1, 2, 3] and got["b"] == [(5,), "step failed"]
+  assert aborted == ["b", "c"] and not engine._boxes   # the failed one and the one that left
 
 
 def test_cli_stepping_choices_are_the_engines():

@@ -147,3 +147,34 @@ def test_long_text_encodes_to_the_same_ids_as_the_tokenizer():
     for special in (True, False):
       assert tok.encode(text, add_special_tokens=special) == raw.encode(
           text, add_special_tokens=special).ids
+
+
+def test_histogram_observed_with_counts_renders_as_prometheus_does():
+  """`_Histogram.observe(v, m)` (one call for a delta of m tokens) exposes what m calls of
+  prometheus_client's own Histogram would: buckets, count and sum."""
+  from prometheus_client import CollectorRegistry, Histogram, generate_latest   # pylint: disable=g-import-not-at-top
+  from jaxkv.http import metrics   # pylint: disable=g-import-not-at-top
+  ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+  ours = metrics._Histogram("x_seconds", "doc", "m", metrics._BUCKETS, ours_registry)
+  theirs = Histogram("x_seconds", "doc", ["model_name"], registry=theirs_registry,
+                     buckets=metrics._BUCKETS).labels("m")
+  rng = np.random.default_rng(0)
+  values = list(metrics._BUCKETS[:4]) + [0.0, 500.0] + list(10 ** rng.uniform(-4, 2.5, 60))
+  for v in values:
+    m = int(rng.integers(1, 5))
+    ours.observe(v, m)
+    for _ in range(m):
+      theirs.observe(v)
+
+  def series(registry):
+    out = {}
+    for line in generate_latest(registry).decode().splitlines():
+      if line.startswith("x_seconds") and "_created" not in line:
+        name, value = line.rsplit(" ", 1)
+        out[name] = float(value)
+    return out
+
+  mine, want = series(ours_registry), series(theirs_registry)
+  assert mine.keys() == want.keys() and len(mine) == len(metrics._BUCKETS) + 3
+  for name, value in want.items():
+    assert mine[name] == pytest.approx(value, rel=1e-9), name
