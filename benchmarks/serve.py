@@ -77,7 +77,7 @@ def _args(argv=None):
   p.add_argument("--rate-requests", type=int, default=0,
                  help="requests per finite-rate run (default: --requests)")
   p.add_argument("--client-procs", type=int, default=4)
-  p.add_argument("--server-configs", default="16:fcfs:entries",
+  p.add_argument("--server-configs", default="16:fcfs:steps",
                  help="in-process server settings to measure, comma-separated "
                       "INTERVAL:SCHEDULING:STEPPING[:SWITCH_US[:AHEAD[:FRONT]]] (steps per "
                       "entry read back; fcfs or longest_first; steps or entries, as `jaxkv serve "

@@ -87,11 +87,11 @@ def _parser() -> argparse.ArgumentParser:
   g.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
                  help="K/V storage dtype (default auto: the compute dtype)")
   r = s.add_argument_group("serving")
-  r.add_argument("--stepping", choices=_STEPPING, default="entries",
-                 help="entries: loop entries of up to --interval steps, each returning when the "
-                      "GPU has run it; steps: single steps queued ahead of the GPU, new requests "
-                      "joining at the next step, tokens read back after every step while the host "
-                      "keeps up (default entries)")
+  r.add_argument("--stepping", choices=_STEPPING, default="steps",
+                 help="steps: single steps queued ahead of the GPU, new requests joining at the "
+                      "next step, tokens read back after every step while the host keeps up "
+                      "(sampled requests step in loop entries); entries: loop entries of up to "
+                      "--interval steps, each returning when the GPU has run it (default steps)")
   r.add_argument("--interval", type=int, default=16,
                  help="most steps per entry, and read back at once: tokens stream in chunks of at "
                       "most this many (default 16)")

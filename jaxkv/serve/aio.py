@@ -43,7 +43,7 @@ from jaxkv.serve.results import Delta
 # The interpreter's thread switch interval while an AsyncEngine steps: the driver wants the
 # GIL back as soon as an entry (or a step's launch) returns, and a busy event loop or reader
 # keeps it about this long each time while the device waits.
-SWITCH_INTERVAL = 0.0005
+SWITCH_INTERVAL = 0.0001
 
 # How the driver steps (`LiveQueue.dispatch`): loop entries of up to `interval` steps, or
 # single steps queued ahead of the device, read back every `interval` steps.

@@ -225,10 +225,11 @@ class LiveQueue:
     `RUN_AHEAD` steps ahead of the device). That holds while every request in flight
     is plain greedy; otherwise (the sampler's branches would make each step wait)
     it runs a loop entry of `max(max_steps, read_every)` steps. With
-    `read_every` too, the steps are read back only when no entry waits to be
-    collected or `read_every` steps are unread (else with a later dispatch's): the
-    host reads every step while it keeps up, and less often, never making the
-    device wait, when it does not. `run_ahead` is how many steps it keeps queued
+    `read_every` too, the steps are read back only while fewer than `run_ahead`
+    entries wait to be collected (the reader is no further behind than the
+    device's queue) or once `read_every` steps are unread (else with a later
+    dispatch's): the host reads every step while it keeps up, and less often,
+    never making the device wait, when it does not. `run_ahead` is how many steps it keeps queued
     on the device, at most (`RUN_AHEAD`).
 
     Raises:
@@ -241,7 +242,7 @@ class LiveQueue:
       raise ValueError(f"max_steps={max_steps!r} must be an int >= 1")
     if isinstance(run_ahead, bool) or not isinstance(run_ahead, int) or run_ahead < 1:
       raise ValueError(f"run_ahead={run_ahead!r} must be an int >= 1")
-    limit = MAX_IN_FLIGHT_STEPPING if stepwise else MAX_IN_FLIGHT
+    limit = max(MAX_IN_FLIGHT_STEPPING, run_ahead + 1) if stepwise else MAX_IN_FLIGHT
     with self.ledger.changed:
       while len(self.ledger.pending) >= limit:
         if not wait:
@@ -389,8 +390,12 @@ class LiveQueue:
       self._unread += k
       self._unread_admit |= admit
       with ledger.lock:
-        if read_every is not None and ledger.pending and self._unread < read_every:
-          return deltas   # the reader is busy: a later entry reads these steps
+        # The reader is behind by more than the steps the device holds: a later entry reads
+        # these steps. (Waiting for no entry at all would read every second step: the last
+        # step's read-back is pending until the device runs it.)
+        if (read_every is not None and len(ledger.pending) >= run_ahead
+            and self._unread < read_every):
+          return deltas
       k, admit, self._unread, self._unread_admit = self._unread, self._unread_admit, 0, False
       enqueued, enqueued_tokens = ledger.enqueued, ledger.enqueued_tokens
     self.engine.stats.loop_entries += 1

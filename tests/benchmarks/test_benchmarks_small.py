@@ -23,7 +23,7 @@ BENCHMARKS = ROOT / "benchmarks"
 # script, arguments, a regex the output must match (the result line), extra environment.
 CPU_RUNS = {
     "serve.py": (["--small", "--rates", "inf"],
-                 r"server i\d+-fcfs-entries rate inf .* tok/s .* failed 0 short 0", {}),
+                 r"server i\d+-fcfs-steps rate inf .* tok/s .* failed 0 short 0", {}),
     "e2e.py": (["--small"], r"speed-up jaxkv / baseline: \d+\.\d+x; first tokens agree", {}),
     "e2e.py mixed paged": (
         ["--small", "--workload", "mixed", "--paged", "16"],

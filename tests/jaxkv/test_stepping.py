@@ -284,7 +284,7 @@ def test_cli_stepping_choices_are_the_engines():
   from jaxkv import cli   # pylint: disable=g-import-not-at-top
   assert cli._STEPPING == aio.STEPPING
   args = cli._parser().parse_args(["serve", "m"])
-  assert (args.stepping, args.interval) == ("entries", 16)
+  assert (args.stepping, args.interval) == ("steps", 16)
   with pytest.raises(SystemExit):
     cli._parser().parse_args(["serve", "m", "--stepping", "sometimes"])
 
@@ -309,3 +309,26 @@ def test_run_ahead_is_checked_before_anything_changes(columns_model):
       engine.live.dispatch(1, stepwise=True, run_ahead=bad)
   assert engine.core.state is None and engine.counts() == (0, 1)   # nothing dispatched
   assert engine.live.ledger.dispatched == 0
+
+
+def test_each_step_is_read_back_while_the_reader_keeps_pace_with_the_device(paged_model):
+  """A reader one step behind the driver (it collects a step's read-back once the next step is
+  queued, as the device runs them) gets one read-back per step, i.e. a token per step per
+  stream; one that falls further behind gets several steps per read-back."""
+  engine = serve.Engine(paged_model, max_len=48)
+  live_q = engine.live
+  engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=30), "a"))
+  live_q.dispatch(1, stepwise=True, read_every=8)   # admission, then its first step
+  entries, steps = engine.stats.loop_entries, live_q.ledger.steps_total
+  for _ in range(6):
+    live_q.dispatch(1, stepwise=True, read_every=8)
+    while live_q.in_flight >= live.RUN_AHEAD:
+      live_q.collect()
+  assert live_q.ledger.steps_total - steps == 6
+  assert engine.stats.loop_entries - entries == 6   # a read-back per step
+  entries = engine.stats.loop_entries
+  for _ in range(6):   # nobody collects: read-backs merge once RUN_AHEAD wait
+    live_q.dispatch(1, stepwise=True, read_every=8)
+  assert engine.stats.loop_entries - entries < 6
+  while live_q.in_flight:
+    live_q.collect()

@@ -99,7 +99,10 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
     assert not engine.has_unfinished()   # the warm-up left nothing behind
     from jaxkv import serve   # pylint: disable=g-import-not-at-top
     engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=4)))
-    ran["tokens"] = sum(len(d.tokens) for d in engine.stream(8))
+    stepwise, live, tokens = args.stepping == "steps", engine.live, 0   # as the driver steps
+    while engine.has_unfinished() or stepwise and live.has_work():
+      tokens += sum(len(d.tokens) for d in live.step(args.interval, stepwise=stepwise))
+    ran["tokens"] = tokens
     ran["compile_after"] = engine.stats.compile_seconds
 
   monkeypatch.setattr(cli, "_run_server", fake_run)
