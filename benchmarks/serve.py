@@ -83,9 +83,10 @@ def _args(argv=None):
                       "entry read back; fcfs or longest_first; steps or entries, as `jaxkv serve "
                       "--stepping`; the interpreter's switch interval in microseconds and the "
                       "steps queued ahead, the AsyncEngine's switch_interval and run_ahead; "
-                      "FRONT auto (uvloop and httptools where installed, as `jaxkv serve`) or "
-                      "asyncio (asyncio's loop and h11)), consecutive configs of one scheduling "
-                      "on one engine over the same weights")
+                      "FRONT auto (uvloop and httptools where installed, as `jaxkv serve`), "
+                      "asyncio (asyncio's loop and h11) or pN (N front processes, `jaxkv serve "
+                      "--api-server-count N`)), consecutive configs of one scheduling on one "
+                      "engine over the same weights")
   p.add_argument("--compilation-cache", default="none",
                  help="JAX persistent compilation cache directory (default none): later "
                       "engines of the run load the serving loop from it")
@@ -429,6 +430,37 @@ class InProcessServer:
     self._gil_probe.join(timeout=5)
 
 
+def _serve_fronts(args, results, engine, tokenizer, prompts, max_tokens, tag, count, aio_args):
+  """`run_rates` against `count` front processes (`jaxkv.http.fronts.FrontProcesses`)."""
+  from jaxkv.http.fronts import FrontProcesses   # pylint: disable=g-import-not-at-top
+  fronts = FrontProcesses(engine, tokenizer, count=count, host="127.0.0.1", port=0,
+                          app_args=dict(model_name="bench"),
+                          server_args=dict(log_level="warning"), aio_args=aio_args)
+  fronts.start()
+  thread = threading.Thread(target=fronts.serve, daemon=True)
+  thread.start()
+  url = f"http://127.0.0.1:{fronts.port}"
+  deadline = time.time() + 120
+  while True:   # the fronts import and build their apps
+    try:
+      with socket.create_connection(("127.0.0.1", fronts.port), timeout=1) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        if c.recv(64).startswith(b"HTTP/1.1 200"):
+          break
+    except OSError:
+      pass
+    if time.time() > deadline:
+      raise RuntimeError("the front processes did not start")
+    time.sleep(0.2)
+  print(f"  HTTP front: {count} processes", flush=True)
+  try:
+    run_rates(args, results, url, "bench", prompts, max_tokens, None, None, tag, engine=engine)
+  finally:
+    fronts.stop()
+    thread.join(timeout=60)
+    engine.core.drop()
+
+
 def build_engine(checkpoint, args, prompts, max_tokens):
   """`(model, max_len, tokenizer)`: the checkpoint loaded as bf16 over a cache sized for the queue."""
   import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
@@ -622,8 +654,10 @@ def main(argv=None) -> int:
   configs = []
   for item in args.server_configs.split(","):
     interval, scheduling, stepping, switch_us, ahead, front = (item.split(":") + [""] * 5)[:6]
-    if front not in ("", "auto", "asyncio"):
-      raise SystemExit(f"--server-configs: front {front!r} must be auto or asyncio")
+    if front not in ("", "auto", "asyncio") and not (front[:1] == "p" and front[1:].isdigit()
+                                                     and int(front[1:]) > 1):
+      raise SystemExit(f"--server-configs: front {front!r} must be auto, asyncio or pN "
+                       "(N > 1 front processes)")
     configs.append((int(interval), scheduling or "fcfs", stepping or "entries",
                     int(switch_us or 1e6 * SWITCH_INTERVAL), int(ahead or RUN_AHEAD),
                     front or "auto"))
@@ -692,6 +726,12 @@ def main(argv=None) -> int:
       if args.cprofile:   # one profiler at a time in Python 3.12: the driver's
         driver_prof = cProfile.Profile()
         _profile_method(args.driver_method, driver_prof)
+      if front.startswith("p"):   # front processes over a host of the engine, as the CLI runs
+        del app
+        _serve_fronts(args, results, engine, tokenizer, prompts, max_tokens, tag, int(front[1:]),
+                      dict(interval=interval, stepping=stepping, switch_interval=switch_us * 1e-6,
+                           run_ahead=ahead))
+        continue
       server = InProcessServer(app, front)
       print(f"  HTTP front: {server.front}", flush=True)
       try:

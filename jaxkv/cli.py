@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
                       "next step, tokens read back after every step while the host keeps up "
                       "(sampled requests step in loop entries); entries: loop entries of up to "
                       "--interval steps, each returning when the GPU has run it (default steps)")
+  r.add_argument("--api-server-count", type=int, default=1,
+                 help="HTTP front processes: 1 serves HTTP in the engine's process; N > 1 runs N "
+                      "front processes on the port beside it, so the engine's process only steps "
+                      "and N event loops write the streams (default 1)")
   r.add_argument("--interval", type=int, default=16,
                  help="most steps per entry, and read back at once: tokens stream in chunks of at "
                       "most this many (default 16)")
@@ -199,7 +203,8 @@ def _check_args(args) -> str | None:
             if args.model is not None else "the checkpoint is required: jaxkv serve MODEL "
             "(a directory or a Hugging Face model id), or --checkpoint MODEL")
   for name in ("max_write", "interval", "tensor_parallel_size", "data_parallel_size",
-               "max_queued", "max_queued_tokens", "max_body_bytes", "max_prompts"):
+               "max_queued", "max_queued_tokens", "max_body_bytes", "max_prompts",
+               "api_server_count"):
     if getattr(args, name) < 1:
       return f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1"
   for name in ("max_seqs", "max_len", "min_interval", "kv_cache_memory"):
@@ -305,16 +310,16 @@ def serve(args) -> int:
   print(f"jaxkv serve: compilation cache: {cache_dir or 'off'}", flush=True)
   # Said before it starts: on a CPU the compile takes tens of seconds and would look like a hang.
   name = args.model_name or os.path.basename(os.path.normpath(args.checkpoint))
-  app = create_app(engine, tokenizer, model_name=name, interval=args.interval,
-                   min_interval=args.min_interval, stepping=args.stepping,
-                   max_queued=args.max_queued,
-                   max_queued_tokens=args.max_queued_tokens,
-                   stats_interval=args.stats_interval, api_key=args.api_key,
-                   allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
-                                    if o.strip()],
-                   max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
-                   chat_template=chat_template,
-                   on_shutdown=lambda: close())
+  app_args = dict(model_name=name, max_queued=args.max_queued,
+                  max_queued_tokens=args.max_queued_tokens,
+                  stats_interval=args.stats_interval, api_key=args.api_key,
+                  allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
+                                   if o.strip()],
+                  max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                  chat_template=chat_template)
+  aio_args = dict(interval=args.interval, min_interval=args.min_interval,
+                  stepping=args.stepping)
+  app = create_app(engine, tokenizer, **aio_args, **app_args, on_shutdown=lambda: close())
   print("jaxkv serve: compiling the serving loop with a warm-up request ...", flush=True)
   compiled = warm_up(app.state.aio)
   print(f"jaxkv serve: compiled the serving loop in {compiled:.2f} s (before the first "
@@ -327,9 +332,26 @@ def serve(args) -> int:
       closed.append(True)
       print(summary(engine.stats, warm), flush=True)
 
-  _run_server(app, args)
+  if args.api_server_count > 1:
+    del app   # its AsyncEngine compiled the programs; the host steps the engine instead
+    _run_fronts(engine, tokenizer, args, app_args, aio_args)
+  else:
+    _run_server(app, args)
   close()
   return 0
+
+
+def _run_fronts(engine, tokenizer, args, app_args: dict, aio_args: dict) -> None:
+  """Serves through `--api-server-count` front processes until a shutdown signal has drained
+  them (`jaxkv.http.fronts`)."""
+  from jaxkv.http.fronts import serve_with_fronts   # pylint: disable=g-import-not-at-top
+  serve_with_fronts(
+      engine, tokenizer, count=args.api_server_count, host=args.host, port=args.port,
+      app_args=app_args, aio_args=aio_args,
+      server_args=dict(log_level=args.log_level,
+                       timeout_graceful_shutdown=args.shutdown_timeout),
+      on_listening=lambda: print(f"jaxkv serve: {args.api_server_count} front processes on "
+                                 f"{args.host}:{args.port}", flush=True))
 
 
 def _run_server(app, args) -> None:

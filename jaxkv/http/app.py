@@ -74,7 +74,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                stats_interval: float = 0.0, api_key: str | None = None,
                allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
                max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None,
-               chat_template: str | None = None, stepping: str = "entries") -> FastAPI:
+               chat_template: str | None = None, stepping: str = "entries",
+               client=None) -> FastAPI:
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
   `interval`, `min_interval` and `stepping` are the `AsyncEngine`'s (steps per entry
@@ -89,7 +90,9 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   and so is a request of more than `max_prompts` prompts. `on_shutdown` is called
   when the app stops, after the driver thread has ended (the CLI prints its summary).
   `chat_template` (a template name of the checkpoint's set, or template text)
-  replaces the checkpoint's default chat template.
+  replaces the checkpoint's default chat template. `client` serves the requests in
+  place of an `AsyncEngine` over `engine` (a front process's `fronts.RemoteEngine`, with
+  `engine` its `fronts.EngineView`); the stepping arguments are then the host's.
   """
   for name, value in (("max_queued", max_queued), ("max_queued_tokens", max_queued_tokens),
                       ("max_body_bytes", max_body_bytes),
@@ -99,8 +102,13 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   if api_key is not None and (not isinstance(api_key, str) or not api_key):
     raise ValueError("api_key must be a non-empty string (or None: no key)")
   metrics = Metrics(engine.capacity, model_name)
-  aio = AsyncEngine(engine, interval=interval, min_interval=min_interval, stepping=stepping,
-                    on_step=lambda deltas: metrics.after_step(engine, deltas))
+  after_step = lambda deltas: metrics.after_step(engine, deltas)
+  if client is None:
+    aio = AsyncEngine(engine, interval=interval, min_interval=min_interval, stepping=stepping,
+                      on_step=after_step)
+  else:
+    aio = client
+    aio.on_step = after_step
 
   drain = Drain(lambda: aio.fail_all(Draining()))
 

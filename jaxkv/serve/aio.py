@@ -80,6 +80,34 @@ class _Mailbox:
     if self.waiter is not None and not self.waiter.done():
       self.waiter.set_result(None)
 
+  async def drain(self) -> AsyncIterator[Delta]:
+    """The deltas as they arrive until every sample has finished; an error put in between
+    is raised after what came before it."""
+    while self.remaining:
+      items = self.items
+      if not items:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+          await self.waiter
+        finally:
+          self.waiter = None
+        continue
+      item = items[0]
+      if isinstance(item, BaseException):
+        del items[0]
+        raise item
+      # A consumer slower than the steps gets one sample's deltas that arrived meanwhile as
+      # one: fewer, longer chunks where the event loop is busy, one per step where it keeps up.
+      end = 1
+      while (item.finish_reason is None and end < len(items)
+             and not isinstance(items[end], BaseException) and items[end].index == item.index):
+        item = items[end]
+        end += 1
+      merged = _merged(items[:end])
+      del items[:end]
+      self.remaining -= merged.finish_reason is not None
+      yield merged
+
 
 class AsyncEngine:
   """Serves `Engine.add_request`/`step` from asyncio.
@@ -101,13 +129,17 @@ class AsyncEngine:
     switch_interval: the interpreter's thread switch interval (seconds) while the
       engine steps (`sys.setswitchinterval`, process-wide; `close` restores it).
     run_ahead: `"steps"`: steps queued on the device at most (`live.RUN_AHEAD`).
+    sink: deliver on the stepping threads instead of an event loop: `sink.deltas(deltas)`
+      after each read-back and `sink.failed(error, request_ids)` for the requests a failure
+      dropped (`EngineHost` forwards them to front processes). Requests then need their
+      own `request_id`, and `deltas`/`generate` are not available.
   """
 
   def __init__(self, engine: Engine | DataParallelEngine, *, interval: int = 8,
                min_interval: int | None = None,
                on_step: Callable[[list[Delta]], None] | None = None,
                stepping: str = "entries", switch_interval: float = SWITCH_INTERVAL,
-               run_ahead: int = RUN_AHEAD):
+               run_ahead: int = RUN_AHEAD, sink=None):
     for name, value in (("interval", interval), ("min_interval", min_interval),
                         ("run_ahead", run_ahead)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -121,6 +153,8 @@ class AsyncEngine:
                        "(0, 1]")
     self.switch_interval, self.run_ahead = float(switch_interval), run_ahead
     self._switch_before: float | None = None
+    self.sink = sink
+    self._remaining: dict = {}   # sink: request_id -> samples not finished yet
     self.engine, self.interval, self.on_step = engine, interval, on_step
     self.stepping = stepping
     self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
@@ -141,7 +175,10 @@ class AsyncEngine:
     """
     if self._closed:
       raise RuntimeError("the AsyncEngine is closed")
-    self._loop = asyncio.get_running_loop()
+    if self.sink is None:
+      self._loop = asyncio.get_running_loop()
+    elif request.request_id is None:
+      raise ValueError("request_id=None: an AsyncEngine with a sink needs each request's id")
     part = 0
     if len(self.parts) > 1:   # the least busy engine; ids unique across the group
       part = min(range(len(self.parts)), key=lambda i: sum(self.parts[i].counts()))
@@ -151,9 +188,19 @@ class AsyncEngine:
         request = request.replace(request_id=rid)
       elif rid in self._owner:
         raise ValueError(f"request_id={rid!r} is already in flight")
-    rid = self.parts[part].add_request(request)
+    if self.sink is not None:   # known before its first delta can be read back
+      self._owner[request.request_id] = part
+      self._remaining[request.request_id] = request.params.n
+    try:
+      rid = self.parts[part].add_request(request)
+    except BaseException:
+      if self.sink is not None:
+        self._owner.pop(request.request_id, None)
+        self._remaining.pop(request.request_id, None)
+      raise
     self._owner[rid] = part
-    self._boxes[rid] = _Mailbox(request.params.n)
+    if self.sink is None:
+      self._boxes[rid] = _Mailbox(request.params.n)
     if not self._threads:
       self._switch_before = sys.getswitchinterval()
       sys.setswitchinterval(self.switch_interval)
@@ -215,32 +262,12 @@ class AsyncEngine:
       EngineError: the step serving the request failed (the request is dropped).
     """
     box = self._boxes[request_id]
+    deltas = box.drain()
     try:
-      while box.remaining:
-        items = box.items
-        if not items:
-          box.waiter = asyncio.get_running_loop().create_future()
-          try:
-            await box.waiter
-          finally:
-            box.waiter = None
-          continue
-        item = items[0]
-        if isinstance(item, BaseException):
-          del items[0]
-          raise item
-        # A consumer slower than the steps gets one sample's deltas that arrived meanwhile as
-        # one: fewer, longer chunks where the event loop is busy, one per step where it keeps up.
-        end = 1
-        while (item.finish_reason is None and end < len(items)
-               and not isinstance(items[end], BaseException) and items[end].index == item.index):
-          item = items[end]
-          end += 1
-        merged = _merged(items[:end])
-        del items[:end]
-        box.remaining -= merged.finish_reason is not None
-        yield merged
+      async for delta in deltas:
+        yield delta
     finally:
+      await deltas.aclose()
       self._boxes.pop(request_id, None)
       if box.remaining:
         self.abort(request_id)
@@ -302,6 +329,9 @@ class AsyncEngine:
       self._wakes[part].wait(1.0)
 
   def _post(self, fn, arg) -> None:
+    if self.sink is not None:   # delivered on this thread
+      fn(arg)
+      return
     try:
       self._loop.call_soon_threadsafe(fn, arg)
     except RuntimeError:   # the event loop is closed: nobody is listening any more
@@ -310,13 +340,31 @@ class AsyncEngine:
   def _fail(self, e: Exception, part: int) -> None:
     failed = getattr(e, "failed", None)
     if failed is None:   # unnamed: every request of that engine
-      failed = [rid for rid in self._boxes if self._owner.get(rid) == part]
+      failed = [rid for rid in (self._remaining if self.sink is not None else self._boxes)
+                if self._owner.get(rid) == part]
+    if self.sink is not None:
+      for rid in failed:
+        self._owner.pop(rid, None)
+        self._remaining.pop(rid, None)
+      self.sink.failed(e, list(failed))
+      return
     for rid in failed:
       box = self._boxes.get(rid)
       if box is not None:
         box.put(e)
 
   def _route(self, deltas: list[Delta]) -> None:
+    if self.sink is not None:
+      for d in deltas:   # a request whose samples have all finished is forgotten
+        if d.finish_reason is not None and d.request_id in self._remaining:
+          self._remaining[d.request_id] -= 1
+          if not self._remaining[d.request_id]:
+            del self._remaining[d.request_id]
+            self._owner.pop(d.request_id, None)
+      self.sink.deltas(deltas)
+      if self.on_step is not None:
+        self.on_step(deltas)
+      return
     boxes = self._boxes
     for delta in deltas:
       box = boxes.get(delta.request_id)

@@ -244,7 +244,7 @@ def test_deltas_arriving_while_the_consumer_waits_wake_it_in_order():
   sample where several wait), an error ends it after what came before, and a consumer that
   leaves early aborts its request."""
   engine = object.__new__(AsyncEngine)
-  engine._boxes, engine._owner, engine.on_step = {}, {}, None
+  engine._boxes, engine._owner, engine.on_step, engine.sink = {}, {}, None, None
   aborted = []
   engine.abort = lambda rid, index=None: aborted.append(rid)
   d = lambda rid, toks, reason=None: Delta(rid, 0, toks, reason, 0)
