@@ -176,8 +176,8 @@ class RemoteEngine:
   def _post(self, fn, arg) -> None:
     try:
       self._loop.call_soon_threadsafe(fn, arg)
-    except RuntimeError:   # the event loop is closed
-      self._closed = True
+    except RuntimeError:   # that event loop has closed: nobody there listens any more
+      pass
 
   def _handle(self, message) -> None:   # on the event loop
     kind = message[0]
