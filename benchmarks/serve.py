@@ -93,6 +93,9 @@ def _args(argv=None):
   p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
   p.add_argument("--slo-tpot", type=float, default=0.05, help="goodput: TPOT bound, seconds")
   p.add_argument("--no-offline", action="store_true", help="skip the offline Engine.run anchor")
+  p.add_argument("--skip-best", action="store_true",
+                 help="skip the best offline row (the 64-column engine), keep the server "
+                      "engine's own offline anchors")
   p.add_argument("--offline-entry-steps", default="",
                  help="also run offline with at most these many steps per loop entry (comma-"
                       "separated): the cost of visiting the host more often")
@@ -675,7 +678,7 @@ def main(argv=None) -> int:
     print(f"device {jax.devices()[0].device_kind}; model loaded in {time.perf_counter() - t:.1f} s "
           f"(columns engine: {args.slots} slots, W={args.max_write}, max_len={max_len})",
           flush=True)
-    if not args.no_offline:
+    if not args.no_offline and not args.skip_best:
       # The best offline row (columns, longest first), whatever engine the server runs.
       _offline(results, "best", "columns, longest_first", engine, prompts, max_tokens,
                "longest_first")
