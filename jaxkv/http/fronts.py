@@ -17,6 +17,7 @@ the engine's process goes away, every request in flight ends with an `EngineErro
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import pickle
@@ -220,6 +221,10 @@ def front_main(conn, sock: socket.socket, info: dict, tokenizer, index: int, cou
   view = EngineView(info)
   client = RemoteEngine(conn, view, front=index, fronts=count)
   app = create_app(view, tokenizer, client=client, **app_args)
+  # As the engine's process after its warm-up (cli.warm_up): a full collection under load then
+  # walks only what serving makes, not the imports' heap.
+  gc.collect()
+  gc.freeze()
   config = uvicorn.Config(app, **server_args)
   DrainingServer(config, app.state.drain).run(sockets=[sock])
 
