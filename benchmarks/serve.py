@@ -542,6 +542,8 @@ def plot(results, path):
     axes[2].plot([k for k, _ in points], [v["ttft_s"]["p99"] for _, v in points], "o-", label=tag)
   for ax, title in ((axes[1], "throughput (tok/s)"), (axes[2], "TTFT p99 (s)")):
     ax.set(xlabel="arrival rate (requests/s)", title=title)
+    if series:
+      ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
 
