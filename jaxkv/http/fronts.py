@@ -26,7 +26,7 @@ import socket
 import threading
 from typing import AsyncIterator
 
-from jaxkv.serve.aio import _Mailbox
+from jaxkv.serve.aio import _Mailbox, delivered, route
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.hosting import EngineHost, from_row
 from jaxkv.serve.requests import Request, check_request
@@ -144,18 +144,14 @@ class RemoteEngine:
       pass
     self.conn.close()
 
-  async def deltas(self, request_id) -> AsyncIterator:
-    """`AsyncEngine.deltas`: the request's deltas until each sample has finished."""
-    box = self._boxes[request_id]
-    deltas = box.drain()
-    try:
-      async for delta in deltas:
-        yield delta
-    finally:
-      await deltas.aclose()
-      self._boxes.pop(request_id, None)
-      if box.remaining and self._gone is None and not self._closed:
-        self.abort(request_id)
+  def deltas(self, request_id) -> AsyncIterator:
+    """`AsyncEngine.deltas`: the request's deltas until each sample has finished; leaving
+    early aborts it."""
+    return delivered(self._boxes, request_id, self._ended)
+
+  def _ended(self, request_id, finished: bool) -> None:
+    if not finished and self._gone is None and not self._closed:
+      self.abort(request_id)
 
   def _send(self, message) -> None:
     with self._send_lock:
@@ -185,14 +181,7 @@ class RemoteEngine:
     if kind == "deltas":
       _, rows, status = message
       self.view.update(status)
-      deltas = [from_row(row) for row in rows]
-      boxes = self._boxes
-      for d in deltas:
-        box = boxes.get(d.request_id)
-        if box is not None:
-          box.put(d)
-      if self.on_step is not None:
-        self.on_step(deltas)
+      route(self._boxes, [from_row(row) for row in rows], self.on_step)
     elif kind == "failed":
       _, ids, text = message
       for rid in ids:

@@ -109,6 +109,31 @@ class _Mailbox:
       yield merged
 
 
+def route(boxes: dict, deltas: list[Delta], on_step=None) -> None:
+  """Each delta into its request's mailbox (a request no longer consumed: dropped); then
+  `on_step(deltas)`."""
+  for delta in deltas:
+    box = boxes.get(delta.request_id)
+    if box is not None:
+      box.put(delta)
+  if on_step is not None:
+    on_step(deltas)
+
+
+async def delivered(boxes: dict, request_id, on_end) -> AsyncIterator[Delta]:
+  """`boxes[request_id]`'s deltas until each sample has finished; then (or when the consumer
+  leaves early) the mailbox goes and `on_end(request_id, finished)` is called."""
+  box = boxes[request_id]
+  deltas = box.drain()
+  try:
+    async for delta in deltas:
+      yield delta
+  finally:
+    await deltas.aclose()
+    boxes.pop(request_id, None)
+    on_end(request_id, not box.remaining)
+
+
 class AsyncEngine:
   """Serves `Engine.add_request`/`step` from asyncio.
 
@@ -255,23 +280,18 @@ class AsyncEngine:
       sys.setswitchinterval(self._switch_before)
       self._switch_before = None
 
-  async def deltas(self, request_id) -> AsyncIterator[Delta]:
+  def deltas(self, request_id) -> AsyncIterator[Delta]:
     """The request's deltas until each sample has finished; leaving early aborts it.
 
     Raises:
       EngineError: the step serving the request failed (the request is dropped).
     """
-    box = self._boxes[request_id]
-    deltas = box.drain()
-    try:
-      async for delta in deltas:
-        yield delta
-    finally:
-      await deltas.aclose()
-      self._boxes.pop(request_id, None)
-      if box.remaining:
-        self.abort(request_id)
-      self._owner.pop(request_id, None)
+    return delivered(self._boxes, request_id, self._ended)
+
+  def _ended(self, request_id, finished: bool) -> None:
+    if not finished:
+      self.abort(request_id)
+    self._owner.pop(request_id, None)
 
   async def generate(self, request: Request) -> AsyncIterator[Delta]:
     """`add_request` then `deltas`."""
@@ -365,10 +385,4 @@ class AsyncEngine:
       if self.on_step is not None:
         self.on_step(deltas)
       return
-    boxes = self._boxes
-    for delta in deltas:
-      box = boxes.get(delta.request_id)
-      if box is not None:
-        box.put(delta)
-    if self.on_step is not None:
-      self.on_step(deltas)
+    route(self._boxes, deltas, self.on_step)

@@ -150,29 +150,13 @@ def test_readme_serve_command_is_a_valid_command_line():
 def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
   """`jaxkv serve` as a process: a SIGTERM while a stream is in flight lets it finish (within
   --shutdown-timeout), refuses new connections, prints the closing summary and exits."""
-  import signal, socket, subprocess, sys, threading, time   # pylint: disable=g-import-not-at-top,multiple-imports
+  import signal, threading   # pylint: disable=g-import-not-at-top,multiple-imports
   import openai   # pylint: disable=g-import-not-at-top
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  port = sock.getsockname()[1]
-  sock.close()
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxkv.cli", "serve", "--checkpoint", FIXTURE, "--max-len", "128",
-       "--max-seqs", "2", "--port", str(port), "--compilation-cache", "none", "--interval", "1",
-       "--shutdown-timeout", "60", "--stats-interval", "0", "--log-level", "warning"],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-  try:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120,
-                           max_retries=0)
-    deadline = time.monotonic() + 600   # the warm-up compiles on a loaded CPU first
-    while True:
-      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-      try:
-        client.models.list()
-        break
-      except openai.APIConnectionError:
-        time.sleep(0.5)
+  from http_server import serving_process   # pylint: disable=g-import-not-at-top
+  with serving_process("--checkpoint", FIXTURE, "--max-len", "128", "--max-seqs", "2",
+                       "--compilation-cache", "none", "--interval", "1", "--shutdown-timeout",
+                       "60", "--stats-interval", "0", "--log-level", "warning") as (
+                           proc, port, client):
     # The README's serve quick start: its Python client as printed, against this server.
     scope: dict = {}
     exec(compile(_readme_block("python").replace("localhost:8000", f"127.0.0.1:{port}"),   # pylint: disable=exec-used
@@ -197,9 +181,6 @@ def test_sigterm_drains_in_flight_requests_and_prints_the_summary():
     with pytest.raises(openai.APIConnectionError):   # no new connection while draining or after
       client.models.list()
     out, _ = proc.communicate(timeout=300)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
   assert "jaxkv serve: generated" in out and "tokens/s" in out, out[-2000:]
 
 

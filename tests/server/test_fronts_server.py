@@ -11,17 +11,15 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the server tests need the test extra's openai")
+pytest.importorskip("openai", reason="the server tests need the test extra's openai")
 pytest.importorskip("uvicorn", reason="the server tests need the test extra's uvicorn")
 import tokenizers  # noqa: E402
 
+from http_server import serving_process  # noqa: E402
 from jaxkv import serve  # noqa: E402
 from jaxkv.models import hf  # noqa: E402
 
@@ -46,29 +44,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_two_front_processes_serve_what_one_engine_computes_and_stop_on_sigterm():
-  sock = socket.socket()
-  sock.bind(("127.0.0.1", 0))
-  port = sock.getsockname()[1]
-  sock.close()
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "jaxkv.cli", "serve", "--checkpoint", FIXTURE, "--max-len", "128",
-       "--max-seqs", "4", "--max-write", "16", "--port", str(port), "--compilation-cache",
-       "none", "--api-server-count", "2", "--shutdown-timeout", "60", "--stats-interval", "0",
-       "--log-level", "warning"],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   prompts = [[1, 5, 9, 13], [3, 4], [20, 21, 22, 23, 24, 25], [8], [11, 12, 13], [30, 2, 6]]
-  try:
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120,
-                           max_retries=0)
-    deadline = time.monotonic() + 600   # the warm-up compiles on a loaded CPU first
-    while True:
-      assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-      try:
-        client.models.list()
-        break
-      except openai.APIConnectionError:
-        time.sleep(0.5)
+  with serving_process("--checkpoint", FIXTURE, "--max-len", "128", "--max-seqs", "4",
+                       "--max-write", "16", "--compilation-cache", "none", "--api-server-count",
+                       "2", "--shutdown-timeout", "60", "--stats-interval", "0", "--log-level",
+                       "warning") as (proc, _, client):
     fronts = _children(proc.pid)
     assert len(fronts) >= 2, fronts
 
@@ -88,9 +68,6 @@ def test_two_front_processes_serve_what_one_engine_computes_and_stop_on_sigterm(
       got = list(pool.map(ask, range(len(prompts))))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
   assert proc.returncode == 0, out[-3000:]
   assert "jaxkv serve: 2 front processes on 127.0.0.1" in out, out[-3000:]
   assert "jaxkv serve: generated" in out, out[-3000:]
