@@ -136,13 +136,18 @@ class RemoteEngine:
   def close(self, timeout: float | None = None) -> None:
     """Closes the pipe: the host aborts what this front still has in flight."""
     self._closed = True
-    try:   # shut the socket down first: a receiver blocked reading it would keep it open
+    try:   # shut the socket down: a receiver blocked reading it would keep it open
       dup = socket.socket(fileno=os.dup(self.conn.fileno()))
       dup.shutdown(socket.SHUT_RDWR)
       dup.close()
     except (OSError, ValueError):
       pass
-    self.conn.close()
+    # The receiver then reads its end and returns; the connection is closed once it has (closed
+    # under a read, its handle would vanish mid-call).
+    if self._receiver is not None:
+      self._receiver.join(5.0 if timeout is None else timeout)
+    if self._receiver is None or not self._receiver.is_alive():
+      self.conn.close()
 
   def deltas(self, request_id) -> AsyncIterator:
     """`AsyncEngine.deltas`: the request's deltas until each sample has finished; leaving
