@@ -29,12 +29,13 @@ from typing import AsyncIterator
 from jaxkv.serve.aio import _Mailbox, delivered, route
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.hosting import EngineHost, from_row
+from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.requests import Request, check_request
 
 
 def engine_info(engine) -> dict:
   """What a front needs of `engine` (an `Engine` or `DataParallelEngine`): plain values."""
-  one = engine.engines[0] if hasattr(engine, "engines") else engine
+  one = engine.engines[0] if isinstance(engine, DataParallelEngine) else engine
   return {"capacity": engine.capacity, "max_len": engine.max_len,
           "limits": dict(vocab_size=one.vocab_size, max_len=one.max_len,
                          max_seqs=one.config.max_seqs, capacity=one.config.capacity,

@@ -154,9 +154,9 @@ class AsyncEngine:
     switch_interval: the interpreter's thread switch interval (seconds) while the
       engine steps (`sys.setswitchinterval`, process-wide; `close` restores it).
     run_ahead: `"steps"`: steps queued on the device at most (`live.RUN_AHEAD`).
-    sink: deliver on the stepping threads instead of an event loop: `sink.deltas(deltas)`
-      after each read-back and `sink.failed(error, request_ids)` for the requests a failure
-      dropped (`EngineHost` forwards them to front processes). Requests then need their
+    sink: deliver on the stepping threads instead of an event loop: `sink.deltas(deltas,
+      ended)` after each read-back (`ended`: the requests whose every sample finished in it)
+      and `sink.failed(error, request_ids)` for the requests a failure dropped (`EngineHost` forwards them to front processes). Requests then need their
       own `request_id`, and `deltas`/`generate` are not available.
   """
 
@@ -375,13 +375,15 @@ class AsyncEngine:
 
   def _route(self, deltas: list[Delta]) -> None:
     if self.sink is not None:
+      ended = []
       for d in deltas:   # a request whose samples have all finished is forgotten
         if d.finish_reason is not None and d.request_id in self._remaining:
           self._remaining[d.request_id] -= 1
           if not self._remaining[d.request_id]:
             del self._remaining[d.request_id]
             self._owner.pop(d.request_id, None)
-      self.sink.deltas(deltas)
+            ended.append(d.request_id)
+      self.sink.deltas(deltas, ended)
       if self.on_step is not None:
         self.on_step(deltas)
       return

@@ -60,27 +60,20 @@ class EngineHost:
     self.engine, self.conns = engine, list(conns)
     self.aio = AsyncEngine(engine, sink=self, **aio_args)
     self._front_of: dict = {}   # request_id -> index of the front that sent it
-    self._left: dict = {}   # request_id -> its samples not finished yet
     self._send_locks = [threading.Lock() for _ in self.conns]
     self._open = set(range(len(self.conns)))
 
   # ------------------------------------------------------------------ the sink (stepping threads)
 
-  def deltas(self, deltas: list[Delta]) -> None:
+  def deltas(self, deltas: list[Delta], ended: list) -> None:
     by_front: dict[int, list] = {}
-    front_of, left = self._front_of, self._left
+    front_of = self._front_of
     for d in deltas:
-      rid = d.request_id
-      front = front_of.get(rid)
+      front = front_of.get(d.request_id)
       if front is not None:
         by_front.setdefault(front, []).append(delta_row(d))
-        if d.finish_reason is not None:
-          n = left.get(rid, 1)
-          if n <= 1:   # every sample has finished
-            front_of.pop(rid, None)
-            left.pop(rid, None)
-          else:
-            left[rid] = n - 1
+    for rid in ended:   # every sample has finished
+      front_of.pop(rid, None)
     state = status(self.engine)
     for front in tuple(self._open):   # every front hears the counters, even with no rows
       self._send(front, ("deltas", by_front.get(front, []), state))
@@ -89,7 +82,6 @@ class EngineHost:
     by_front: dict[int, list] = {}
     for rid in request_ids:
       front = self._front_of.pop(rid, None)
-      self._left.pop(rid, None)
       if front is not None:
         by_front.setdefault(front, []).append(rid)
     for front, ids in by_front.items():
@@ -131,12 +123,11 @@ class EngineHost:
         self._send(front, ("refused", rid, f"ValueError: request_id={rid!r} is already in "
                                            "flight"))
         return
-      self._front_of[rid], self._left[rid] = front, request.params.n
+      self._front_of[rid] = front
       try:
         self.aio.add_request(request)
       except (ValueError, TypeError, RuntimeError) as e:
         self._front_of.pop(rid, None)
-        self._left.pop(rid, None)
         self._send(front, ("refused", rid, f"{type(e).__name__}: {e}"))
     elif kind == "abort":
       self.aio.abort(message[1], message[2])
@@ -151,5 +142,4 @@ class EngineHost:
     left = [rid for rid, f in list(self._front_of.items()) if f == front]
     for rid in left:
       self._front_of.pop(rid, None)
-      self._left.pop(rid, None)
     self.aio.abort_many(left)

@@ -379,10 +379,10 @@ class LiveQueue:
         t0 = clock()
         while len(self._ahead) >= run_ahead:   # paced by the device, not ahead of it
           self._ahead.popleft().block_until_ready()
+        stats.pace_seconds += clock() - t0
         which = self._step_width()
         t1 = clock()
         self._ahead.append(core.step(which))
-        stats.pace_seconds += t1 - t0
         stats.step_call_seconds += clock() - t1
         with ledger.lock:
           ledger.width_total += self.engine.widths[which]
