@@ -457,7 +457,9 @@ def _serve_fronts(args, results, engine, tokenizer, prompts, max_tokens, tag, co
     time.sleep(0.2)
   print(f"  HTTP front: {count} processes", flush=True)
   try:
-    run_rates(args, results, url, "bench", prompts, max_tokens, None, None, tag, engine=engine)
+    # Each front process keeps its own /metrics: one scrape would see one front's share.
+    run_rates(args, results, url, "bench", prompts, max_tokens, None, None, tag, engine=engine,
+              server_metrics=False)
   finally:
     fronts.stop()
     thread.join(timeout=60)
@@ -573,8 +575,36 @@ def _traced_run(args, engine, url, model_name, prompts, max_tokens, label) -> di
   return _trace_summary(args.trace, engine.stats.steps - steps0, label) | {"wall_s": r["wall_s"]}
 
 
+def _server_sums(url) -> dict:
+  """The server's own latency histograms' `_sum` and `_count` (its `/metrics`), by name; {} if
+  it has none. Differences of two reads give the server's mean TTFT and queue time for a run:
+  the client's TTFT less the server's is the HTTP round trip and the client itself."""
+  import urllib.request   # pylint: disable=g-import-not-at-top
+  try:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as f:
+      text = f.read().decode()
+  except OSError:
+    return {}
+  out = {}
+  for line in text.splitlines():
+    name, _, value = line.partition(" ")
+    base = name.split("{")[0]
+    if base.startswith(("jaxkv_time_to_first_token_seconds_", "jaxkv_queue_time_seconds_")) and (
+        base.endswith(("_sum", "_count"))):
+      out[base] = out.get(base, 0.0) + float(value)
+  return out
+
+
+def _server_means(before: dict, after: dict) -> dict:
+  mean = lambda h: ((after[h + "_sum"] - before.get(h + "_sum", 0.0))
+                    / max(1.0, after[h + "_count"] - before.get(h + "_count", 0.0))
+                    if h + "_sum" in after else None)
+  return {"server_ttft_mean_s": mean("jaxkv_time_to_first_token_seconds"),
+          "server_queue_mean_s": mean("jaxkv_queue_time_seconds")}
+
+
 def run_rates(args, results, url, model_name, prompts, max_tokens, server, timers, tag,
-              engine=None):
+              engine=None, server_metrics=True):
   """Sends the queue at every rate of `--rates` and records each run under `tag/rate`."""
   send_queue(url, model_name, prompts[:4], [2] * 4, math.inf, 1)   # the app's paths, warm
   traced = False
@@ -588,7 +618,11 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
       s0 = engine.stats
       steps0, entries0, pace0, call0 = (s0.steps, s0.loop_entries, s0.pace_seconds,
                                         s0.step_call_seconds)
+      admit0, admissions0 = s0.admit_seconds, s0.admissions
+    sums0 = _server_sums(url) if server_metrics else {}
     r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    if server_metrics:
+      r |= _server_means(sums0, _server_sums(url))
     if engine is not None:
       s1 = engine.stats
       r["steps"] = s1.steps - steps0
@@ -601,6 +635,14 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
       print(f"  {r['steps']} steps in {r['loop_entries']} loop entries, "
             f"{r['wall_ms_per_step']:.2f} ms of wall per step (driver: waiting for the device "
             f"{r['pace_ms_per_step']:.2f} ms, in step calls {r['call_ms_per_step']:.2f} ms)",
+            flush=True)
+      r["admissions"] = s1.admissions - admissions0
+      r["admit_ms_each"] = 1e3 * (s1.admit_seconds - admit0) / max(1, r["admissions"])
+      print(f"  {r['admissions']} admission blocks, {r['admit_ms_each']:.2f} ms in each call "
+            "(it returns once the device has run the steps queued before it)", flush=True)
+    if r.get("server_ttft_mean_s") is not None:
+      print(f"  the server's own means: TTFT {1e3 * r['server_ttft_mean_s']:.1f} ms (client's "
+            f"mean {1e3 * (r['ttft_s']['mean'] or 0):.1f} ms), queue {1e3 * r['server_queue_mean_s']:.1f} ms",
             flush=True)
     if server is not None:
       r["loop_lag_s"] = _percentiles(server.lags) | {"max": max(server.lags, default=0.0)}

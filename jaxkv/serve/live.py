@@ -370,11 +370,14 @@ class LiveQueue:
       k += self._unread   # steps queued before it and not read yet are read with it
       self._unread, self._unread_admit = 0, False
     else:
+      stats, clock = self.engine.stats, time.perf_counter
       if admit:
+        t0 = clock()
         core.admit()
+        stats.admit_seconds += clock() - t0
+        stats.admissions += 1
         with ledger.lock:
           ledger.admitted_at, ledger.enqueued_at_admit = index, enqueued
-      stats, clock = self.engine.stats, time.perf_counter
       for _ in range(k):
         t0 = clock()
         while len(self._ahead) >= run_ahead:   # paced by the device, not ahead of it

@@ -182,6 +182,11 @@ class DataParallelEngine:
       out.evictions += s.evictions
       out.cached_tokens += s.cached_tokens
       out.seconds = max(out.seconds, s.seconds)
+      out.admissions += s.admissions
+      # One driver per engine, all at once: the slowest's driver times, as for `seconds`.
+      out.pace_seconds = max(out.pace_seconds, s.pace_seconds)
+      out.step_call_seconds = max(out.step_call_seconds, s.step_call_seconds)
+      out.admit_seconds = max(out.admit_seconds, s.admit_seconds)
       out.peak_rows = max(out.peak_rows, s.peak_rows)
       for w, n in s.width_steps.items():
         out.width_steps[w] = out.width_steps.get(w, 0) + n

@@ -122,6 +122,11 @@ class EngineStats:
     pace_seconds: stepping: of `seconds`, waiting for the device to run a step
       queued earlier. Near `seconds` the device sets the pace; near zero the
       host does and the device waits for it.
+    admit_seconds: stepping: of `seconds`, inside the admission blocks' calls
+      (`admissions` of them). The block's loops read their predicates back, so on
+      a GPU its call returns once the device has run every step queued before it
+      and the block itself: what a request arriving at a busy engine waits for.
+    admissions: stepping: admission blocks dispatched.
   """
 
   steps: int = 0
@@ -142,6 +147,8 @@ class EngineStats:
   loop_seconds: float = 0.0
   step_call_seconds: float = 0.0
   pace_seconds: float = 0.0
+  admit_seconds: float = 0.0
+  admissions: int = 0
 
   @property
   def serve_seconds(self) -> float:

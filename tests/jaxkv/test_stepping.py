@@ -215,7 +215,8 @@ def test_async_engine_stepping_streams_each_requests_tokens(paged_model, rng):
   assert sys.getswitchinterval() == pytest.approx(before, abs=2e-6)   # kept in microseconds
   assert got == _alone(paged_model, requests)
   stats = engine.stats   # the driver's time: waiting for the device, inside the steps' calls
-  assert 0 < stats.pace_seconds + stats.step_call_seconds < stats.seconds
+  assert 0 < stats.pace_seconds + stats.step_call_seconds + stats.admit_seconds < stats.seconds
+  assert 1 <= stats.admissions <= stats.steps and stats.admit_seconds > 0
 
 
 def test_a_slow_consumer_gets_merged_deltas():
