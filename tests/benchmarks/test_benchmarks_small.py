@@ -24,6 +24,7 @@ BENCHMARKS = ROOT / "benchmarks"
 CPU_RUNS = {
     "serve.py": (["--small", "--rates", "inf"],
                  r"server i\d+-fcfs-steps rate inf .* tok/s .* failed 0 short 0", {}),
+    "dispatch.py": (["--small"], r"state packed into \d+ +params +\d+ state +\d+ busy threads \d: +\d+\.\d us per call", {}),
     "http_front.py": (["--streams", "8", "--tokens", "10", "--fronts", "auto"],
                       r"on \w+ +wall +\d+\.\d+ s +\d+ events/s .* us/event", {}),
     "e2e.py": (["--small"], r"speed-up jaxkv / baseline: \d+\.\d+x; first tokens agree", {}),
