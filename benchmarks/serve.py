@@ -76,7 +76,10 @@ def _args(argv=None):
                  help="comma-separated arrival rates in requests/s; inf = all at once")
   p.add_argument("--rate-requests", type=int, default=0,
                  help="requests per finite-rate run (default: --requests)")
-  p.add_argument("--client-procs", type=int, default=4)
+  p.add_argument("--client-procs", type=int, default=8,
+                 help="client processes; a stream fed every step costs the openai client about "
+                      "as much as it costs the server, and 4 processes could not keep up with "
+                      "256 such streams (their ITL, not the server's)")
   p.add_argument("--server-configs", default="16:fcfs:steps",
                  help="in-process server settings to measure, comma-separated "
                       "INTERVAL:SCHEDULING:STEPPING[:SWITCH_US[:AHEAD[:FRONT]]] (steps per "

@@ -14,6 +14,10 @@ keeping what it returns:
   what aborted requests hold (`live_ops.py`), between entries;
 - `snapshot` and `read` read the state back (a packed vector; any arrays of it, in one transfer).
 
+Between verbs the state is kept packed (`packing.py`: the small arrays as one vector
+per dtype), and the stepping verbs run on it as it is: a step call then hands the
+runtime a few dozen arrays instead of a hundred more (`benchmarks/dispatch.py`).
+
 Its clients (`Engine.run` in `offline.py`, the incremental API's `LiveQueue`
 in `live.py`, and through it `AsyncEngine` and the HTTP front) decide what to
 run and read; none of them holds or assigns the state.
@@ -34,6 +38,7 @@ from jaxkv._sharding import first_device, replicated
 from jaxkv.serve import live_ops
 from jaxkv.serve.loop import admit_block, serve_loop, serve_step
 from jaxkv.serve.memory import _grown_rows
+from jaxkv.serve.packing import Packing
 from jaxkv.serve.state import HostQueue, LoopState, init_loop_state
 
 
@@ -84,21 +89,48 @@ class EngineCore:
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
     self._greedy_loop = entry(True)
 
-    def one_step(which):
-      return jit(lambda leaves, ls: step_fn(
-          self.graphdef, config, self.widths, which, jax.tree.unflatten(treedef, leaves), ls))
     step_fn = serve_step
-    self._steps = [one_step(w) for w in range(len(self.widths))]
-    self._admit = jax.jit(functools.partial(admit_block, config), donate_argnums=0,
-                          compiler_options=dict(compiler_options) or None)
+    self._step_fns = [functools.partial(step_fn, self.graphdef, config, self.widths, w)
+                      for w in range(len(self.widths))]
+    self._unflatten = lambda leaves: jax.tree.unflatten(treedef, leaves)
+    self._compiler_options = dict(compiler_options) or None
     self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
-    self._state: LoopState | None = None
+    # The state between verbs: packed (`packing.py`), with the programs over that packing.
+    self._packed = None
+    self._verbs: _Verbs | None = None
+    self._verbs_by_packing: dict = {}
 
   @property
   def state(self) -> LoopState | None:
     """The current loop state (None before `start` and after `drop` or a failure); read only:
-    the next verb donates it."""
-    return self._state
+    the next verb donates it. Unpacked on the device for each access: the verbs below
+    take the packed state."""
+    if self._packed is None:
+      return None
+    return self._verbs.unpack(self._packed)
+
+  @property
+  def started(self) -> bool:
+    """Whether a loop state exists (`start` ran, and no `drop` or failure since)."""
+    return self._packed is not None
+
+  def _set(self, ls: LoopState | None) -> None:
+    """Keeps `ls`, packed (the programs over its packing made once per packing)."""
+    if ls is None:
+      self._packed = None
+      return
+    packing = Packing.of(ls, enabled=self.mesh is None)
+    verbs = self._verbs_by_packing.get(packing)
+    if verbs is None:
+      verbs = self._verbs_by_packing[packing] = _Verbs(self, packing)
+    self._verbs = verbs
+    self._packed = verbs.pack(ls)
+
+  def _run(self, fn, *args):
+    """`self._packed = fn(packed, *args)`; None (the state gone: it may have been donated)
+    if `fn` raises."""
+    packed, self._packed = self._packed, None
+    self._packed = fn(packed, *args)
 
   # ------------------------------------------------------------------ lifetime
 
@@ -108,33 +140,36 @@ class EngineCore:
 
     Args:
       host_queue: the packed queue (`state.pack_queue`).
-      commit: place the state on the engine's device now, as the loop's outputs are
-        (jit keys its compiled code on whether each argument is committed: a state
-        that later mixes committed and uncommitted arrays compiles the loop twice).
+      commit: with a mesh, place the state on it now, as the loop's outputs are (jit
+        keys its compiled code on whether each argument is committed: a state that
+        later mixes committed and uncommitted arrays compiles the loop twice). Without
+        one the state is always placed: packing commits its small arrays.
     """
-    self._state = None
+    self._packed = None
     state = init_loop_state(self.config, host_queue, num_widths=len(self.widths),
                             mesh=self.mesh, kv_axis=self.kv_axis,
                             prefix_cache=self.prefix_cache)
-    self._state = self.place(state) if commit and self.mesh is None else state
+    # Packing commits the small arrays; the large ones are committed with them, so the
+    # state never mixes the two.
+    self._set(self.place(state) if self.mesh is None or commit else state)
 
   def drop(self) -> None:
     """Frees the loop state (its K/V go with it)."""
-    self._state = None
+    self._packed = None
 
   def grow_for(self, requests) -> None:
     """Grows flat rows once so that none of `requests` can hit NEEDS_ROWS in the loop."""
     config = self.config
     if not config.has_flat or config.page_size is not None:   # a paged pool never grows
       return
-    ls = self._state
+    ls = self.state
     current = next(ls.cache.k[l].shape[0] for l, layer in enumerate(config.layers)
                    if not layer.policy.is_ring)
     needed = max(len(r.prompt) + r.params.max_tokens - 1 for r in requests)
     if needed > current:
       # `pure.grow` runs on the host (it builds each grown layer in place on its devices).
-      self._state = dataclasses.replace(
-          ls, cache=pure.grow(config, ls.cache, _grown_rows(config, current, needed)))
+      self._set(dataclasses.replace(
+          ls, cache=pure.grow(config, ls.cache, _grown_rows(config, current, needed))))
 
   def place(self, tree):
     """`tree` committed where the loop state lives: replicated on the mesh, else on `device`
@@ -148,10 +183,13 @@ class EngineCore:
   def apply(self, fn, *args) -> LoopState:
     """The state becomes `fn(state, *args)` (which may donate it); the new state.
 
-    If `fn` raises, the state is gone (None): it may have been donated."""
-    ls, self._state = self._state, None
-    self._state = fn(ls, *args)
-    return self._state
+    If `fn` raises, the state is gone (None): it may have been donated. (The verbs
+    below run their programs on the packed state instead: one unpack and one pack less.)"""
+    ls = self.state
+    self._packed = None
+    out = fn(ls, *args)
+    self._set(out)
+    return out
 
   def enter(self, max_steps: int, *, greedy: bool = False) -> LoopState:
     """One loop entry of at most `max_steps` steps; the new loop state.
@@ -164,6 +202,7 @@ class EngineCore:
     if budget is None:
       budget = self._budgets[max_steps] = jnp.int32(max_steps)
     loop = self._greedy_loop if greedy else self._loop
+    # Entries are long (many steps a call): the loop takes the state unpacked.
     return self.apply(lambda ls: loop(self._param_leaves, ls, budget))
 
   def step(self, which: int):
@@ -173,39 +212,75 @@ class EngineCore:
     Returns:
       A device scalar (the step counter after it) that is ready once the step has run.
     """
-    fn = self._steps[which]
-    ls, self._state = self._state, None
-    self._state, marker = fn(self._param_leaves, ls)
+    fn = self._verbs.steps[which]
+    packed, self._packed = self._packed, None
+    self._packed, marker = fn(self._param_leaves, packed)
     return marker
 
-  def admit(self) -> LoopState:
-    """The loop's retire / admit / fork block alone (`loop.admit_block`); the new loop state.
+  def admit(self) -> None:
+    """The loop's retire / admit / fork block alone (`loop.admit_block`).
 
     It returns once the device has run it (its loops read their predicates back)."""
-    return self.apply(self._admit)
+    self._run(self._verbs.admit)
 
   def enqueue(self, tokens, arrays: dict, num: int) -> None:
     """Appends `num` packed requests to the device queue (`live_ops.enqueue_batches`' batches)."""
-    self.apply(live_ops.enqueue, *self.place((tokens, arrays, np.int32(num))))
+    self._run(self._verbs.enqueue, *self.place((tokens, arrays, np.int32(num))))
 
   def abort_rows(self, column_rows, queue_rows) -> None:
     """Removes the columns writing to `column_rows` and the queued requests whose first output
     row is in `queue_rows` (both `bool[R]` host arrays; `live_ops.abort_rows`)."""
-    self.apply(functools.partial(live_ops.abort_rows, self.config),
-                *self.place((column_rows, queue_rows)))
+    self._run(self._verbs.abort_rows, *self.place((column_rows, queue_rows)))
 
   # ------------------------------------------------------------------ reading back
 
   def snapshot(self, window: int):
     """The packed read-back of the current state (`live_ops.snapshot`), a device array; read
     it with `live_ops.unpack_snapshot` while later verbs run."""
-    return live_ops.snapshot(self._state, window)
+    return self._verbs.snapshot(self._packed, window)
 
   def read(self, pick):
     """`pick(state)` (a pytree of the state's arrays) on the host, in one transfer."""
-    return jax.device_get(pick(self._state))
+    return jax.device_get(pick(self.state))
 
   def lower(self, ls: LoopState, max_steps: int, *, greedy: bool = False):
     """The `jax.stages.Lowered` loop entry `enter` would run on `ls` (for HLO inspection)."""
     loop = self._greedy_loop if greedy else self._loop
     return loop.lower(self._param_leaves, ls, jnp.int32(max_steps))
+
+
+class _Verbs:
+  """The jitted programs of one `Packing`: each unpacks the state, runs the verb, packs it.
+
+  Made once per packing (an engine's state keeps one packing unless its rows grow), so
+  their compiled code is reused across states of one shape."""
+
+  def __init__(self, core: EngineCore, packing: Packing):
+    jit = functools.partial(jax.jit, compiler_options=core._compiler_options)
+    unpack, pack = packing.unpack, packing.pack
+    # On the host, the large arrays are passed around as they are: a jitted program copies
+    # every array it returns, and these hold the K/V.
+    vectors, smalls = jax.jit(packing.vectors), jax.jit(packing.smalls)
+
+    def pack_host(ls):
+      kept, small = packing.split(ls)
+      return kept, vectors(small)
+
+    self.pack = pack_host
+    self.unpack = lambda packed: packing.join(packed[0], smalls(packed[1]))
+
+    def stepping(fn):
+      def run(leaves, packed):
+        ls, marker = fn(core._unflatten(leaves), unpack(packed))
+        return pack(ls), marker
+      return jit(run, donate_argnums=1)
+
+    def verb(fn):
+      return jit(lambda packed, *args: pack(fn(unpack(packed), *args)), donate_argnums=0)
+
+    self.steps = [stepping(fn) for fn in core._step_fns]
+    self.admit = verb(functools.partial(admit_block, core.config))
+    self.enqueue = verb(live_ops.enqueue)
+    self.abort_rows = verb(functools.partial(live_ops.abort_rows, core.config))
+    self.snapshot = jit(lambda packed, window: live_ops.snapshot(unpack(packed), window),
+                        static_argnums=1)

@@ -342,7 +342,7 @@ class LiveQueue:
                 run_ahead: int = RUN_AHEAD) -> list[Delta]:
     """Aborts, appends, and dispatches one entry unless the device has nothing to do."""
     core = self.engine.core
-    if core.state is None:
+    if not core.started:
       self._init_state()
     deltas = self._apply_aborts()
     self._fill()
@@ -422,7 +422,7 @@ class LiveQueue:
       if any(t.base >= 0 for t in self.ledger.tracked.values()) or self.ledger.pending:
         raise RuntimeError("warm_steps: requests are on the device")
     core = self.engine.core
-    if core.state is None:
+    if not core.started:
       self._init_state()
     started, compiled = time.perf_counter(), compile_seconds()
     with self._dispatching:

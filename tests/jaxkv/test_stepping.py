@@ -24,7 +24,6 @@ from live_utils import collect, random_requests
 from jaxkv import serve
 from jaxkv.models import Decoder, ModelConfig
 from jaxkv.serve import AsyncEngine, aio, live
-from jaxkv.serve.loop import serve_step
 from jaxkv.serve.results import Delta
 
 MODEL = ModelConfig.llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -118,12 +117,8 @@ def test_greedy_step_has_no_loop_and_no_branch(paged_model):
   engine = serve.Engine(paged_model, max_len=48, prefix_cache=True)
   engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=2)))
   engine.live.dispatch(1, stepwise=True)
-  core = engine.core
-  graphdef, config, widths = core.graphdef, core.config, core.widths
-  _, treedef = jax.tree.flatten(core.params)
-  fn = jax.jit(lambda leaves, ls: serve_step(graphdef, config, widths, 0,
-                                             jax.tree.unflatten(treedef, leaves), ls))
-  hlo = fn.lower(core._param_leaves, core.state).compile().as_text()
+  core = engine.core   # the program `step` runs: over the packed state
+  hlo = core._verbs.steps[0].lower(core._param_leaves, core._packed).compile().as_text()
   comps, entry = hlo_walk.computations(hlo)
   lines = hlo_walk.reached(comps, entry, branches=True)
   assert hlo_walk.whiles(lines) == []
