@@ -76,6 +76,9 @@ def _args(argv=None):
                  help="comma-separated arrival rates in requests/s; inf = all at once")
   p.add_argument("--rate-requests", type=int, default=0,
                  help="requests per finite-rate run (default: --requests)")
+  p.add_argument("--raw-client", action="store_true",
+                 help="finite rates run a second time with a bare HTTP/1.1 client: the "
+                      "latencies without the openai client's own per-request and per-chunk work")
   p.add_argument("--client-procs", type=int, default=8,
                  help="client processes; a stream fed every step costs the openai client about "
                       "as much as it costs the server, and 4 processes could not keep up with "
@@ -224,12 +227,80 @@ async def _one(client, model, prompt, max_tokens, send_at, start):
   return {"sent": sent, "chunks": chunks, "tokens": tokens, "done": time.time(), "error": error}
 
 
-def _client_main(url, model, jobs, conn):
+async def _one_raw(url, model, prompt, max_tokens, send_at, start):
+  """`_one` over a bare HTTP/1.1 connection: the server's latency without the openai client's
+  own per-request and per-chunk work (which a client of that SDK pays as well)."""
+  import urllib.parse   # pylint: disable=g-import-not-at-top
+  await asyncio.sleep(max(0.0, start + send_at - time.time()))
+  sent = time.time()
+  chunks, tokens, error = [], None, None
+  u = urllib.parse.urlsplit(url)
+  body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                     "temperature": 0, "stream": True,
+                     "stream_options": {"include_usage": True}}).encode()
+  head = (f"POST {u.path}/v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
+          f"Authorization: Bearer {os.environ.get('JAXKV_API_KEY', 'x')}\r\n"
+          f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+          "Connection: close\r\n\r\n").encode()
+  writer = None
+  try:
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(head + body)
+    status = await reader.readline()
+    if b" 200 " not in status:
+      raise RuntimeError(status.decode().strip())
+    chunked = False
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+      chunked |= line.lower().startswith(b"transfer-encoding: chunked")
+    pending, done = b"", False
+    while not done:
+      if chunked:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+          break
+        pending += data[:-2]
+      else:
+        data = await reader.read(65536)
+        if not data:
+          break
+        pending += data
+      now = time.time()
+      *events, pending = pending.split(b"\n\n")
+      for event in events:
+        payload = event.removeprefix(b"data: ")
+        if payload == b"[DONE]":
+          done = True
+          break
+        msg = json.loads(payload)
+        if msg.get("usage"):
+          tokens = msg["usage"]["completion_tokens"]
+        if msg.get("choices") and msg["choices"][0].get("text"):
+          chunks.append(now)
+  except Exception as e:   # pylint: disable=broad-except  (counted as a failed request)
+    error = f"{type(e).__name__}: {e}"
+  finally:
+    if writer is not None:
+      writer.close()
+  return {"sent": sent, "chunks": chunks, "tokens": tokens, "done": time.time(), "error": error}
+
+
+def _client_main(url, model, jobs, conn, client="openai"):
   """One client process: sends its `jobs` (index, prompt, max_tokens, send offset), returns results.
 
   It reports ready once imported and connected, then waits for the common start time, so a
   process that imports slowly (a cold bytecode cache) cannot spread an all-at-once queue.
   """
+  if client == "raw":
+    async def main_raw():
+      conn.send("ready")
+      start = await asyncio.to_thread(conn.recv)
+      return await asyncio.gather(*[_one_raw(url, model, p, m, at, start)
+                                    for _, p, m, at in jobs])
+    results = asyncio.run(main_raw())
+    conn.send([(j[0], r) for j, r in zip(jobs, results)])
+    conn.close()
+    return
   import openai   # pylint: disable=g-import-not-at-top
   try:   # the client's HTTP package: httpx2 from openai 3 on, httpx before
     import httpx2 as httpx   # pylint: disable=g-import-not-at-top
@@ -253,7 +324,7 @@ def _client_main(url, model, jobs, conn):
   conn.close()
 
 
-def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0) -> dict:
+def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0, client="openai") -> dict:
   """Sends the queue (all at once for rate inf, else Poisson arrivals); per-request records."""
   rng = np.random.default_rng(seed + 1)
   n = len(prompts)
@@ -266,7 +337,7 @@ def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0) -> dict:
     if not jobs:
       continue
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_client_main, args=(url, model, jobs, child), daemon=True)
+    proc = ctx.Process(target=_client_main, args=(url, model, jobs, child, client), daemon=True)
     proc.start()
     workers.append((proc, parent))
   for proc, parent in workers:   # every process imported and connected before the first send
@@ -665,6 +736,15 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
           flush=True)
     if r["errors"]:
       print(f"  errors: {r['errors']}", flush=True)
+    if args.raw_client and not math.isinf(rate):   # the same arrivals, no SDK in the client
+      sums0 = _server_sums(url) if server_metrics else {}
+      raw = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs,
+                       client="raw")
+      if server_metrics:
+        raw |= _server_means(sums0, _server_sums(url))
+      results["server"][(f"{tag}/{name}" if tag else name) + "-raw"] = raw
+      print(_line(f"server {tag} rate {name} (bare HTTP client)", raw)
+            + f"  failed {raw['failed']} short {raw['short']}", flush=True)
     if "loop_lag_s" in r:
       lag = r["loop_lag_s"]
       print(f"  event-loop lag p50/p99/max {1e3 * (lag['p50'] or 0):.1f}/"

@@ -22,8 +22,9 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # script, arguments, a regex the output must match (the result line), extra environment.
 CPU_RUNS = {
-    "serve.py": (["--small", "--rates", "inf"],
-                 r"server i\d+-fcfs-steps rate inf .* tok/s .* failed 0 short 0", {}),
+    "serve.py": (["--small", "--rates", "inf,16", "--rate-requests", "6", "--raw-client"],
+                 r"(?s)server i\d+-fcfs-steps rate inf .* tok/s .* failed 0 short 0.*"
+                 r"rate 16 \(bare HTTP client\) .* tok/s .* failed 0 short 0", {}),
     "dispatch.py": (["--small"], r"state packed into \d+ +params +\d+ state +\d+ busy threads \d: +\d+\.\d us per call", {}),
     "http_front.py": (["--streams", "8", "--tokens", "10", "--fronts", "auto"],
                       r"on \w+ +wall +\d+\.\d+ s +\d+ events/s .* us/event", {}),
