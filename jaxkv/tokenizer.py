@@ -36,6 +36,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 
 from jaxkv import _optional
 
@@ -43,6 +44,53 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 ADDITIONAL_TEMPLATES_DIR = "additional_chat_templates"
 # Text past this many characters is encoded through `encode_batch`, which releases the GIL.
 _LONG_TEXT = 1 << 16
+
+
+_WHITESPACE = re.compile(r"\s+")
+# Pre-tokenisers that keep every byte of their input, and those that drop whitespace only.
+_KEEPING = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+_DROPPING_WHITESPACE = {"Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
+
+
+def _token_bound(tokenizer) -> tuple[int, bool] | None:
+  """`(most normalised bytes one token stands for, whether whitespace is dropped)`, or None
+  where `Tokenizer.min_tokens` can give no bound (see there)."""
+  try:
+    spec = json.loads(tokenizer.to_str())
+  except Exception:   # pylint: disable=broad-except  (a tokenizer that cannot describe itself)
+    return None
+  if spec.get("truncation") is not None:
+    return None
+  model = spec.get("model") or {}
+  kind = model.get("type")
+  if kind == "BPE":
+    if model.get("fuse_unk") and not model.get("byte_fallback") and model.get("unk_token"):
+      return None   # a run of unknown characters, however long, is one token
+  elif not (kind == "Unigram" and model.get("byte_fallback")):
+    return None
+  drops = [False]
+
+  def keeps(pre) -> bool:
+    if pre is None:
+      return True
+    t = pre.get("type")
+    if t == "Sequence":
+      return all(keeps(p) for p in pre.get("pretokenizers", []))
+    if t in _DROPPING_WHITESPACE:
+      drops[0] = True
+      return True
+    return t in _KEEPING and str(pre.get("behavior", "")).lower() != "removed"
+
+  if not keeps(spec.get("pre_tokenizer")):
+    return None
+  vocab = model.get("vocab") or {}
+  pieces = [p[0] for p in vocab] if isinstance(vocab, list) else list(vocab)   # Unigram: pairs
+  added = [a.get("content", "") for a in spec.get("added_tokens") or []]
+  normalizer = tokenizer.normalizer
+  if normalizer is not None:   # an added token's text may grow when normalised
+    added += [normalizer.normalize_str(a) for a in added]
+  longest = max((len(p.encode("utf-8", "surrogatepass")) for p in pieces + added), default=0)
+  return max(longest, 4), drops[0]   # at least one whole character a token
 
 
 def _token_text(value) -> str | None:
@@ -195,6 +243,7 @@ class Tokenizer:
       eos_ids = () if eos is None else (eos,)
     self.eos_ids = tuple(eos_ids)
     self._compiled: dict[str, object] = {}
+    self._bound = _token_bound(tokenizer)
 
   @classmethod
   def from_checkpoint(cls, checkpoint: str) -> Tokenizer:
@@ -223,7 +272,41 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-  def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+  def min_tokens(self, text: str) -> int:
+    """A lower bound on `len(encode(text))`, found without tokenising (linear in the text).
+
+    Each token stands for at most `B` bytes of the normalised text (`B`: the longest
+    token's UTF-8 bytes, or an added token's), so a text of `n` such bytes is at least
+    `n / B` tokens. That holds only where no step of the pipeline drops text or maps
+    unbounded text to one token; for any other pipeline (WordPiece, WordLevel, a
+    splitter that removes what it matches, fused unknowns, truncation) this is 0.
+    Whitespace-splitting pre-tokenisers drop whitespace, which is then not counted.
+    """
+    if self._bound is None:
+      return 0
+    per_token, drops_whitespace = self._bound
+    normalizer = self.tokenizer.normalizer
+    if normalizer is not None:
+      text = normalizer.normalize_str(text)
+    n = len(text.encode("utf-8", "surrogatepass"))
+    if drops_whitespace:
+      n -= sum(len(w.encode("utf-8")) for w in _WHITESPACE.findall(text))
+    return -(-n // per_token)
+
+  def encode(self, text: str, *, add_special_tokens: bool = True,
+             max_tokens: int | None = None) -> list[int]:
+    """`text` as token ids.
+
+    Args:
+      max_tokens: refuse (ValueError) a long text that `min_tokens` shows to exceed this,
+        before tokenising it: a prompt no sequence could hold costs a linear scan, not
+        the whole tokenisation.
+    """
+    if max_tokens is not None and len(text) > _LONG_TEXT:
+      least = self.min_tokens(text)
+      if least > max_tokens:
+        raise ValueError(f"the text is at least {least} tokens long ({len(text)} characters); "
+                         f"at most {max_tokens} fit")
     if len(text) > _LONG_TEXT:
       # `tokenizers` holds the GIL through `encode` but releases it in `encode_batch` (same
       # pipeline, same ids): a megabyte prompt then no longer stalls every other thread.

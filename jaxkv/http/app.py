@@ -457,7 +457,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         raise BadRequest(f"prompt holds {len(texts)} prompts; at most {max_prompts} per request",
                          status=413, param="prompt")
       prompts = await off_loop(sum(map(len, texts)), lambda: [
-          encode_or_refuse(lambda t=t: tokenizer.encode(t), "prompt") for t in texts])
+          encode_or_refuse(lambda t=t: tokenizer.encode(t, max_tokens=engine.max_len - 1),
+                           "prompt") for t in texts])
     else:
       prompts = [p] if not p or isinstance(p[0], int) else p
     if not prompts:
@@ -470,9 +471,10 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     messages = [m.for_template() for m in body.messages]
     check_text(messages, "messages")
     size = sum(len(str(m.get("content", ""))) for m in messages)
-    prompt = await off_loop(size, lambda: encode_or_refuse(lambda: tokenizer.encode_chat(
-        messages, add_generation_prompt=body.add_generation_prompt, chat_template=chat_template,
-        **(body.chat_template_kwargs or {})), "messages"))
+    prompt = await off_loop(size, lambda: encode_or_refuse(lambda: tokenizer.encode(
+        tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                              chat_template=chat_template, **(body.chat_template_kwargs or {})),
+        add_special_tokens=False, max_tokens=engine.max_len - 1), "messages"))
     return await respond(http, body, build(body, [prompt], chat=True), chat=True)
 
   return app

@@ -263,3 +263,25 @@ def test_the_body_limit_holds_for_chunked_bodies(url):
     pass   # the server answered and closed while the client was still sending
   assert _rss() - before < 64 << 20
   assert httpx.get(url + "/health", timeout=60).status_code == 200
+
+
+def test_a_text_prompt_no_sequence_could_hold_is_refused_before_tokenising(built):
+  """A 10 MB text prompt (under the body limit) gets 400 naming the prompt without being
+  tokenised: well under a second of CPU (tokenising it takes ~10 s), and memory back after."""
+  engine, tokenizer = built
+  app = create_app(engine, tokenizer, model_name=MODEL, max_body_bytes=16 << 20)
+  text = "the quick brown fox jumps over the lazy dog " * (10_000_000 // 44)
+  with running(app) as base, openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0,
+                                           timeout=60) as c:
+    before_rss, before_cpu = _rss(), os.times()
+    with pytest.raises(openai.BadRequestError) as info:
+      c.completions.create(model=MODEL, prompt=text, max_tokens=4)
+    assert info.value.body["param"] == "prompt" and "tokens long" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+      c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}])
+    assert info.value.body["param"] == "messages"
+    after = os.times()   # this process holds the server, the client and their JSON of 10 MB
+    assert (after.user + after.system) - (before_cpu.user + before_cpu.system) < 2.0
+    del info
+    assert _rss() - before_rss < 64 << 20
+    assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices   # still serves

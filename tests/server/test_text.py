@@ -107,3 +107,69 @@ def test_bad_checkpoint_files_are_named(tmp_path):
   assert np.array_equal(Tokenizer.from_checkpoint(FIXTURE).encode("a", add_special_tokens=False),
                         [tokenizers.Tokenizer.from_file(os.path.join(FIXTURE, "tokenizer.json"))
                          .token_to_id("\u2581a")])
+
+
+def _trained(model, pre=None, normalizer=None, trainer=None):
+  from tokenizers import pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(model)
+  if pre is not None:
+    tok.pre_tokenizer = pre
+  if normalizer is not None:
+    tok.normalizer = normalizer
+  trainer = trainer or trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator([TEXT, "the quick brown fox jumps over the lazy dog " * 20] * 5,
+                          trainer=trainer)
+  return Tokenizer(tok)
+
+
+def _bounded_tokenizers():
+  from tokenizers import models, normalizers, pre_tokenizers, trainers
+  out = {"hf_llama": Tokenizer.from_checkpoint(FIXTURE)}
+  out["byte_level"] = _trained(models.BPE(), pre_tokenizers.ByteLevel(add_prefix_space=True))
+  out["whitespace"] = _trained(models.BPE(unk_token="[UNK]"), pre_tokenizers.Whitespace(),
+                               trainer=trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                           special_tokens=["[UNK]"]))
+  out["nfkc_split"] = _trained(
+      models.BPE(), pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "isolated"),
+                                             pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+      normalizers.NFKC())
+  return out
+
+
+def _random_text(rng, size):
+  alphabet = list("abc xyz  \n\t.,!?") + list("éüß你好🙂ﬁ①—") + ["the ", "<s>", "</s>", "  "]
+  return "".join(rng.choice(alphabet, size=size))
+
+
+def test_min_tokens_never_exceeds_the_tokenisation(rng):
+  """`Tokenizer.min_tokens` is a lower bound: checked against the tokenizers library itself on
+  random text (spaces, tabs, CJK, emoji, ligatures NFKC rewrites, special tokens' text)."""
+  for name, tok in _bounded_tokenizers().items():
+    assert tok.min_tokens("a" * 10_000) > 0, name   # these pipelines do give a bound
+    for size in (0, 1, 7, 300, 5000):
+      text = _random_text(rng, size)
+      assert tok.min_tokens(text) <= len(tok.encode(text, add_special_tokens=False)), (name, text)
+
+
+def test_no_bound_where_text_can_vanish_into_one_token():
+  """WordLevel and WordPiece map a whole (unknown) word to one token, and a splitter may remove
+  what it matches: no bound, so no legal prompt is ever refused by it."""
+  from tokenizers import models, pre_tokenizers, trainers
+  word_level = _trained(models.WordLevel(unk_token="[UNK]"), pre_tokenizers.WhitespaceSplit(),
+                        trainer=trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+  word_piece = _trained(models.WordPiece(unk_token="[UNK]"), pre_tokenizers.Whitespace(),
+                        trainer=trainers.WordPieceTrainer(special_tokens=["[UNK]"]))
+  removing = _trained(models.BPE(), pre_tokenizers.Split("x", "removed"))
+  for tok in (word_level, word_piece, removing):
+    assert tok.min_tokens("x" * 100_000) == 0
+    assert tok.encode("x" * 100_000, max_tokens=10) is not None   # tokenised, not refused
+
+
+def test_a_long_text_is_refused_before_tokenising():
+  tok = Tokenizer.from_checkpoint(FIXTURE)
+  text = "hello world " * 100_000
+  with pytest.raises(ValueError, match="at least .* tokens long"):
+    tok.encode(text, max_tokens=1000)
+  ids = tok.encode(text[:20_000], max_tokens=100_000)   # short texts are tokenised as before
+  assert ids == tok.encode(text[:20_000])
