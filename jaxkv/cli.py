@@ -26,6 +26,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # `jaxkv.serve.aio.STEPPING`, spelled here so that parsing the flags imports no jax.
 _STEPPING = ("steps", "entries")
+# `jaxkv.serve.loading.DEFAULT_COMPILATION_CACHE`, spelled here so that parsing imports no jax.
 DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jax")
 
 
@@ -246,15 +247,9 @@ def _port_taken(host: str, port: int) -> str | None:
 
 
 def use_compilation_cache(directory: str) -> str | None:
-  """Points JAX's persistent compilation cache at `directory` (`none`: off); the directory used."""
-  if directory.lower() == "none":
-    return None
-  import jax   # pylint: disable=g-import-not-at-top
-  os.makedirs(directory, exist_ok=True)
-  jax.config.update("jax_compilation_cache_dir", directory)
-  # The serving loop and its helpers: every compile is worth keeping across restarts.
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  return directory
+  """`jaxkv.serve.loading.use_compilation_cache` (imported when called: parsing imports no jax)."""
+  from jaxkv.serve.loading import use_compilation_cache as use   # pylint: disable=g-import-not-at-top
+  return use(directory)
 
 
 def serve(args) -> int:

@@ -31,12 +31,14 @@ Defaults as a vLLM user expects them:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Iterator, NamedTuple, Sequence
 
+import jax
 import numpy as np
 
-from jaxkv.serve import sizing
+from jaxkv.serve import loading, sizing
 from jaxkv.serve.loading import build_engine
 from jaxkv.serve import Request, RequestTiming, TokenLogprob
 from jaxkv.serve import SamplingParams as EngineParams
@@ -210,6 +212,10 @@ class LLM:
     implementation: attention implementation (None: automatic).
     tensor_parallel_size: devices the weights and K/V are split over.
     max_model_len, max_num_seqs: vLLM's names of `max_len` and `max_seqs`.
+    compilation_cache: JAX's persistent compilation cache directory, shared with
+      `jaxkv serve` (a second process compiles nothing it already compiled):
+      `"auto"` keeps one already configured (`JAX_COMPILATION_CACHE_DIR`) and
+      otherwise uses `~/.cache/jaxkv/jax`; None leaves JAX's setting alone.
 
   Attributes:
     plan: the `jaxkv.serve.sizing.ServingPlan` it runs on.
@@ -229,13 +235,20 @@ class LLM:
                kv_cache_memory: int | None = None, gpu_memory_utilization: float | None = None,
                prefix_caching: bool = True, max_write: int = sizing.DEFAULT_MAX_WRITE,
                implementation: str | None = None, tensor_parallel_size: int = 1,
-               max_model_len: int | None = None, max_num_seqs: int | None = None):
+               max_model_len: int | None = None, max_num_seqs: int | None = None,
+               compilation_cache: str | None = "auto"):
     for ours, value, theirs, alias in (("max_len", max_len, "max_model_len", max_model_len),
                                        ("max_seqs", max_seqs, "max_num_seqs", max_num_seqs)):
       if value is not None and alias is not None:
         raise ValueError(f"give {ours} or {theirs} (vLLM's name), not both")
     max_len = max_len if max_model_len is None else max_model_len
     max_seqs = max_seqs if max_num_seqs is None else max_num_seqs
+    if compilation_cache == "auto":
+      compilation_cache = (None if jax.config.jax_compilation_cache_dir
+                           else loading.DEFAULT_COMPILATION_CACHE)
+    elif compilation_cache is not None and not isinstance(compilation_cache, (str, os.PathLike)):
+      raise TypeError(f"compilation_cache={compilation_cache!r} must be a directory, 'auto' or None")
+    loading.use_compilation_cache(None if compilation_cache is None else os.fspath(compilation_cache))
     self.engine, self.model, self.tokenizer, self.plan = build_engine(
         model, tensor_parallel_size=tensor_parallel_size, dtype=_dtype_arg("dtype", dtype),
         kv_cache_dtype=_dtype_arg("kv_cache_dtype", kv_cache_dtype), max_len=max_len,

@@ -23,6 +23,21 @@ from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.sizing import DEFAULT_MAX_WRITE, DEFAULT_PAGE_SIZE
 
 
+DEFAULT_COMPILATION_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "jaxkv", "jax")
+
+
+def use_compilation_cache(directory: str | None) -> str | None:
+  """Points JAX's persistent compilation cache at `directory` (None or `none`: off); the
+  directory used. `jaxkv serve` and `jaxkv.LLM` use it, so a restart compiles nothing new."""
+  if directory is None or directory.lower() == "none":
+    return None
+  os.makedirs(directory, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", directory)
+  # The serving loop and its helpers: every compile is worth keeping across restarts.
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  return directory
+
+
 def load_for_serving(checkpoint: str, *, dtype="auto", kv_cache_dtype="auto",
                      max_len: int | None = None, max_seqs: int | None = None,
                      page_size: int | None = DEFAULT_PAGE_SIZE,

@@ -181,3 +181,29 @@ def test_llm_takes_vllms_constructor_names():
   assert (llm.engine.max_len, llm.engine.config.max_seqs) == (64, 2)
   with pytest.raises(ValueError, match="give max_len or max_model_len"):
     jaxkv.LLM(FIXTURE, max_len=64, max_model_len=64)
+
+
+def test_llm_keeps_its_compilations_in_a_persistent_cache(tmp_path):
+  """Without a configured cache, `LLM` keeps its programs under ~/.cache/jaxkv/jax, as `jaxkv serve`
+  does, so a second process reads them back; one already configured is kept (this suite's)."""
+  import subprocess   # pylint: disable=g-import-not-at-top
+  import sys   # pylint: disable=g-import-not-at-top
+  import jax   # pylint: disable=g-import-not-at-top
+  configured = jax.config.jax_compilation_cache_dir
+  llm = jaxkv.LLM(FIXTURE, max_model_len=32, max_num_seqs=2, max_write=8, kv_cache_memory=1 << 20)
+  assert jax.config.jax_compilation_cache_dir == configured and llm.engine is not None
+  with pytest.raises(TypeError, match="compilation_cache=3"):
+    jaxkv.LLM(FIXTURE, compilation_cache=3)
+  code = ("import jaxkv; llm = jaxkv.LLM(%r, max_model_len=32, max_num_seqs=2, max_write=8, "
+          "kv_cache_memory=1 << 20); print(len(llm.generate([[1, 2, 3]], jaxkv.SamplingParams("
+          "max_tokens=2, temperature=0))[0].outputs[0].token_ids))" % FIXTURE)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  env.update(HOME=str(tmp_path), JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
+                 os.path.abspath(__file__))))] + sys.path))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split()[-1] == "2"
+  cache = tmp_path / ".cache" / "jaxkv" / "jax"
+  assert cache.is_dir() and len(list(cache.iterdir())) >= 3   # the loop's programs among them
