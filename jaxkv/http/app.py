@@ -369,15 +369,41 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
-  async def respond(http, body, requests, *, chat: bool):
+  def echo_only(body, prompts: list[list[int]], echoed: list[str]):
+    """`max_tokens: 0` with `echo`: each prompt's text as its choices, nothing generated."""
+    for prompt in prompts:
+      if not prompt:
+        raise BadRequest("the prompt encodes to no tokens", param="prompt")
+      if len(prompt) >= engine.max_len:
+        raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len}",
+                         param="prompt")
+    head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": model_name,
+            "object": "text_completion"}
+    choices = [{"index": i * body.n + j, "text": text, "finish_reason": "length",
+                "logprobs": None} for i, text in enumerate(echoed) for j in range(body.n)]
+    prompt_tokens = sum(map(len, prompts))
+    usage_ = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+              "total_tokens": prompt_tokens}
+    if not body.stream:
+      return head | {"choices": choices, "usage": usage_}
+
+    async def events():
+      for choice in choices:
+        yield "data: " + json.dumps(head | {"choices": [choice]}) + "\n\n"
+      if body.stream_options and body.stream_options.include_usage:
+        yield "data: " + json.dumps(head | {"choices": [], "usage": usage_}) + "\n\n"
+      yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+  async def respond(http, body, requests, *, chat: bool, echoed: list[str] | None = None):
     ids, samples, _ = await serve(http, requests, body, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     n = body.n
     head = {"id": rid, "created": int(time.time()), "model": model_name}
     if body.stream:
-      return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat),
+      return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat, echoed=echoed),
                                media_type="text/event-stream")
-    texts = [[""] * n for _ in requests]
+    texts = [[echoed[i] if echoed else ""] * n for i in range(len(requests))]
     lps = [[[] for _ in range(n)] for _ in requests]
     watcher = asyncio.ensure_future(disconnected(http))
     gen = events(ids, samples)
@@ -413,7 +439,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                     f'"usage":{_json(usage(requests, samples))}}}'.encode(),
                     media_type="application/json")
 
-  async def _sse(head, ids, samples, requests, body, *, chat: bool):
+  async def _sse(head, ids, samples, requests, body, *, chat: bool,
+                 echoed: list[str] | None = None):
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = body.n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -424,6 +451,9 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if chat:
       yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
                     "finish_reason": None} for k in range(len(requests) * n)])
+    for i, text in enumerate(echoed or ()):   # each choice starts with its prompt
+      yield chunk([{"index": i * n + j, "text": text, "finish_reason": None, "logprobs": None}
+                   for j in range(n)])
     gen = events(ids, samples)
     try:
       async for i, j, text, finish, logprobs in gen:
@@ -460,10 +490,22 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
           encode_or_refuse(lambda t=t: tokenizer.encode(t, max_tokens=engine.max_len - 1),
                            "prompt") for t in texts])
     else:
+      texts = None
       prompts = [p] if not p or isinstance(p[0], int) else p
     if not prompts:
       raise BadRequest("prompt must not be empty", param="prompt")
-    return await respond(http, body, build(body, prompts, chat=False), chat=False)
+    echoed = None
+    if body.echo:   # the prompt as given, or the token ids' text
+      echoed = texts or [tokenizer.decode(q, skip_special_tokens=body.skip_special_tokens)
+                         for q in prompts]
+    if body.max_tokens == 0 and body.max_completion_tokens is None:
+      if not body.echo:
+        raise BadRequest("max_tokens=0 generates nothing; it needs echo=true", param="max_tokens")
+      if len(prompts) > max_prompts:
+        raise BadRequest(f"prompt holds {len(prompts)} prompts; at most {max_prompts} per "
+                         "request", status=413, param="prompt")
+      return echo_only(body, prompts, echoed)
+    return await respond(http, body, build(body, prompts, chat=False), chat=False, echoed=echoed)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatRequest, http: Request):

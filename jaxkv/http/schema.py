@@ -4,7 +4,9 @@ Unknown fields are accepted (the app logs each name once), as vLLM accepts
 them: clients send fields such as `store`, `metadata` or `reasoning_effort`
 whose absence changes nothing here. OpenAI parameters whose meaning would
 change the output if ignored are refused by name: `logit_bias`,
-`best_of != n`, `suffix`, `echo`, tools, response formats and images. Logprobs
+`best_of != n`, `suffix`, `echo` with `logprobs` (the prompt's logprobs), tools,
+response formats and images; `echo` alone prepends the prompt, and with
+`max_tokens: 0` returns it alone. Logprobs
 (`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
 chat), `presence_penalty` and `frequency_penalty` are OpenAI's; `top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and
@@ -42,7 +44,6 @@ def _sampling_check(name: str, value):
 _REFUSED = {
     "logit_bias": "logit_bias is not supported",
     "min_tokens": "min_tokens is not supported (only 0)",
-    "echo": "echo is not supported",
     "suffix": "suffix is not supported",
     "tools": "tools are not supported",
     "response_format": "response_format is not supported (only text)",
@@ -176,12 +177,20 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-  max_tokens: Int | None = Field(default=16, ge=1)
+  max_tokens: Int | None = Field(default=16, ge=0)   # 0: with echo, the prompt alone
   prompt: Any
   echo: StrictBool = False
   suffix: str | None = None
   best_of: Int | None = None
   logprobs: Int | None = Field(default=None, ge=0)
+
+  @field_validator("logprobs")
+  @classmethod
+  def _not_with_echo(cls, v, info: ValidationInfo):
+    if v is not None and info.data.get("echo"):
+      raise ValueError("logprobs with echo=true needs the prompt tokens' logprobs, which are "
+                       "not supported yet")
+    return v
 
   @field_validator("prompt", mode="plain")
   @classmethod
@@ -199,7 +208,7 @@ class CompletionRequest(_Common):
           raise ValueError(f"prompt token ids must be >= 0; got {min(x)}")
     return v
 
-  _refused_here = field_validator("echo", "suffix")(_refuse_if_set)
+  _refused_here = field_validator("suffix")(_refuse_if_set)
 
   @field_validator("best_of")
   @classmethod

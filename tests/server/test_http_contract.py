@@ -84,8 +84,7 @@ def _check_error(status, body, *, param, fragment, code=400, kind="invalid_reque
 
 # (endpoint, body fields, the param the error must name, a fragment of its message).
 BAD_FIELDS = [
-    ("completions", {"max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
-    ("completions", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ("chat", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ("completions", {"max_tokens": "5"}, "max_tokens", "valid integer"),
     ("completions", {"max_tokens": 1.5}, "max_tokens", "valid integer"),
     ("completions", {"max_tokens": True}, "max_tokens", "valid integer"),
@@ -135,7 +134,9 @@ BAD_FIELDS = [
     ("completions", {"min_tokens": -1}, "min_tokens", "only 0"),
     ("completions", {"min_tokens": 1}, "min_tokens", "only 0"),
     ("completions", {"best_of": 2}, "best_of", "only best_of == n"),
-    ("completions", {"echo": True}, "echo", "echo is not supported"),
+    ("completions", {"echo": True, "logprobs": 1}, "logprobs", "the prompt tokens' logprobs"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "needs echo=true"),
+    ("completions", {"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
     ("completions", {"suffix": "x"}, "suffix", "suffix is not supported"),
     ("completions", {"logit_bias": {"5": 1}}, "logit_bias", "logit_bias is not supported"),
     ("chat", {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),

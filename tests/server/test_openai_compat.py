@@ -93,7 +93,7 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
      "response_format"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(url, path, body, param):
@@ -285,3 +285,36 @@ def test_a_text_prompt_no_sequence_could_hold_is_refused_before_tokenising(built
     del info
     assert _rss() - before_rss < 64 << 20
     assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices   # still serves
+
+
+def test_echo_prepends_the_prompt_and_max_tokens_0_returns_it_alone(client):
+  """`echo`: each choice's text starts with its prompt (as sent, or the ids' text), plain and
+  streamed; usage counts only generated tokens. With `max_tokens: 0` nothing is generated."""
+  tok = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+  plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+  echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                     echo=True, extra_body={"ignore_eos": True})
+  assert echoed.choices[0].text == "Hello" + plain.choices[0].text
+  assert echoed.usage.completion_tokens == plain.usage.completion_tokens == 3
+  ids = tok.encode("Hello there", add_special_tokens=False).ids
+  stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                     echo=True, stream=True, n=2,
+                                     extra_body={"ignore_eos": True})
+  texts = {0: "", 1: ""}
+  for chunk in stream:
+    for c in chunk.choices:
+      texts[c.index] += c.text
+  alone = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+  assert texts == {0: tok.decode(ids) + alone, 1: tok.decode(ids) + alone}
+  only = client.completions.create(model=MODEL, prompt=["Hi", "Hello"], max_tokens=0, echo=True)
+  assert [c.text for c in only.choices] == ["Hi", "Hello"]
+  assert {c.finish_reason for c in only.choices} == {"length"}
+  assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == sum(
+      len(tok.encode(t).ids) for t in ("Hi", "Hello"))
+  streamed = client.completions.create(model=MODEL, prompt="Hi", max_tokens=0, echo=True,
+                                       stream=True, stream_options={"include_usage": True})
+  chunks = list(streamed)
+  assert "".join(c.text for ch in chunks for c in ch.choices) == "Hi"
+  assert chunks[-1].usage.completion_tokens == 0
