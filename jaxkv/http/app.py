@@ -68,6 +68,17 @@ class _Sample:
     return text, self.logprobs.format(entries)
 
 
+def _plain_json(value) -> bool:
+  """Whether `value` is made of JSON's own types only (a config read from JSON always is, but
+  a token's AddedToken dict stays as written)."""
+  if value is None or isinstance(value, (str, bool, int, float)):
+    return True
+  if isinstance(value, list):
+    return all(_plain_json(v) for v in value)
+  return isinstance(value, dict) and all(isinstance(k, str) and _plain_json(v)
+                                         for k, v in value.items())
+
+
 def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int = 16,
                min_interval: int | None = None, max_queued: int = 4096,
                max_queued_tokens: int = 2**23,
@@ -179,6 +190,20 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   @app.get("/version")
   async def version():
     return {"version": _version()}
+
+  @app.get("/tokenizer_info")
+  async def tokenizer_info():
+    """vLLM's: the tokenizer's configuration as clients that tokenise remotely read it (the
+    JSON fields of tokenizer_config.json, the chat template this server renders, its stop ids,
+    `model_max_length` = the engine's `max_len`)."""
+    info = {k: v for k, v in tokenizer.config.items() if _plain_json(v)}
+    try:
+      template = tokenizer.template(chat_template)
+    except ValueError:
+      template = None
+    return info | {"tokenizer_class": info.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                   "chat_template": template, "model_max_length": engine.max_len,
+                   "vocab_size": tokenizer.vocab_size, "eos_token_ids": list(tokenizer.eos_ids)}
 
   @app.post("/tokenize")
   async def tokenize(body: TokenizeRequest):

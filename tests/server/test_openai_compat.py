@@ -318,3 +318,17 @@ def test_echo_prepends_the_prompt_and_max_tokens_0_returns_it_alone(client):
   chunks = list(streamed)
   assert "".join(c.text for ch in chunks for c in ch.choices) == "Hi"
   assert chunks[-1].usage.completion_tokens == 0
+
+
+def test_tokenizer_info_describes_the_tokenizer_in_use(url):
+  """vLLM's `/tokenizer_info`: tokenizer_config.json's fields, the chat template the server
+  renders, the stop ids and max_len, read from the checkpoint's files (not the server's)."""
+  with open(os.path.join(CHECKPOINT, "tokenizer_config.json"), encoding="utf-8") as f:
+    config = json.load(f)
+  info = httpx.get(url + "/tokenizer_info", timeout=60).json()
+  tok = tokenizers.Tokenizer.from_file(os.path.join(CHECKPOINT, "tokenizer.json"))
+  assert info["model_max_length"] == 64 and info["vocab_size"] == tok.get_vocab_size()
+  assert info["eos_token"] == config["eos_token"] and info["chat_template"] == config[
+      "chat_template"]
+  assert info["tokenizer_class"] == config.get("tokenizer_class", "PreTrainedTokenizerFast")
+  assert info["eos_token_ids"] and all(0 <= t < info["vocab_size"] for t in info["eos_token_ids"])
