@@ -86,13 +86,6 @@ def _hypothesis_seed(config) -> int | None:
   return int(os.environ["JAXKV_HYPOTHESIS_SEED"])
 
 
-def pytest_configure(config):
-  seed = _hypothesis_seed(config)
-  if seed is not None:
-    from hypothesis import core  # pylint: disable=g-import-not-at-top
-    core.global_force_seed = seed   # what --hypothesis-seed sets
-
-
 def pytest_report_header(config):
   seed = _hypothesis_seed(config)
   if seed is not None:
@@ -104,9 +97,67 @@ def pytest_terminal_summary(terminalreporter, config):
   seed = _hypothesis_seed(config)
   if seed is not None:
     terminalreporter.write_line(f"hypothesis seed {seed} (replay: --hypothesis-seed={seed})")
+  for line in _FILE_TIME_LINES:
+    terminalreporter.write_line(line)
+
+
+# Worker time per test file (setup, call and teardown), summed where the reports arrive: the
+# xdist controller, or pytest alone. A full run fails if one file takes more than HEAVY_SHARE of
+# it without a line in HEAVY_FILES saying why (tests/README.md "Suite time").
+HEAVY_SHARE = 0.05
+FULL_RUN_TESTS = 1000   # fewer tests than this: a subset, whose shares mean nothing
+HEAVY_FILES: dict[str, str] = {}
+_FILE_SECONDS: dict[str, float] = {}
+_FILE_TESTS: dict[str, set] = {}
+_FILE_TIME_LINES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+  path = report.nodeid.split("::")[0]
+  _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+  _FILE_TESTS.setdefault(path, set()).add(report.nodeid)
+
+
+def heavy_files(seconds: dict[str, float], allowed: dict[str, str], *, share: float = HEAVY_SHARE,
+                ) -> list[tuple[str, float]]:
+  """`(file, its share)` of each file past `share` of the summed `seconds`, not in `allowed`."""
+  total = sum(seconds.values())
+  return [(f, s / total) for f, s in sorted(seconds.items(), key=lambda x: -x[1])
+          if total > 0 and s / total > share and f not in allowed]
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if hasattr(session.config, "workerinput") or not _FILE_SECONDS:   # an xdist worker
+    return
+  total = sum(_FILE_SECONDS.values())
+  folders: dict[str, float] = {}
+  for path, seconds in _FILE_SECONDS.items():
+    folder = os.path.dirname(path)
+    folders[folder] = folders.get(folder, 0.0) + seconds
+  _FILE_TIME_LINES.append(f"worker time {total:.0f} s by folder: " + ", ".join(
+      f"{folder} {seconds:.0f} s" for folder, seconds in sorted(folders.items(),
+                                                                key=lambda x: -x[1])))
+  top = sorted(_FILE_SECONDS.items(), key=lambda x: -x[1])[:8]
+  _FILE_TIME_LINES.append("largest files: " + ", ".join(
+      f"{path} {100 * seconds / total:.1f}%" for path, seconds in top))
+  if sum(map(len, _FILE_TESTS.values())) < FULL_RUN_TESTS:
+    return
+  over = heavy_files(_FILE_SECONDS, HEAVY_FILES)
+  if over:
+    _FILE_TIME_LINES.append(
+        "FAILED suite time: " + ", ".join(f"{f} takes {100 * share:.1f}%" for f, share in over)
+        + f" of the worker time (more than {100 * HEAVY_SHARE:.0f}%): make it cheaper, or name "
+        "it in tests/conftest.py HEAVY_FILES with the reason")
+    if exitstatus == 0:
+      session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config):
+  seed = _hypothesis_seed(config)
+  if seed is not None:
+    from hypothesis import core  # pylint: disable=g-import-not-at-top
+    core.global_force_seed = seed   # what --hypothesis-seed sets (one pytest_configure: a second
+    # definition in this module would replace this one)
   # The scenario and reliability harnesses feed float32 probe content into float16
   # and bfloat16 caches on purpose. `attend` warns once per process and layer shape
   # about that, so as an error it would fail whichever test met a shape first;
