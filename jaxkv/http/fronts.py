@@ -26,7 +26,7 @@ import socket
 import threading
 from typing import AsyncIterator
 
-from jaxkv.serve.aio import _Mailbox, delivered, route
+from jaxkv.serve.aio import _Mailbox, delivered, fail_boxes, route
 from jaxkv.serve.errors import EngineError
 from jaxkv.serve.hosting import EngineHost, from_row
 from jaxkv.serve.parallel import DataParallelEngine
@@ -127,9 +127,8 @@ class RemoteEngine:
     return len(ids)
 
   def fail_all(self, error: Exception) -> int:
-    for box in self._boxes.values():
-      box.put(error)
-    return len(self._boxes)
+    """`AsyncEngine.fail_all`: every request this front is reading ends with `error`."""
+    return fail_boxes(self._boxes, error)
 
   def warm_up(self) -> float:
     return 0.0   # the engine's process compiled before the fronts started

@@ -120,6 +120,14 @@ def route(boxes: dict, deltas: list[Delta], on_step=None) -> None:
     on_step(deltas)
 
 
+def fail_boxes(boxes: dict, error: Exception) -> int:
+  """`error` into every mailbox (raised to its consumer once it has read what came before);
+  how many got it."""
+  for box in boxes.values():
+    box.put(error)
+  return len(boxes)
+
+
 async def delivered(boxes: dict, request_id, on_end) -> AsyncIterator[Delta]:
   """`boxes[request_id]`'s deltas until each sample has finished; then (or when the consumer
   leaves early) the mailbox goes and `on_end(request_id, finished)` is called."""
@@ -262,9 +270,7 @@ class AsyncEngine:
     """Ends every request a consumer is reading with `error` (raised from `deltas`, which then
     aborts it in the engine; a consumer that reads its last delta first never sees it); how
     many were given it. Call it on the event loop."""
-    for box in self._boxes.values():
-      box.put(error)
-    return len(self._boxes)
+    return fail_boxes(self._boxes, error)
 
   def close(self, timeout: float | None = None) -> None:
     """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
