@@ -794,7 +794,8 @@ def main(argv=None) -> int:
   if args.url:
     run_rates(args, results, url, model_name, prompts, max_tokens, None, None, "")
   else:
-    from jaxkv.cli import build_server, use_compilation_cache, warm_up   # pylint: disable=g-import-not-at-top
+    from jaxkv.cli import build_server, warm_up   # pylint: disable=g-import-not-at-top
+    from jaxkv.serve.loading import use_compilation_cache   # pylint: disable=g-import-not-at-top
     from jaxkv.serve import Engine   # pylint: disable=g-import-not-at-top
     from jaxkv.http.app import create_app   # pylint: disable=g-import-not-at-top
     import cProfile   # pylint: disable=g-import-not-at-top

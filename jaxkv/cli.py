@@ -246,12 +246,6 @@ def _port_taken(host: str, port: int) -> str | None:
   return None
 
 
-def use_compilation_cache(directory: str) -> str | None:
-  """`jaxkv.serve.loading.use_compilation_cache` (imported when called: parsing imports no jax)."""
-  from jaxkv.serve.loading import use_compilation_cache as use   # pylint: disable=g-import-not-at-top
-  return use(directory)
-
-
 def serve(args) -> int:
   try:
     import uvicorn  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import  (checked up front)
@@ -270,6 +264,7 @@ def serve(args) -> int:
       chat_template = f.read()
   elif chat_template is not None and not any(mark in chat_template for mark in ("{{", "{%")):
     template_name = chat_template   # neither a file nor Jinja text: a name, checked once loaded
+  from jaxkv.serve.loading import use_compilation_cache   # pylint: disable=g-import-not-at-top
   started = time.perf_counter()
   cache_dir = use_compilation_cache(args.compilation_cache)
   try:

@@ -302,12 +302,10 @@ class Tokenizer:
         before tokenising it: a prompt no sequence could hold costs a linear scan, not
         the whole tokenisation.
     """
-    if max_tokens is not None and len(text) > _LONG_TEXT:
-      least = self.min_tokens(text)
-      if least > max_tokens:
+    if len(text) > _LONG_TEXT:
+      if max_tokens is not None and (least := self.min_tokens(text)) > max_tokens:
         raise ValueError(f"the text is at least {least} tokens long ({len(text)} characters); "
                          f"at most {max_tokens} fit")
-    if len(text) > _LONG_TEXT:
       # `tokenizers` holds the GIL through `encode` but releases it in `encode_batch` (same
       # pipeline, same ids): a megabyte prompt then no longer stalls every other thread.
       return list(self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)

@@ -237,19 +237,23 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if refused is not None:   # never accepted and ignored: the client would not know
       raise BadRequest(refused[1], param=refused[0])
 
-  def build(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
+  def check_prompts(prompts: list[list[int]], prompt_field: str) -> None:
+    """How many prompts, and each one's length (a prompt's fault whatever the output limit)."""
     if len(prompts) > max_prompts:
       raise BadRequest(f"prompt holds {len(prompts)} prompts; at most {max_prompts} per request",
                        status=413, param="prompt")
-    max_tokens, limit_field = body.output_limit()
-    prompt_field = "messages" if chat else "prompt"
-    out = []
     for prompt in prompts:
       if not prompt:
         raise BadRequest("the prompt encodes to no tokens", param=prompt_field)
-      if len(prompt) >= engine.max_len:   # too long whatever the output limit: the prompt's fault
+      if len(prompt) >= engine.max_len:
         raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len} "
                          "leaves none to generate", param=prompt_field)
+
+  def build(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
+    max_tokens, limit_field = body.output_limit()
+    check_prompts(prompts, "messages" if chat else "prompt")
+    out = []
+    for prompt in prompts:
       limit = max_tokens if max_tokens is not None else engine.max_len - len(prompt)
       try:
         params = body.sampling(max_tokens=limit, stop_ids=tokenizer.eos_ids)
@@ -396,12 +400,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
 
   def echo_only(body, prompts: list[list[int]], echoed: list[str]):
     """`max_tokens: 0` with `echo`: each prompt's text as its choices, nothing generated."""
-    for prompt in prompts:
-      if not prompt:
-        raise BadRequest("the prompt encodes to no tokens", param="prompt")
-      if len(prompt) >= engine.max_len:
-        raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len}",
-                         param="prompt")
+    check_prompts(prompts, "prompt")
     head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": model_name,
             "object": "text_completion"}
     choices = [{"index": i * body.n + j, "text": text, "finish_reason": "length",
@@ -526,9 +525,6 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if body.max_tokens == 0 and body.max_completion_tokens is None:
       if not body.echo:
         raise BadRequest("max_tokens=0 generates nothing; it needs echo=true", param="max_tokens")
-      if len(prompts) > max_prompts:
-        raise BadRequest(f"prompt holds {len(prompts)} prompts; at most {max_prompts} per "
-                         "request", status=413, param="prompt")
       return echo_only(body, prompts, echoed)
     return await respond(http, body, build(body, prompts, chat=False), chat=False, echoed=echoed)
 

@@ -164,8 +164,9 @@ class AsyncEngine:
     run_ahead: `"steps"`: steps queued on the device at most (`live.RUN_AHEAD`).
     sink: deliver on the stepping threads instead of an event loop: `sink.deltas(deltas,
       ended)` after each read-back (`ended`: the requests whose every sample finished in it)
-      and `sink.failed(error, request_ids)` for the requests a failure dropped (`EngineHost` forwards them to front processes). Requests then need their
-      own `request_id`, and `deltas`/`generate` are not available.
+      and `sink.failed(error, request_ids)` for the requests a failure dropped (`EngineHost`
+      forwards them to front processes). Requests then need their own `request_id`, and
+      `deltas`/`generate` are not available.
   """
 
   def __init__(self, engine: Engine | DataParallelEngine, *, interval: int = 8,
