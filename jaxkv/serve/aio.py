@@ -194,12 +194,19 @@ class AsyncEngine:
     self.min_interval = max(1, interval // 4) if min_interval is None else min(min_interval,
                                                                                interval)
     self.parts = list(engine.engines) if isinstance(engine, DataParallelEngine) else [engine]
+    for part in self.parts:
+      other = getattr(part, "driver", None)
+      if other is not None and not other._closed:
+        raise ValueError("engine= is already served by an open AsyncEngine (each would collect "
+                         "entries the other dispatched): close() that one first")
+    self._closed = False
+    for part in self.parts:
+      part.driver = self
     self._boxes: dict[object, _Mailbox] = {}   # request_id -> its undelivered deltas
     self._owner: dict = {}   # request_id -> the engine serving it (event loop thread only)
     self._ids = itertools.count()
     self._loop: asyncio.AbstractEventLoop | None = None
     self._wakes = [threading.Event() for _ in self.parts]
-    self._closed = False
     self._threads: list[threading.Thread] = []
 
   def add_request(self, request: Request):
@@ -274,8 +281,12 @@ class AsyncEngine:
     return fail_boxes(self._boxes, error)
 
   def close(self, timeout: float | None = None) -> None:
-    """Stops the driver thread after its current entry (requests still in flight stay unserved)."""
+    """Stops the driver thread after its current entry (requests still in flight stay unserved);
+    another AsyncEngine may serve the engine after it."""
     self._closed = True
+    for part in self.parts:
+      if part.driver is self:
+        part.driver = None
     for wake in self._wakes:
       wake.set()
     if self._threads:

@@ -202,6 +202,8 @@ class Engine:
     self.stats = EngineStats(implementations=self.implementations)
     self.completions: list[Completion] = []   # of the last run, also when it failed
     self._live: LiveQueue | None = None
+    # The `AsyncEngine` whose threads drive it: one at a time, two would race for its entries.
+    self.driver = None
 
   @property
   def capacity(self) -> int:

@@ -93,6 +93,7 @@ class LiveQueue:
     # (and whether an admission block) dispatched since the last entry read back.
     self._ahead: collections.deque = collections.deque()
     self._unread, self._unread_admit = 0, False
+    self._loop_greedy: bool | None = None   # which loop variant the last entry ran
 
   @property
   def held(self) -> int:
@@ -351,8 +352,8 @@ class LiveQueue:
       # Device work: a request it holds, or a queue the last entry read left non-empty (aborts
       # may have emptied it since; an entry reads that back and frees the slots), or (stepping)
       # finished columns to retire.
-      work = (any(t.base >= 0 and not all(t.finished) for t in ledger.tracked.values())
-              or ledger.queued > 0)
+      live = [t for t in ledger.tracked.values() if not all(t.finished)]
+      work = any(t.base >= 0 for t in live) or ledger.queued > 0
       if not (work or stepwise and self._retire_due()):
         return deltas
       greedy = ledger.sampled == 0
@@ -366,7 +367,12 @@ class LiveQueue:
     # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
     # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
     if not stepwise:
+      if not live and self._loop_greedy is not None:
+        # Only aborted requests to free: the variant last run, never a first compile of the
+        # other one (a whole loop: seconds, a minute on a GPU) at the last abort or a drain.
+        greedy = self._loop_greedy
       core.enter(k, greedy=greedy)
+      self._loop_greedy = greedy
       k += self._unread   # steps queued before it and not read yet are read with it
       self._unread, self._unread_admit = 0, False
     else:

@@ -75,7 +75,7 @@ def test_async_engine_over_a_data_parallel_group_streams_what_one_engine_returns
         aio.add_request(requests[0])   # an id in flight on another engine of the group
       unnamed = aio.add_request(serve.Request((1, 2), serve.SamplingParams(max_tokens=30)))
       owners = {aio._owner[rid] for rid in ids}   # pylint: disable=protected-access
-      assert aio.abort(unnamed) and sum(dp.counts()) == len(ids) + 1
+      assert aio.abort(unnamed)   # 30 tokens: still in flight
       got = {}
       for rid in ids:
         async for d in aio.deltas(rid):

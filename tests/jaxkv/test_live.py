@@ -505,3 +505,40 @@ def test_aborting_a_full_device_queue_lets_the_requests_behind_it_in(model, rng)
     _collect(engine.step(4), got)
   assert not engine.has_unfinished()
   assert {k: v for k, v in got.items() if k[0].startswith("y")} == _want(model, later)
+
+
+def test_aborting_every_sampled_request_reuses_the_sampled_loop(model, monkeypatch):
+  """With only aborted requests left to free (a queue the device still holds), the entry runs
+  the loop variant the last one ran: the last abort (or a server's drain) never waits for a
+  first compile of the greedy loop."""
+  engine = serve.Engine(model, max_len=48)
+  for i in range(8):   # more than the columns hold: some wait in the device queue
+    engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=40,
+                                                                     temperature=1.0, seed=i),
+                                     f"s{i}"))
+  variants = []
+  enter = engine.core.enter
+  monkeypatch.setattr(engine.core, "enter",
+                      lambda k, *, greedy=False: variants.append(greedy) or enter(k, greedy=greedy))
+  engine.step(1)
+  assert engine.counts()[1] > 0 and engine.live.ledger.queued > 0
+  assert engine.abort_many([f"s{i}" for i in range(8)]) == 8
+  while engine.has_unfinished() or engine.live.ledger.queued:
+    engine.step(1)
+  assert len(variants) > 1 and not any(variants), variants
+
+
+def test_an_engine_is_served_by_one_open_async_engine_at_a_time(model):
+  """A second AsyncEngine over an engine another open one serves is refused (its reader would
+  collect the other's entries), naming the argument and leaving the first in charge; once
+  that one is closed, another may serve the engine."""
+  engine = serve.Engine(model, max_len=48)
+  first = AsyncEngine(engine, interval=2)
+  with pytest.raises(ValueError, match="engine= is already served by an open AsyncEngine"):
+    AsyncEngine(engine, interval=4)
+  assert engine.driver is first
+  first.close()
+  second = AsyncEngine(engine, interval=4)
+  assert engine.driver is second
+  second.close()
+  assert engine.driver is None
