@@ -208,6 +208,7 @@ class AsyncEngine:
     self._loop: asyncio.AbstractEventLoop | None = None
     self._wakes = [threading.Event() for _ in self.parts]
     self._threads: list[threading.Thread] = []
+    self._lives: list = []   # each engine's LiveQueue, as its threads use it
 
   def add_request(self, request: Request):
     """Checks and queues `request` (raising ValueError/TypeError as `Engine.add_request`); its id.
@@ -243,6 +244,10 @@ class AsyncEngine:
     if self.sink is None:
       self._boxes[rid] = _Mailbox(request.params.n)
     if not self._threads:
+      # Every engine's LiveQueue made here, before the threads read it: an engine's first
+      # `live` makes it, and one made on a driver thread while this one made another
+      # would leave that driver watching a queue no request reaches.
+      self._lives = [p.live for p in self.parts]
       self._switch_before = sys.getswitchinterval()
       sys.setswitchinterval(self.switch_interval)
       for i in range(len(self.parts)):
@@ -290,8 +295,8 @@ class AsyncEngine:
     for wake in self._wakes:
       wake.set()
     if self._threads:
-      for part in self.parts:
-        part.live.notify()
+      for live in self._lives:
+        live.notify()
       for t in self._threads:
         t.join(timeout)
     if self._switch_before is not None:
@@ -324,8 +329,7 @@ class AsyncEngine:
 
   def _drive(self, part: int) -> None:
     """A driver thread: dispatches entries while there is work (at most two uncollected)."""
-    engine, wake = self.parts[part], self._wakes[part]
-    live = engine.live
+    engine, wake, live = self.parts[part], self._wakes[part], self._lives[part]
     while not self._closed:
       wake.clear()   # cleared before the check: an add_request after it sets it again
       if not live.has_work():
@@ -345,7 +349,7 @@ class AsyncEngine:
 
   def _read(self, part: int) -> None:
     """A reader thread: collects each entry while the next one runs, posts its deltas."""
-    live = self.parts[part].live
+    live = self._lives[part]
     while not self._closed:
       if not live.wait_for_entry(timeout=1.0):
         continue

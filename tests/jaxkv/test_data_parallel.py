@@ -114,3 +114,40 @@ def test_build_engine_splits_the_devices_into_data_parallel_engines():
                                max_seqs=2, kv_cache_memory=1 << 20).engine
   assert [e.mesh.devices.tolist() for e in split.engines] == [jax.devices()[:2],
                                                              jax.devices()[2:4]]
+
+
+def test_every_engine_of_the_group_has_one_live_queue_its_threads_and_requests_share(
+    monkeypatch):
+  """An engine's LiveQueue is made on first use. Made slowly (here: a sleep in its
+  constructor), a driver thread making one while the event loop makes another for the
+  request it adds would leave that request unserved: each engine's queue is made before the
+  threads start, so every request of the group is served."""
+  import asyncio   # pylint: disable=g-import-not-at-top
+  import time   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve import live as live_module   # pylint: disable=g-import-not-at-top
+  devices = _devices(2)
+  model = Decoder(MODEL, CACHE, rngs=nnx.Rngs(0), implementation=IMPL)
+  dp = serve.DataParallelEngine(model, devices=devices, max_len=32)
+  made = live_module.LiveQueue.__init__
+
+  def slowly(self, *args, **kwargs):
+    time.sleep(0.3)
+    made(self, *args, **kwargs)
+  monkeypatch.setattr(live_module.LiveQueue, "__init__", slowly)
+  requests = [serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=3), request_id=f"q{i}")
+              for i in range(4)]
+
+  async def main():
+    aio = serve.AsyncEngine(dp, interval=2)
+    try:
+      ids = [aio.add_request(r) for r in requests]   # the group alternates: both engines serve
+      assert {aio._owner[rid] for rid in ids} == {0, 1}   # pylint: disable=protected-access
+
+      async def one(rid):
+        return [t async for d in aio.deltas(rid) for t in d.tokens]
+      return await asyncio.wait_for(asyncio.gather(*(one(rid) for rid in ids)), timeout=60)
+    finally:
+      aio.close(timeout=30)
+
+  got = asyncio.run(main())
+  assert [len(tokens) for tokens in got] == [3] * 4
