@@ -323,7 +323,8 @@ def serve(args) -> int:
       print(summary(engine.stats, warm), flush=True)
 
   if args.api_server_count > 1:
-    del app   # its AsyncEngine compiled the programs; the host steps the engine instead
+    app.state.aio.close()   # it compiled the programs; the host's AsyncEngine steps the engine
+    del app
     _run_fronts(engine, tokenizer, args, app_args, aio_args)
   else:
     _run_server(app, args)
