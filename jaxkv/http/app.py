@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -31,6 +32,9 @@ from jaxkv.http.schema import (ChatRequest, CompletionRequest, DetokenizeRequest
                                unsupported_field)
 from jaxkv.http.tasks import Drain, Draining, disconnected, log_stats, off_loop, until
 from jaxkv.serve.aio import AsyncEngine
+from jaxkv.serve.engine import Engine
+from jaxkv.serve.parallel import DataParallelEngine
+from jaxkv.serve.scoring import PromptScorer
 from jaxkv.serve.requests import Request as EngineRequest
 from jaxkv.tokenizer import TextStream, Tokenizer
 
@@ -122,6 +126,10 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     aio.on_step = after_step
 
   drain = Drain(lambda: aio.fail_all(Draining()))
+  # Prompt logprobs (`echo` with `logprobs`) run the engine's model here: not in a front process.
+  scoring = (engine if isinstance(engine, Engine) else engine.engines[0]
+             if isinstance(engine, DataParallelEngine) else None)
+  scorers: list[PromptScorer] = []   # made on the first request that asks
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
@@ -398,13 +406,43 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
-  def echo_only(body, prompts: list[list[int]], echoed: list[str]):
-    """`max_tokens: 0` with `echo`: each prompt's text as its choices, nothing generated."""
+  async def score(body, prompts: list[list[int]]) -> _Scored | None:
+    """The prompts' own logprobs where asked (`echo` with `logprobs`, `prompt_logprobs`)."""
+    echo_k = body.logprobs if getattr(body, "echo", False) else None
+    asked = [(k, name) for k, name in ((echo_k, "logprobs"),
+                                       (body.prompt_logprobs, "prompt_logprobs")) if k is not None]
+    if not asked:
+      return None
+    for k, name in asked:
+      if scoring is None:
+        raise BadRequest(f"{name} on the prompt is served by the engine's process: not with "
+                         "--api-server-count > 1", param=name)
+      if k > scoring.max_logprobs:
+        raise BadRequest(f"{name}={k} is over the server's max_logprobs={scoring.max_logprobs}",
+                         param=name)
+    check_prompts(prompts, "messages" if isinstance(body, ChatRequest) else "prompt")
+    if not scorers:
+      scorers.append(PromptScorer(scoring))
+    k = max(k for k, _ in asked)
+    try:
+      scored = await asyncio.to_thread(lambda: [scorers[0].score(q, k) for q in prompts])
+    except ValueError as e:   # a token outside the vocabulary
+      raise BadRequest(public_message(e), param="prompt") from e
+    return _Scored(prompts, scored, echo_k, body.prompt_logprobs)
+
+  def echo_only(body, prompts: list[list[int]], echoed: list[str], scored=None):
+    """`max_tokens: 0` with `echo`: each prompt's text as its choices (with its logprobs if
+    asked), nothing generated."""
     check_prompts(prompts, "prompt")
     head = {"id": "cmpl-" + uuid.uuid4().hex, "created": int(time.time()), "model": model_name,
             "object": "text_completion"}
+    as_ids = body.return_tokens_as_token_ids
     choices = [{"index": i * body.n + j, "text": text, "finish_reason": "length",
                 "logprobs": None} for i, text in enumerate(echoed) for j in range(body.n)]
+    if scored is not None:
+      for c in choices:
+        c.update(scored.fields(c["index"] // body.n, LogprobFormatter(tokenizer, chat=False,
+                                                                      as_ids=as_ids)))
     prompt_tokens = sum(map(len, prompts))
     usage_ = {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
               "total_tokens": prompt_tokens}
@@ -419,16 +457,22 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
-  async def respond(http, body, requests, *, chat: bool, echoed: list[str] | None = None):
+  async def respond(http, body, requests, *, chat: bool, echoed: list[str] | None = None,
+                    scored: _Scored | None = None):
     ids, samples, _ = await serve(http, requests, body, chat)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     n = body.n
     head = {"id": rid, "created": int(time.time()), "model": model_name}
+    # Each choice's prompt logprobs: a sample's formatter goes on from the echoed prompt's offsets.
+    firsts = [[{} if scored is None else scored.fields(
+        i, samples[i][j].logprobs or LogprobFormatter(tokenizer, chat=chat)) for j in range(n)]
+        for i in range(len(requests))]
     if body.stream:
-      return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat, echoed=echoed),
-                               media_type="text/event-stream")
+      return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat, echoed=echoed,
+                                    firsts=firsts), media_type="text/event-stream")
     texts = [[echoed[i] if echoed else ""] * n for i in range(len(requests))]
-    lps = [[[] for _ in range(n)] for _ in requests]
+    lps = [[[firsts[i][j]["logprobs"]] if "logprobs" in firsts[i][j] else [] for j in range(n)]
+           for i in range(len(requests))]
     watcher = asyncio.ensure_future(disconnected(http))
     gen = events(ids, samples)
     try:
@@ -457,6 +501,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         else:
           choice = {"index": i * n + j, "text": texts[i][j], "finish_reason": reason,
                     "logprobs": logprobs}
+        if "prompt_logprobs" in firsts[i][j]:
+          choice["prompt_logprobs"] = firsts[i][j]["prompt_logprobs"]
         choices.append(_json(choice))
     head = _json(head | {"object": "chat.completion" if chat else "text_completion"})
     return Response(f'{head[:-1]},"choices":[{",".join(choices)}],'
@@ -464,7 +510,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                     media_type="application/json")
 
   async def _sse(head, ids, samples, requests, body, *, chat: bool,
-                 echoed: list[str] | None = None):
+                 echoed: list[str] | None = None, firsts: list[list[dict]]):
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = body.n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -472,12 +518,15 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     def chunk(choices, **extra):
       return "data: " + json.dumps(head | {"object": kind, "choices": choices} | extra) + "\n\n"
 
+    # Each choice's first chunk: the role (chat), the echoed prompt; its prompt logprobs.
     if chat:
-      yield chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
-                    "finish_reason": None} for k in range(len(requests) * n)])
-    for i, text in enumerate(echoed or ()):   # each choice starts with its prompt
-      yield chunk([{"index": i * n + j, "text": text, "finish_reason": None, "logprobs": None}
-                   for j in range(n)])
+      yield chunk([{"index": i * n + j, "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None} | firsts[i][j]
+                   for i in range(len(requests)) for j in range(n)])
+    elif echoed or any(f for fs in firsts for f in fs):
+      yield chunk([{"index": i * n + j, "text": echoed[i] if echoed else "",
+                    "finish_reason": None, "logprobs": None} | firsts[i][j]
+                   for i in range(len(requests)) for j in range(n)])
     gen = events(ids, samples)
     try:
       async for i, j, text, finish, logprobs in gen:
@@ -525,8 +574,10 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if body.max_tokens == 0 and body.max_completion_tokens is None:
       if not body.echo:
         raise BadRequest("max_tokens=0 generates nothing; it needs echo=true", param="max_tokens")
-      return echo_only(body, prompts, echoed)
-    return await respond(http, body, build(body, prompts, chat=False), chat=False, echoed=echoed)
+      return echo_only(body, prompts, echoed, await score(body, prompts))
+    requests = build(body, prompts, chat=False)   # every refusal before the scoring runs
+    return await respond(http, body, requests, chat=False, echoed=echoed,
+                         scored=await score(body, prompts))
 
   @app.post("/v1/chat/completions")
   async def chat_completions(body: ChatRequest, http: Request):
@@ -538,12 +589,31 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
                               chat_template=chat_template, **(body.chat_template_kwargs or {})),
         add_special_tokens=False, max_tokens=engine.max_len - 1), "messages"))
-    return await respond(http, body, build(body, [prompt], chat=True), chat=True)
+    requests = build(body, [prompt], chat=True)   # every refusal before the scoring runs
+    return await respond(http, body, requests, chat=True, scored=await score(body, [prompt]))
 
   return app
 
 
 _log = logging.getLogger("jaxkv.http")
+
+
+class _Scored:
+  """The prompts' `PromptLogprob`s, and the fields a choice carries from them."""
+
+  def __init__(self, prompts, scored, echo_k: int | None, prompt_k: int | None):
+    self.prompts, self.scored, self.echo_k, self.prompt_k = prompts, scored, echo_k, prompt_k
+
+  def fields(self, i: int, formatter: LogprobFormatter) -> dict:
+    """Prompt `i`'s `logprobs` (echoed: OpenAI's shape, via the choice's `formatter`) and
+    `prompt_logprobs` (vLLM's), each with its own top n."""
+    top = lambda k: [dataclasses.replace(e, top=e.top[:k]) for e in self.scored[i]]
+    out = {}
+    if self.echo_k is not None:
+      out["logprobs"] = formatter.format_prompt(self.prompts[i][0], top(self.echo_k))
+    if self.prompt_k is not None:
+      out["prompt_logprobs"] = formatter.prompt_logprobs(top(self.prompt_k))
+    return out
 
 
 def _json(obj) -> str:

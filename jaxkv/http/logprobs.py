@@ -67,6 +67,29 @@ class LogprobFormatter:
       self.offset += len(text)
     return out
 
+  def format_prompt(self, first: int, entries) -> dict:
+    """The completions logprobs object of an echoed prompt: its first token has no logprob
+    (null, as OpenAI's), each later one its `PromptLogprob` (`entries`); the offsets go on
+    from there for the generated tokens."""
+    text = self.text(first)
+    head = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [None],
+            "text_offset": [self.offset]}
+    self.offset += len(text)
+    return self.merge([head, self.format(entries)], chat=False)
+
+  def prompt_logprobs(self, entries) -> list:
+    """vLLM's `prompt_logprobs` of a prompt's `PromptLogprob`s: null for the first token,
+    then per token `{token id: {"logprob", "rank", "decoded_token"}}` for it and the top n."""
+    out: list = [None]
+    for e in entries:
+      ranked = {e.token: (e.logprob, e.rank)}
+      for r, (t, v) in enumerate(e.top, 1):
+        ranked.setdefault(t, (v, r))
+      out.append({str(t): {"logprob": _value(v), "rank": r,
+                           "decoded_token": self.tokenizer.decode([t], skip_special_tokens=False)}
+                  for t, (v, r) in ranked.items()})
+    return out
+
   @staticmethod
   def merge(parts: list[dict], *, chat: bool) -> dict:
     """One logprobs object from the per-delta ones of a sample, in order."""

@@ -4,9 +4,9 @@ Unknown fields are accepted (the app logs each name once), as vLLM accepts
 them: clients send fields such as `store`, `metadata` or `reasoning_effort`
 whose absence changes nothing here. OpenAI parameters whose meaning would
 change the output if ignored are refused by name: `logit_bias`,
-`best_of != n`, `suffix`, `echo` with `logprobs` (the prompt's logprobs), tools,
-response formats and images; `echo` alone prepends the prompt, and with
-`max_tokens: 0` returns it alone. Logprobs
+`best_of != n`, `suffix`, tools, response formats and images. `echo` prepends
+the prompt, and with `max_tokens: 0` returns it alone; with `logprobs` the
+prompt's tokens come with theirs (`PromptScorer`). Logprobs
 (`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
 chat), `presence_penalty` and `frequency_penalty` are OpenAI's; `top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and
@@ -65,7 +65,6 @@ _NOT_YET = {
     "guided_grammar": "structured output is not supported yet",
     "structured_outputs": "structured output is not supported yet",
     "allowed_token_ids": "allowed_token_ids is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported",
     "reasoning_effort": "reasoning_effort is not supported (the model's template decides)",
     "store": "store=true is not supported: this server does not store completions",
 }
@@ -136,6 +135,7 @@ class _Common(BaseModel):
   include_stop_str_in_output: StrictBool = False
   return_tokens_as_token_ids: StrictBool = False
   skip_special_tokens: StrictBool = True
+  prompt_logprobs: Int | None = Field(default=None, ge=0)   # vLLM's: the prompt tokens' top n
 
   @field_validator("stop", mode="plain")
   @classmethod
@@ -183,14 +183,6 @@ class CompletionRequest(_Common):
   suffix: str | None = None
   best_of: Int | None = None
   logprobs: Int | None = Field(default=None, ge=0)
-
-  @field_validator("logprobs")
-  @classmethod
-  def _not_with_echo(cls, v, info: ValidationInfo):
-    if v is not None and info.data.get("echo"):
-      raise ValueError("logprobs with echo=true needs the prompt tokens' logprobs, which are "
-                       "not supported yet")
-    return v
 
   @field_validator("prompt", mode="plain")
   @classmethod

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("openai", reason="the server tests need the test extra's openai")
 pytest.importorskip("uvicorn", reason="the server tests need the test extra's uvicorn")
+import openai  # noqa: E402
 import tokenizers  # noqa: E402
 
 from http_server import serving_process  # noqa: E402
@@ -66,6 +67,11 @@ def test_two_front_processes_serve_what_one_engine_computes_and_stop_on_sigterm(
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
       got = list(pool.map(ask, range(len(prompts))))
+    # The prompt's own logprobs run the model in the engine's process: a front refuses them.
+    for extra in ({"echo": True, "logprobs": 1}, {"extra_body": {"prompt_logprobs": 1}}):
+      with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="hf_llama", prompt=[1, 2], max_tokens=1, **extra)
+      assert info.value.body["param"] in ("logprobs", "prompt_logprobs")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 0, out[-3000:]

@@ -16,12 +16,14 @@ import json
 import os
 
 import httpx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="the server tests need the test extra's openai")
 pytest.importorskip("fastapi", reason="the server tests need the serve extra's fastapi")
 import tokenizers  # pylint: disable=wrong-import-position
 
+import hf_reference  # pylint: disable=wrong-import-order
 from http_server import running  # pylint: disable=wrong-import-order
 from jaxkv.cli import build_server
 from jaxkv.http.app import create_app
@@ -80,7 +82,6 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
                                 ("reasoning_effort", "low", "reasoning_effort is not supported"),
                                 ("store", True, "does not store completions"),
                                 ("guided_json", {"type": "object"}, "structured output"),
-                                ("prompt_logprobs", 1, "prompt_logprobs is not supported"),
                                 ("allowed_token_ids", [1], "allowed_token_ids is not supported")):
     for path, body in (("/v1/chat/completions", {"messages": HI}),
                        ("/v1/completions", {"prompt": "Hi"})):
@@ -94,7 +95,6 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
      "response_format"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
-    ("/v1/completions", {"prompt": "Hi", "echo": True, "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(url, path, body, param):
@@ -345,3 +345,55 @@ def test_tokenizer_info_describes_the_tokenizer_in_use(url):
       "chat_template"]
   assert info["tokenizer_class"] == config.get("tokenizer_class", "PreTrainedTokenizerFast")
   assert info["eos_token_ids"] and all(0 <= t < info["vocab_size"] for t in info["eos_token_ids"])
+
+
+def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_a_float64_pass(client):
+  """`echo` + `logprobs` (OpenAI's prompt scoring, lm-eval's loglikelihood call) and vLLM's
+  `prompt_logprobs`: each prompt token's logprob given the ones before it, its rank and the
+  top n, equal to a float64 NumPy forward pass of the checkpoint; plain, streamed, and with
+  `max_tokens: 0`. The first token has none (null)."""
+  config, weights = hf_reference.load(CHECKPOINT)
+  ids = [5, 9, 17, 30, 41, 77]
+  lp = hf_reference.log_probs(config, weights, ids)
+  want = [lp[i - 1, ids[i]] for i in range(1, len(ids))]
+  ranks = [1 + int(np.sum(lp[i - 1] > lp[i - 1, ids[i]])) for i in range(1, len(ids))]
+  kw = dict(model=MODEL, prompt=ids, echo=True, logprobs=2, temperature=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                        "prompt_logprobs": 3})
+  for max_tokens in (0, 2):
+    got = client.completions.create(max_tokens=max_tokens, **kw)
+    choice = got.choices[0]
+    lps = choice.logprobs
+    assert lps.tokens[:len(ids)] == [f"token_id:{t}" for t in ids]
+    assert len(lps.tokens) == len(lps.token_logprobs) == len(ids) + max_tokens
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.token_logprobs[1:len(ids)] == pytest.approx(want, abs=1e-4)
+    for i in range(1, len(ids)):   # the top 2, plus the prompt's token where it is not in them
+      best = np.argsort(lp[i - 1])[::-1][:2]
+      top = lps.top_logprobs[i]
+      assert {f"token_id:{t}" for t in best} <= set(top) and len(top) <= 3
+      assert [top[f"token_id:{t}"] for t in best] == pytest.approx(lp[i - 1, best], abs=1e-4)
+    assert lps.text_offset == sorted(lps.text_offset) and lps.text_offset[0] == 0
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == max_tokens
+    prompt_lps = choice.model_extra["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    for i, entry in enumerate(prompt_lps[1:], 1):
+      assert entry[str(ids[i])]["logprob"] == pytest.approx(want[i - 1], abs=1e-4)
+      assert entry[str(ids[i])]["rank"] == ranks[i - 1]
+      best = np.argsort(lp[i - 1])[::-1][:3]
+      assert {str(t) for t in best} <= set(entry) and len(entry) <= 4
+      assert [entry[str(t)]["rank"] for t in best] == [1, 2, 3] or ranks[i - 1] <= 3
+  plain = got
+  chunks = list(client.completions.create(max_tokens=2, stream=True, **kw))
+  streamed = [t for c in chunks for ch in c.choices if ch.logprobs
+              for t in ch.logprobs.token_logprobs]
+  plain_lps = plain.choices[0].logprobs.token_logprobs
+  assert streamed[0] is None and len(streamed) == len(plain_lps)
+  assert streamed[1:] == pytest.approx(plain_lps[1:], abs=1e-6)
+  assert chunks[0].choices[0].model_extra["prompt_logprobs"] == plain.choices[0].model_extra[
+      "prompt_logprobs"]
+  chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=1,
+                                        extra_body={"prompt_logprobs": 0})
+  chat_lps = chat.choices[0].model_extra["prompt_logprobs"]
+  assert chat_lps[0] is None and all(len(e) == 1 for e in chat_lps[1:])
+  assert len(chat_lps) == chat.usage.prompt_tokens
