@@ -64,8 +64,10 @@ class SamplingParams:
     include_stop_str_in_output: keep the stop string found in the text.
     skip_special_tokens: leave special tokens' text out of `text`.
     logprobs: top alternatives reported per token (None: none).
+    min_tokens: no stop token id (EOS included) and no stop string before this many
+      tokens.
 
-  vLLM fields that are not here (`min_tokens`, `logit_bias`, `allowed_token_ids`,
+  vLLM fields that are not here (`logit_bias`, `allowed_token_ids`,
   `prompt_logprobs`, ...) are refused by name (a TypeError); the README lists
   the differences that remain.
   """
@@ -86,6 +88,7 @@ class SamplingParams:
   include_stop_str_in_output: bool = False
   skip_special_tokens: bool = True
   logprobs: int | None = None
+  min_tokens: int = 0
 
   def __post_init__(self):
     stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -96,7 +99,8 @@ class SamplingParams:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
-    self.engine_params(max_tokens=self.max_tokens or 1, eos=())   # the engine's checks, by name
+    # The engine's checks, by name (max_tokens None: up to max_len, checked per prompt).
+    self.engine_params(max_tokens=self.max_tokens or max(self.min_tokens, 1), eos=())
 
   def engine_params(self, *, max_tokens: int, eos: Sequence[int]) -> EngineParams:
     """The engine's `SamplingParams` of this request (`eos` added unless `ignore_eos`)."""
@@ -105,7 +109,8 @@ class SamplingParams:
                         top_p=self.top_p, seed=self.seed, stop_tokens=tuple(dict.fromkeys(stops)),
                         n=self.n, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                         presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty, logprobs=self.logprobs)
+                        frequency_penalty=self.frequency_penalty, logprobs=self.logprobs,
+                        min_tokens=self.min_tokens)
 
 
 class _Text(NamedTuple):
@@ -113,6 +118,7 @@ class _Text(NamedTuple):
   stop: tuple = ()
   include_stop: bool = False
   skip_special_tokens: bool = True
+  min_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -284,7 +290,8 @@ class LLM:
                            "leaves none to generate")
       eos = () if ignore_eos else self.eos_ids
       return (params.engine_params(max_tokens=max_tokens, eos=eos),
-              _Text(params.stop, params.include_stop_str_in_output, params.skip_special_tokens))
+              _Text(params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
+                    params.min_tokens))
     if not isinstance(params, EngineParams):
       raise TypeError(f"params={params!r} must be a jaxkv.SamplingParams, a "
                       "jaxkv.serve.SamplingParams or None")
@@ -308,7 +315,7 @@ class LLM:
       return "", list(tokens), finish_reason
     kept = list(tokens[:-1]) if finish_reason == "stop" else list(tokens)
     s = TextStream(self.tokenizer, text.stop, include_stop=text.include_stop,
-                   skip_special_tokens=text.skip_special_tokens)
+                   skip_special_tokens=text.skip_special_tokens, min_tokens=text.min_tokens)
     out = s.push(kept) + s.finish()
     if s.stopped:
       return out, kept[:s.tokens_returned()], "stop"
@@ -412,7 +419,7 @@ class LLM:
       raise ValueError(f"stream: n={p.n} must be 1 (use generate for several samples)")
     rid = self.engine.add_request(Request(ids, p, request_id=f"stream-{time.monotonic_ns()}"))
     text = TextStream(self.tokenizer, how.stop, include_stop=how.include_stop,
-                      skip_special_tokens=how.skip_special_tokens)
+                      skip_special_tokens=how.skip_special_tokens, min_tokens=how.min_tokens)
     finished = False
     try:
       while not finished:

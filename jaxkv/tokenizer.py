@@ -384,11 +384,15 @@ class TextStream:
     stop: stop strings (the text ends before the first one found).
     include_stop: the stop string found ends the text, included in it.
     skip_special_tokens: leave special tokens' text out (`Tokenizer.decode`).
+    min_tokens: a stop string ending within the first `min_tokens` tokens' text does not
+      count (vLLM checks stop strings only past `min_tokens`).
   """
 
   def __init__(self, tokenizer: Tokenizer, stop=(), *, include_stop: bool = False,
-               skip_special_tokens: bool = True):
+               skip_special_tokens: bool = True, min_tokens: int = 0):
     self.tokenizer = tokenizer
+    self.min_tokens = min_tokens
+    self._floor = 0 if min_tokens == 0 else None   # text of the first min_tokens tokens
     self.stop = [s for s in stop if s]
     self.include_stop, self.skip = include_stop, skip_special_tokens
     self.hold = max((len(s) for s in self.stop), default=1) - 1
@@ -432,6 +436,8 @@ class TextStream:
     if len(after) > len(before) and not after.endswith("\ufffd"):
       self.text += after[len(before):]
       self._prefix, self._read = self._read, len(self.ids)
+    if self._floor is None and len(self.ids) >= self.min_tokens:
+      self._floor = len(self._decode(self.ids[:self.min_tokens]))
     return self._release(final=False)
 
   def finish(self) -> str:
@@ -446,7 +452,10 @@ class TextStream:
 
   def _release(self, *, final: bool) -> str:
     start = max(self.emitted - self.hold, 0)   # a stop string may straddle the emitted end
-    hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+    floor = self._floor
+    hits = [] if floor is None else [   # each match ends past the first min_tokens' text
+        (i, len(s)) for i, s in ((self.text.find(s, max(start, floor - len(s) + 1)), s)
+                                 for s in self.stop) if i >= 0]
     if hits:
       at = min(i for i, _ in hits)   # the first stop string found
       size = max(n for i, n in hits if i == at)   # the longest of those starting there

@@ -43,9 +43,10 @@ class _Sample:
   """One sample's text state, logprob formatter (None: not asked) and timing while it is served."""
 
   def __init__(self, tokenizer, stop, arrived, logprobs: LogprobFormatter | None, *,
-               include_stop: bool = False, skip_special_tokens: bool = True):
+               include_stop: bool = False, skip_special_tokens: bool = True,
+               min_tokens: int = 0):
     self.text = TextStream(tokenizer, stop, include_stop=include_stop,
-                           skip_special_tokens=skip_special_tokens)
+                           skip_special_tokens=skip_special_tokens, min_tokens=min_tokens)
     self.tokens, self.finish, self.arrived, self.last = 0, None, arrived, None
     self.logprobs = logprobs
     self.reported = 0   # logprob entries handed out
@@ -307,7 +308,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     samples = [[_Sample(tokenizer, stop, arrived,
                         None if r.params.logprobs is None else LogprobFormatter(
                             tokenizer, chat=chat, as_ids=body.return_tokens_as_token_ids),
-                        include_stop=include_stop, skip_special_tokens=skip_special_tokens)
+                        include_stop=include_stop, skip_special_tokens=skip_special_tokens,
+                        min_tokens=r.params.min_tokens)
                 for _ in range(r.params.n)] for r in requests]
     return ids, samples, arrived
 

@@ -10,7 +10,7 @@ prompt's tokens come with theirs (`PromptScorer`). Logprobs
 (`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
 chat), `presence_penalty` and `frequency_penalty` are OpenAI's; `top_k`,
 `min_p`, `repetition_penalty`, `stop_token_ids`, `ignore_eos` and
-`min_tokens == 0` are accepted as vLLM accepts them. Ranges are checked by
+`min_tokens` (no stop token or stop string before it) are vLLM's. Ranges are checked by
 `SamplingParams` (vLLM's), the logprob count against the engine's
 `max_logprobs`; either refusal is a 400 naming the field.
 
@@ -43,7 +43,6 @@ def _sampling_check(name: str, value):
 # OpenAI parameters this server cannot honour: refused when set (truthy), with these messages.
 _REFUSED = {
     "logit_bias": "logit_bias is not supported",
-    "min_tokens": "min_tokens is not supported (only 0)",
     "suffix": "suffix is not supported",
     "tools": "tools are not supported",
     "response_format": "response_format is not supported (only text)",
@@ -131,7 +130,7 @@ class _Common(BaseModel):
   repetition_penalty: Float = 1.0
   min_p: Float = 0.0
   logit_bias: dict | None = None
-  min_tokens: Int = 0
+  min_tokens: Int = Field(default=0, ge=0)
   include_stop_str_in_output: StrictBool = False
   return_tokens_as_token_ids: StrictBool = False
   skip_special_tokens: StrictBool = True
@@ -152,7 +151,7 @@ class _Common(BaseModel):
   def _stop_ids(cls, v):
     return v if v is None else list(_sampling_check("stop_tokens", tuple(v)))
 
-  _refused = field_validator("logit_bias", "min_tokens")(_refuse_if_set)
+  _refused = field_validator("logit_bias")(_refuse_if_set)
 
   def num_logprobs(self) -> int | None:
     """Top logprobs per token the request asks for (None: no logprobs)."""
@@ -173,7 +172,7 @@ class _Common(BaseModel):
                           repetition_penalty=self.repetition_penalty,
                           presence_penalty=self.presence_penalty,
                           frequency_penalty=self.frequency_penalty,
-                          logprobs=self.num_logprobs())
+                          logprobs=self.num_logprobs(), min_tokens=self.min_tokens)
 
 
 class CompletionRequest(_Common):

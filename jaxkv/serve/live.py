@@ -114,6 +114,11 @@ class LiveQueue:
     seed = secrets.randbelow(2**31) if p.seed is None else p.seed
     device = dataclasses.replace(p, seed=seed, stop_tokens=p.stop_tokens[:engine.max_stop])
     bad = [t for t in p.stop_tokens if not 0 <= t < engine.vocab_size]
+    if p.min_tokens and len(p.stop_tokens) > engine.max_stop:
+      # Only the device's stop-token slots are held back while min_tokens is not reached.
+      raise ValueError(f"request {request.request_id!r}: min_tokens={p.min_tokens} with "
+                       f"{len(p.stop_tokens)} stop_tokens; at most max_stop_tokens="
+                       f"{engine.max_stop} with min_tokens")
     with self.ledger.lock:
       rid = request.request_id
       if rid is None:

@@ -122,6 +122,8 @@ class SamplingParams:
       (default 20). Reported from the model's raw distribution: `log_softmax`
       of its logits before penalties, temperature, min_p, top-k and top-p (as
       vLLM and OpenAI report them), so a greedy token's logprob is the largest.
+    min_tokens: no stop token is sampled before this many new tokens (vLLM's: a
+      greedy request takes the most likely other token); at most `max_tokens`.
 
   Penalties apply to greedy requests too (the argmax of the penalised logits),
   in vLLM's order: penalties, then temperature, min_p, top-k, top-p.
@@ -139,12 +141,13 @@ class SamplingParams:
   presence_penalty: float = 0.0
   frequency_penalty: float = 0.0
   logprobs: int | None = None
+  min_tokens: int = 0
 
   def __post_init__(self):
     fields = {}
     if _as_int("top_k", self.top_k) == -1:   # vLLM's "off"
       object.__setattr__(self, "top_k", 0)
-    for name, lo in (("max_tokens", 1), ("top_k", 0), ("n", 1), ("seed", 0)):
+    for name, lo in (("max_tokens", 1), ("top_k", 0), ("n", 1), ("seed", 0), ("min_tokens", 0)):
       if name == "seed" and self.seed is None:   # drawn by the engine on the host
         fields[name] = None
         continue
@@ -152,6 +155,9 @@ class SamplingParams:
       if not lo <= value < _INT32_LIMIT:
         raise ValueError(f"{name}={value} must be in [{lo}, 2**31)")
       fields[name] = value
+    if fields["min_tokens"] > fields["max_tokens"]:
+      raise ValueError(f"min_tokens={fields['min_tokens']} must be <= max_tokens="
+                       f"{fields['max_tokens']}")
     fields["temperature"] = _as_real("temperature", self.temperature)
     fields["top_p"] = _as_real("top_p", self.top_p)
     if not fields["temperature"] >= 0:

@@ -198,7 +198,7 @@ def _draw(x, p: RowParams, keys, top_cap: int):
 
 
 def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_len=None,
-                length=None, num_logprobs: int = 0, top_cap: int = TOP_CAP):
+                length=None, banned=None, num_logprobs: int = 0, top_cap: int = TOP_CAP):
   """Samples one token per row, with its logprobs where asked.
 
   Args:
@@ -210,6 +210,9 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     history: `int32[S, L]` each row's prompt then generated tokens; with
       `prompt_len`/`length` (`int32[S]`: prompt tokens, tokens known), needed
       for penalties (None: no row may have one).
+    banned: optional `int32[S, K]` token ids each row may not draw now (-1: unused; a
+      request's stop tokens before its `min_tokens`). They are removed after the
+      penalties, before temperature; the logprobs stay the raw distribution's.
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
     top_cap: candidates read with `lax.top_k` (static; see the module docstring).
 
@@ -222,6 +225,9 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
   has_pen = p.has_penalty() & sampling
   random = (p.temperature > 0) & sampling
   wants_lp = (p.logprobs >= 0) & sampling
+  if banned is None:
+    banned = jnp.full((s, 1), -1, jnp.int32)
+  has_ban = jnp.any(banned >= 0, axis=1) & sampling
   if history is None:
     history = jnp.zeros((s, 1), jnp.int32)
     prompt_len = length = jnp.zeros((s,), jnp.int32)
@@ -229,6 +235,7 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
   def special():
     x = jax.lax.cond(jnp.any(has_pen),
                      lambda: _penalize(logits, p, history, prompt_len, length), lambda: logits)
+    x = jax.lax.cond(jnp.any(has_ban), lambda: _ban(x, banned, has_ban), lambda: x)
     tokens = jax.lax.cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap),
                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
@@ -243,8 +250,16 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     return (tokens,) + jax.lax.cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
         s, num_logprobs))
 
-  return jax.lax.cond(jnp.any(has_pen | random | wants_lp), special,
+  return jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban), special,
                       lambda: greedy_rows(logits, num_logprobs))
+
+
+def _ban(x, banned, on):
+  """`x` with each row's `banned` ids (where `on`) at the lowest float32: never drawn."""
+  s, v = x.shape
+  ids = jnp.where((banned >= 0) & on[:, None], banned, v)   # v: dropped
+  rows = jnp.arange(s, dtype=jnp.int32)[:, None]
+  return x.at[rows, ids].set(_NEG, mode="drop")
 
 
 def greedy_rows(logits, num_logprobs: int):

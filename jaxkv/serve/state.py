@@ -51,6 +51,7 @@ class Queue:
     logprobs: `int32[Q]` top logprobs wanted (-1: none).
     lp_base: `int32[Q]` the request's first logprob row (`NO_ROW`: none).
     stop_tokens: `int32[Q, NS]` (-1 = unused).
+    min_tokens: `int32[Q]` new tokens before a stop token may be sampled.
     next: `int32[]` the first request not yet (fully) admitted.
     copies: `int32[]` columns already admitted for request `next` (a request
       of a one-token prompt and `n > 1` takes its `n` columns one at a time).
@@ -73,6 +74,7 @@ class Queue:
   frequency_penalty: jax.Array
   logprobs: jax.Array
   lp_base: jax.Array
+  min_tokens: jax.Array
   next: jax.Array
   copies: jax.Array
   count: jax.Array
@@ -91,6 +93,7 @@ class ColumnParams:
     stop_tokens: `int32[S, NS]` (-1 = unused).
     min_p, repetition_penalty, presence_penalty, frequency_penalty: `float32[S]`.
     logprobs: `int32[S]` top logprobs wanted (-1: none).
+    min_tokens: `int32[S]` new tokens before a stop token may be sampled.
   """
 
   temperature: jax.Array
@@ -103,6 +106,7 @@ class ColumnParams:
   presence_penalty: jax.Array
   frequency_penalty: jax.Array
   logprobs: jax.Array
+  min_tokens: jax.Array
 
   @classmethod
   def of_request(cls, queue: Queue, i) -> ColumnParams:
@@ -285,7 +289,8 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
       "min_p": np.zeros((q,), np.float32), "repetition_penalty": np.ones((q,), np.float32),
       "presence_penalty": np.zeros((q,), np.float32),
       "frequency_penalty": np.zeros((q,), np.float32),
-      "logprobs": np.full((q,), -1, np.int32), "lp_base": np.full((q,), NO_ROW, np.int32)}
+      "logprobs": np.full((q,), -1, np.int32), "lp_base": np.full((q,), NO_ROW, np.int32),
+      "min_tokens": np.zeros((q,), np.int32)}
   row = lp_row = 0
   for i, (prompt, p) in enumerate(zip(prompts, params)):
     a["prompt"][i, :len(prompt)] = prompt
@@ -293,6 +298,7 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
     a["temperature"][i], a["top_k"][i], a["top_p"][i] = p.temperature, p.top_k, p.top_p
     a["seed"][i], a["n"][i], a["out_base"][i] = p.seed, p.n, row
     a["stop_tokens"][i, :len(p.stop_tokens)] = p.stop_tokens
+    a["min_tokens"][i] = p.min_tokens
     row += p.n
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
       a[name][i] = getattr(p, name)
@@ -344,7 +350,7 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((s,), jnp.float32),
         seed=zeros(), stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
         min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
-        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32))
+        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32), min_tokens=zeros())
     cols = Columns(
         tokens=jnp.zeros((s, max_len), jnp.int32),
         prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),

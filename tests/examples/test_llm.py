@@ -167,8 +167,15 @@ def test_vllm_spelled_sampling_params(setup):
   seeds = [o.outputs[0].seed for o in llm.generate([[5, 9], [5, 9]], jaxkv.SamplingParams(
       max_tokens=2))]
   assert seeds[0] != seeds[1]
-  with pytest.raises(TypeError, match="min_tokens"):
-    jaxkv.SamplingParams(min_tokens=2)   # not implemented: refused by name
+  # min_tokens: that stop token is held back until k + 2 tokens exist (greedy takes the next best).
+  [out] = llm.generate(TEXT, greedy(max_tokens=12, stop_token_ids=[continuation[k]],
+                                    min_tokens=k + 2))
+  assert out.token_ids[:k] == continuation[:k] and continuation[k] not in out.token_ids[:k + 2]
+  assert len(out.token_ids) >= k + 2
+  with pytest.raises(ValueError, match="min_tokens=3 must be <= max_tokens=2"):
+    jaxkv.SamplingParams(max_tokens=2, min_tokens=3)
+  with pytest.raises(TypeError, match="logit_bias"):
+    jaxkv.SamplingParams(logit_bias={1: 2.0})   # not implemented: refused by name
   with pytest.raises(ValueError, match="stop=.* non-empty strings"):
     jaxkv.SamplingParams(stop=[""])
   with pytest.raises(ValueError, match="temperature"):

@@ -397,3 +397,22 @@ def test_echo_with_logprobs_and_prompt_logprobs_score_the_prompt_as_a_float64_pa
   chat_lps = chat.choices[0].model_extra["prompt_logprobs"]
   assert chat_lps[0] is None and all(len(e) == 1 for e in chat_lps[1:])
   assert len(chat_lps) == chat.usage.prompt_tokens
+
+
+def test_min_tokens_holds_stop_tokens_back_through_the_server(client):
+  """vLLM's `min_tokens`: the stop token the greedy sample would end on first is not drawn
+  before it; usage counts the tokens that came back."""
+  kw = dict(model=MODEL, prompt=[5, 9, 17], max_tokens=6, temperature=0, logprobs=0)
+  ids = lambda r: [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+  free = ids(client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True,
+                                                         "ignore_eos": True}))
+  for min_tokens in (0, 3):
+    got = client.completions.create(**kw, extra_body={
+        "return_tokens_as_token_ids": True, "ignore_eos": True, "stop_token_ids": [free[0]],
+        "min_tokens": min_tokens})
+    tokens = ids(got)
+    assert got.usage.completion_tokens == len(tokens)
+    if min_tokens == 0:
+      assert tokens == free[:1] and got.choices[0].finish_reason == "stop"
+    else:
+      assert len(tokens) >= 3 and free[0] not in tokens[:3]

@@ -173,3 +173,20 @@ def test_a_long_text_is_refused_before_tokenising():
     tok.encode(text, max_tokens=1000)
   ids = tok.encode(text[:20_000], max_tokens=100_000)   # short texts are tokenised as before
   assert ids == tok.encode(text[:20_000])
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_a_stop_string_within_the_first_min_tokens_does_not_count(byte_level, chunk):
+  """vLLM's `min_tokens`: a stop string ending in the first `min_tokens` tokens' text is text;
+  the first one ending past it stops the sample, whether pushed a token or a few at a time."""
+  text = "hello world the cafe hello world"
+  ids = byte_level.encode(text)
+  upto = lambda k: len(byte_level.decode(ids[:k]))
+  first = next(k for k in range(len(ids) + 1) if upto(k) >= len("hello wo"))   # past "wo"
+  for min_tokens, want in ((0, "hello "), (first, "hello world the cafe hello ")):
+    s = TextStream(byte_level, ["wo"], min_tokens=min_tokens)
+    out = "".join(s.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + s.finish()
+    assert out == want and s.stopped, (min_tokens, out)
+  s = TextStream(byte_level, ["wo"], min_tokens=len(ids))   # never past it: no stop at all
+  out = "".join(s.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)) + s.finish()
+  assert out == text and not s.stopped
