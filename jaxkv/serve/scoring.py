@@ -23,6 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import BatchedSequenceCache, CacheConfig
+from jaxkv.serve.memory import ROW_MULTIPLE
+from jaxkv.serve.results import TokenLogprob
 
 # Steps of at most this many prompt tokens: each step's logits are `[width, vocab]` float32
 # on the device (128k vocab: 128 MiB at 256).
@@ -30,21 +32,15 @@ MAX_WIDTH = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLogprob:
-  """One prompt token's log-probability given the tokens before it.
+class PromptLogprob(TokenLogprob):
+  """One prompt token's log-probability given the tokens before it (`token`, `logprob` and
+  the `k` most likely pairs in `top`, as a generated token's), and its rank.
 
   Attributes:
-    token: the prompt token.
-    logprob: its log-probability under the model's raw distribution (as
-      `TokenLogprob.logprob`).
     rank: 1 + how many tokens are strictly more likely.
-    top: the `k` most likely `(token, logprob)` pairs, most likely first.
   """
 
-  token: int
-  logprob: float
-  rank: int
-  top: tuple[tuple[int, float], ...] = ()
+  rank: int = 1
 
 
 def _score_step(graphdef, config, k, params, state, tokens, targets):
@@ -85,7 +81,9 @@ class PromptScorer:
       raise ValueError(f"width={width!r} must be an int >= 1")
     self.width = width
     self.graphdef, self.params = core.graphdef, core.params
-    self.config = CacheConfig(engine.config.layers, capacity=self.max_len, max_seqs=1,
+    # Rows in whole blocks of the Mosaic GPU kernels' row multiple, as the engine's flat rows.
+    rows = -(-self.max_len // ROW_MULTIPLE) * ROW_MULTIPLE
+    self.config = CacheConfig(engine.config.layers, capacity=rows, max_seqs=1,
                               max_write=width, kv_dtype=engine.config.kv_dtype)
     self.vocab_size = engine.vocab_size
     self._facade: BatchedSequenceCache | None = None
@@ -145,6 +143,6 @@ class PromptScorer:
                                            zip(*jax.device_get(parts)))
       finally:
         facade.seq_rm(seq)
-    return [PromptLogprob(tokens[i + 1], float(chosen[i]), int(rank[i]),
-                          tuple(zip(top_ids[i].tolist(), top_logp[i].tolist())))
+    return [PromptLogprob(token=tokens[i + 1], logprob=float(chosen[i]), rank=int(rank[i]),
+                          top=tuple(zip(top_ids[i].tolist(), top_logp[i].tolist())))
             for i in range(len(chosen))]
