@@ -66,8 +66,9 @@ class SamplingParams:
     logprobs: top alternatives reported per token (None: none).
     min_tokens: no stop token id (EOS included) and no stop string before this many
       tokens.
+    logit_bias: `{token id: bias}`, each in [-100, 100], added to the logits.
 
-  vLLM fields that are not here (`logit_bias`, `allowed_token_ids`,
+  vLLM fields that are not here (`allowed_token_ids`,
   `prompt_logprobs`, ...) are refused by name (a TypeError); the README lists
   the differences that remain.
   """
@@ -89,6 +90,7 @@ class SamplingParams:
   skip_special_tokens: bool = True
   logprobs: int | None = None
   min_tokens: int = 0
+  logit_bias: dict | None = None
 
   def __post_init__(self):
     stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -110,7 +112,7 @@ class SamplingParams:
                         n=self.n, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                         presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty, logprobs=self.logprobs,
-                        min_tokens=self.min_tokens)
+                        min_tokens=self.min_tokens, logit_bias=self.logit_bias or ())
 
 
 class _Text(NamedTuple):

@@ -3,8 +3,9 @@
 Unknown fields are accepted (the app logs each name once), as vLLM accepts
 them: clients send fields such as `store`, `metadata` or `reasoning_effort`
 whose absence changes nothing here. OpenAI parameters whose meaning would
-change the output if ignored are refused by name: `logit_bias`,
-`best_of != n`, `suffix`, tools, response formats and images. `echo` prepends
+change the output if ignored are refused by name: `best_of != n`, `suffix`,
+tools, response formats and images; `logit_bias` is OpenAI's (at most
+`MAX_LOGIT_BIAS` tokens). `echo` prepends
 the prompt, and with `max_tokens: 0` returns it alone; with `logprobs` the
 prompt's tokens come with theirs (`PromptScorer`). Logprobs
 (`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
@@ -42,7 +43,6 @@ def _sampling_check(name: str, value):
 
 # OpenAI parameters this server cannot honour: refused when set (truthy), with these messages.
 _REFUSED = {
-    "logit_bias": "logit_bias is not supported",
     "suffix": "suffix is not supported",
     "tools": "tools are not supported",
     "response_format": "response_format is not supported (only text)",
@@ -151,7 +151,19 @@ class _Common(BaseModel):
   def _stop_ids(cls, v):
     return v if v is None else list(_sampling_check("stop_tokens", tuple(v)))
 
-  _refused = field_validator("logit_bias")(_refuse_if_set)
+  @field_validator("logit_bias", mode="plain")
+  @classmethod
+  def _bias(cls, v):
+    """OpenAI's `{"token id": bias}`: as `{int: float}`, checked as `SamplingParams` checks it."""
+    if v is None:
+      return None
+    if not isinstance(v, dict) or not all(isinstance(k, str) and k.strip().lstrip("-").isdigit()
+                                          for k in v):
+      raise ValueError("logit_bias must map token ids (as strings) to numbers")
+    if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in v.values()):
+      raise ValueError("logit_bias must map token ids (as strings) to numbers")
+    bias = {int(k): b for k, b in v.items()}
+    return dict(_sampling_check("logit_bias", bias))
 
   def num_logprobs(self) -> int | None:
     """Top logprobs per token the request asks for (None: no logprobs)."""
@@ -172,7 +184,8 @@ class _Common(BaseModel):
                           repetition_penalty=self.repetition_penalty,
                           presence_penalty=self.presence_penalty,
                           frequency_penalty=self.frequency_penalty,
-                          logprobs=self.num_logprobs(), min_tokens=self.min_tokens)
+                          logprobs=self.num_logprobs(), min_tokens=self.min_tokens,
+                          logit_bias=self.logit_bias or ())
 
 
 class CompletionRequest(_Common):

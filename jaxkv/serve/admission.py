@@ -8,11 +8,12 @@ from jaxkv.serve.requests import Request, SamplingParams
 
 
 def plain_greedy(params: SamplingParams) -> bool:
-  """The token is the argmax: no temperature, no penalty, no logprobs, no stop token held back
-  by `min_tokens` (`serve_loop(greedy=True)`)."""
+  """The token is the argmax: no temperature, no penalty, no logprobs, no logit bias, no stop
+  token held back by `min_tokens` (`serve_loop(greedy=True)`)."""
   return (params.temperature == 0 and params.repetition_penalty == 1
           and params.presence_penalty == 0 and params.frequency_penalty == 0
-          and params.logprobs is None and (params.min_tokens == 0 or not params.stop_tokens))
+          and params.logprobs is None and (params.min_tokens == 0 or not params.stop_tokens)
+          and not params.logit_bias)
 
 
 def labelled(requests: Sequence[Request]) -> list[Request]:

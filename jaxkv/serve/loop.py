@@ -168,7 +168,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
     banned = jnp.where((generated < c.params.min_tokens)[:, None], c.params.stop_tokens, -1)
     new, lp, top_ids, top_lp = sample_rows(
         logits, _row_params(c.params), keys, sampling=emits, history=c.tokens,
-        prompt_len=c.prompt_len, length=c.length, banned=banned, num_logprobs=num_logprobs)
+        prompt_len=c.prompt_len, length=c.length, banned=banned,
+        bias=(c.params.bias_tokens, c.params.bias), num_logprobs=num_logprobs)
   col_ids = jnp.arange(s, dtype=jnp.int32)
   max_len = c.tokens.shape[1]
   tokens_buf = c.tokens.at[col_ids, jnp.where(emits, c.length, max_len)].set(new, mode="drop")

@@ -16,6 +16,7 @@ import collections.abc
 import dataclasses
 import math
 import numbers
+from typing import Any
 
 import numpy as np
 
@@ -124,6 +125,9 @@ class SamplingParams:
       vLLM and OpenAI report them), so a greedy token's logprob is the largest.
     min_tokens: no stop token is sampled before this many new tokens (vLLM's: a
       greedy request takes the most likely other token); at most `max_tokens`.
+    logit_bias: `{token: bias}` (or `(token, bias)` pairs), each bias in [-100, 100]
+      added to that token's logit before the penalties and temperature (OpenAI's),
+      at most `MAX_LOGIT_BIAS` tokens; logprobs stay the raw distribution's.
 
   Penalties apply to greedy requests too (the argmax of the penalised logits),
   in vLLM's order: penalties, then temperature, min_p, top-k, top-p.
@@ -142,6 +146,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   logprobs: int | None = None
   min_tokens: int = 0
+  logit_bias: Any = ()
 
   def __post_init__(self):
     fields = {}
@@ -166,6 +171,7 @@ class SamplingParams:
       raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
     _positive_in_float32("top_p", fields["top_p"])
     fields["stop_tokens"] = _token_ids("stop_tokens", self.stop_tokens)
+    fields["logit_bias"] = _logit_bias(self.logit_bias)
     fields.update(_sampling_extras(self))
     for name, value in fields.items():   # plain Python values: equal params hash equal
       object.__setattr__(self, name, value)
@@ -175,6 +181,30 @@ class SamplingParams:
 _RANGES = {"min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
 # Top logprobs an engine reports per token by default (vLLM's `max_logprobs`).
 MAX_LOGPROBS = 20
+# Tokens one request may bias: the loop keeps `MAX_LOGIT_BIAS` (token, bias) slots per column.
+MAX_LOGIT_BIAS = 64
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+  """`(token, bias)` pairs sorted by token, from a mapping or pairs (TypeError/ValueError
+  naming `logit_bias`)."""
+  pairs = value.items() if isinstance(value, collections.abc.Mapping) else value
+  if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+    raise TypeError(f"logit_bias={value!r} must map token ids to biases")
+  out = {}
+  for pair in pairs:
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+      raise TypeError(f"logit_bias={value!r} must map token ids to biases")
+    token = _as_int("logit_bias token", pair[0])
+    bias = _as_real(f"logit_bias[{token}]", pair[1])
+    if token < 0:
+      raise ValueError(f"logit_bias token {token} must be >= 0")
+    if not -100 <= bias <= 100:
+      raise ValueError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
+    out[token] = bias
+  if len(out) > MAX_LOGIT_BIAS:
+    raise ValueError(f"logit_bias has {len(out)} tokens; at most MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
+  return tuple(sorted(out.items()))
 
 
 def _sampling_extras(p: SamplingParams) -> dict:
@@ -286,6 +316,9 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
   if p.logprobs is not None and p.logprobs > min(max_logprobs, vocab_size):
     raise ValueError(f"{label}: logprobs={p.logprobs} must be <= max_logprobs={max_logprobs} "
                      f"(and vocab_size={vocab_size})")
+  if p.logit_bias and p.logit_bias[-1][0] >= vocab_size:
+    bad = next(t for t, _ in p.logit_bias if t >= vocab_size)
+    raise ValueError(f"{label}: logit_bias token {bad} must be < vocab_size={vocab_size}")
   if len(p.stop_tokens) > max_stop_tokens:
     raise ValueError(f"{label}: {len(p.stop_tokens)} stop_tokens; at most "
                      f"max_stop_tokens={max_stop_tokens}")

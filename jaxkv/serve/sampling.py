@@ -198,7 +198,8 @@ def _draw(x, p: RowParams, keys, top_cap: int):
 
 
 def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_len=None,
-                length=None, banned=None, num_logprobs: int = 0, top_cap: int = TOP_CAP):
+                length=None, banned=None, bias=None, num_logprobs: int = 0,
+                top_cap: int = TOP_CAP):
   """Samples one token per row, with its logprobs where asked.
 
   Args:
@@ -213,6 +214,8 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     banned: optional `int32[S, K]` token ids each row may not draw now (-1: unused; a
       request's stop tokens before its `min_tokens`). They are removed after the
       penalties, before temperature; the logprobs stay the raw distribution's.
+    bias: optional `(int32[S, B] token ids (-1: unused), float32[S, B] biases)` added to
+      the logits before the penalties (OpenAI's `logit_bias`); logprobs stay raw.
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
     top_cap: candidates read with `lax.top_k` (static; see the module docstring).
 
@@ -228,13 +231,18 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
   if banned is None:
     banned = jnp.full((s, 1), -1, jnp.int32)
   has_ban = jnp.any(banned >= 0, axis=1) & sampling
+  if bias is None:
+    bias = (jnp.full((s, 1), -1, jnp.int32), jnp.zeros((s, 1), jnp.float32))
+  has_bias = jnp.any(bias[0] >= 0, axis=1) & sampling
   if history is None:
     history = jnp.zeros((s, 1), jnp.int32)
     prompt_len = length = jnp.zeros((s,), jnp.int32)
 
   def special():
+    x = jax.lax.cond(jnp.any(has_bias), lambda: _add_bias(logits, *bias, has_bias),
+                     lambda: logits)
     x = jax.lax.cond(jnp.any(has_pen),
-                     lambda: _penalize(logits, p, history, prompt_len, length), lambda: logits)
+                     lambda: _penalize(x, p, history, prompt_len, length), lambda: x)
     x = jax.lax.cond(jnp.any(has_ban), lambda: _ban(x, banned, has_ban), lambda: x)
     tokens = jax.lax.cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap),
                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
@@ -250,8 +258,16 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     return (tokens,) + jax.lax.cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
         s, num_logprobs))
 
-  return jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban), special,
+  return jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias), special,
                       lambda: greedy_rows(logits, num_logprobs))
+
+
+def _add_bias(x, tokens, values, on):
+  """`x` plus each row's bias `values` at `tokens` (where `on`)."""
+  s, v = x.shape
+  ids = jnp.where((tokens >= 0) & on[:, None], tokens, v)   # v: dropped
+  rows = jnp.arange(s, dtype=jnp.int32)[:, None]
+  return x.at[rows, ids].add(values, mode="drop")
 
 
 def _ban(x, banned, on):

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, Status, init_state
+from jaxkv.serve.requests import MAX_LOGIT_BIAS
 
 # `lp_base`/`lp_row` of a request that wants no logprobs: past every logprob row, so its
 # writes are dropped (a fork adds its sample index and stays out of range).
@@ -52,6 +53,7 @@ class Queue:
     lp_base: `int32[Q]` the request's first logprob row (`NO_ROW`: none).
     stop_tokens: `int32[Q, NS]` (-1 = unused).
     min_tokens: `int32[Q]` new tokens before a stop token may be sampled.
+    bias_tokens, bias: `int32[Q, NB]` and `float32[Q, NB]` logit bias slots (-1: unused).
     next: `int32[]` the first request not yet (fully) admitted.
     copies: `int32[]` columns already admitted for request `next` (a request
       of a one-token prompt and `n > 1` takes its `n` columns one at a time).
@@ -75,6 +77,8 @@ class Queue:
   logprobs: jax.Array
   lp_base: jax.Array
   min_tokens: jax.Array
+  bias_tokens: jax.Array
+  bias: jax.Array
   next: jax.Array
   copies: jax.Array
   count: jax.Array
@@ -94,6 +98,7 @@ class ColumnParams:
     min_p, repetition_penalty, presence_penalty, frequency_penalty: `float32[S]`.
     logprobs: `int32[S]` top logprobs wanted (-1: none).
     min_tokens: `int32[S]` new tokens before a stop token may be sampled.
+    bias_tokens, bias: `int32[S, NB]` and `float32[S, NB]` logit bias slots (-1: unused).
   """
 
   temperature: jax.Array
@@ -107,6 +112,8 @@ class ColumnParams:
   frequency_penalty: jax.Array
   logprobs: jax.Array
   min_tokens: jax.Array
+  bias_tokens: jax.Array
+  bias: jax.Array
 
   @classmethod
   def of_request(cls, queue: Queue, i) -> ColumnParams:
@@ -290,7 +297,9 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
       "presence_penalty": np.zeros((q,), np.float32),
       "frequency_penalty": np.zeros((q,), np.float32),
       "logprobs": np.full((q,), -1, np.int32), "lp_base": np.full((q,), NO_ROW, np.int32),
-      "min_tokens": np.zeros((q,), np.int32)}
+      "min_tokens": np.zeros((q,), np.int32),
+      "bias_tokens": np.full((q, MAX_LOGIT_BIAS), -1, np.int32),
+      "bias": np.zeros((q, MAX_LOGIT_BIAS), np.float32)}
   row = lp_row = 0
   for i, (prompt, p) in enumerate(zip(prompts, params)):
     a["prompt"][i, :len(prompt)] = prompt
@@ -299,6 +308,8 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
     a["seed"][i], a["n"][i], a["out_base"][i] = p.seed, p.n, row
     a["stop_tokens"][i, :len(p.stop_tokens)] = p.stop_tokens
     a["min_tokens"][i] = p.min_tokens
+    if p.logit_bias:
+      a["bias_tokens"][i, :len(p.logit_bias)], a["bias"][i, :len(p.logit_bias)] = zip(*p.logit_bias)
     row += p.n
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
       a[name][i] = getattr(p, name)
@@ -350,7 +361,9 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         temperature=zeros(jnp.float32), top_k=zeros(), top_p=jnp.ones((s,), jnp.float32),
         seed=zeros(), stop_tokens=jnp.full((s, max_stop), -1, jnp.int32),
         min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
-        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32), min_tokens=zeros())
+        frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32), min_tokens=zeros(),
+        bias_tokens=jnp.full((s, MAX_LOGIT_BIAS), -1, jnp.int32),
+        bias=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32))
     cols = Columns(
         tokens=jnp.zeros((s, max_len), jnp.int32),
         prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),

@@ -174,8 +174,10 @@ def test_vllm_spelled_sampling_params(setup):
   assert len(out.token_ids) >= k + 2
   with pytest.raises(ValueError, match="min_tokens=3 must be <= max_tokens=2"):
     jaxkv.SamplingParams(max_tokens=2, min_tokens=3)
-  with pytest.raises(TypeError, match="logit_bias"):
-    jaxkv.SamplingParams(logit_bias={1: 2.0})   # not implemented: refused by name
+  [out] = llm.generate(TEXT, greedy(max_tokens=3, logit_bias={continuation[0]: -100.0}))
+  assert out.token_ids[0] != continuation[0]
+  with pytest.raises(TypeError, match="allowed_token_ids"):
+    jaxkv.SamplingParams(allowed_token_ids=[1, 2])   # not implemented: refused by name
   with pytest.raises(ValueError, match="stop=.* non-empty strings"):
     jaxkv.SamplingParams(stop=[""])
   with pytest.raises(ValueError, match="temperature"):

@@ -94,7 +94,6 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
         "name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
      "response_format"),
-    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(url, path, body, param):
@@ -416,3 +415,20 @@ def test_min_tokens_holds_stop_tokens_back_through_the_server(client):
       assert tokens == free[:1] and got.choices[0].finish_reason == "stop"
     else:
       assert len(tokens) >= 3 and free[0] not in tokens[:3]
+
+
+def test_logit_bias_forces_and_forbids_tokens_through_the_server(client):
+  """OpenAI's `logit_bias` (token ids as strings): +100 makes a token the only one drawn,
+  -100 keeps the greedy choice out; logprobs stay the raw distribution's."""
+  kw = dict(model=MODEL, prompt=[5, 9, 17], max_tokens=4, logprobs=2,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+  ids = lambda r: [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+  free = client.completions.create(temperature=0, **kw)
+  forced = client.completions.create(temperature=1.0, seed=3, logit_bias={"17": 100}, **kw)
+  assert ids(forced) == [17] * 4
+  banned = client.completions.create(temperature=0, logit_bias={str(ids(free)[0]): -100}, **kw)
+  # Its first pick is the free request's runner-up, reported with its raw logprob.
+  top = free.choices[0].logprobs.top_logprobs[0]
+  runner_up = sorted(top, key=top.get)[-2]
+  assert banned.choices[0].logprobs.tokens[0] == runner_up
+  assert banned.choices[0].logprobs.token_logprobs[0] == pytest.approx(top[runner_up], abs=1e-5)
