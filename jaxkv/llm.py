@@ -67,8 +67,9 @@ class SamplingParams:
     min_tokens: no stop token id (EOS included) and no stop string before this many
       tokens.
     logit_bias: `{token id: bias}`, each in [-100, 100], added to the logits.
+    allowed_token_ids: None, or the only token ids that may be generated.
 
-  vLLM fields that are not here (`allowed_token_ids`,
+  vLLM fields that are not here (`bad_words`,
   `prompt_logprobs`, ...) are refused by name (a TypeError); the README lists
   the differences that remain.
   """
@@ -91,6 +92,7 @@ class SamplingParams:
   logprobs: int | None = None
   min_tokens: int = 0
   logit_bias: dict | None = None
+  allowed_token_ids: Sequence[int] | None = None
 
   def __post_init__(self):
     stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -112,7 +114,8 @@ class SamplingParams:
                         n=self.n, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                         presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty, logprobs=self.logprobs,
-                        min_tokens=self.min_tokens, logit_bias=self.logit_bias or ())
+                        min_tokens=self.min_tokens, logit_bias=self.logit_bias or (),
+                        allowed_token_ids=self.allowed_token_ids)
 
 
 class _Text(NamedTuple):

@@ -68,7 +68,7 @@ def engine_refusal(e: Exception, *, chat: bool, limit_field: str, limit_given: b
   param = {"n": "n", "logprobs": "top_logprobs" if chat else "logprobs",
            "stop_tokens": "stop_token_ids", "max_tokens": limit_field,
            "prompt": "messages" if chat else "prompt", "min_tokens": "min_tokens",
-           "logit_bias": "logit_bias"}.get(head)
+           "logit_bias": "logit_bias", "allowed_token_ids": "allowed_token_ids"}.get(head)
   if head == "prompt" and "max_tokens" in message and limit_given:
     param = limit_field   # prompt + max_tokens past max_len: the limit the client set
   return BadRequest(message, param=param)

@@ -4,8 +4,8 @@ Unknown fields are accepted (the app logs each name once), as vLLM accepts
 them: clients send fields such as `store`, `metadata` or `reasoning_effort`
 whose absence changes nothing here. OpenAI parameters whose meaning would
 change the output if ignored are refused by name: `best_of != n`, `suffix`,
-tools, response formats and images; `logit_bias` is OpenAI's (at most
-`MAX_LOGIT_BIAS` tokens). `echo` prepends
+tools, response formats and images; `logit_bias` is OpenAI's and
+`allowed_token_ids` vLLM's (at most `MAX_LOGIT_BIAS` tokens each). `echo` prepends
 the prompt, and with `max_tokens: 0` returns it alone; with `logprobs` the
 prompt's tokens come with theirs (`PromptScorer`). Logprobs
 (`logprobs: n` on completions; `logprobs: true` and `top_logprobs: n` on
@@ -63,7 +63,6 @@ _NOT_YET = {
     "guided_regex": "structured output is not supported yet",
     "guided_grammar": "structured output is not supported yet",
     "structured_outputs": "structured output is not supported yet",
-    "allowed_token_ids": "allowed_token_ids is not supported",
     "reasoning_effort": "reasoning_effort is not supported (the model's template decides)",
     "store": "store=true is not supported: this server does not store completions",
 }
@@ -135,6 +134,7 @@ class _Common(BaseModel):
   return_tokens_as_token_ids: StrictBool = False
   skip_special_tokens: StrictBool = True
   prompt_logprobs: Int | None = Field(default=None, ge=0)   # vLLM's: the prompt tokens' top n
+  allowed_token_ids: list[Int] | None = None   # vLLM's: only these may be drawn
 
   @field_validator("stop", mode="plain")
   @classmethod
@@ -150,6 +150,11 @@ class _Common(BaseModel):
   @classmethod
   def _stop_ids(cls, v):
     return v if v is None else list(_sampling_check("stop_tokens", tuple(v)))
+
+  @field_validator("allowed_token_ids")
+  @classmethod
+  def _allowed(cls, v):
+    return v if v is None else list(_sampling_check("allowed_token_ids", tuple(v)))
 
   @field_validator("logit_bias", mode="plain")
   @classmethod
@@ -185,7 +190,8 @@ class _Common(BaseModel):
                           presence_penalty=self.presence_penalty,
                           frequency_penalty=self.frequency_penalty,
                           logprobs=self.num_logprobs(), min_tokens=self.min_tokens,
-                          logit_bias=self.logit_bias or ())
+                          logit_bias=self.logit_bias or (),
+                          allowed_token_ids=self.allowed_token_ids)
 
 
 class CompletionRequest(_Common):

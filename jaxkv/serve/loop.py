@@ -169,7 +169,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
     new, lp, top_ids, top_lp = sample_rows(
         logits, _row_params(c.params), keys, sampling=emits, history=c.tokens,
         prompt_len=c.prompt_len, length=c.length, banned=banned,
-        bias=(c.params.bias_tokens, c.params.bias), num_logprobs=num_logprobs)
+        bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
+        num_logprobs=num_logprobs)
   col_ids = jnp.arange(s, dtype=jnp.int32)
   max_len = c.tokens.shape[1]
   tokens_buf = c.tokens.at[col_ids, jnp.where(emits, c.length, max_len)].set(new, mode="drop")

@@ -128,6 +128,9 @@ class SamplingParams:
     logit_bias: `{token: bias}` (or `(token, bias)` pairs), each bias in [-100, 100]
       added to that token's logit before the penalties and temperature (OpenAI's),
       at most `MAX_LOGIT_BIAS` tokens; logprobs stay the raw distribution's.
+    allowed_token_ids: None, or the only tokens that may be drawn (vLLM's; at most
+      `MAX_LOGIT_BIAS`): the others are removed before the bias, which then applies
+      to these alone. Stop tokens outside it can no longer end the request.
 
   Penalties apply to greedy requests too (the argmax of the penalised logits),
   in vLLM's order: penalties, then temperature, min_p, top-k, top-p.
@@ -147,6 +150,7 @@ class SamplingParams:
   logprobs: int | None = None
   min_tokens: int = 0
   logit_bias: Any = ()
+  allowed_token_ids: Any = None
 
   def __post_init__(self):
     fields = {}
@@ -172,6 +176,14 @@ class SamplingParams:
     _positive_in_float32("top_p", fields["top_p"])
     fields["stop_tokens"] = _token_ids("stop_tokens", self.stop_tokens)
     fields["logit_bias"] = _logit_bias(self.logit_bias)
+    if self.allowed_token_ids is not None:
+      allowed = tuple(sorted(set(_token_ids("allowed_token_ids", self.allowed_token_ids))))
+      if not allowed:
+        raise ValueError("allowed_token_ids=[] allows no token (None: every token)")
+      if len(allowed) > MAX_LOGIT_BIAS:
+        raise ValueError(f"allowed_token_ids has {len(allowed)} tokens; at most "
+                         f"MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
+      fields["allowed_token_ids"] = allowed
     fields.update(_sampling_extras(self))
     for name, value in fields.items():   # plain Python values: equal params hash equal
       object.__setattr__(self, name, value)
@@ -183,6 +195,16 @@ _RANGES = {"min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0), "frequency_pena
 MAX_LOGPROBS = 20
 # Tokens one request may bias: the loop keeps `MAX_LOGIT_BIAS` (token, bias) slots per column.
 MAX_LOGIT_BIAS = 64
+
+
+def bias_slots(p: "SamplingParams") -> tuple[tuple[tuple[int, float], ...], bool]:
+  """`((token, bias) slots, restricted)`: the loop's per-column logit slots of `p`. With
+  `allowed_token_ids`, the allowed tokens (each with its bias, else 0) and only they may be
+  drawn; else the biased tokens."""
+  if p.allowed_token_ids is None:
+    return p.logit_bias, False
+  bias = dict(p.logit_bias)
+  return tuple((t, bias.get(t, 0.0)) for t in p.allowed_token_ids), True
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:
@@ -316,6 +338,9 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
   if p.logprobs is not None and p.logprobs > min(max_logprobs, vocab_size):
     raise ValueError(f"{label}: logprobs={p.logprobs} must be <= max_logprobs={max_logprobs} "
                      f"(and vocab_size={vocab_size})")
+  if p.allowed_token_ids and p.allowed_token_ids[-1] >= vocab_size:
+    raise ValueError(f"{label}: allowed_token_ids holds {p.allowed_token_ids[-1]}, which must be "
+                     f"< vocab_size={vocab_size}")
   if p.logit_bias and p.logit_bias[-1][0] >= vocab_size:
     bad = next(t for t, _ in p.logit_bias if t >= vocab_size)
     raise ValueError(f"{label}: logit_bias token {bad} must be < vocab_size={vocab_size}")

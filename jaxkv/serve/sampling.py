@@ -214,8 +214,9 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     banned: optional `int32[S, K]` token ids each row may not draw now (-1: unused; a
       request's stop tokens before its `min_tokens`). They are removed after the
       penalties, before temperature; the logprobs stay the raw distribution's.
-    bias: optional `(int32[S, B] token ids (-1: unused), float32[S, B] biases)` added to
-      the logits before the penalties (OpenAI's `logit_bias`); logprobs stay raw.
+    bias: optional `(int32[S, B] token ids (-1: unused), float32[S, B] biases, int32[S]
+      restrict)` added to the logits before the penalties (OpenAI's `logit_bias`); a
+      restricted row draws only its slots' tokens (`allowed_token_ids`). Logprobs stay raw.
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
     top_cap: candidates read with `lax.top_k` (static; see the module docstring).
 
@@ -232,8 +233,9 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     banned = jnp.full((s, 1), -1, jnp.int32)
   has_ban = jnp.any(banned >= 0, axis=1) & sampling
   if bias is None:
-    bias = (jnp.full((s, 1), -1, jnp.int32), jnp.zeros((s, 1), jnp.float32))
-  has_bias = jnp.any(bias[0] >= 0, axis=1) & sampling
+    bias = (jnp.full((s, 1), -1, jnp.int32), jnp.zeros((s, 1), jnp.float32),
+            jnp.zeros((s,), jnp.int32))
+  has_bias = (jnp.any(bias[0] >= 0, axis=1) | (bias[2] > 0)) & sampling
   if history is None:
     history = jnp.zeros((s, 1), jnp.int32)
     prompt_len = length = jnp.zeros((s,), jnp.int32)
@@ -262,12 +264,15 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
                       lambda: greedy_rows(logits, num_logprobs))
 
 
-def _add_bias(x, tokens, values, on):
-  """`x` plus each row's bias `values` at `tokens` (where `on`)."""
+def _add_bias(x, tokens, values, restrict, on):
+  """`x` plus each row's bias `values` at `tokens` (where `on`); a restricted row keeps only
+  those tokens (the rest at the lowest float32: never drawn)."""
   s, v = x.shape
   ids = jnp.where((tokens >= 0) & on[:, None], tokens, v)   # v: dropped
   rows = jnp.arange(s, dtype=jnp.int32)[:, None]
-  return x.at[rows, ids].add(values, mode="drop")
+  slot = jnp.zeros((s, v), bool).at[rows, ids].set(True, mode="drop")
+  x = x.at[rows, ids].add(values, mode="drop")
+  return jnp.where(((restrict > 0) & on)[:, None] & ~slot, _NEG, x)
 
 
 def _ban(x, banned, on):

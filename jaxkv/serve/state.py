@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, Status, init_state
-from jaxkv.serve.requests import MAX_LOGIT_BIAS
+from jaxkv.serve.requests import MAX_LOGIT_BIAS, bias_slots
 
 # `lp_base`/`lp_row` of a request that wants no logprobs: past every logprob row, so its
 # writes are dropped (a fork adds its sample index and stays out of range).
@@ -54,6 +54,7 @@ class Queue:
     stop_tokens: `int32[Q, NS]` (-1 = unused).
     min_tokens: `int32[Q]` new tokens before a stop token may be sampled.
     bias_tokens, bias: `int32[Q, NB]` and `float32[Q, NB]` logit bias slots (-1: unused).
+    restrict: `int32[Q]` 1: only the slots' tokens may be drawn (`allowed_token_ids`).
     next: `int32[]` the first request not yet (fully) admitted.
     copies: `int32[]` columns already admitted for request `next` (a request
       of a one-token prompt and `n > 1` takes its `n` columns one at a time).
@@ -79,6 +80,7 @@ class Queue:
   min_tokens: jax.Array
   bias_tokens: jax.Array
   bias: jax.Array
+  restrict: jax.Array
   next: jax.Array
   copies: jax.Array
   count: jax.Array
@@ -99,6 +101,7 @@ class ColumnParams:
     logprobs: `int32[S]` top logprobs wanted (-1: none).
     min_tokens: `int32[S]` new tokens before a stop token may be sampled.
     bias_tokens, bias: `int32[S, NB]` and `float32[S, NB]` logit bias slots (-1: unused).
+    restrict: `int32[S]` 1: only the slots' tokens may be drawn (`allowed_token_ids`).
   """
 
   temperature: jax.Array
@@ -114,6 +117,7 @@ class ColumnParams:
   min_tokens: jax.Array
   bias_tokens: jax.Array
   bias: jax.Array
+  restrict: jax.Array
 
   @classmethod
   def of_request(cls, queue: Queue, i) -> ColumnParams:
@@ -299,7 +303,7 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
       "logprobs": np.full((q,), -1, np.int32), "lp_base": np.full((q,), NO_ROW, np.int32),
       "min_tokens": np.zeros((q,), np.int32),
       "bias_tokens": np.full((q, MAX_LOGIT_BIAS), -1, np.int32),
-      "bias": np.zeros((q, MAX_LOGIT_BIAS), np.float32)}
+      "bias": np.zeros((q, MAX_LOGIT_BIAS), np.float32), "restrict": np.zeros((q,), np.int32)}
   row = lp_row = 0
   for i, (prompt, p) in enumerate(zip(prompts, params)):
     a["prompt"][i, :len(prompt)] = prompt
@@ -308,8 +312,9 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
     a["seed"][i], a["n"][i], a["out_base"][i] = p.seed, p.n, row
     a["stop_tokens"][i, :len(p.stop_tokens)] = p.stop_tokens
     a["min_tokens"][i] = p.min_tokens
-    if p.logit_bias:
-      a["bias_tokens"][i, :len(p.logit_bias)], a["bias"][i, :len(p.logit_bias)] = zip(*p.logit_bias)
+    slots, a["restrict"][i] = bias_slots(p)
+    if slots:
+      a["bias_tokens"][i, :len(slots)], a["bias"][i, :len(slots)] = zip(*slots)
     row += p.n
     for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
       a[name][i] = getattr(p, name)
@@ -363,7 +368,7 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
         frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32), min_tokens=zeros(),
         bias_tokens=jnp.full((s, MAX_LOGIT_BIAS), -1, jnp.int32),
-        bias=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32))
+        bias=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32), restrict=zeros())
     cols = Columns(
         tokens=jnp.zeros((s, max_len), jnp.int32),
         prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),

@@ -176,8 +176,10 @@ def test_vllm_spelled_sampling_params(setup):
     jaxkv.SamplingParams(max_tokens=2, min_tokens=3)
   [out] = llm.generate(TEXT, greedy(max_tokens=3, logit_bias={continuation[0]: -100.0}))
   assert out.token_ids[0] != continuation[0]
-  with pytest.raises(TypeError, match="allowed_token_ids"):
-    jaxkv.SamplingParams(allowed_token_ids=[1, 2])   # not implemented: refused by name
+  [out] = llm.generate(TEXT, greedy(max_tokens=4, allowed_token_ids=[continuation[1], 7]))
+  assert set(out.token_ids) <= {continuation[1], 7}
+  with pytest.raises(TypeError, match="bad_words"):
+    jaxkv.SamplingParams(bad_words=["x"])   # not implemented: refused by name
   with pytest.raises(ValueError, match="stop=.* non-empty strings"):
     jaxkv.SamplingParams(stop=[""])
   with pytest.raises(ValueError, match="temperature"):

@@ -1,8 +1,9 @@
-"""`SamplingParams.logit_bias`: OpenAI's per-token biases, added before the penalties.
+"""`SamplingParams.logit_bias` (OpenAI's per-token biases, added before the penalties) and
+`allowed_token_ids` (vLLM's: only these tokens, masked before the bias).
 
 The oracle decodes on the host (`ModelRunner`, one step at a time, not the serving loop):
-the argmax of the logits plus the biases, then the repetition penalty, and the raw
-distribution's logprobs.
+the argmax of the logits (restricted to the allowed tokens) plus the biases, then the
+repetition penalty, and the raw distribution's logprobs.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _biased(raw, bias, seen, rep, bias_first=True):
   return x
 
 
-def _oracle(model, prompt, max_new, bias, rep=1.0):
+def _oracle(model, prompt, max_new, bias, rep=1.0, allowed=None):
   runner = serve.ModelRunner(model)
   s = runner.seq_new()
   logits = feed(runner, {s: list(prompt)})[s][-1]
@@ -47,6 +48,8 @@ def _oracle(model, prompt, max_new, bias, rep=1.0):
   for _ in range(max_new):
     raw = np.array(logits, np.float64)
     x = _biased(raw, bias, set(prompt) | set(tokens), rep)
+    if allowed is not None:
+      x = np.where(np.isin(np.arange(len(x)), list(allowed)), x, -np.inf)
     tok = int(np.argmax(x))
     tokens.append(tok)
     lps.append((raw - raw.max() - np.log(np.exp(raw - raw.max()).sum()))[tok])
@@ -126,3 +129,44 @@ def test_the_bias_comes_before_the_repetition_penalty(model):
   done, = engine.run([serve.Request(prompt, serve.SamplingParams(
       max_tokens=1, logit_bias={t: b}, repetition_penalty=rep))])
   assert done.tokens == [want]
+
+
+def test_allowed_token_ids_restricts_greedy_and_sampled_requests(model):
+  engine = serve.Engine(model, max_len=40)
+  prompt = (3, 17, 5, 9)
+  free, = engine.run([serve.Request(prompt, serve.SamplingParams(max_tokens=6))])
+  allowed = (2, 30, 41, free.tokens[1])
+  cases = {"only": ({}, 1.0), "biased": ({30: -3.0, 41: 2.0, 50: 100.0}, 1.0),
+           "penalised": ({}, 1.8)}
+  got = {c.request_id: c for c in engine.run([
+      serve.Request(prompt, serve.SamplingParams(max_tokens=6, allowed_token_ids=allowed,
+                                                 logit_bias=bias, repetition_penalty=rep,
+                                                 logprobs=0), name)
+      for name, (bias, rep) in cases.items()])}
+  for name, (bias, rep) in cases.items():
+    want, lps = _oracle(model, prompt, 6, bias, rep=rep, allowed=allowed)
+    assert got[name].tokens == want, name
+    np.testing.assert_allclose([e.logprob for e in got[name].logprobs], lps, atol=1e-4)
+  assert 50 not in got["biased"].tokens   # a bias cannot bring back a token outside the set
+  sampled = engine.run([serve.Request((1, 2), serve.SamplingParams(
+      max_tokens=8, temperature=1.5, seed=5, n=3, allowed_token_ids=[4, 9]))])
+  assert all(set(c.tokens) <= {4, 9} for c in sampled)
+  assert {t for c in sampled for t in c.tokens} == {4, 9}   # both drawn: not one forced
+
+
+@pytest.mark.parametrize("allowed, error, fragment", [
+    ([], ValueError, "allows no token"),
+    ([-1], ValueError, "must be >= 0"),
+    (list(range(MAX_LOGIT_BIAS + 1)), ValueError, "at most MAX_LOGIT_BIAS"),
+    ("12", TypeError, "allowed_token_ids"),
+])
+def test_bad_allowed_token_ids_are_refused_naming_them(allowed, error, fragment):
+  with pytest.raises(error, match=fragment):
+    serve.SamplingParams(allowed_token_ids=allowed)
+
+
+def test_an_allowed_token_past_the_vocabulary_is_refused(model):
+  engine = serve.Engine(model, max_len=40)
+  with pytest.raises(ValueError, match="allowed_token_ids holds 64, which must be < vocab_size"):
+    engine.add_request(serve.Request((1,), serve.SamplingParams(allowed_token_ids=[1, 64])))
+  assert engine.counts() == (0, 0)

@@ -145,6 +145,8 @@ BAD_FIELDS = [
     ("completions", {"logit_bias": {"5": 101}}, "logit_bias", "must be in [-100, 100]"),
     ("completions", {"logit_bias": {"x": 1}}, "logit_bias", "token ids (as strings)"),
     ("completions", {"logit_bias": {"999": 1}}, "logit_bias", "must be < vocab_size"),
+    ("completions", {"allowed_token_ids": []}, "allowed_token_ids", "allows no token"),
+    ("chat", {"allowed_token_ids": [999]}, "allowed_token_ids", "must be < vocab_size"),
     ("chat", {"tools": [{"type": "function"}]}, "tools", "tools are not supported"),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "tools are not supported"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", "only text"),

@@ -82,7 +82,7 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
                                 ("reasoning_effort", "low", "reasoning_effort is not supported"),
                                 ("store", True, "does not store completions"),
                                 ("guided_json", {"type": "object"}, "structured output"),
-                                ("allowed_token_ids", [1], "allowed_token_ids is not supported")):
+                                ("bad_words", ["x"], "bad_words is not a field")):
     for path, body in (("/v1/chat/completions", {"messages": HI}),
                        ("/v1/completions", {"prompt": "Hi"})):
       _error(_post(url, path, {"model": MODEL, "max_tokens": 2, name: value} | body), 400, name,
@@ -432,3 +432,6 @@ def test_logit_bias_forces_and_forbids_tokens_through_the_server(client):
   runner_up = sorted(top, key=top.get)[-2]
   assert banned.choices[0].logprobs.tokens[0] == runner_up
   assert banned.choices[0].logprobs.token_logprobs[0] == pytest.approx(top[runner_up], abs=1e-5)
+  only = client.completions.create(temperature=1.0, seed=4, **(kw | {"extra_body": kw[
+      "extra_body"] | {"allowed_token_ids": [20, 30]}}))
+  assert set(ids(only)) <= {20, 30}
