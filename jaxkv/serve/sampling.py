@@ -240,12 +240,14 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     history = jnp.zeros((s, 1), jnp.int32)
     prompt_len = length = jnp.zeros((s,), jnp.int32)
 
+  def adjusted():   # each stage leaves the rows that do not use it bitwise unchanged
+    x = _add_bias(logits, *bias, has_bias)
+    x = _penalize(x, p, history, prompt_len, length)
+    return _ban(x, banned, has_ban)
+
   def special():
-    x = jax.lax.cond(jnp.any(has_bias), lambda: _add_bias(logits, *bias, has_bias),
-                     lambda: logits)
-    x = jax.lax.cond(jnp.any(has_pen),
-                     lambda: _penalize(x, p, history, prompt_len, length), lambda: x)
-    x = jax.lax.cond(jnp.any(has_ban), lambda: _ban(x, banned, has_ban), lambda: x)
+    # One conditional for every logit adjustment: on a GPU each predicate is a host sync.
+    x = jax.lax.cond(jnp.any(has_pen | has_bias | has_ban), adjusted, lambda: logits)
     tokens = jax.lax.cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap),
                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
