@@ -24,7 +24,6 @@ from flax import nnx
 
 from jaxkv import BatchedSequenceCache, CacheConfig
 from jaxkv.serve.memory import ROW_MULTIPLE
-from jaxkv.serve.results import TokenLogprob
 
 # Steps of at most this many prompt tokens: each step's logits are `[width, vocab]` float32
 # on the device (128k vocab: 128 MiB at 256).
@@ -32,15 +31,21 @@ MAX_WIDTH = 256
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptLogprob(TokenLogprob):
-  """One prompt token's log-probability given the tokens before it (`token`, `logprob` and
-  the `k` most likely pairs in `top`, as a generated token's), and its rank.
+class PromptLogprob:
+  """One prompt token's log-probability given the tokens before it: the fields of a generated
+  token's `TokenLogprob` (so the same formatters read both), and its rank.
 
   Attributes:
+    token: the prompt token.
+    logprob: its log-probability under the model's raw distribution.
     rank: 1 + how many tokens are strictly more likely.
+    top: the `k` most likely `(token, logprob)` pairs, most likely first.
   """
 
-  rank: int = 1
+  token: int
+  logprob: float
+  rank: int
+  top: tuple[tuple[int, float], ...] = ()
 
 
 def _score_step(graphdef, config, k, params, state, tokens, targets):
