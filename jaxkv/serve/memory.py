@@ -37,9 +37,9 @@ def storage_bytes(cache: CacheState) -> int:
 # The loop's per-column vectors (prompt_len, length, fed, hold, limit, active, done,
 # stopped, temperature, top_k, top_p, seed, sample_index, min_p, the three penalties,
 # logprobs, lp_row, min_tokens, restrict, and the paged loop's parked, stamp, cached,
-# last_use): 25 x 4 bytes per column, and MAX_LOGIT_BIAS (token, bias) slots of 8 bytes. The prefix
-# cache's page hashes (`uint32[S, max_len / page_size]`) are at most a quarter of the token
-# buffer with pages of 4 or more and are left out.
+# last_use): 25 x 4 bytes per column, and MAX_LOGIT_BIAS (token, bias) slots of 8 bytes.
+# The prefix cache's page hashes (`uint32[S, max_len / page_size]`) are at most a quarter of
+# the token buffer with pages of 4 or more and are left out.
 _PER_COLUMN_BYTES = 25 * 4 + 8 * MAX_LOGIT_BIAS
 
 

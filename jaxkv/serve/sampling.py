@@ -266,22 +266,26 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
                       lambda: greedy_rows(logits, num_logprobs))
 
 
+def _scatter_at(x, tokens, on):
+  """`(rows, ids)` indexing each row's `tokens` of `x` where `on` (-1 slots and rows not on
+  point past the vocabulary: a `mode="drop"` update skips them)."""
+  s, v = x.shape
+  return (jnp.arange(s, dtype=jnp.int32)[:, None],
+          jnp.where((tokens >= 0) & on[:, None], tokens, v))
+
+
 def _add_bias(x, tokens, values, restrict, on):
   """`x` plus each row's bias `values` at `tokens` (where `on`); a restricted row keeps only
   those tokens (the rest at the lowest float32: never drawn)."""
-  s, v = x.shape
-  ids = jnp.where((tokens >= 0) & on[:, None], tokens, v)   # v: dropped
-  rows = jnp.arange(s, dtype=jnp.int32)[:, None]
-  slot = jnp.zeros((s, v), bool).at[rows, ids].set(True, mode="drop")
+  rows, ids = _scatter_at(x, tokens, on)
+  slot = jnp.zeros(x.shape, bool).at[rows, ids].set(True, mode="drop")
   x = x.at[rows, ids].add(values, mode="drop")
   return jnp.where(((restrict > 0) & on)[:, None] & ~slot, _NEG, x)
 
 
 def _ban(x, banned, on):
   """`x` with each row's `banned` ids (where `on`) at the lowest float32: never drawn."""
-  s, v = x.shape
-  ids = jnp.where((banned >= 0) & on[:, None], banned, v)   # v: dropped
-  rows = jnp.arange(s, dtype=jnp.int32)[:, None]
+  rows, ids = _scatter_at(x, banned, on)
   return x.at[rows, ids].set(_NEG, mode="drop")
 
 

@@ -117,12 +117,9 @@ class PromptScorer:
     if len(tokens) == 1:
       return []
     with self._lock, self._place():
-      if self._facade is None:
-        self._facade = BatchedSequenceCache(self.config, mesh=self.engine.mesh,
-                                            kv_axis=self.engine.kv_axis)
       facade = self._facade
-      seq = facade.seq_new()
-      if seq is None:   # a failure mid-prompt left it live: the scorer's cache restarts
+      seq = None if facade is None else facade.seq_new()
+      if seq is None:   # the first score, or a failure mid-prompt left it live: a fresh cache
         self._facade = facade = BatchedSequenceCache(self.config, mesh=self.engine.mesh,
                                                      kv_axis=self.engine.kv_axis)
         seq = facade.seq_new()
