@@ -10,7 +10,10 @@ The checkpoint is loaded and sized from memory by
 `jaxkv.serve.loading.build_engine` (`jaxkv.serve.sizing.plan_serving`: paged K/V
 with prefix caching, `max_len` from the checkpoint, `max_seqs` from the
 budget; `LLM.plan` says what was chosen, `LLM.plan.lines()` in words) and
-served by one `jaxkv.serve.Engine`. Results are shaped like vLLM's:
+served by one `jaxkv.serve.Engine`, through its incremental API (`add_request`/`step`)
+for `generate`, `chat` and `stream` alike: one loop state of fixed shape serves every
+batch size and request kind, so the loop compiles once per variant (plain greedy, and
+with the sampler), not per call shape. Results are shaped like vLLM's:
 `generate` returns one `RequestOutput` per prompt, each holding
 `SamplingParams.n` `CompletionOutput`s.
 
@@ -30,9 +33,9 @@ Defaults as a vLLM user expects them:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-import time
 from typing import Iterator, NamedTuple, Sequence
 
 import jax
@@ -40,7 +43,7 @@ import numpy as np
 
 from jaxkv.serve import loading, sizing
 from jaxkv.serve.loading import build_engine
-from jaxkv.serve import Request, RequestTiming, TokenLogprob
+from jaxkv.serve import EngineError, Request, RequestTiming, TokenLogprob
 from jaxkv.serve import SamplingParams as EngineParams
 from jaxkv.tokenizer import TextStream
 
@@ -124,6 +127,25 @@ class _Text(NamedTuple):
   include_stop: bool = False
   skip_special_tokens: bool = True
   min_tokens: int = 0
+
+
+class _Sample:
+  """One sample's deltas, gathered as they come."""
+
+  def __init__(self):
+    self.tokens: list[int] = []
+    self.logprobs: list[TokenLogprob] | None = None
+    self.finish_reason: str | None = None
+    self.seed: int | None = None
+    self.timing: RequestTiming | None = None
+
+  def add(self, delta) -> None:
+    self.tokens += delta.tokens
+    if delta.logprobs is not None:
+      self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+    self.seed = delta.seed
+    if delta.finish_reason is not None:
+      self.finish_reason, self.timing = delta.finish_reason, delta.timing
 
 
 @dataclasses.dataclass
@@ -268,6 +290,10 @@ class LLM:
         max_write=max_write, implementation=implementation)
     eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
     self.eos_ids = tuple(eos) or tuple(self.model.config.eos_token_ids)
+    # Requests in flight (generate's and open streams'): their deltas, and samples not ended.
+    self._inbox: dict[str, list] = {}
+    self._open: dict[str, int] = {}
+    self._ids = 0
 
   # ------------------------------------------------------------------ requests
 
@@ -312,6 +338,10 @@ class LLM:
       return [self._params(p, ignore_eos, len(ids)) for p, (_, ids) in zip(params, encoded)]
     return [self._params(params, ignore_eos, len(ids)) for _, ids in encoded]
 
+  def _text_stream(self, how: _Text) -> TextStream:
+    return TextStream(self.tokenizer, how.stop, include_stop=how.include_stop,
+                      skip_special_tokens=how.skip_special_tokens, min_tokens=how.min_tokens)
+
   def _finish(self, tokens: Sequence[int], finish_reason: str,
               text: _Text) -> tuple[str, list[int], str]:
     """`(text, token_ids, finish_reason)` of a finished sample, as `stream` delivers its text:
@@ -319,8 +349,7 @@ class LLM:
     if self.tokenizer is None:
       return "", list(tokens), finish_reason
     kept = list(tokens[:-1]) if finish_reason == "stop" else list(tokens)
-    s = TextStream(self.tokenizer, text.stop, include_stop=text.include_stop,
-                   skip_special_tokens=text.skip_special_tokens, min_tokens=text.min_tokens)
+    s = self._text_stream(text)
     out = s.push(kept) + s.finish()
     if s.stopped:
       return out, kept[:s.tokens_returned()], "stop"
@@ -339,24 +368,100 @@ class LLM:
         the engine's `jaxkv.serve.SamplingParams` are taken too.
       ignore_eos: do not stop at the checkpoint's eos ids (as `SamplingParams.ignore_eos`).
 
+    Prompts are served together (fcfs into the engine's columns); a sample whose
+    text reaches a stop string is aborted there.
+
     Raises:
       TypeError, ValueError: a malformed prompt or parameters, or a request the
         engine cannot hold (nothing is served then).
+      EngineError: the model or device failed; nothing of the call stays in the engine.
     """
     encoded = [self._encode(p) for p in _prompts(prompts)]
     return self._generate(encoded, self._per_prompt(params, encoded, ignore_eos))
 
   def _generate(self, encoded, params) -> list[RequestOutput]:
-    requests = [Request(ids, p, request_id=i) for i, ((_, ids), (p, _)) in
-                enumerate(zip(encoded, params))]
-    completions = self.engine.run(requests, admission="fcfs")
+    # On the incremental API, as `stream`: one loop state of fixed shape serves every batch
+    # size, logprobs or not, so each loop variant compiles once per LLM, not per request kind.
+    requests = [Request(ids, p, request_id=self._next_id()) for (_, ids), (p, _) in
+                zip(encoded, params)]
+    for i, r in enumerate(requests):   # every request is checked (named by its index) first
+      self.engine.check(r.replace(request_id=i))
+    samples = {(r.request_id, j): _Sample() for r in requests for j in range(r.params.n)}
+    # A sample whose text reaches a stop string is aborted there, not run to max_tokens.
+    texts = {(r.request_id, j): self._text_stream(how) for r, (_, how) in zip(requests, params)
+             if how.stop and self.tokenizer is not None for j in range(r.params.n)}
+    with self._serving(requests):
+      while any(self._open[r.request_id] for r in requests):
+        self._pump()
+        for r in requests:
+          for delta in self._inbox[r.request_id]:
+            key = (r.request_id, delta.index)
+            samples[key].add(delta)
+            text = texts.get(key)
+            if text is not None and delta.finish_reason is None and not text.stopped:
+              text.push(list(delta.tokens))
+              if text.stopped:
+                self.engine.abort(r.request_id, delta.index)
+          self._inbox[r.request_id].clear()
     outputs = [RequestOutput(i, text, list(ids), []) for i, (text, ids) in enumerate(encoded)]
-    for c in completions:
-      text, token_ids, reason = self._finish(c.tokens, c.finish_reason, params[c.request_id][1])
-      logprobs = None if c.logprobs is None else list(c.logprobs)[:len(token_ids)]
-      outputs[c.request_id].outputs.append(CompletionOutput(
-          c.index, text, token_ids, reason, c.seed, c.timing, logprobs))
+    for i, r in enumerate(requests):
+      for j in range(r.params.n):
+        sample = samples[r.request_id, j]
+        text, token_ids, reason = self._finish(sample.tokens, sample.finish_reason, params[i][1])
+        logprobs = None if sample.logprobs is None else sample.logprobs[:len(token_ids)]
+        outputs[i].outputs.append(CompletionOutput(j, text, token_ids, reason, sample.seed,
+                                                   sample.timing, logprobs))
     return outputs
+
+  def _next_id(self) -> str:
+    self._ids += 1
+    return f"llm-{self._ids}"
+
+  @contextlib.contextmanager
+  def _serving(self, requests):
+    """Queues `requests` and gives each an inbox `_pump` fills; on the way out, whatever of
+    them still runs (an error, an interrupt, a closed stream) is aborted and, unless
+    interrupted, stepped out, so the engine holds nothing of them."""
+    interrupted = False
+    try:
+      for r in requests:
+        self.engine.add_request(r)
+        self._inbox[r.request_id], self._open[r.request_id] = [], r.params.n
+      yield
+    except BaseException as e:
+      interrupted = not isinstance(e, (Exception, GeneratorExit))   # Ctrl-C: stop now
+      raise
+    finally:
+      running = [r.request_id for r in requests if self._open.get(r.request_id)]
+      for rid in running:
+        self.engine.abort(rid)
+      try:
+        while not interrupted and any(self._open.get(rid) for rid in running):
+          self._pump()   # the aborted end at the next entry
+      finally:
+        for r in requests:
+          self._inbox.pop(r.request_id, None)
+          self._open.pop(r.request_id, None)
+
+  def _pump(self, steps: int | None = None) -> None:
+    """One loop entry (`steps` steps, default the engine's); its deltas go to the inboxes of
+    the requests this LLM is serving."""
+    try:
+      deltas = self.engine.step(steps or self.engine.max_steps)
+    except EngineError as e:
+      self._route(getattr(e, "deltas", None) or [])
+      for rid in getattr(e, "failed", None) or ():   # dropped: they send no more deltas
+        self._open[rid] = 0
+      raise
+    self._route(deltas)
+
+  def _route(self, deltas) -> None:
+    for delta in deltas:
+      box = self._inbox.get(delta.request_id)
+      if box is not None:
+        box.append(delta)
+        if delta.finish_reason is not None and self._open.get(delta.request_id):
+          self._open[delta.request_id] -= 1
 
   def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
            add_generation_prompt: bool = True, chat_template: str | None = None,
@@ -422,32 +527,27 @@ class LLM:
     p, how = self._params(params, ignore_eos, len(ids))
     if p.n != 1:
       raise ValueError(f"stream: n={p.n} must be 1 (use generate for several samples)")
-    rid = self.engine.add_request(Request(ids, p, request_id=f"stream-{time.monotonic_ns()}"))
-    text = TextStream(self.tokenizer, how.stop, include_stop=how.include_stop,
-                      skip_special_tokens=how.skip_special_tokens, min_tokens=how.min_tokens)
-    finished = False
-    try:
-      while not finished:
-        for delta in self.engine.step(steps):
-          if delta.request_id != rid:
-            continue
+    request = Request(ids, p, request_id=self._next_id())
+    self.engine.check(request)
+    text = self._text_stream(how)
+    rid = request.request_id
+    with self._serving([request]):   # leaving early (a stop string, close()) aborts the rest
+      while self._open[rid] or self._inbox[rid]:
+        if not self._inbox[rid]:
+          self._pump(steps)
+        deltas, self._inbox[rid] = self._inbox[rid], []
+        for delta in deltas:
           tokens = list(delta.tokens)
           if delta.finish_reason == "stop":
             tokens = tokens[:-1]   # the stop token's text is left out, as in generate
           out = text.push(tokens)
           if text.stopped or delta.finish_reason is not None:   # a stop string ends it early
-            finished = delta.finish_reason is not None
             out += text.finish()
-            if not finished:
+            if out:
               yield out
-              return   # `finally` aborts the rest of the request
+            return
           if out:
             yield out
-    finally:
-      if not finished:
-        self.engine.abort(rid)
-        while self.engine.has_unfinished():
-          self.engine.step(steps)
 
 
 def _dtype_arg(name: str, value):

@@ -23,6 +23,7 @@ pytest.importorskip("jinja2", reason="chat templates need jinja2 (the serve extr
 import jaxkv  # noqa: E402
 from jaxkv import serve  # noqa: E402
 from jaxkv.models import hf  # noqa: E402
+from jaxkv.serve import core  # noqa: E402
 from jaxkv.serve.decoding import greedy_generate  # noqa: E402
 from jaxkv.tokenizer import Tokenizer  # noqa: E402
 
@@ -47,7 +48,20 @@ def setup(tmp_path_factory):
     eos.append(next(t for i, t in enumerate(continuation) if i >= 2 and t not in continuation[:i]))
   with open(ckpt / "generation_config.json", "w", encoding="utf-8") as f:
     json.dump({"eos_token_id": eos, "bos_token_id": 1}, f)
-  return jaxkv.LLM(str(ckpt), **SIZES), tokens, token_eos, continuation, eos
+  with pytest.MonkeyPatch.context() as mp:   # the engine core binds serve_loop at construction
+    mp.setattr(core, "serve_loop", _counted(core.serve_loop))
+    llm = jaxkv.LLM(str(ckpt), **SIZES)
+  return llm, tokens, token_eos, continuation, eos
+
+
+LOOP_TRACES = []   # (greedy,) per trace of the serving loop by the module's LLM
+
+
+def _counted(fn):
+  def wrapper(*args, greedy=False, **kwargs):
+    LOOP_TRACES.append(greedy)
+    return fn(*args, greedy=greedy, **kwargs)
+  return wrapper
 
 
 def test_a_token_prompt_stops_at_the_checkpoints_eos(setup):
@@ -128,6 +142,10 @@ def test_bad_prompts_are_named(setup):
     llm.generate([1.5])
   with pytest.raises(ValueError, match="params has 1 entries for 2 prompts"):
     llm.generate(["a", "b"], [serve.SamplingParams()])
+  # One prompt the engine cannot hold refuses the call before any prompt is queued.
+  with pytest.raises(ValueError, match="request 1: prompt"):
+    llm.generate([[1, 2], [3] * (llm.engine.max_len + 1)], serve.SamplingParams(max_tokens=2))
+  assert not llm.engine.has_unfinished()
   with pytest.raises(ValueError, match="n=2 must be 1"):
     next(llm.stream(TEXT, serve.SamplingParams(n=2)))
 
@@ -218,3 +236,38 @@ def test_llm_keeps_its_compilations_in_a_persistent_cache(tmp_path):
   assert out.stdout.split()[-1] == "2"
   cache = tmp_path / ".cache" / "jaxkv" / "jax"
   assert cache.is_dir() and len(list(cache.iterdir())) >= 3   # the loop's programs among them
+
+
+def test_every_request_kind_runs_on_the_two_loop_programs(setup):
+  """Batch sizes, logprobs, n > 1, chat and stream share one loop state: after a greedy and a
+  sampled call, none of them traces (so compiles) the serving loop again."""
+  llm, tokens, _, _, _ = setup
+  llm.generate(tokens, serve.SamplingParams(max_tokens=2))
+  llm.generate(tokens, serve.SamplingParams(max_tokens=2, temperature=1.0))
+  before = len(LOOP_TRACES)
+  assert sorted(set(LOOP_TRACES)) == [False, True]
+  outs = llm.generate([tokens[:i + 1] for i in range(9)], serve.SamplingParams(max_tokens=3))
+  assert [len(o.outputs) for o in outs] == [1] * 9
+  [out] = llm.generate(tokens, serve.SamplingParams(max_tokens=3, logprobs=2, n=2,
+                                                    temperature=0.7))
+  assert [len(o.logprobs) for o in out.outputs] == [len(o.token_ids) for o in out.outputs]
+  llm.chat([{"role": "user", "content": TEXT}], serve.SamplingParams(max_tokens=2))
+  list(llm.stream(TEXT, serve.SamplingParams(max_tokens=3, temperature=0.5)))
+  assert len(LOOP_TRACES) == before
+
+
+def test_generate_stops_generating_at_a_stop_string(setup):
+  """The sample is aborted once its text holds the stop string (within one loop entry), not run
+  to max_tokens; the text is cut there as stream cuts it."""
+  llm = setup[0]
+  full = llm.generate(TEXT, jaxkv.SamplingParams(max_tokens=12, temperature=0),
+                      ignore_eos=True)[0].text
+  stop = next(full[i:i + 2] for i in range(len(full) // 3, len(full) - 1)
+              if full[i:i + 2].strip() and full.index(full[i:i + 2]) == i)
+  before = llm.engine.stats.generated
+  params = jaxkv.SamplingParams(max_tokens=100, temperature=0, stop=[stop])
+  [out] = llm.generate(TEXT, params, ignore_eos=True)
+  assert out.text == full[:full.index(stop)] and out.finish_reason == "stop"
+  assert llm.engine.stats.generated - before < 12 + llm.engine.max_steps
+  assert "".join(llm.stream(TEXT, params, ignore_eos=True)) == out.text
+  assert not llm.engine.has_unfinished()
