@@ -102,6 +102,8 @@ def _args(argv=None):
   p.add_argument("--skip-best", action="store_true",
                  help="skip the best offline row (the 64-column engine), keep the server "
                       "engine's own offline anchors")
+  p.add_argument("--offline-incremental", action="store_true",
+                 help="also run the queue offline through the incremental API (LLM.generate's path)")
   p.add_argument("--offline-entry-steps", default="",
                  help="also run offline with at most these many steps per loop entry (comma-"
                       "separated): the cost of visiting the host more often")
@@ -581,6 +583,29 @@ def run_offline(engine, prompts, max_tokens, admission, max_steps=None, prof=Non
           "tokens": {c.request_id: c.tokens for c in done}}
 
 
+def run_incremental(engine, prompts, max_tokens) -> dict:
+  """The queue through the incremental API (`add_request`, then `step` of `max_steps` until
+  done): `jaxkv.LLM.generate`'s path, fcfs, on the same engine. Run twice, the second timed."""
+  from jaxkv.serve import Request, SamplingParams   # pylint: disable=g-import-not-at-top
+  for timed in (False, True):
+    tokens, first, start = {}, {}, time.perf_counter()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+      engine.add_request(Request(tuple(p), SamplingParams(max_tokens=m, temperature=0.0),
+                                 request_id=i))
+    steps0, entries0 = engine.stats.steps, engine.stats.loop_entries
+    while engine.has_unfinished():
+      for d in engine.step(engine.max_steps):
+        tokens.setdefault(d.request_id, []).extend(d.tokens)
+        first.setdefault(d.request_id, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+  generated = sum(map(len, tokens.values()))
+  steps = engine.stats.steps - steps0
+  return {"admission": "fcfs", "wall_s": wall, "generated": generated,
+          "tokens_per_s": generated / wall, "steps": steps, "step_ms": 1e3 * wall / max(1, steps),
+          "loop_entries": engine.stats.loop_entries - entries0,
+          "ttft_s": _percentiles(list(first.values())), "tokens": tokens}
+
+
 def _offline(results, key, label, engine, prompts, max_tokens, admission) -> None:
   off = run_offline(engine, prompts, max_tokens, admission)
   results[f"offline_{key}"] = {k: v for k, v in off.items() if k != "tokens"} | {"label": label}
@@ -832,6 +857,11 @@ def main(argv=None) -> int:
         for admission in ("longest_first", "fcfs"):
           _offline(results, admission, f"{args.engine} engine, {admission}", engine, prompts,
                    max_tokens, admission)
+        if args.offline_incremental:
+          off = run_incremental(engine, prompts, max_tokens)
+          results["offline_incremental"] = {k: v for k, v in off.items() if k != "tokens"}
+          print(_line("offline (incremental API)", off) + f"  wall per step "
+                f"{off['step_ms']:.2f} ms, {off['loop_entries']} entries", flush=True)
         for j, k in enumerate(filter(None, args.offline_entry_steps.split(","))):
           prof = cProfile.Profile() if args.cprofile and j == 0 else None
           off = run_offline(engine, prompts, max_tokens, "fcfs", int(k), prof)
