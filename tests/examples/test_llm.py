@@ -271,3 +271,16 @@ def test_generate_stops_generating_at_a_stop_string(setup):
   assert llm.engine.stats.generated - before < 12 + llm.engine.max_steps
   assert "".join(llm.stream(TEXT, params, ignore_eos=True)) == out.text
   assert not llm.engine.has_unfinished()
+
+
+def test_the_readmes_python_quick_start_runs_verbatim(monkeypatch, capsys):
+  """The README's `LLM` quick start, as printed (vLLM's spelling), from the repository root."""
+  import pathlib   # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).parents[2]
+  text = (root / "README.md").read_text()
+  start = text.index("```python\nfrom jaxkv import LLM, SamplingParams")
+  block = text[start + len("```python\n"):text.index("```\n", start + 10)]
+  monkeypatch.chdir(root)
+  exec(compile(block, "README.md", "exec"), {"__name__": "readme"})   # pylint: disable=exec-used
+  first = capsys.readouterr().out.split("\n", 1)[0]   # the texts, then the first's finish reason
+  assert first.startswith("[") and first.rsplit(" ", 1)[1] in ("stop", "length")
