@@ -6,7 +6,7 @@ import importlib
 
 # The extra that installs each optional package (pyproject.toml's optional-dependencies).
 EXTRAS = {"tokenizers": "serve", "jinja2": "serve", "huggingface_hub": "serve",
-          "fastapi": "serve", "uvicorn": "serve"}
+          "fastapi": "serve", "uvicorn": "serve", "outlines_core": "serve"}
 
 
 def require(module: str, purpose: str):

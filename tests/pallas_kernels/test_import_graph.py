@@ -147,6 +147,7 @@ def test_no_cycles_between_modules_anywhere():
 ROOMS = (
     ("HTTP front and CLI", ("jaxkv.http", "jaxkv.cli")),
     ("serving engine", ("jaxkv.serve", "jaxkv.llm", "jaxkv.demo")),
+    ("structured output", ("jaxkv.structured",)),
     ("models", ("jaxkv.models", "jaxkv.tokenizer")),
     ("Flax adapter, public names, facade", ("jaxkv.nnx", "jaxkv.rope", "jaxkv._host")),
     ("core", ("jaxkv.pure", "jaxkv._", "jaxkv")),

@@ -1,0 +1,302 @@
+"""A grammar as a token automaton the device can step: allowed-token masks and transitions.
+
+A spec (a JSON schema, a regex or a list of choices) is compiled by outlines-core into a
+deterministic automaton over token ids of one vocabulary (regular languages only: a JSON
+schema becomes a regex first). `TokenAutomaton` holds it as flat arrays a jitted step can
+index without leaving the device: one packed bitmask per distinct allowed-token set, and
+each state's transitions sorted by token (a binary search finds the next state). Nothing
+here runs per token on the host, so a constrained request never makes the device wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import threading
+
+import numpy as np
+
+from jaxkv import _optional
+
+_META = set("\\.+*?()|[]{}^$#&-~")
+
+
+def regex_escape(text: str) -> str:
+  """`text` as a literal in outlines-core's regex dialect (escapes metacharacters only)."""
+  return "".join("\\" + c if c in _META else c for c in text)
+
+
+def spec_regex(kind: str, value) -> str:
+  """The regex of a spec: `("json", schema dict or str)`, `("regex", pattern)` or
+  `("choice", [str, ...])`.
+
+  Raises:
+    ValueError: an unknown kind, an empty choice list, or a schema outlines-core refuses
+      (the message names the kind).
+  """
+  if kind == "regex":
+    if not isinstance(value, str) or not value:
+      raise ValueError("regex must be a non-empty string")
+    return value
+  if kind == "choice":
+    if (not isinstance(value, (list, tuple)) or not value
+        or not all(isinstance(c, str) and c for c in value)):
+      raise ValueError("choice must be a non-empty list of non-empty strings")
+    return "(" + "|".join(regex_escape(c) for c in value) + ")"
+  if kind == "json":
+    json_schema = _optional.require("outlines_core", "structured output").json_schema
+    try:
+      schema = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+      raise ValueError(f"json schema: not JSON: {e}") from e
+    text = json.dumps(enforceable(schema))
+    try:
+      return json_schema.build_regex_from_schema(text)
+    except Exception as e:   # pylint: disable=broad-except  (the library raises its own types)
+      raise ValueError(f"json schema: {e}") from e
+  raise ValueError(f"unknown structured output kind {kind!r} (json, regex or choice)")
+
+
+# Schema keywords the regex translation would drop silently: refused by name instead, so an
+# output never fails the schema it was asked for (a bounded integer range becomes an enum).
+UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+              "uniqueItems", "minProperties", "maxProperties", "if", "then", "else", "not",
+              "allOf", "dependentRequired", "dependentSchemas", "patternProperties",
+              "propertyNames", "contains", "minContains", "maxContains",
+              "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+MAX_ENUM_RANGE = 1024   # integers a bounded range may hold to be written as an enum
+
+
+def _integer_range(node: dict) -> list[int] | None:
+  """The values of a bounded integer schema (`type` integer, numeric bounds, nothing else that
+  constrains), or None when it is not one or holds more than `MAX_ENUM_RANGE` values."""
+  if node.get("type") != "integer" or not any(k in node for k in _BOUNDS) or set(node) - set(
+      _BOUNDS) - {"type", "title", "description"}:
+    return None
+  num = lambda k: node[k] if isinstance(node.get(k), (int, float)) and not isinstance(
+      node.get(k), bool) else None
+  lo = max([v for v in (num("minimum"), None if num("exclusiveMinimum") is None
+                        else num("exclusiveMinimum") + 1) if v is not None], default=None)
+  hi = min([v for v in (num("maximum"), None if num("exclusiveMaximum") is None
+                        else num("exclusiveMaximum") - 1) if v is not None], default=None)
+  if lo is None or hi is None:
+    return None
+  lo, hi = int(-(-lo // 1)), int(hi // 1)
+  if hi - lo + 1 > MAX_ENUM_RANGE:
+    return None
+  step = num("multipleOf")
+  return [v for v in range(lo, hi + 1) if step is None or v % step == 0]
+
+
+def enforceable(schema, where: str = "$"):
+  """`schema` with each bounded integer range written as an enum (what the regex translation
+  enforces).
+
+  Raises:
+    ValueError: a keyword the translation would ignore (`UNENFORCED`), named with its path.
+  """
+  if isinstance(schema, bool) or not isinstance(schema, dict):
+    return schema
+  values = _integer_range(schema)
+  if values is not None:
+    if not values:
+      raise ValueError(f"json schema: {where} admits no integer")
+    return {"enum": values}
+  out = {}
+  for key, value in schema.items():
+    if key in UNENFORCED:
+      raise ValueError(f"json schema: keyword {key!r} at {where} is not enforced by structured "
+                       "output (bounded integer ranges of up to "
+                       f"{MAX_ENUM_RANGE} values are)")
+    if key == "oneOf" and isinstance(value, list):   # "exactly one" holds for disjoint types only
+      types = [v.get("type") if isinstance(v, dict) else None for v in value]
+      if (not all(isinstance(t, str) for t in types) or len(set(types)) < len(types)
+          or {"integer", "number"} <= set(types)):   # an integer is a number too
+        raise ValueError(f"json schema: oneOf at {where} is enforced only over branches of "
+                         "distinct single types (use anyOf)")
+    if key in _SCHEMA_MAPS and isinstance(value, dict):
+      value = {k: enforceable(v, f"{where}.{key}.{k}") for k, v in value.items()}
+    elif key in _SCHEMA_LISTS and isinstance(value, list):
+      value = [enforceable(v, f"{where}.{key}[{i}]") for i, v in enumerate(value)]
+    elif key in _SCHEMA_VALUES:
+      value = enforceable(value, f"{where}.{key}")
+    out[key] = value
+  return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenAutomaton:
+  """A deterministic automaton over token ids (`compile_automaton`).
+
+  Attributes:
+    vocab_size: token ids are `0..vocab_size-1`.
+    initial: the start state.
+    final: `bool[S]`: the text so far is a whole match (stop tokens may end it).
+    mask_of: `int32[S]`: each state's row of `masks`.
+    masks: `uint32[M, ceil(V / 32)]`: the distinct allowed-token sets, packed (bit
+      `t % 32` of word `t // 32` is token `t`).
+    start, count: `int32[S]`: each state's transitions, `tokens[start:start + count]`.
+    tokens, next: `int32[T]`: transition tokens (ascending within a state) and targets.
+    key: a digest of the spec and vocabulary it was compiled from.
+  """
+
+  vocab_size: int
+  initial: int
+  final: np.ndarray
+  mask_of: np.ndarray
+  masks: np.ndarray
+  start: np.ndarray
+  count: np.ndarray
+  tokens: np.ndarray
+  next: np.ndarray
+  key: str = ""
+
+  @property
+  def num_states(self) -> int:
+    return int(self.final.shape[0])
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of its arrays: what placing it on the device takes."""
+    return sum(a.nbytes for a in (self.final, self.mask_of, self.masks, self.start, self.count,
+                                  self.tokens, self.next))
+
+  def allowed(self, state: int) -> np.ndarray:
+    """`bool[vocab_size]`: the tokens state `state` allows."""
+    bits = np.unpackbits(self.masks[self.mask_of[state]].view(np.uint8), bitorder="little")
+    return bits[:self.vocab_size].astype(bool)
+
+  def step(self, state: int, token: int) -> int:
+    """The state after `token` (-1 if the state does not allow it)."""
+    lo, n = int(self.start[state]), int(self.count[state])
+    i = lo + int(np.searchsorted(self.tokens[lo:lo + n], token))
+    return int(self.next[i]) if i < lo + n and self.tokens[i] == token else -1
+
+  def is_dead_end(self, state: int) -> bool:
+    """A final state with no transitions: only a stop token may follow."""
+    return bool(self.final[state]) and int(self.count[state]) == 0
+
+
+def _vocabulary_key(token_bytes) -> str:
+  h = hashlib.sha256()
+  for b in token_bytes:
+    h.update(b"\x00" if b is None else b"\x01" + len(b).to_bytes(4, "little") + b)
+  return h.hexdigest()
+
+
+def from_transitions(transitions: dict, initial, finals, vocab_size: int, *,
+                     drop=(), key: str = "") -> TokenAutomaton:
+  """Packs `{state: {token: next state}}` (any hashable state ids) into a `TokenAutomaton`;
+  tokens in `drop` (the library's end-of-sequence stand-in) and states that cannot reach a
+  final state are left out (a sampled path never strands)."""
+  drop = set(drop)
+  edges = {s: {t: n for t, n in out.items() if t not in drop and 0 <= t < vocab_size}
+           for s, out in transitions.items()}
+  states = set(edges) | {n for out in edges.values() for n in out.values()} | set(finals)
+  states.add(initial)
+  # Keep the states from which a final state is reachable (reverse search from the finals).
+  back: dict = {}
+  for s, out in edges.items():
+    for n in out.values():
+      back.setdefault(n, set()).add(s)
+  live, todo = set(finals), list(finals)
+  while todo:
+    for p in back.get(todo.pop(), ()):
+      if p not in live:
+        live.add(p)
+        todo.append(p)
+  if initial not in live:
+    raise ValueError("the grammar matches no text this vocabulary can spell")
+  order = [initial] + sorted((s for s in live if s != initial), key=repr)
+  index = {s: i for i, s in enumerate(order)}
+  words = -(-vocab_size // 32)
+  final = np.array([s in finals for s in order], bool)
+  start = np.zeros(len(order), np.int32)
+  count = np.zeros(len(order), np.int32)
+  toks, nxt, rows, row_of = [], [], [], {}
+  mask_of = np.zeros(len(order), np.int32)
+  for i, s in enumerate(order):
+    out = sorted((t, index[n]) for t, n in edges.get(s, {}).items() if n in live)
+    start[i], count[i] = len(toks), len(out)
+    toks += [t for t, _ in out]
+    nxt += [n for _, n in out]
+    ids = tuple(t for t, _ in out)
+    if ids not in row_of:
+      bits = np.zeros(words * 32, np.uint8)
+      bits[list(ids)] = 1
+      row_of[ids] = len(rows)
+      rows.append(np.packbits(bits, bitorder="little").view(np.uint32))
+    mask_of[i] = row_of[ids]
+  return TokenAutomaton(vocab_size, 0, final, mask_of, np.stack(rows),
+                        start, count, np.array(toks, np.int32), np.array(nxt, np.int32), key)
+
+
+class AutomatonCache:
+  """Compiled automata of one vocabulary, by spec (`compile`): a spec compiles once.
+
+  Thread-safe: fronts compile off their event loop, several at a time.
+  """
+
+  def __init__(self, token_bytes, *, max_entries: int = 256):
+    self.token_bytes = list(token_bytes)
+    self.vocab_size = len(self.token_bytes)
+    self.vocab_key = _vocabulary_key(self.token_bytes)
+    self.max_entries = max_entries
+    self._lock = threading.Lock()
+    self._entries: dict[str, TokenAutomaton] = {}
+    self._building: dict[str, threading.Event] = {}
+
+  @functools.cached_property
+  def _vocabulary(self):
+    oc = _optional.require("outlines_core", "structured output")
+    by_bytes: dict[bytes, list[int]] = {}
+    for i, b in enumerate(self.token_bytes):
+      if b:   # None (special) and empty tokens never advance a text grammar
+        by_bytes.setdefault(b, []).append(i)
+    # outlines-core wants an end-of-sequence id; one past the vocabulary, dropped from the tables.
+    return oc.Vocabulary(self.vocab_size, by_bytes)
+
+  def compile(self, kind: str, value) -> TokenAutomaton:
+    """The automaton of `(kind, value)` (see `spec_regex`), compiled once per spec.
+
+    Raises:
+      ValueError: the spec is malformed or matches nothing this vocabulary can spell.
+    """
+    regex = spec_regex(kind, value)
+    key = hashlib.sha256(f"{self.vocab_key}\x00{regex}".encode()).hexdigest()
+    while True:
+      with self._lock:
+        hit = self._entries.get(key)
+        if hit is not None:
+          return hit
+        waiting = self._building.get(key)
+        if waiting is None:
+          self._building[key] = threading.Event()
+          break
+      waiting.wait()   # another thread compiles this spec; its result (or failure) is shared
+    try:
+      automaton = self._build(regex, key)
+    finally:
+      with self._lock:
+        self._building.pop(key).set()
+    with self._lock:
+      if len(self._entries) >= self.max_entries:
+        self._entries.pop(next(iter(self._entries)))   # the oldest
+      self._entries[key] = automaton
+    return automaton
+
+  def _build(self, regex: str, key: str) -> TokenAutomaton:
+    oc = _optional.require("outlines_core", "structured output")
+    try:
+      index = oc.Index(regex, self._vocabulary)
+    except Exception as e:   # pylint: disable=broad-except  (the library raises its own types)
+      raise ValueError(f"the grammar cannot be compiled for this vocabulary: {e}") from e
+    return from_transitions(index.get_transitions(), index.get_initial_state(),
+                            set(index.get_final_states()), self.vocab_size,
+                            drop=(self.vocab_size,), key=key)

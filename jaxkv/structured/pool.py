@@ -1,0 +1,105 @@
+"""Several token automata in one set of arrays, and the two lookups a jitted step makes.
+
+`pack` lays automata end to end (state, mask-row and transition ids made global), so one
+pool serves every constrained row of a batch; each row carries one global state (-1: no
+grammar). `allowed` and `advance` are pure jax functions with no loop or branch (the
+binary search is unrolled), so a step that uses them never waits for the host.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.structured.automaton import TokenAutomaton
+
+# A row whose sampled token left its automaton (it cannot happen with the mask applied): it
+# may only draw a stop token from then on.
+DEAD = -2
+
+
+class Pool(NamedTuple):
+  """Automata end to end (`pack`); every id global. Leaves as `TokenAutomaton`'s fields."""
+  final: jax.Array      # int32[S]
+  mask_of: jax.Array    # int32[S]
+  masks: jax.Array      # uint32[M, W]
+  start: jax.Array      # int32[S]
+  count: jax.Array      # int32[S]
+  tokens: jax.Array     # int32[T]
+  next: jax.Array       # int32[T]
+
+
+def pack(automata: Sequence[TokenAutomaton], *, states: int = 0, masks: int = 0,
+         transitions: int = 0) -> tuple[Pool, list[int]]:
+  """`(pool as NumPy arrays, each automaton's initial state)`, padded to at least the given
+  sizes (so pools of one capacity share one compiled program).
+
+  Raises:
+    ValueError: automata of different vocabularies.
+  """
+  if len({a.vocab_size for a in automata}) > 1:
+    raise ValueError("automata of different vocabularies cannot share a pool")
+  words = -(-automata[0].vocab_size // 32) if automata else 1
+  s0 = m0 = t0 = 0
+  parts, initials = [], []
+  for a in automata:
+    parts.append((a.final.astype(np.int32), a.mask_of + m0, a.masks, a.start + t0, a.count,
+                  a.tokens, a.next + s0))
+    initials.append(s0 + a.initial)
+    s0, m0, t0 = s0 + a.num_states, m0 + a.masks.shape[0], t0 + a.tokens.shape[0]
+  cols = list(zip(*parts)) if parts else [()] * 7
+  pool = Pool(final=_joined(cols[0], states, 0, np.int32),
+              mask_of=_joined(cols[1], states, 0, np.int32),
+              masks=_joined(cols[2], masks, 0, np.uint32, (words,)),
+              start=_joined(cols[3], states, 0, np.int32),
+              count=_joined(cols[4], states, 0, np.int32),
+              tokens=_joined(cols[5], transitions, -1, np.int32),
+              next=_joined(cols[6], transitions, DEAD, np.int32))
+  return pool, initials
+
+
+def _joined(parts, at_least: int, fill, dtype, shape=()) -> np.ndarray:
+  """`parts` end to end, then `fill` up to `at_least` rows (one row at least)."""
+  xs = [np.asarray(x, dtype).reshape((-1,) + shape) for x in parts]
+  n = sum(len(x) for x in xs)
+  return np.concatenate(xs + [np.full((max(at_least, 1) - n,) + shape, fill, dtype)]
+                        if max(at_least, 1) > n else xs)
+
+
+def allowed(pool: Pool, state, stop_tokens, vocab_size: int):
+  """`bool[R, vocab_size]`: what each row may draw. A row without a grammar (`state` -1)
+  everything; a row in a final state its automaton's tokens and its `stop_tokens`
+  (`int32[R, K]`, -1 unused); a `DEAD` row only its stop tokens."""
+  has = state >= 0
+  safe = jnp.where(has, state, 0)
+  words = pool.masks[pool.mask_of[safe]]                                   # [R, W]
+  bits = jnp.unpackbits(jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(
+      words.shape[0], -1), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+  rows = jnp.arange(state.shape[0], dtype=jnp.int32)[:, None]
+  is_stop = jnp.zeros(bits.shape, bool).at[
+      rows, jnp.where(stop_tokens >= 0, stop_tokens, vocab_size)].set(True, mode="drop")
+  final = (has & (pool.final[safe] == 1)) | (state == DEAD)
+  return jnp.where((state == -1)[:, None], True,
+                   (bits & has[:, None]) | (is_stop & final[:, None]))
+
+
+def advance(pool: Pool, state, token, vocab_size: int):
+  """`int32[R]`: each row's state after drawing `token` (rows without a grammar stay -1; a
+  token its state does not allow gives `DEAD`)."""
+  has = state >= 0
+  safe = jnp.where(has, state, 0)
+  lo = pool.start[safe]
+  hi = lo + pool.count[safe]
+  last = pool.tokens.shape[0] - 1
+  # Lower bound of `token` in tokens[lo:hi], unrolled: a loop would be a host sync per step.
+  for _ in range(max(1, int(vocab_size).bit_length())):
+    mid = (lo + hi) // 2
+    go_right = (mid < hi) & (pool.tokens[jnp.minimum(mid, last)] < token)
+    lo, hi = jnp.where(go_right, mid + 1, lo), jnp.where(go_right, hi, mid)
+  found = (lo < pool.start[safe] + pool.count[safe]) & (
+      pool.tokens[jnp.minimum(lo, last)] == token)
+  nxt = jnp.where(found, pool.next[jnp.minimum(lo, last)], DEAD)
+  return jnp.where(has, nxt, state)
