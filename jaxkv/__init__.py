@@ -5,7 +5,8 @@ pure jittable function in `jaxkv.pure` and, for host code, as a method of
 `BatchedSequenceCache`.
 
 `jaxkv.LLM` (text in, text out from a checkpoint, `jaxkv.llm`) and
-`jaxkv.SamplingParams` (its parameters, spelled as vLLM's) are imported on first use, so
+`jaxkv.SamplingParams` (its parameters, spelled as vLLM's, with `jaxkv.StructuredOutputs`)
+are imported on first use, so
 `import jaxkv` does not load the models or the serving engine.
 """
 
@@ -18,7 +19,8 @@ from jaxkv._implementation import (KernelFallbackWarning, LayerImplementation,
                                    implementation_plan)
 from jaxkv._state import CacheState, Phase, Status, Step, StepError, init_state
 
-_LAZY = {"LLM": "jaxkv.llm", "SamplingParams": "jaxkv.llm"}
+_LAZY = {"LLM": "jaxkv.llm", "SamplingParams": "jaxkv.llm",
+         "StructuredOutputs": "jaxkv.structured.automaton"}
 
 
 def __getattr__(name: str):
@@ -43,6 +45,7 @@ __all__ = [
     "Status",
     "Step",
     "StepError",
+    "StructuredOutputs",
     "implementation_plan",
     "init_state",
     "pure",

@@ -45,6 +45,8 @@ from jaxkv.serve import loading, sizing
 from jaxkv.serve.loading import build_engine
 from jaxkv.serve import EngineError, Request, RequestTiming, TokenLogprob
 from jaxkv.serve import SamplingParams as EngineParams
+from jaxkv.structured.automaton import AutomatonCache, StructuredOutputs
+from jaxkv.structured.vocab import token_bytes
 from jaxkv.tokenizer import TextStream
 
 
@@ -71,6 +73,11 @@ class SamplingParams:
       tokens.
     logit_bias: `{token id: bias}`, each in [-100, 100], added to the logits.
     allowed_token_ids: None, or the only token ids that may be generated.
+    structured_outputs: None, a `jaxkv.structured.automaton.StructuredOutputs`, or a
+      dict of its fields (`{"json": schema}`, `{"regex": ...}`, `{"choice": [...]}`,
+      `{"json_object": True}`): the output follows it, token by token on the device,
+      and ends with an end-of-sequence id once complete (so not with `ignore_eos`
+      unless `stop_token_ids` gives one).
 
   vLLM fields that are not here (`bad_words`,
   `prompt_logprobs`, ...) are refused by name (a TypeError); the README lists
@@ -96,6 +103,7 @@ class SamplingParams:
   min_tokens: int = 0
   logit_bias: dict | None = None
   allowed_token_ids: Sequence[int] | None = None
+  structured_outputs: StructuredOutputs | dict | None = None
 
   def __post_init__(self):
     stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
@@ -106,11 +114,21 @@ class SamplingParams:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
+    so = self.structured_outputs
+    if isinstance(so, dict):
+      unknown = set(so) - {f.name for f in dataclasses.fields(StructuredOutputs)}
+      if unknown:
+        raise TypeError(f"structured_outputs: unknown fields {sorted(unknown)}")
+      object.__setattr__(self, "structured_outputs", StructuredOutputs(**so))
+    elif so is not None and not isinstance(so, StructuredOutputs):
+      raise TypeError(f"structured_outputs={so!r:.100} must be a StructuredOutputs, a dict of "
+                      "its fields, or None")
     # The engine's checks, by name (max_tokens None: up to max_len, checked per prompt).
     self.engine_params(max_tokens=self.max_tokens or max(self.min_tokens, 1), eos=())
 
-  def engine_params(self, *, max_tokens: int, eos: Sequence[int]) -> EngineParams:
-    """The engine's `SamplingParams` of this request (`eos` added unless `ignore_eos`)."""
+  def engine_params(self, *, max_tokens: int, eos: Sequence[int], grammar=None) -> EngineParams:
+    """The engine's `SamplingParams` of this request (`eos` added unless `ignore_eos`;
+    `grammar`: the compiled `structured_outputs`)."""
     stops = tuple(self.stop_token_ids) + (() if self.ignore_eos else tuple(eos))
     return EngineParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
                         top_p=self.top_p, seed=self.seed, stop_tokens=tuple(dict.fromkeys(stops)),
@@ -118,7 +136,7 @@ class SamplingParams:
                         presence_penalty=self.presence_penalty,
                         frequency_penalty=self.frequency_penalty, logprobs=self.logprobs,
                         min_tokens=self.min_tokens, logit_bias=self.logit_bias or (),
-                        allowed_token_ids=self.allowed_token_ids)
+                        allowed_token_ids=self.allowed_token_ids, grammar=grammar)
 
 
 class _Text(NamedTuple):
@@ -294,6 +312,7 @@ class LLM:
     self._inbox: dict[str, list] = {}
     self._open: dict[str, int] = {}
     self._ids = 0
+    self._automaton_cache: AutomatonCache | None = None
 
   # ------------------------------------------------------------------ requests
 
@@ -320,7 +339,10 @@ class LLM:
           raise ValueError(f"the prompt has {prompt_len} tokens; max_len={self.engine.max_len} "
                            "leaves none to generate")
       eos = () if ignore_eos else self.eos_ids
-      return (params.engine_params(max_tokens=max_tokens, eos=eos),
+      grammar = None
+      if params.structured_outputs is not None:
+        grammar = self._automata().compile(*params.structured_outputs.spec())
+      return (params.engine_params(max_tokens=max_tokens, eos=eos, grammar=grammar),
               _Text(params.stop, params.include_stop_str_in_output, params.skip_special_tokens,
                     params.min_tokens))
     if not isinstance(params, EngineParams):
@@ -330,6 +352,15 @@ class LLM:
       extra = tuple(t for t in self.eos_ids if t not in params.stop_tokens)
       params = dataclasses.replace(params, stop_tokens=params.stop_tokens + extra)
     return params, _Text()
+
+  def _automata(self) -> AutomatonCache:
+    """The compiled structured outputs of this LLM's vocabulary (made on first use)."""
+    if self._automaton_cache is None:
+      if self.tokenizer is None:
+        raise ValueError("structured_outputs needs the checkpoint's tokenizer.json (text "
+                         "grammars are over the tokens' bytes)")
+      self._automaton_cache = AutomatonCache(token_bytes(self.tokenizer))
+    return self._automaton_cache
 
   def _per_prompt(self, params, encoded, ignore_eos: bool) -> list[tuple[EngineParams, _Text]]:
     if isinstance(params, (list, tuple)):

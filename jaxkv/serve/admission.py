@@ -13,7 +13,8 @@ def plain_greedy(params: SamplingParams) -> bool:
   return (params.temperature == 0 and params.repetition_penalty == 1
           and params.presence_penalty == 0 and params.frequency_penalty == 0
           and params.logprobs is None and (params.min_tokens == 0 or not params.stop_tokens)
-          and not params.logit_bias and params.allowed_token_ids is None)
+          and not params.logit_bias and params.allowed_token_ids is None
+          and params.grammar is None)
 
 
 def labelled(requests: Sequence[Request]) -> list[Request]:

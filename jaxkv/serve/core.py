@@ -227,6 +227,11 @@ class EngineCore:
     """Appends `num` packed requests to the device queue (`live_ops.enqueue_batches`' batches)."""
     self._run(self._verbs.enqueue, *self.place((tokens, arrays, np.int32(num))))
 
+  def set_grammar(self, pool) -> None:
+    """The state's grammar pool becomes `pool` (host arrays of the same shapes: the placed
+    automata, `grammars.GrammarPlacer.pool`); copied, so the host may change its arrays after."""
+    self._run(self._verbs.set_grammar, *self.place((type(pool)(*(np.array(a) for a in pool)),)))
+
   def abort_rows(self, column_rows, queue_rows) -> None:
     """Removes the columns writing to `column_rows` and the queued requests whose first output
     row is in `queue_rows` (both `bool[R]` host arrays; `live_ops.abort_rows`)."""
@@ -282,5 +287,6 @@ class _Verbs:
     self.admit = verb(functools.partial(admit_block, core.config))
     self.enqueue = verb(live_ops.enqueue)
     self.abort_rows = verb(functools.partial(live_ops.abort_rows, core.config))
+    self.set_grammar = verb(lambda ls, pool: dataclasses.replace(ls, grammar=pool))
     self.snapshot = jit(lambda packed, window: live_ops.snapshot(unpack(packed), window),
                         static_argnums=1)

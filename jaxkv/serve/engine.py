@@ -28,6 +28,8 @@ from jaxkv.serve.report import layer_implementations
 from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
 from jaxkv.serve.results import Completion, Delta, EngineStats
 from jaxkv.serve.state import LoopState
+from jaxkv.structured.pool import default_capacity as default_grammar_pool, pack as pack_pool
+from jaxkv.structured.pool import pool_bytes
 
 
 def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
@@ -122,6 +124,10 @@ class Engine:
       `{"xla_gpu_enable_triton_gemm": False}`); default none (XLA's defaults,
       which served the e2e model fastest on H200: docs/PERFORMANCE.md,
       "Serving speed" §10). An option XLA does not know fails the first `run`.
+    grammar_pool: `(states, masks, transitions)` the structured-output automata of
+      the requests on the device may hold together (`SamplingParams.grammar`;
+      `jaxkv.structured`); part of the loop state's shape, counted in its memory.
+      Default `structured.pool.default_capacity(vocab_size)`.
 
   Over paged storage the engine admits by claims, not by prompt + max_tokens,
   and preempts the latest admitted sequence when a step would pass `capacity`
@@ -143,7 +149,7 @@ class Engine:
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
                kv_axis: str | None = None, device=None, max_logprobs: int | None = None,
                prefix_cache: bool = False, compiler_options: Mapping[str, object] | None = None,
-               scheduling: str = "fcfs"):
+               scheduling: str = "fcfs", grammar_pool=None):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -184,7 +190,16 @@ class Engine:
       raise ValueError(f"widths={widths!r} must be distinct descending ints >= 1 starting at "
                        f"W={config.step_width}")
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
-    check_engine_fits(config, self.max_len, self.max_stop, mesh=self.mesh, kv_axis=self.kv_axis)
+    if grammar_pool is None:
+      grammar_pool = default_grammar_pool(self.vocab_size)
+    if (not isinstance(grammar_pool, (tuple, list)) or len(grammar_pool) != 3
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
+               for v in grammar_pool)):
+      raise ValueError(f"grammar_pool={grammar_pool!r} must be (states, masks, transitions), "
+                       "three ints >= 1")
+    self.grammar_pool = tuple(int(v) for v in grammar_pool)
+    check_engine_fits(config, self.max_len, self.max_stop, mesh=self.mesh, kv_axis=self.kv_axis,
+                      grammar_bytes=pool_bytes(self.vocab_size, self.grammar_pool))
     if device is not None and self.mesh is not None:
       raise ValueError("device= and mesh= exclude each other: a mesh places the engine already")
     self.device = device
@@ -202,6 +217,7 @@ class Engine:
     self.stats = EngineStats(implementations=self.implementations)
     self.completions: list[Completion] = []   # of the last run, also when it failed
     self._live: LiveQueue | None = None
+    self._empty_grammars = None   # Engine.run's grammar pool when no request has a grammar
     # The `AsyncEngine` whose threads drive it: one at a time, two would race for its entries.
     self.driver = None
 
@@ -223,7 +239,35 @@ class Engine:
     """Raises TypeError/ValueError, naming the request and field, unless this engine can serve it."""
     check_request(request, vocab_size=self.vocab_size, max_len=self.max_len,
                   max_seqs=self.config.max_seqs, capacity=self.config.capacity,
-                  max_stop_tokens=self.max_stop, max_logprobs=self.max_logprobs)
+                  max_stop_tokens=self.max_stop, max_logprobs=self.max_logprobs,
+                  grammar_room=self.grammar_pool)
+
+  def _grammars(self, requests):
+    """`(pool, {id(automaton): initial state})` of the distinct automata of `requests`."""
+    distinct = list({id(r.params.grammar): r.params.grammar for r in requests
+                     if r.params.grammar is not None}.values())
+    if not distinct:   # the common case: one empty pool per engine, never written
+      if self._empty_grammars is None:
+        self._empty_grammars = self.pack_grammars([])[0]
+      return self._empty_grammars, {}
+    pool, initials = self.pack_grammars(distinct)
+    return pool, {id(a): s for a, s in zip(distinct, initials)}
+
+  def pack_grammars(self, automata):
+    """`(pool, initial states)`: `automata` in one pool of this engine's capacity (NumPy).
+
+    Raises:
+      ValueError: together they do not fit the pool (`grammar_pool=`).
+    """
+    need = (sum(a.num_states for a in automata), sum(a.masks.shape[0] for a in automata),
+            sum(a.tokens.shape[0] for a in automata))
+    for what, n, room in zip(("states", "masks", "transitions"), need, self.grammar_pool):
+      if n > room:
+        raise ValueError(f"the requests' grammars hold {n} {what}; the engine's grammar pool "
+                         f"holds {room} (Engine(grammar_pool=...))")
+    states, masks, transitions = self.grammar_pool
+    return pack_pool(automata, self.vocab_size, states=states, masks=masks,
+                     transitions=transitions)
 
   def run(self, requests: Sequence[Request], *,
           on_progress: Callable[[EngineStats, list[Completion]], None] | None = None,
@@ -272,6 +316,7 @@ class Engine:
                 for r in requests]
     for r in requests:
       self.check(r)
+    grammars = self._grammars(requests)   # refused here (changing nothing) if they do not fit
     order = queue_order(requests)
     if self._live is not None and self._live.has_unfinished():
       raise RuntimeError("run: requests added with add_request are still in flight (one cache "
@@ -282,7 +327,7 @@ class Engine:
     if not requests:
       return []
     with contextlib.nullcontext() if self.device is None else jax.default_device(self.device):
-      done = serve_queue(self, admission_order(requests, admission), on_progress)
+      done = serve_queue(self, admission_order(requests, admission), on_progress, grammars)
     return sorted(done, key=lambda c: (order[c.request_id], c.index))
 
   # ------------------------------------------------------------------ incremental API

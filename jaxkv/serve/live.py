@@ -51,6 +51,7 @@ import numpy as np
 
 from jaxkv.serve.admission import check_admission
 from jaxkv.serve.errors import EngineError
+from jaxkv.serve.grammars import GrammarPlacer
 from jaxkv.serve.live_ops import enqueue_batches
 from jaxkv.serve.live_read import Entry, EntryReader
 from jaxkv.serve.live_records import Ledger, Tracked, first_fit
@@ -94,6 +95,7 @@ class LiveQueue:
     self._ahead: collections.deque = collections.deque()
     self._unread, self._unread_admit = 0, False
     self._loop_greedy: bool | None = None   # which loop variant the last entry ran
+    self._grammars = GrammarPlacer(engine.vocab_size, engine.grammar_pool)
 
   @property
   def held(self) -> int:
@@ -501,7 +503,8 @@ class LiveQueue:
     arrays = self._empty_queue().arrays
     host_queue = HostQueue(arrays, rows=self.out_rows, max_new=engine.max_len, count=0,
                            lp_rows=self.out_rows, lp_window=self.logprob_window,
-                           num_logprobs=engine.max_logprobs)
+                           num_logprobs=engine.max_logprobs,
+                           grammar=type(self._grammars.pool)(*map(np.array, self._grammars.pool)))
     engine.core.start(host_queue, commit=True)
     assert engine.core.state.queue.prompt.shape[0] == self.queue_size
 
@@ -516,14 +519,26 @@ class LiveQueue:
   def _fill(self) -> None:
     """Appends waiting requests to the device queue while its slots and output rows allow."""
     engine = self.engine
+    placed = False
     with self.ledger.lock:
       room = self.queue_size - self.ledger.queued
       moved = []
+      in_use = None
       while self.ledger.waiting and len(moved) < room:
         t = self.ledger.tracked[self.ledger.waiting.peek()]
         base = first_fit(self.ledger.free, t.n)
         if base is None:
           break   # in order: a later request never overtakes one waiting for rows
+        grammar = t.request.params.grammar
+        if grammar is not None:
+          if in_use is None:   # the automata of the requests on the device stay where they are
+            in_use = {id(u.request.params.grammar) for u in self.ledger.tracked.values()
+                      if u.base >= 0 and u.request.params.grammar is not None}
+          done = self._grammars.place(grammar, in_use)
+          if done is None:
+            break   # no room in the grammar pool until a request using another one ends
+          placed |= done
+          in_use.add(id(grammar))
         self.ledger.free[base:base + t.n] = False
         t.base, t.entry = base, self.ledger.dispatched
         self.ledger.waiting.popleft()
@@ -532,9 +547,14 @@ class LiveQueue:
       self.ledger.enqueued_tokens += sum(len(t.request.prompt) for t in moved)
     if not moved:
       return
+    if placed:
+      engine.core.set_grammar(self._grammars.pool)
     engine.core.grow_for([t.request for t in moved])
+    starts = [-1 if t.request.params.grammar is None
+              else self._grammars.initial(t.request.params.grammar) for t in moved]
     for batch in enqueue_batches([t.request for t in moved], [t.base for t in moved],
-                                 max_stop=engine.max_stop, num_logprobs=engine.max_logprobs):
+                                 max_stop=engine.max_stop, num_logprobs=engine.max_logprobs,
+                                 grammar_starts=starts):
       engine.core.enqueue(*batch)
 
   def _apply_aborts(self) -> list[Delta]:

@@ -127,22 +127,26 @@ ENQUEUE_BATCH = 32
 ENQUEUE_TOKENS = 8192
 
 
-def enqueue_batches(requests, bases, *, max_stop: int, num_logprobs: int):
+def enqueue_batches(requests, bases, *, max_stop: int, num_logprobs: int, grammar_starts=None):
   """`enqueue`'s host arguments `(tokens, arrays, num)` for checked `requests` whose output rows
-  start at `bases`: calls of at most `ENQUEUE_BATCH` requests and, unless a prompt alone is
-  longer, `ENQUEUE_TOKENS` prompt tokens."""
+  start at `bases` (and whose automata start at `grammar_starts`, -1: none): calls of at most
+  `ENQUEUE_BATCH` requests and, unless a prompt alone is longer, `ENQUEUE_TOKENS` prompt
+  tokens."""
   chunk, total = [], 0
-  for request, base in zip(requests, bases):
+  starts = [-1] * len(requests) if grammar_starts is None else grammar_starts
+  for request, base, start in zip(requests, bases, starts):
     if chunk and (len(chunk) == ENQUEUE_BATCH or total + len(request.prompt) > ENQUEUE_TOKENS):
       yield _enqueue_arrays(chunk, max_stop, num_logprobs)
       chunk, total = [], 0
-    chunk.append((request, base))
+    chunk.append((request, base, start))
     total += len(request.prompt)
   if chunk:
     yield _enqueue_arrays(chunk, max_stop, num_logprobs)
 
 
 def _enqueue_arrays(chunk, max_stop: int, num_logprobs: int):
+  starts = [start for _, _, start in chunk]
+  chunk = [(r, base) for r, base, _ in chunk]
   num = len(chunk)
   lengths = [len(r.prompt) for r, _ in chunk]
   tokens = np.zeros((max(ENQUEUE_TOKENS, _bucket(sum(lengths))),), np.int32)
@@ -150,7 +154,8 @@ def _enqueue_arrays(chunk, max_stop: int, num_logprobs: int):
   # The per-request fields as `pack_queue` makes them; the prompts travel in `tokens`.
   params = [r.params for r, _ in chunk] + [Request((0,)).params] * (ENQUEUE_BATCH - num)
   arrays = pack_queue([()] * ENQUEUE_BATCH, params, max_len=1, max_stop=max_stop,
-                      num_logprobs=num_logprobs).arrays
+                      num_logprobs=num_logprobs, grammar_starts=starts + [-1] * (
+                          ENQUEUE_BATCH - num)).arrays
   del arrays["prompt"]
   arrays["prompt_len"][:num] = lengths
   arrays["prompt_start"] = np.zeros((ENQUEUE_BATCH,), np.int32)

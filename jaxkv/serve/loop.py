@@ -159,18 +159,24 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   emits = ok & (alloc > 0) & (c.fed + alloc == c.length)
   generated = c.length - c.prompt_len
   num_logprobs = o.top_ids.shape[2]
-  if greedy:
+  if greedy:   # no constrained column (`plain_greedy`)
     new, lp, top_ids, top_lp = greedy_rows(logits, num_logprobs)
+    grammar, grammar_token = c.grammar, c.grammar_token
   else:
     keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
         jax.random.fold_in(jax.random.key(seed), i), t))(c.params.seed, c.sample_index, generated)
     # Before its min_tokens, a column's stop tokens are not drawn.
     banned = jnp.where((generated < c.params.min_tokens)[:, None], c.params.stop_tokens, -1)
-    new, lp, top_ids, top_lp = sample_rows(
+    # A constrained column's token is consumed by its automaton at its next draw, inside the
+    # sampler's logit branch: no lookup and no branch of its own on any step.
+    new, lp, top_ids, top_lp, grammar = sample_rows(
         logits, _row_params(c.params), keys, sampling=emits, history=c.tokens,
         prompt_len=c.prompt_len, length=c.length, banned=banned,
         bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
+        grammar=(ls.grammar, c.grammar, c.grammar_token, c.params.stop_tokens),
         num_logprobs=num_logprobs)
+    grammar_token = jnp.where(emits & (c.grammar != -1), new,
+                              jnp.where(emits, -1, c.grammar_token))
   col_ids = jnp.arange(s, dtype=jnp.int32)
   max_len = c.tokens.shape[1]
   tokens_buf = c.tokens.at[col_ids, jnp.where(emits, c.length, max_len)].set(new, mode="drop")
@@ -189,7 +195,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   held = held + jnp.where(ok, held_added, 0)
   cols = dataclasses.replace(c, tokens=tokens_buf, length=length, fed=fed,
                              active=jnp.where(finished, 0, c.active),
-                             done=c.done | as_int(finished))
+                             done=c.done | as_int(finished), grammar=grammar,
+                             grammar_token=grammar_token)
   out = dataclasses.replace(
       o, tokens=out_tokens,
       length=o.length.at[out_at].set(length - c.prompt_len, mode="drop"),   # so far

@@ -40,23 +40,26 @@ def storage_bytes(cache: CacheState) -> int:
 # last_use): 25 x 4 bytes per column, and MAX_LOGIT_BIAS (token, bias) slots of 8 bytes.
 # The prefix cache's page hashes (`uint32[S, max_len / page_size]`) are at most a quarter of
 # the token buffer with pages of 4 or more and are left out.
-_PER_COLUMN_BYTES = 25 * 4 + 8 * MAX_LOGIT_BIAS
+_PER_COLUMN_BYTES = 27 * 4 + 8 * MAX_LOGIT_BIAS   # with the grammar state and pending token
 
 
-def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int) -> tuple[int, str]:
+def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int,
+                      grammar_bytes: int = 0) -> tuple[int, str]:
   """`(bytes, formula)` of the serving loop's own buffers beside the cache.
 
   The token buffer `int32[max_seqs, max_len]` dominates; stop tokens are
-  `int32[max_seqs, max_stop]`, plus a few int32/float32 vectors per column.
+  `int32[max_seqs, max_stop]`, plus a few int32/float32 vectors per column, plus
+  the structured-output automata pool (`grammar_bytes`).
   """
-  total = max_seqs * (4 * max_len + 4 * max_stop + _PER_COLUMN_BYTES)
+  total = max_seqs * (4 * max_len + 4 * max_stop + _PER_COLUMN_BYTES) + grammar_bytes
   formula = (f"{max_seqs} columns (max_seqs) x (4 x {max_len} tokens (max_len) + "
-             f"4 x {max_stop} stop tokens + {_PER_COLUMN_BYTES} bytes of per-column values)")
+             f"4 x {max_stop} stop tokens + {_PER_COLUMN_BYTES} bytes of per-column values)"
+             + (f" + {grammar_bytes} bytes of grammar pool" if grammar_bytes else ""))
   return total, formula
 
 
 def check_engine_fits(config: CacheConfig, max_len: int, max_stop: int, *, mesh=None,
-                      kv_axis: str = "tp") -> None:
+                      kv_axis: str = "tp", grammar_bytes: int = 0) -> None:
   """Raises ValueError, with the byte formula, unless an engine's buffers fit the device.
 
   Counts the cache (K/V at `initial_flat_rows`, split over `kv_axis` with a
@@ -66,7 +69,7 @@ def check_engine_fits(config: CacheConfig, max_len: int, max_stop: int, *, mesh=
   shards = 1 if mesh is None else int(mesh.shape[kv_axis])
   device = None if mesh is None else mesh.devices.flat[0]
   kv, kv_text = _memory.kv_formula(config, config.initial_flat_rows)
-  loop, loop_text = loop_buffer_bytes(config.max_seqs, max_len, max_stop)
+  loop, loop_text = loop_buffer_bytes(config.max_seqs, max_len, max_stop, grammar_bytes)
   control = _memory.control_bytes(config)
   total = -(-kv // shards) + control + loop
   kv_text = kv_text if shards == 1 else f"({kv_text}) / {shards} shards"

@@ -32,17 +32,22 @@ def _progress(ls) -> dict:
           "used": ls.cols.used, "next": ls.queue.next}
 
 
-def serve_queue(engine, requests, on_progress) -> list[Completion]:
+def serve_queue(engine, requests, on_progress, grammars) -> list[Completion]:
   """Serves checked `requests` (in admission order) on `engine.core`; the completions.
 
-  Updates `engine.stats` and `engine.completions` as entries finish (`Engine.run`
-  documents the contract: failures raise `EngineError` with what finished).
+  `grammars` is `(pool, {id(automaton): initial state})` of the requests' automata
+  (`Engine.pack_grammars`). Updates `engine.stats` and `engine.completions` as entries
+  finish (`Engine.run` documents the contract: failures raise `EngineError` with what
+  finished).
   """
   core, stats = engine.core, engine.stats
   started, compiled = time.perf_counter(), compile_seconds()
+  pool, initial = grammars
   host_queue = pack_queue([r.prompt for r in requests], [r.params for r in requests],
                           max_len=engine.max_len, max_stop=engine.max_stop,
-                          num_logprobs=engine.max_logprobs)
+                          num_logprobs=engine.max_logprobs, grammar=pool,
+                          grammar_starts=[-1 if r.params.grammar is None
+                                          else initial[id(r.params.grammar)] for r in requests])
   # Queue and output rows are padded to powers of two (the output's token axis is
   # `max_len`), so the loop compiles once per size class, not once per queue.
   core.start(host_queue)

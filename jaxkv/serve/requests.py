@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxkv.structured.automaton import TokenAutomaton
+
 _INT32_LIMIT = 2**31
 # The engine samples with float32 parameters: a larger magnitude becomes inf there.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -131,6 +133,12 @@ class SamplingParams:
     allowed_token_ids: None, or the only tokens that may be drawn (vLLM's; at most
       `MAX_LOGIT_BIAS`): the others are removed before the bias, which then applies
       to these alone. Stop tokens outside it can no longer end the request.
+    grammar: None, or a `jaxkv.structured.automaton.TokenAutomaton` (structured
+      output: a JSON schema, regex or choice compiled for the engine's vocabulary):
+      each token is drawn from what the automaton allows (before the bias,
+      penalties and temperature; logprobs stay raw), and once its text is complete
+      only `stop_tokens` may follow (so it needs at least one). Not with
+      `min_tokens` or `allowed_token_ids`.
 
   Penalties apply to greedy requests too (the argmax of the penalised logits),
   in vLLM's order: penalties, then temperature, min_p, top-k, top-p.
@@ -151,6 +159,7 @@ class SamplingParams:
   min_tokens: int = 0
   logit_bias: Any = ()
   allowed_token_ids: Any = None
+  grammar: Any = None
 
   def __post_init__(self):
     fields = {}
@@ -185,8 +194,23 @@ class SamplingParams:
                          f"MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}")
       fields["allowed_token_ids"] = allowed
     fields.update(_sampling_extras(self))
+    if self.grammar is not None:
+      _check_grammar(self.grammar, fields)
     for name, value in fields.items():   # plain Python values: equal params hash equal
       object.__setattr__(self, name, value)
+
+
+def _check_grammar(grammar, fields: dict) -> None:
+  if not isinstance(grammar, TokenAutomaton):
+    raise TypeError(f"grammar={grammar!r:.100} must be a jaxkv.structured TokenAutomaton "
+                    "(AutomatonCache.compile) or None")
+  if not fields["stop_tokens"]:
+    raise ValueError("grammar needs stop_tokens: a complete text ends with one of them")
+  if fields["min_tokens"]:
+    raise ValueError("grammar and min_tokens cannot be combined (the grammar decides the end)")
+  if fields.get("allowed_token_ids") is not None:
+    raise ValueError("grammar and allowed_token_ids cannot be combined (the grammar decides "
+                     "the allowed tokens)")
 
 
 # vLLM's ranges for the parameters it shares with OpenAI.
@@ -301,7 +325,7 @@ def _check_id_and_params(rid, params) -> None:
 
 def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: int,
                   capacity: int, max_stop_tokens: int,
-                  max_logprobs: int = MAX_LOGPROBS) -> None:
+                  max_logprobs: int = MAX_LOGPROBS, grammar_room=(0, 0, 0)) -> None:
   """Checks a request against the model and the engine, before anything is served.
 
   Args:
@@ -314,6 +338,8 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
     capacity: the cache's token budget (each sample holds prompt + max_tokens - 1).
     max_stop_tokens: the engine's stop-token slots per request.
     max_logprobs: the engine's top logprobs per token (`logprobs` must not exceed it).
+    grammar_room: the engine's grammar pool `(states, masks, transitions)`; a
+      request's `grammar` must fit it alone.
 
   Raises:
     TypeError: `request` is not a `Request`.
@@ -347,3 +373,13 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
   if len(p.stop_tokens) > max_stop_tokens:
     raise ValueError(f"{label}: {len(p.stop_tokens)} stop_tokens; at most "
                      f"max_stop_tokens={max_stop_tokens}")
+  if p.grammar is not None:
+    g = p.grammar
+    if g.vocab_size > vocab_size:
+      raise ValueError(f"{label}: grammar was compiled for {g.vocab_size} tokens; the model has "
+                       f"vocab_size={vocab_size}")
+    need = (g.num_states, g.masks.shape[0], g.tokens.shape[0])
+    for what, n, room in zip(("states", "masks", "transitions"), need, grammar_room):
+      if n > room:
+        raise ValueError(f"{label}: grammar has {n} {what}; the engine's grammar pool holds "
+                         f"{room} (Engine(grammar_pool=...))")

@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.structured import pool as structured_pool
+
 # A finite mask value, not -inf: a row with every logit masked must stay NaN-free.
 _NEG = float(np.finfo(np.float32).min)
 # Candidates a row reads with `lax.top_k` (XLA's GPU TopK kernel serves k <= 16).
@@ -198,7 +200,7 @@ def _draw(x, p: RowParams, keys, top_cap: int):
 
 
 def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_len=None,
-                length=None, banned=None, bias=None, num_logprobs: int = 0,
+                length=None, banned=None, bias=None, grammar=None, num_logprobs: int = 0,
                 top_cap: int = TOP_CAP):
   """Samples one token per row, with its logprobs where asked.
 
@@ -217,13 +219,20 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     bias: optional `(int32[S, B] token ids (-1: unused), float32[S, B] biases, int32[S]
       restrict)` added to the logits before the penalties (OpenAI's `logit_bias`); a
       restricted row draws only its slots' tokens (`allowed_token_ids`). Logprobs stay raw.
+    grammar: optional `(structured.pool.Pool, int32[S] states (-1: none), int32[S]
+      pending tokens (-1: none), int32[S, K] stop tokens)`: a sampling row with a
+      state first consumes its pending token (the one it drew last step), then draws
+      only what its automaton allows (removed first, before the bias). Both happen
+      inside the branch that adjusts logits, so rows without a grammar add no work
+      and no branch. Logprobs stay raw.
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
     top_cap: candidates read with `lax.top_k` (static; see the module docstring).
 
   Returns:
     `(tokens int32[S], logprob float32[S], top_ids int32[S, num_logprobs],
     top_logprobs float32[S, num_logprobs])`; the logprob fields are 0 on rows
-    that did not ask (and everywhere when no sampling row did).
+    that did not ask (and everywhere when no sampling row did). With `grammar`, a
+    fifth: `int32[S]` each row's state after its pending token.
   """
   s = logits.shape[0]
   has_pen = p.has_penalty() & sampling
@@ -239,15 +248,28 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
   if history is None:
     history = jnp.zeros((s, 1), jnp.int32)
     prompt_len = length = jnp.zeros((s,), jnp.int32)
+  if grammar is None:
+    has_grammar, state = jnp.zeros((s,), bool), jnp.full((s,), -1, jnp.int32)
+  else:
+    has_grammar, state = (grammar[1] != -1) & sampling, grammar[1]
 
   def adjusted():   # each stage leaves the rows that do not use it bitwise unchanged
-    x = _add_bias(logits, *bias, has_bias)
+    x, now = logits, state
+    if grammar is not None:
+      pool, _, pending, stops = grammar
+      vocab = logits.shape[1]
+      now = jnp.where(has_grammar & (pending >= 0),
+                      structured_pool.advance(pool, state, pending, vocab), state)
+      x = jnp.where(structured_pool.allowed(pool, jnp.where(has_grammar, now, -1), stops, vocab),
+                    x, _NEG)
+    x = _add_bias(x, *bias, has_bias)
     x = _penalize(x, p, history, prompt_len, length)
-    return _ban(x, banned, has_ban)
+    return _ban(x, banned, has_ban), now
 
   def special():
     # One conditional for every logit adjustment: on a GPU each predicate is a host sync.
-    x = jax.lax.cond(jnp.any(has_pen | has_bias | has_ban), adjusted, lambda: logits)
+    x, now = jax.lax.cond(jnp.any(has_pen | has_bias | has_ban | has_grammar), adjusted,
+                          lambda: (logits, state))
     tokens = jax.lax.cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap),
                           lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
@@ -260,10 +282,11 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
               jnp.where(on, top_lp, 0.0))
 
     return (tokens,) + jax.lax.cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
-        s, num_logprobs))
+        s, num_logprobs)) + (now,)
 
-  return jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias), special,
-                      lambda: greedy_rows(logits, num_logprobs))
+  out = jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias | has_grammar),
+                     special, lambda: greedy_rows(logits, num_logprobs) + (state,))
+  return out if grammar is not None else out[:4]
 
 
 def _scatter_at(x, tokens, on):

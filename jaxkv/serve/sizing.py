@@ -51,6 +51,7 @@ from jaxkv import CacheConfig
 from jaxkv import _memory
 from jaxkv._memory import DEFAULT_PAGE_SIZE
 from jaxkv.serve.memory import loop_buffer_bytes
+from jaxkv.structured.pool import default_capacity, pool_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_MAX_WRITE = 512
@@ -205,13 +206,14 @@ def _derived_max_seqs(tokens: int, max_len: int, max_write: int) -> int:
 
 
 def _fit(config: CacheConfig, budget: int, *, paged: bool, fixed_kv: bool,
-         shards: int) -> tuple[int, int]:
+         shards: int, grammar_bytes: int = 0) -> tuple[int, int]:
   """`(K/V budget, capacity)` for `config`'s `max_seqs`: `budget` (per device) less the loop's
   buffers and control values (unless the budget is K/V only), times `shards`, and the largest
   capacity it holds."""
   kv = budget
   if not fixed_kv:
-    kv -= loop_buffer_bytes(config.max_seqs, config.max_seq_len, DEFAULT_MAX_STOP_TOKENS)[0]
+    kv -= loop_buffer_bytes(config.max_seqs, config.max_seq_len, DEFAULT_MAX_STOP_TOKENS,
+                            grammar_bytes)[0]
     # Control values grow with the pool's pages: count them at the most pages the budget holds.
     most = max(kv // max(_flat_token_bytes(config), 1), config.max_seq_len)
     kv -= _memory.control_bytes(dataclasses.replace(config, capacity=most))
@@ -320,7 +322,9 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
   while True:
     config = geometry(seqs, max_len)
     kv_budget, capacity = _fit(config, budget, paged=paged, fixed_kv=fixed is not None,
-                               shards=shards)
+                               shards=shards, grammar_bytes=pool_bytes(
+                                   model_config.vocab_size,
+                                   default_capacity(model_config.vocab_size)))
     if capacity >= max_len or max_seqs is not None or seqs == 1:
       break
     seqs -= 1   # a derived count that leaves too little for one max_len sequence: fewer

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxkv import CacheConfig, CacheState, Status, init_state
 from jaxkv.serve.requests import MAX_LOGIT_BIAS, bias_slots
+from jaxkv.structured.pool import Pool, empty_pool
 
 # `lp_base`/`lp_row` of a request that wants no logprobs: past every logprob row, so its
 # writes are dropped (a fork adds its sample index and stays out of range).
@@ -55,6 +56,8 @@ class Queue:
     min_tokens: `int32[Q]` new tokens before a stop token may be sampled.
     bias_tokens, bias: `int32[Q, NB]` and `float32[Q, NB]` logit bias slots (-1: unused).
     restrict: `int32[Q]` 1: only the slots' tokens may be drawn (`allowed_token_ids`).
+    grammar: `int32[Q]` the request's grammar's initial state in `LoopState.grammar`
+      (-1: none).
     next: `int32[]` the first request not yet (fully) admitted.
     copies: `int32[]` columns already admitted for request `next` (a request
       of a one-token prompt and `n > 1` takes its `n` columns one at a time).
@@ -81,6 +84,7 @@ class Queue:
   bias_tokens: jax.Array
   bias: jax.Array
   restrict: jax.Array
+  grammar: jax.Array
   next: jax.Array
   copies: jax.Array
   count: jax.Array
@@ -159,6 +163,10 @@ class Columns:
     page_hash: `uint32[S, H]` prefix caching: the chained hash of each full
       prompt page of the column's tokens (`H = max_len // page_size`; `H = 0`
       turns prefix caching off).
+    grammar: `int32[S]` the column's state in `LoopState.grammar` (-1: no grammar;
+      `structured.pool.DEAD`: only a stop token may follow) before `grammar_token`.
+    grammar_token: `int32[S]` the token the column drew last and its automaton has not
+      consumed yet (-1: none); the sampler consumes it at the column's next draw.
   """
 
   tokens: jax.Array
@@ -181,6 +189,8 @@ class Columns:
   cached: jax.Array
   last_use: jax.Array
   page_hash: jax.Array
+  grammar: jax.Array
+  grammar_token: jax.Array
 
 
 @_register
@@ -233,6 +243,9 @@ class LoopState:
     adopt_wait: `int32[2]` prefix caching: `(column, length)` when the queue's
       head waits for a running column to prefill `length` prompt tokens it
       shares (the step loops stop then, to admit it); `(-1, 0)` otherwise.
+    grammar: the structured-output automata of the requests (`structured.pool.Pool`),
+      read by the sampler; the host places them (`HostQueue.grammar`,
+      `EngineCore.set_grammar`).
   """
 
   cache: CacheState
@@ -250,6 +263,7 @@ class LoopState:
   evictions: jax.Array
   cached_tokens: jax.Array
   adopt_wait: jax.Array
+  grammar: Pool
 
 
 def merge_status(current, status, did=True):
@@ -272,6 +286,7 @@ class HostQueue:
   lp_rows: int = 0
   lp_window: int = 1
   num_logprobs: int = 0
+  grammar: Pool | None = None   # NumPy arrays; None: an empty pool of one state
 
 
 def _bucket(n: int) -> int:
@@ -280,14 +295,16 @@ def _bucket(n: int) -> int:
 
 
 def pack_queue(prompts, params, *, max_len: int, max_stop: int,
-               num_logprobs: int = 0) -> HostQueue:
+               num_logprobs: int = 0, grammar_starts=None, grammar: Pool | None = None
+               ) -> HostQueue:
   """Packs validated requests (prompt tuples and their `SamplingParams`) into arrays.
 
   The queue and the output rows are padded to powers of two and every output
   row holds `max_len` tokens, so queues of similar size share one compiled loop.
   Samples that want logprobs get logprob rows of their own (`max_len` tokens,
   `num_logprobs` alternatives each), also padded to a power of two; none when
-  no request wants them.
+  no request wants them. `grammar_starts` holds each request's initial state in
+  `grammar` (the pool the queue's automata were placed in), -1 for none.
   """
   q = _bucket(len(prompts))
   a = {
@@ -303,7 +320,10 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
       "logprobs": np.full((q,), -1, np.int32), "lp_base": np.full((q,), NO_ROW, np.int32),
       "min_tokens": np.zeros((q,), np.int32),
       "bias_tokens": np.full((q, MAX_LOGIT_BIAS), -1, np.int32),
-      "bias": np.zeros((q, MAX_LOGIT_BIAS), np.float32), "restrict": np.zeros((q,), np.int32)}
+      "bias": np.zeros((q, MAX_LOGIT_BIAS), np.float32), "restrict": np.zeros((q,), np.int32),
+      "grammar": np.full((q,), -1, np.int32)}
+  if grammar_starts is not None:
+    a["grammar"][:len(prompts)] = grammar_starts
   row = lp_row = 0
   for i, (prompt, p) in enumerate(zip(prompts, params)):
     a["prompt"][i, :len(prompt)] = prompt
@@ -323,7 +343,7 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
       lp_row += p.n
   return HostQueue(a, _bucket(row), max_len, len(prompts),
                    lp_rows=_bucket(lp_row) if lp_row else 0, lp_window=max_len,
-                   num_logprobs=num_logprobs)
+                   num_logprobs=num_logprobs, grammar=grammar)
 
 
 def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: int,
@@ -344,7 +364,9 @@ def init_loop_state(config: CacheConfig, host_queue: HostQueue, *, num_widths: i
                            num_widths, max_len // config.page_size if prefix_cache else 0)
   cols, out, counters, queue_counters = fresh(np.int32(host_queue.count))
   queue = Queue(**jax.device_put(host_queue.arrays), **queue_counters)
-  ls = LoopState(cache=None, queue=queue, cols=cols, out=out, **counters)
+  pool = host_queue.grammar if host_queue.grammar is not None else empty_pool(32)
+  ls = LoopState(cache=None, queue=queue, cols=cols, out=out, grammar=Pool(
+      *jax.device_put(tuple(pool))), **counters)
   if mesh is not None:
     ls = jax.device_put(ls, NamedSharding(mesh, P()))
   return dataclasses.replace(ls, cache=init_state(config, mesh=mesh, kv_axis=kv_axis))
@@ -375,7 +397,8 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         forks=zeros(), limit=zeros(), used=zeros(), active=zeros(), done=zeros(), reserve=zeros(),
         out_row=zeros(), sample_index=zeros(), lp_row=jnp.full((s,), NO_ROW, jnp.int32),
         params=params, parked=zeros(), stamp=zeros(), cached=zeros(), last_use=zeros(),
-        page_hash=jnp.zeros((s, hash_pages), jnp.uint32))
+        page_hash=jnp.zeros((s, hash_pages), jnp.uint32), grammar=unset(s),
+        grammar_token=unset(s))
     out = Outputs(
         tokens=jnp.zeros((rows, m), jnp.int32), length=jnp.zeros((rows,), jnp.int32),
         stop=jnp.zeros((rows,), jnp.int32), done=jnp.zeros((rows,), jnp.int32),

@@ -59,6 +59,48 @@ def spec_regex(kind: str, value) -> str:
   raise ValueError(f"unknown structured output kind {kind!r} (json, regex or choice)")
 
 
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+  """What a request's output must be, spelled as vLLM's `StructuredOutputsParams`: exactly one
+  of `json` (a JSON schema as a dict or JSON text, or a pydantic model class), `regex`,
+  `choice` (a list of strings) or `json_object=True` (any JSON object). `grammar`
+  (a context-free grammar) is refused: the engine follows automata, which hold regular
+  languages only.
+
+  Raises:
+    ValueError: none or several given, or `grammar`.
+  """
+
+  json: object = None
+  regex: str | None = None
+  choice: object = None
+  grammar: str | None = None
+  json_object: bool = False
+
+  def __post_init__(self):
+    given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+    given += ["json_object"] if self.json_object else []
+    if len(given) != 1:
+      raise ValueError(f"structured outputs: give exactly one of json, regex, choice, "
+                       f"json_object (got {given or 'none'})")
+    if self.grammar is not None:
+      raise ValueError("structured outputs: grammar (a context-free grammar) is not supported; "
+                       "json, regex, choice and json_object are")
+
+  def spec(self) -> tuple[str, object]:
+    """`(kind, value)` for `AutomatonCache.compile`."""
+    if self.json_object:
+      return "json", {"type": "object"}
+    if self.json is not None:
+      schema = self.json
+      if isinstance(schema, type) and hasattr(schema, "model_json_schema"):   # pydantic
+        schema = schema.model_json_schema()
+      return "json", schema
+    if self.regex is not None:
+      return "regex", self.regex
+    return "choice", list(self.choice) if isinstance(self.choice, (list, tuple)) else self.choice
+
+
 # Schema keywords the regex translation would drop silently: refused by name instead, so an
 # output never fails the schema it was asked for (a bounded integer range becomes an enum).
 UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",

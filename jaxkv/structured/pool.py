@@ -16,6 +16,12 @@ import numpy as np
 
 from jaxkv.structured.automaton import TokenAutomaton
 
+def default_capacity(vocab_size: int) -> tuple[int, int, int]:
+  """An engine's pool by default: `(states, distinct masks, transitions)`. A JSON schema
+  takes tens to hundreds of states and masks, and each of its free-text states most of the
+  vocabulary's transitions: room for about 16 such states, at most 2M transitions."""
+  return 4096, 256, min(1 << 21, 16 * vocab_size)
+
 # A row whose sampled token left its automaton (it cannot happen with the mask applied): it
 # may only draw a stop token from then on.
 DEAD = -2
@@ -32,21 +38,23 @@ class Pool(NamedTuple):
   next: jax.Array       # int32[T]
 
 
-def pack(automata: Sequence[TokenAutomaton], *, states: int = 0, masks: int = 0,
-         transitions: int = 0) -> tuple[Pool, list[int]]:
-  """`(pool as NumPy arrays, each automaton's initial state)`, padded to at least the given
-  sizes (so pools of one capacity share one compiled program).
+def pack(automata: Sequence[TokenAutomaton], vocab_size: int, *, states: int = 0,
+         masks: int = 0, transitions: int = 0) -> tuple[Pool, list[int]]:
+  """`(pool as NumPy arrays, each automaton's initial state)` for a model of `vocab_size`
+  tokens, padded to at least the given sizes (pools of one capacity share one program).
 
   Raises:
-    ValueError: automata of different vocabularies.
+    ValueError: an automaton of a larger vocabulary than the model's.
   """
-  if len({a.vocab_size for a in automata}) > 1:
-    raise ValueError("automata of different vocabularies cannot share a pool")
-  words = -(-automata[0].vocab_size // 32) if automata else 1
+  words = -(-vocab_size // 32)
   s0 = m0 = t0 = 0
   parts, initials = [], []
   for a in automata:
-    parts.append((a.final.astype(np.int32), a.mask_of + m0, a.masks, a.start + t0, a.count,
+    if a.vocab_size > vocab_size:
+      raise ValueError(f"an automaton of {a.vocab_size} tokens in a pool of {vocab_size}")
+    rows = np.zeros((a.masks.shape[0], words), np.uint32)
+    rows[:, :a.masks.shape[1]] = a.masks
+    parts.append((a.final.astype(np.int32), a.mask_of + m0, rows, a.start + t0, a.count,
                   a.tokens, a.next + s0))
     initials.append(s0 + a.initial)
     s0, m0, t0 = s0 + a.num_states, m0 + a.masks.shape[0], t0 + a.tokens.shape[0]
@@ -59,6 +67,17 @@ def pack(automata: Sequence[TokenAutomaton], *, states: int = 0, masks: int = 0,
               tokens=_joined(cols[5], transitions, -1, np.int32),
               next=_joined(cols[6], transitions, DEAD, np.int32))
   return pool, initials
+
+
+def pool_bytes(vocab_size: int, capacity) -> int:
+  """Device bytes of a pool of `capacity = (states, masks, transitions)`."""
+  states, masks, transitions = capacity
+  return 16 * states + 4 * masks * -(-vocab_size // 32) + 8 * transitions
+
+
+def empty_pool(vocab_size: int, states: int = 1, masks: int = 1, transitions: int = 1) -> Pool:
+  """A pool holding no automaton, of the given capacity (NumPy arrays)."""
+  return pack([], vocab_size, states=states, masks=masks, transitions=transitions)[0]
 
 
 def _joined(parts, at_least: int, fill, dtype, shape=()) -> np.ndarray:
@@ -77,7 +96,8 @@ def allowed(pool: Pool, state, stop_tokens, vocab_size: int):
   safe = jnp.where(has, state, 0)
   words = pool.masks[pool.mask_of[safe]]                                   # [R, W]
   bits = jnp.unpackbits(jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(
-      words.shape[0], -1), axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+      words.shape[0], -1), axis=1, bitorder="little").astype(bool)
+  bits = jnp.pad(bits, ((0, 0), (0, max(0, vocab_size - bits.shape[1]))))[:, :vocab_size]
   rows = jnp.arange(state.shape[0], dtype=jnp.int32)[:, None]
   is_stop = jnp.zeros(bits.shape, bool).at[
       rows, jnp.where(stop_tokens >= 0, stop_tokens, vocab_size)].set(True, mode="drop")

@@ -284,3 +284,35 @@ def test_the_readmes_python_quick_start_runs_verbatim(monkeypatch, capsys):
   exec(compile(block, "README.md", "exec"), {"__name__": "readme"})   # pylint: disable=exec-used
   first = capsys.readouterr().out.split("\n", 1)[0]   # the texts, then the first's finish reason
   assert first.startswith("[") and first.rsplit(" ", 1)[1] in ("stop", "length")
+
+
+def test_structured_outputs_hold_on_the_fixture_whose_free_text_is_gibberish(setup):
+  pytest.importorskip("outlines_core")
+  jsonschema = pytest.importorskip("jsonschema")
+  import re   # pylint: disable=g-import-not-at-top
+  llm = setup[0]
+  schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                             "n": {"type": "integer", "minimum": 1,
+                                                   "maximum": 9}},
+            "required": ["city", "n"]}
+  outs = llm.generate([TEXT, "x"], jaxkv.SamplingParams(
+      max_tokens=60, temperature=0.9, seed=1, n=2, structured_outputs={"json": schema}))
+  for out in outs:
+    for o in out.outputs:
+      jsonschema.validate(json.loads(o.text), schema)
+      assert o.finish_reason == "stop"
+  [out] = llm.generate(TEXT, jaxkv.SamplingParams(
+      max_tokens=20, temperature=0, structured_outputs=jaxkv.StructuredOutputs(regex=r"[a-c]{3}!")))
+  assert re.fullmatch(r"[a-c]{3}!", out.text)
+  streamed = "".join(llm.stream(TEXT, jaxkv.SamplingParams(
+      max_tokens=20, temperature=0, structured_outputs={"choice": ["yes", "no"]})))
+  assert streamed in ("yes", "no")
+  with pytest.raises(ValueError, match="grammar .* is not supported"):
+    jaxkv.SamplingParams(structured_outputs={"grammar": "root ::= 'a'"})
+  with pytest.raises(ValueError, match="exactly one of"):
+    jaxkv.SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+  with pytest.raises(TypeError, match="unknown fields"):
+    jaxkv.SamplingParams(structured_outputs={"jsn": {}})
+  with pytest.raises(ValueError, match="grammar needs stop_tokens"):
+    llm.generate(TEXT, jaxkv.SamplingParams(structured_outputs={"regex": "a+"}), ignore_eos=True)
+  assert not llm.engine.has_unfinished()

@@ -89,7 +89,10 @@ def test_gpu_memory_utilization_counts_weights_and_loop_buffers():
                              device=_Device(limit), max_write=64)
   seqs = min(256, 64, (int(util * limit) - weights) // POSITION_BYTES // 128)
   assert plan.max_seqs == seqs == 32 and plan.capacity < seqs * 128
-  loop = seqs * (4 * 128 + 4 * 8 + 25 * 4 + 8 * 64)   # tokens, stops, per-column values, bias
+  # tokens, stops, per-column values, bias; the grammar pool: states, masks, transitions
+  vocab = CONFIG.vocab_size
+  loop = (seqs * (4 * 128 + 4 * 8 + 27 * 4 + 8 * 64)
+          + 16 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 21, 16 * vocab))
   spare = int(util * limit) - weights - loop - plan.kv_bytes
   assert 0 <= spare < PAGE_BYTES + (1 << 16)   # one more page would not fit (control values)
   assert "0.5 x 8,388,608 bytes (Fake GPU bytes_limit)" in plan.budget_source
@@ -107,7 +110,10 @@ def test_tensor_parallel_budgets_leave_the_loop_buffers_on_every_device():
                              weights_bytes=weights, gpu_memory_utilization=util,
                              device=_Device(limit), max_write=64, max_seqs=seqs, shards=shards)
   left = int(util * limit) - weights   # per device
-  loop = seqs * (4 * 128 + 4 * 8 + 25 * 4 + 8 * 64)   # tokens, stops, per-column values, bias
+  # tokens, stops, per-column values, bias; the grammar pool: states, masks, transitions
+  vocab = CONFIG.vocab_size
+  loop = (seqs * (4 * 128 + 4 * 8 + 27 * 4 + 8 * 64)
+          + 16 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 21, 16 * vocab))
   control = 1 << 16   # at most, per device
   assert shards * (left - loop - control) <= plan.kv_budget_bytes <= shards * (left - loop)
   assert plan.kv_bytes // shards + loop <= left   # what one device holds fits it

@@ -123,7 +123,7 @@ def test_the_pool_agrees_with_outlines_index(cache):
   parallel with the same tokens (its state ids are its own; the walk pairs them)."""
   specs = [("regex", REGEXES[0]), ("json", SCHEMAS[0]), ("choice", CHOICES[0])]
   automata = [cache.compile(k, v) for k, v in specs]
-  pool, initials = pl.pack(automata, states=512)
+  pool, initials = pl.pack(automata, len(VOCAB), states=512)
   pool = pl.Pool(*map(jnp.asarray, pool))
   vocab = oc.Vocabulary(len(VOCAB), {b: [i for i, x in enumerate(VOCAB) if x == b]
                                      for b in {x for x in VOCAB if x}})
