@@ -359,7 +359,8 @@ class LLM:
       if self.tokenizer is None:
         raise ValueError("structured_outputs needs the checkpoint's tokenizer.json (text "
                          "grammars are over the tokens' bytes)")
-      self._automaton_cache = AutomatonCache(token_bytes(self.tokenizer))
+      self._automaton_cache = AutomatonCache(token_bytes(self.tokenizer),
+                                             max_transitions=self.engine.grammar_pool[2])
     return self._automaton_cache
 
   def _per_prompt(self, params, encoded, ignore_eos: bool) -> list[tuple[EngineParams, _Text]]:

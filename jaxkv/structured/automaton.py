@@ -279,14 +279,27 @@ def from_transitions(transitions: dict, initial, finals, vocab_size: int, *,
                         start, count, np.array(toks, np.int32), np.array(nxt, np.int32), key)
 
 
+def _transitions_estimate(index) -> int | None:
+  """A lower bound of an outlines-core index's transitions from its serialized size (about 7
+  bytes each, at least 8 counted here); None where the library does not serialize so."""
+  try:
+    blob = index.__reduce__()[1][0]
+  except Exception:   # pylint: disable=broad-except  (a library detail: no estimate then)
+    return None
+  return len(blob) // 8 if isinstance(blob, bytes) else None
+
+
 class AutomatonCache:
   """Compiled automata of one vocabulary, by spec (`compile`): a spec compiles once.
 
   Thread-safe: fronts compile off their event loop, several at a time.
   """
 
-  def __init__(self, token_bytes, *, max_entries: int = 256):
+  def __init__(self, token_bytes, *, max_entries: int = 256, max_transitions: int | None = None):
     self.token_bytes = list(token_bytes)
+    # The pool's room: an index clearly larger is refused before its transitions are read out
+    # (at a large vocabulary that read-out alone takes minutes and gigabytes).
+    self.max_transitions = max_transitions
     self.vocab_size = len(self.token_bytes)
     self.vocab_key = _vocabulary_key(self.token_bytes)
     self.max_entries = max_entries
@@ -339,6 +352,12 @@ class AutomatonCache:
       index = oc.Index(regex, self._vocabulary)
     except Exception as e:   # pylint: disable=broad-except  (the library raises its own types)
       raise ValueError(f"the grammar cannot be compiled for this vocabulary: {e}") from e
+    if self.max_transitions is not None:
+      estimate = _transitions_estimate(index)
+      if estimate is not None and estimate > self.max_transitions:
+        raise ValueError(f"the grammar compiles to about {estimate:,} token transitions; the "
+                         f"engine's grammar pool holds {self.max_transitions:,} "
+                         "(Engine(grammar_pool=...)): a smaller schema or vocabulary")
     return from_transitions(index.get_transitions(), index.get_initial_state(),
                             set(index.get_final_states()), self.vocab_size,
                             drop=(self.vocab_size,), key=key)

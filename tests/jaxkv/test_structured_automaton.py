@@ -211,3 +211,12 @@ def test_token_bytes_of_byte_level_and_metaspace_tokenizers():
   # The decoder drops the text's first space (Metaspace's "first" scheme) and nothing else.
   assert b"".join(got[i] for i in ids).decode() == " " + tok.decode(ids)
   assert all(got[i] is None for i in range(8))   # the specials
+
+
+def test_an_index_larger_than_the_pool_is_refused_before_its_tables_are_built():
+  small = am.AutomatonCache(VOCAB, max_transitions=50)
+  with pytest.raises(ValueError, match="compiles to about .* token transitions; the engine's "
+                                       "grammar pool holds 50"):
+    small.compile("json", SCHEMAS[0])
+  a = small.compile("choice", ["ab", "Paris"])   # a few transitions: built
+  assert a.tokens.shape[0] <= 50
