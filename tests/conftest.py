@@ -116,6 +116,10 @@ HEAVY_FILES: dict[str, str] = {   # shares of a full local run, 2026-12-06
     "tests/benchmarks/test_benchmarks_small.py":
         "5.4%: every maintained benchmark runs as a subprocess, importing jax and compiling "
         "its own programs, as a user would start it",
+    "tests/examples/test_llm.py":
+        "5.1% (2026-12-07, a run sharing the CPU): three LLMs built from checkpoints, each compiling "
+        "its loop variants: the module's, the persistent-cache subprocess, and the README's quick "
+        "start run verbatim at its default sizes",
     "tests/jaxkv/test_live.py":
         "4.8%: the incremental API's schedules (aborts, failures, counters wrapping, a reader "
         "behind) each build an engine and compile its loop",
