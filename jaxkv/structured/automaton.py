@@ -237,15 +237,18 @@ def from_transitions(transitions: dict, initial, finals, vocab_size: int, *,
   """Packs `{state: {token: next state}}` (any hashable state ids) into a `TokenAutomaton`;
   tokens in `drop` (the library's end-of-sequence stand-in) and states that cannot reach a
   final state are left out (a sampled path never strands)."""
-  drop = set(drop)
-  edges = {s: {t: n for t, n in out.items() if t not in drop and 0 <= t < vocab_size}
-           for s, out in transitions.items()}
-  states = set(edges) | {n for out in edges.values() for n in out.values()} | set(finals)
-  states.add(initial)
+  finals = set(finals)
+  # Each state's edges as arrays: a schema at a large vocabulary has millions of transitions,
+  # so nothing below loops over them in Python (the GIL would stall every other thread).
+  raw = {s: (np.fromiter(out.keys(), np.int64, len(out)), list(out.values()))
+         for s, out in transitions.items()}
+  states = set(raw) | finals | {initial}
+  for _, nexts in raw.values():
+    states.update(nexts)
   # Keep the states from which a final state is reachable (reverse search from the finals).
   back: dict = {}
-  for s, out in edges.items():
-    for n in out.values():
+  for s, (_, nexts) in raw.items():
+    for n in set(nexts):
       back.setdefault(n, set()).add(s)
   live, todo = set(finals), list(finals)
   while todo:
@@ -258,25 +261,33 @@ def from_transitions(transitions: dict, initial, finals, vocab_size: int, *,
   order = [initial] + sorted((s for s in live if s != initial), key=repr)
   index = {s: i for i, s in enumerate(order)}
   words = -(-vocab_size // 32)
+  drop = np.array(sorted(drop), np.int64)
   final = np.array([s in finals for s in order], bool)
   start = np.zeros(len(order), np.int32)
   count = np.zeros(len(order), np.int32)
-  toks, nxt, rows, row_of = [], [], [], {}
   mask_of = np.zeros(len(order), np.int32)
+  toks, nxt, rows, row_of, at = [], [], [], {}, 0
   for i, s in enumerate(order):
-    out = sorted((t, index[n]) for t, n in edges.get(s, {}).items() if n in live)
-    start[i], count[i] = len(toks), len(out)
-    toks += [t for t, _ in out]
-    nxt += [n for _, n in out]
-    ids = tuple(t for t, _ in out)
+    tokens, nexts = raw.get(s, (np.zeros(0, np.int64), []))
+    target = np.fromiter((index.get(n, -1) for n in nexts), np.int64, len(nexts))
+    keep = (target >= 0) & (tokens >= 0) & (tokens < vocab_size) & ~np.isin(tokens, drop)
+    tokens, target = tokens[keep], target[keep]
+    by_token = np.argsort(tokens, kind="stable")
+    tokens, target = tokens[by_token].astype(np.int32), target[by_token].astype(np.int32)
+    start[i], count[i] = at, tokens.size
+    at += tokens.size
+    toks.append(tokens)
+    nxt.append(target)
+    ids = tokens.tobytes()
     if ids not in row_of:
       bits = np.zeros(words * 32, np.uint8)
-      bits[list(ids)] = 1
+      bits[tokens] = 1
       row_of[ids] = len(rows)
       rows.append(np.packbits(bits, bitorder="little").view(np.uint32))
     mask_of[i] = row_of[ids]
-  return TokenAutomaton(vocab_size, 0, final, mask_of, np.stack(rows),
-                        start, count, np.array(toks, np.int32), np.array(nxt, np.int32), key)
+  return TokenAutomaton(vocab_size, 0, final, mask_of, np.stack(rows), start, count,
+                        np.concatenate(toks).astype(np.int32), np.concatenate(nxt).astype(np.int32),
+                        key)
 
 
 def _transitions_estimate(index) -> int | None:
