@@ -51,11 +51,18 @@ def spec_regex(kind: str, value) -> str:
       schema = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as e:
       raise ValueError(f"json schema: not JSON: {e}") from e
-    text = json.dumps(enforceable(schema))
+    numbers: dict[str, str] = {}
+    text = json.dumps(enforceable(schema, numbers=numbers))
     try:
-      return json_schema.build_regex_from_schema(text)
+      regex = json_schema.build_regex_from_schema(text)
     except Exception as e:   # pylint: disable=broad-except  (the library raises its own types)
       raise ValueError(f"json schema: {e}") from e
+    for placeholder, number in numbers.items():   # the bounded numbers, back in place
+      quoted = f'"{placeholder}"'
+      if quoted not in regex:
+        raise ValueError("json schema: a bounded number could not be placed (report this)")
+      regex = regex.replace(quoted, number)
+    return regex
   raise ValueError(f"unknown structured output kind {kind!r} (json, regex or choice)")
 
 
@@ -102,7 +109,8 @@ class StructuredOutputs:
 
 
 # Schema keywords the regex translation would drop silently: refused by name instead, so an
-# output never fails the schema it was asked for (a bounded integer range becomes an enum).
+# output never fails the schema it was asked for (numeric bounds on a number or an integer
+# node are spelled out as a regex of their own: `_bounded_number`).
 UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
               "uniqueItems", "minProperties", "maxProperties", "if", "then", "else", "not",
               "allOf", "dependentRequired", "dependentSchemas", "patternProperties",
@@ -111,51 +119,150 @@ UNENFORCED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "mul
 _SCHEMA_MAPS = ("properties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties")
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-MAX_ENUM_RANGE = 1024   # integers a bounded range may hold to be written as an enum
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_ENUM_RANGE = 1024   # integer parts a bounded range may spell out one by one
+_FRACTION = r"(\.[0-9]+)?"
+_NONZERO_FRACTION = r"\.[0-9]*[1-9][0-9]*"
+_ZERO_FRACTION = r"(\.0+)?"
 
 
-def _integer_range(node: dict) -> list[int] | None:
-  """The values of a bounded integer schema (`type` integer, numeric bounds, nothing else that
-  constrains), or None when it is not one or holds more than `MAX_ENUM_RANGE` values."""
-  if node.get("type") != "integer" or not any(k in node for k in _BOUNDS) or set(node) - set(
-      _BOUNDS) - {"type", "title", "description"}:
+def _alternatives(values) -> str:
+  return "(" + "|".join(str(v) for v in values) + ")"
+
+
+def _at_least(lo: int, inclusive: bool, fraction: bool, where: str) -> str:
+  """Digits of a magnitude `m >= lo` (`> lo` unless `inclusive`), `lo >= 0`, with a fraction
+  when `fraction`.
+
+  Raises:
+    ValueError: spelling it takes more than `MAX_ENUM_RANGE` alternatives.
+  """
+  frac = _FRACTION if fraction else ""
+  digits = len(str(lo))
+  first = lo if inclusive or fraction else lo + 1
+  if len(str(first)) > digits:   # lo = 99 exclusive: every 3-digit number on
+    digits += 1
+  if 10 ** digits - first > MAX_ENUM_RANGE:
+    raise ValueError(f"json schema: the bound at {where} is too large to spell out (at most "
+                     f"{MAX_ENUM_RANGE} numbers before the digits run free)")
+  parts = []
+  if fraction and not inclusive:
+    parts.append(f"{lo}{_NONZERO_FRACTION}")
+    first = lo + 1
+  if first < 10 ** digits:
+    parts.append(_alternatives(range(first, 10 ** digits)) + frac)
+  parts.append(f"[1-9][0-9]{{{digits},}}" + frac)
+  return "(" + "|".join(parts) + ")"
+
+
+def _between(lo: int, lo_incl: bool, hi: int, hi_incl: bool, fraction: bool) -> str | None:
+  """Digits of a magnitude in `[lo, hi]` (ends open unless inclusive), `0 <= lo <= hi`;
+  None when it admits nothing."""
+  parts = []
+  frac = _FRACTION if fraction else ""
+  inner = range(lo + 1, hi)
+  if lo < hi:
+    if lo_incl:
+      parts.append(f"{lo}{frac}")
+    elif fraction:
+      parts.append(f"{lo}{_NONZERO_FRACTION}")
+  if inner:
+    parts.append(_alternatives(inner) + frac)
+  if hi_incl and (lo < hi or (lo == hi and lo_incl)):
+    parts.append(f"{hi}{_ZERO_FRACTION if fraction else ''}")
+  return "(" + "|".join(parts) + ")" if parts else None
+
+
+def _bounded_number(node: dict, where: str) -> str | None:
+  """The regex of a bounded `number`/`integer` schema (None: not one). Integer-valued bounds
+  only; no exponent (a JSON number without one is still a number).
+
+  Raises:
+    ValueError: a bound that is not an integer, or a range too wide to spell out.
+  """
+  kind = node.get("type")
+  if kind not in ("number", "integer") or not any(k in node for k in _BOUNDS):
     return None
-  num = lambda k: node[k] if isinstance(node.get(k), (int, float)) and not isinstance(
-      node.get(k), bool) else None
-  lo = max([v for v in (num("minimum"), None if num("exclusiveMinimum") is None
-                        else num("exclusiveMinimum") + 1) if v is not None], default=None)
-  hi = min([v for v in (num("maximum"), None if num("exclusiveMaximum") is None
-                        else num("exclusiveMaximum") - 1) if v is not None], default=None)
-  if lo is None or hi is None:
-    return None
-  lo, hi = int(-(-lo // 1)), int(hi // 1)
-  if hi - lo + 1 > MAX_ENUM_RANGE:
-    return None
-  step = num("multipleOf")
-  return [v for v in range(lo, hi + 1) if step is None or v % step == 0]
+  extra = set(node) - set(_BOUNDS) - {"type", "title", "description", "default", "examples"}
+  if extra:
+    raise ValueError(f"json schema: {sorted(extra)[0]!r} beside numeric bounds at {where} is "
+                     "not enforced by structured output")
+  fraction = kind == "number"
+  bounds = {}
+  for k in _BOUNDS:
+    if k not in node:
+      continue
+    v = node[k]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+      raise ValueError(f"json schema: keyword {k!r} at {where} is enforced for integer bounds "
+                       f"only (got {v!r})")
+    bounds[k] = int(v)
+  lows = [(bounds[k], k == "minimum") for k in ("minimum", "exclusiveMinimum") if k in bounds]
+  highs = [(bounds[k], k == "maximum") for k in ("maximum", "exclusiveMaximum") if k in bounds]
+  # The tighter bound of each side (at a tie the exclusive one).
+  lo = max(lows, default=None, key=lambda b: (b[0], not b[1]))
+  hi = min(highs, default=None, key=lambda b: (b[0], b[1]))
+  if lo is not None and not fraction and not lo[1]:
+    lo = (lo[0] + 1, True)   # an integer above 3 is at least 4
+  if hi is not None and not fraction and not hi[1]:
+    hi = (hi[0] - 1, True)
+  any_magnitude = "(0|[1-9][0-9]*)" + (_FRACTION if fraction else "")
+  parts: list[str | None] = []
+  if lo is not None and hi is not None:
+    if hi[0] - lo[0] > MAX_ENUM_RANGE:
+      raise ValueError(f"json schema: the range at {where} is wider than {MAX_ENUM_RANGE} "
+                       "(a narrower range, or one bound)")
+    (a, a_in), (b, b_in) = lo, hi
+    if a >= 0:
+      parts.append(_between(a, a_in, b, b_in, fraction))
+    elif b < 0 or (b == 0 and not b_in):
+      m = _between(-b, b_in, -a, a_in, fraction)
+      parts.append(None if m is None else "-" + m)
+    else:
+      parts.append(_between(0, True, b, b_in, fraction))
+      m = _between(0, False, -a, a_in, fraction)
+      parts.append(None if m is None else "-" + m)
+  elif lo is not None:
+    a, a_in = lo
+    if a >= 0:
+      parts.append(_at_least(a, a_in, fraction, where))
+    else:
+      parts.append(any_magnitude)
+      m = _between(0, False, -a, a_in, fraction)
+      parts.append(None if m is None else "-" + m)
+  else:
+    b, b_in = hi
+    if b > 0 or (b == 0 and b_in):
+      parts.append("-" + any_magnitude)
+      parts.append(_between(0, True, b, b_in, fraction))
+    else:
+      parts.append("-" + _at_least(-b, b_in, fraction, where))
+  parts = [p for p in parts if p is not None]
+  if not parts:
+    raise ValueError(f"json schema: {where} admits no {kind}")
+  return "(" + "|".join(parts) + ")"
 
 
-def enforceable(schema, where: str = "$"):
-  """`schema` with each bounded integer range written as an enum (what the regex translation
-  enforces).
+def enforceable(schema, where: str = "$", numbers: dict | None = None):
+  """`schema` with each bounded number replaced by a placeholder string constant whose regex
+  goes into `numbers` (`spec_regex` puts it back into the schema's regex).
 
   Raises:
     ValueError: a keyword the translation would ignore (`UNENFORCED`), named with its path.
   """
   if isinstance(schema, bool) or not isinstance(schema, dict):
     return schema
-  values = _integer_range(schema)
-  if values is not None:
-    if not values:
-      raise ValueError(f"json schema: {where} admits no integer")
-    return {"enum": values}
+  numbers = {} if numbers is None else numbers
+  bounded = _bounded_number(schema, where)
+  if bounded is not None:
+    placeholder = f"JAXKVNUMBER{len(numbers)}X"
+    numbers[placeholder] = bounded
+    return {"const": placeholder}
   out = {}
   for key, value in schema.items():
     if key in UNENFORCED:
       raise ValueError(f"json schema: keyword {key!r} at {where} is not enforced by structured "
-                       "output (bounded integer ranges of up to "
-                       f"{MAX_ENUM_RANGE} values are)")
+                       "output (integer bounds on a number or an integer are)")
     if key == "oneOf" and isinstance(value, list):   # "exactly one" holds for disjoint types only
       types = [v.get("type") if isinstance(v, dict) else None for v in value]
       if (not all(isinstance(t, str) for t in types) or len(set(types)) < len(types)
@@ -163,11 +270,11 @@ def enforceable(schema, where: str = "$"):
         raise ValueError(f"json schema: oneOf at {where} is enforced only over branches of "
                          "distinct single types (use anyOf)")
     if key in _SCHEMA_MAPS and isinstance(value, dict):
-      value = {k: enforceable(v, f"{where}.{key}.{k}") for k, v in value.items()}
+      value = {k: enforceable(v, f"{where}.{key}.{k}", numbers) for k, v in value.items()}
     elif key in _SCHEMA_LISTS and isinstance(value, list):
-      value = [enforceable(v, f"{where}.{key}[{i}]") for i, v in enumerate(value)]
+      value = [enforceable(v, f"{where}.{key}[{i}]", numbers) for i, v in enumerate(value)]
     elif key in _SCHEMA_VALUES:
-      value = enforceable(value, f"{where}.{key}")
+      value = enforceable(value, f"{where}.{key}", numbers)
     out[key] = value
   return out
 
@@ -198,6 +305,12 @@ class TokenAutomaton:
   tokens: np.ndarray
   next: np.ndarray
   key: str = ""
+
+  @property
+  def identity(self):
+    """Equal for automata of one spec and vocabulary (its `key`; else this object): requests
+    whose automata arrive as copies (from a front process) share one place in the pool."""
+    return self.key or id(self)
 
   @property
   def num_states(self) -> int:

@@ -41,6 +41,11 @@ SCHEMAS = [
      "minItems": 1, "maxItems": 3},
     {"$defs": {"p": {"type": "object", "properties": {"x": {"type": "null"}}, "required": ["x"]}},
      "type": "object", "properties": {"p": {"$ref": "#/$defs/p"}}, "required": ["p"]},
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0,
+                                                "exclusiveMaximum": 20},
+                                      "qty": {"type": "integer", "minimum": 1},
+                                      "t": {"type": "number", "maximum": -2}},
+     "required": ["price", "qty", "t"]},
 ]
 REGEXES = [r"[A-Z][a-z]{1,4} [0-9]{2}", r"(ab|abc)+c?", r"-?[0-9]+(\.[0-9]{1,2})?"]
 CHOICES = [["Paris", "London", "ab"], ["a+b", "(x)", "a.b"]]
@@ -170,12 +175,15 @@ def test_refusals_name_what_is_wrong(cache):
 
 
 @pytest.mark.parametrize("schema,keyword", [
-    ({"type": "number", "minimum": 0}, "'minimum' at \\$"),
+    ({"type": "number", "minimum": 0.5}, "'minimum' at \\$ is enforced for integer bounds"),
+    ({"minimum": 0}, "'minimum' at \\$ is not enforced"),   # no type: not a number node
     ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}},
      "'multipleOf' at \\$.properties.a"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf at \\$ is enforced only"),
-    ({"type": "integer", "minimum": 0, "maximum": 10 ** 6}, "'minimum'"),   # too many for an enum
+    ({"type": "integer", "minimum": 0, "maximum": 10 ** 6}, "wider than"),
+    ({"type": "integer", "minimum": 5000}, "too large to spell out"),
+    ({"type": "integer", "minimum": 3, "multipleOf": 2}, "'multipleOf' beside numeric bounds"),
 ])
 def test_keywords_the_automaton_cannot_enforce_are_refused_by_name(cache, schema, keyword):
   with pytest.raises(ValueError, match=keyword):
@@ -220,3 +228,34 @@ def test_an_index_larger_than_the_pool_is_refused_before_its_tables_are_built():
     small.compile("json", SCHEMAS[0])
   a = small.compile("choice", ["ab", "Paris"])   # a few transitions: built
   assert a.tokens.shape[0] <= 50
+
+
+def test_bounded_numbers_admit_only_numbers_in_range():
+  """`_bounded_number`'s regex against `jsonschema` on random bounds: every text it admits is
+  valid, and every valid plain decimal (except a negative zero) is admitted."""
+  rng = random.Random(0)
+  texts = [str(x) for x in range(-40, 41)] + [f"{x}.{f}" for x in range(-40, 41)
+                                              for f in ("0", "00", "5", "05", "001", "999")]
+  texts += ["0.0", "1000", "1000.5", "1003", "12345", "-12345", "100000.25"]
+  checked = 0
+  for kind in ("number", "integer"):
+    for _ in range(150):
+      node = {"type": kind} | {k: rng.choice([rng.randint(-30, 30), 0, 1, 99, 1000, -99])
+                               for k in ("minimum", "maximum", "exclusiveMinimum",
+                                         "exclusiveMaximum") if rng.random() < 0.4}
+      try:
+        pattern = am._bounded_number(node, "$")   # pylint: disable=protected-access
+      except ValueError as e:   # a range too wide, or none at all
+        assert "wider than" in str(e) or "too large" in str(e) or "admits no" in str(e)
+        continue
+      if pattern is None:
+        continue
+      checked += 1
+      for text in texts:
+        value = json.loads(text)
+        valid = not (kind == "integer" and "." in text) and jsonschema.Draft202012Validator(
+            node).is_valid(value)
+        admitted = re.fullmatch(pattern, text) is not None
+        assert valid or not admitted, (node, text)
+        assert admitted or not valid or text.startswith("-0"), (node, text)
+  assert checked > 150
