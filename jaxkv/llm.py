@@ -46,7 +46,7 @@ from jaxkv.serve.loading import build_engine
 from jaxkv.serve import EngineError, Request, RequestTiming, TokenLogprob
 from jaxkv.serve import SamplingParams as EngineParams
 from jaxkv.structured.automaton import AutomatonCache, StructuredOutputs
-from jaxkv.structured.vocab import token_bytes
+from jaxkv.structured.vocab import model_token_bytes
 from jaxkv.tokenizer import TextStream
 
 
@@ -359,7 +359,8 @@ class LLM:
       if self.tokenizer is None:
         raise ValueError("structured_outputs needs the checkpoint's tokenizer.json (text "
                          "grammars are over the tokens' bytes)")
-      self._automaton_cache = AutomatonCache(token_bytes(self.tokenizer),
+      self._automaton_cache = AutomatonCache(model_token_bytes(self.tokenizer,
+                                                               self.engine.vocab_size),
                                              max_transitions=self.engine.grammar_pool[2])
     return self._automaton_cache
 

@@ -243,15 +243,15 @@ class Engine:
                   grammar_room=self.grammar_pool)
 
   def _grammars(self, requests):
-    """`(pool, {id(automaton): initial state})` of the distinct automata of `requests`."""
-    distinct = list({id(r.params.grammar): r.params.grammar for r in requests
+    """`(pool, {automaton.identity: initial state})` of the distinct automata of `requests`."""
+    distinct = list({r.params.grammar.identity: r.params.grammar for r in requests
                      if r.params.grammar is not None}.values())
     if not distinct:   # the common case: one empty pool per engine, never written
       if self._empty_grammars is None:
         self._empty_grammars = self.pack_grammars([])[0]
       return self._empty_grammars, {}
     pool, initials = self.pack_grammars(distinct)
-    return pool, {id(a): s for a, s in zip(distinct, initials)}
+    return pool, {a.identity: s for a, s in zip(distinct, initials)}
 
   def pack_grammars(self, automata):
     """`(pool, initial states)`: `automata` in one pool of this engine's capacity (NumPy).

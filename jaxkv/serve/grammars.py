@@ -3,8 +3,8 @@
 Requests arrive one by one, so their automata are placed one by one in the loop state's
 pool (`LoopState.grammar`) and stay where they are while any request in flight uses them:
 a column holds global state ids, so an automaton in use never moves. One placed for an
-earlier request is reused by every later request with the same spec (automata are cached
-by spec, so the same object comes back), and evicted, first placed first, only when a new
+earlier request is reused by every later request with the same spec (`identity`: the spec's
+digest, so a copy from a front process counts as the same automaton), and evicted, first placed first, only when a new
 one needs its room. The host keeps a mirror of the pool and uploads it whole after a
 placement (a few megabytes, once per new spec).
 """
@@ -50,18 +50,18 @@ class GrammarPlacer:
     self.vocab_size, self.capacity = vocab_size, tuple(capacity)
     self.pool = empty_pool(vocab_size, *self.capacity)
     self._ranges = [_Ranges(n) for n in self.capacity]
-    self._placed: dict[int, tuple[TokenAutomaton, tuple[int, int, int]]] = {}
+    self._placed: dict[object, tuple[TokenAutomaton, tuple[int, int, int]]] = {}
 
   def initial(self, automaton: TokenAutomaton) -> int | None:
     """The automaton's initial state in the pool, if it is placed."""
-    hit = self._placed.get(id(automaton))
+    hit = self._placed.get(automaton.identity)
     return None if hit is None else hit[1][0] + automaton.initial
 
   def place(self, automaton: TokenAutomaton, in_use) -> bool | None:
     """Places `automaton` unless it is; evicts placed automata whose ids are not in `in_use`
     (first placed first) while it does not fit. True: placed now (upload `pool`); False:
     already placed; None: no room while the others stay in use (nothing changed)."""
-    if id(automaton) in self._placed:
+    if automaton.identity in self._placed:
       return False
     need = (automaton.num_states, automaton.masks.shape[0], automaton.tokens.shape[0])
     while True:
@@ -76,7 +76,7 @@ class GrammarPlacer:
         return None
       self._evict(idle)
     self._write(automaton, taken)
-    self._placed[id(automaton)] = (automaton, tuple(taken))
+    self._placed[automaton.identity] = (automaton, tuple(taken))
     return True
 
   def _evict(self, key: int) -> None:

@@ -532,13 +532,13 @@ class LiveQueue:
         grammar = t.request.params.grammar
         if grammar is not None:
           if in_use is None:   # the automata of the requests on the device stay where they are
-            in_use = {id(u.request.params.grammar) for u in self.ledger.tracked.values()
+            in_use = {u.request.params.grammar.identity for u in self.ledger.tracked.values()
                       if u.base >= 0 and u.request.params.grammar is not None}
           done = self._grammars.place(grammar, in_use)
           if done is None:
             break   # no room in the grammar pool until a request using another one ends
           placed |= done
-          in_use.add(id(grammar))
+          in_use.add(grammar.identity)
         self.ledger.free[base:base + t.n] = False
         t.base, t.entry = base, self.ledger.dispatched
         self.ledger.waiting.popleft()

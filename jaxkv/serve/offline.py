@@ -35,7 +35,7 @@ def _progress(ls) -> dict:
 def serve_queue(engine, requests, on_progress, grammars) -> list[Completion]:
   """Serves checked `requests` (in admission order) on `engine.core`; the completions.
 
-  `grammars` is `(pool, {id(automaton): initial state})` of the requests' automata
+  `grammars` is `(pool, {automaton.identity: initial state})` of the requests' automata
   (`Engine.pack_grammars`). Updates `engine.stats` and `engine.completions` as entries
   finish (`Engine.run` documents the contract: failures raise `EngineError` with what
   finished).
@@ -47,7 +47,7 @@ def serve_queue(engine, requests, on_progress, grammars) -> list[Completion]:
                           max_len=engine.max_len, max_stop=engine.max_stop,
                           num_logprobs=engine.max_logprobs, grammar=pool,
                           grammar_starts=[-1 if r.params.grammar is None
-                                          else initial[id(r.params.grammar)] for r in requests])
+                                          else initial[r.params.grammar.identity] for r in requests])
   # Queue and output rows are padded to powers of two (the output's token axis is
   # `max_len`), so the loop compiles once per size class, not once per queue.
   core.start(host_queue)

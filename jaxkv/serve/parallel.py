@@ -66,10 +66,11 @@ class DataParallelEngine:
     engines = list(engines)
     if not engines or not all(isinstance(e, Engine) for e in engines):
       raise ValueError(f"engines={engines!r} must be a non-empty sequence of Engine")
-    alike = lambda e: (e.max_len, e.vocab_size, e.max_stop, e.max_logprobs, e.config.max_seqs)
+    alike = lambda e: (e.max_len, e.vocab_size, e.max_stop, e.max_logprobs, e.config.max_seqs,
+                       e.grammar_pool)
     if len({alike(e) for e in engines}) != 1:
-      raise ValueError("engines differ in max_len, vocab_size, max_stop_tokens, max_logprobs "
-                       f"or max_seqs: {[alike(e) for e in engines]}")
+      raise ValueError("engines differ in max_len, vocab_size, max_stop_tokens, max_logprobs, "
+                       f"max_seqs or grammar_pool: {[alike(e) for e in engines]}")
     group = cls.__new__(cls)
     group.devices = [e.device for e in engines]
     group.engines, group.completions = engines, []
@@ -92,6 +93,7 @@ class DataParallelEngine:
   vocab_size = property(lambda self: self.engines[0].vocab_size)
   max_stop = property(lambda self: self.engines[0].max_stop)
   max_logprobs = property(lambda self: self.engines[0].max_logprobs)
+  grammar_pool = property(lambda self: self.engines[0].grammar_pool)
   implementations = property(lambda self: self.engines[0].implementations)
   gemm = property(lambda self: self.engines[0].gemm)
 

@@ -19,8 +19,9 @@ from jaxkv.structured.automaton import TokenAutomaton
 def default_capacity(vocab_size: int) -> tuple[int, int, int]:
   """An engine's pool by default: `(states, distinct masks, transitions)`. A JSON schema
   takes tens to hundreds of states and masks, and each of its free-text states most of the
-  vocabulary's transitions: room for about 16 such states, at most 2M transitions."""
-  return 4096, 256, min(1 << 21, 16 * vocab_size)
+  vocabulary's transitions: room for about 16 such states (at least 16k transitions, at
+  most 2M)."""
+  return 4096, 256, min(1 << 21, max(1 << 14, 16 * vocab_size))
 
 # A row whose sampled token left its automaton (it cannot happen with the mask applied): it
 # may only draw a stop token from then on.

@@ -88,3 +88,11 @@ def token_bytes(tokenizer) -> list[bytes | None]:
     return out
   raise ValueError(f"structured output: the tokenizer's decoder {kinds or model!r} is not one "
                    "whose token bytes jaxkv can read (byte-level, Metaspace or word-level)")
+
+
+def model_token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+  """`token_bytes` sized to a model of `vocab_size` logits: ids the tokenizer lacks (a model's
+  padded rows) are None (never allowed by a text grammar); ids past the model are dropped
+  (never sampled)."""
+  out = token_bytes(tokenizer)[:vocab_size]
+  return out + [None] * (vocab_size - len(out))
