@@ -259,3 +259,26 @@ def test_bounded_numbers_admit_only_numbers_in_range():
         assert valid or not admitted, (node, text)
         assert admitted or not valid or text.startswith("-0"), (node, text)
   assert checked > 150
+
+
+def test_the_process_compiler_caches_refuses_and_kills_a_compile_past_its_timeout(cache):
+  from jaxkv.http.structured import JSON_OBJECT_REGEX   # pylint: disable=g-import-not-at-top
+  from jaxkv.structured import worker   # pylint: disable=g-import-not-at-top
+  pc = worker.ProcessCompiler(VOCAB, timeout=120)
+  try:
+    a = pc.compile("regex", r"x[0-9]{1,3}")
+    assert pc.compile("regex", r"x[0-9]{1,3}") is a and pc.compiles == 1
+    b = cache.compile("regex", r"x[0-9]{1,3}")   # the same tables as compiled here
+    for name in ("final", "mask_of", "masks", "start", "count", "tokens", "next"):
+      assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.identity == b.identity
+    with pytest.raises(ValueError, match="cannot be compiled for this vocabulary"):
+      pc.compile("regex", "\u00e9+")
+    pc.timeout = 0.2   # any JSON object compiles for seconds here: killed with its process
+    with pytest.raises(worker.CompileTimeout, match="did not compile within 0.2 s"):
+      pc.compile("regex", JSON_OBJECT_REGEX.replace("[ ]?", "[ \\n]*"))
+    assert pc._child is None   # pylint: disable=protected-access
+    pc.timeout = 120
+    assert pc.compile("regex", r"y[0-9]").num_states == 3 and pc.compiles == 2   # a new child
+  finally:
+    pc.close()
