@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
 import sys
 import textwrap
@@ -129,6 +130,15 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--chat-template", default=None, metavar="FILE_OR_NAME",
                  help="the chat template: a file of Jinja text, or a template name of the "
                       "checkpoint's set (default: the checkpoint's default template)")
+  r.add_argument("--tool-call-parser", default="auto",
+                 choices=["auto", "none", "llama3_json", "mistral", "hermes"],
+                 help="how tool calls are read out of text for tool_choice=auto: a format, "
+                      "'none' (tool_choice=auto is refused), or 'auto' (default: the model "
+                      "family's: llama3_json for Llama, mistral for Mistral, hermes for "
+                      "Qwen2/3; none for Gemma 3)")
+  r.add_argument("--grammar-compile-timeout", type=float, default=60.0,
+                 help="seconds a structured-output schema may take to compile; a longer one "
+                      "gets 400 naming its field (default 60)")
   r.add_argument("--implementation", choices=["reference", "mosaic_gpu", "interpret"],
                  default=None, help="attention implementation (default: automatic)")
   r.add_argument("--max-logprobs", type=int, default=None,
@@ -223,6 +233,8 @@ def _check_args(args) -> str | None:
     return f"--shutdown-timeout={args.shutdown_timeout} must be >= 0"
   if args.stats_interval < 0:
     return f"--stats-interval={args.stats_interval} must be >= 0"
+  if not args.grammar_compile_timeout > 0:
+    return f"--grammar-compile-timeout={args.grammar_compile_timeout} must be > 0"
   if args.api_key is not None and not args.api_key:
     return "--api-key must not be empty"
   return _port_taken(args.host, args.port)
@@ -244,6 +256,19 @@ def _port_taken(host: str, port: int) -> str | None:
     except OSError as e:
       return f"--port={port}: cannot listen on {host}:{port}: {e.strerror or e}"
   return None
+
+
+def _tool_call_parser(choice: str, checkpoint: str) -> str | None:
+  """`--tool-call-parser`'s parser name (None: none), "auto" read from config.json's model_type."""
+  if choice != "auto":
+    return None if choice == "none" else choice
+  from jaxkv.http.tools import FAMILY_PARSERS   # pylint: disable=g-import-not-at-top
+  try:
+    with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+      family = json.load(f).get("model_type")
+  except (OSError, ValueError, AttributeError):
+    return None
+  return FAMILY_PARSERS.get(family)
 
 
 def serve(args) -> int:
@@ -306,7 +331,9 @@ def serve(args) -> int:
                   allowed_origins=[o.strip() for o in (args.allowed_origins or "").split(",")
                                    if o.strip()],
                   max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
-                  chat_template=chat_template)
+                  chat_template=chat_template,
+                  tool_call_parser=_tool_call_parser(args.tool_call_parser, args.checkpoint),
+                  grammar_compile_timeout=args.grammar_compile_timeout)
   aio_args = dict(interval=args.interval, min_interval=args.min_interval,
                   stepping=args.stepping)
   app = create_app(engine, tokenizer, **aio_args, **app_args, on_shutdown=lambda: close())

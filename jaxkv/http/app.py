@@ -30,12 +30,16 @@ from jaxkv.http.logprobs import LogprobFormatter
 from jaxkv.http.metrics import Metrics
 from jaxkv.http.schema import (ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                unsupported_field)
+from jaxkv.http.structured import Constraint, constraint_of
+from jaxkv.http.tools import PARSERS, StreamedCalls, split_calls, tool_call, tools_of
 from jaxkv.http.tasks import Drain, Draining, disconnected, log_stats, off_loop, until
 from jaxkv.serve.aio import AsyncEngine
 from jaxkv.serve.engine import Engine
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.scoring import PromptScorer
 from jaxkv.serve.requests import Request as EngineRequest
+from jaxkv.structured.vocab import model_token_bytes
+from jaxkv.structured.worker import CompileTimeout, ProcessCompiler
 from jaxkv.tokenizer import TextStream, Tokenizer
 
 
@@ -91,7 +95,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                allowed_origins: list[str] | None = None, max_body_bytes: int = 32 * 2**20,
                max_prompts: int = 1024, on_shutdown: Callable[[], None] | None = None,
                chat_template: str | None = None, stepping: str = "entries",
-               client=None) -> FastAPI:
+               client=None, tool_call_parser: str | None = None,
+               grammar_compile_timeout: float = 60.0) -> FastAPI:
   """The app serving `engine` (a `jaxkv.serve.Engine`) with `tokenizer`'s text and chat I/O.
 
   `interval`, `min_interval` and `stepping` are the `AsyncEngine`'s (steps per entry
@@ -109,7 +114,14 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   replaces the checkpoint's default chat template. `client` serves the requests in
   place of an `AsyncEngine` over `engine` (a front process's `fronts.RemoteEngine`, with
   `engine` its `fronts.EngineView`); the stepping arguments are then the host's.
+  `tool_call_parser` (a name of `tools.PARSERS`, or None: `tool_choice: "auto"` is refused)
+  reads tool calls out of free text. A structured-output spec compiles in a child process
+  (`ProcessCompiler`), at most `grammar_compile_timeout` seconds (a 400 naming the field
+  after that).
   """
+  if tool_call_parser is not None and tool_call_parser not in PARSERS:
+    raise ValueError(f"tool_call_parser={tool_call_parser!r} must be one of {sorted(PARSERS)}")
+  parser = None if tool_call_parser is None else PARSERS[tool_call_parser]
   for name, value in (("max_queued", max_queued), ("max_queued_tokens", max_queued_tokens),
                       ("max_body_bytes", max_body_bytes),
                       ("max_prompts", max_prompts)):
@@ -131,6 +143,27 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
   scoring = (engine if isinstance(engine, Engine) else engine.engines[0]
              if isinstance(engine, DataParallelEngine) else None)
   scorers: list[PromptScorer] = []   # made on the first request that asks
+  compilers: list[ProcessCompiler] = []   # made on the first constrained request
+
+  async def grammar_of(constraint: Constraint | None):
+    """The compiled automaton of a request's constraint (None: none), off the event loop."""
+    if constraint is None:
+      return None
+    field = constraint.field
+
+    def compiled():
+      if not compilers:
+        compilers.append(ProcessCompiler(
+            model_token_bytes(tokenizer, engine.vocab_size),
+            max_transitions=engine.grammar_pool[2], timeout=grammar_compile_timeout))
+      return compilers[0].compile(constraint.kind, constraint.value)
+    try:
+      return await asyncio.to_thread(compiled)
+    except CompileTimeout as e:
+      raise BadRequest(f"{field}: {e} (the server's --grammar-compile-timeout); a smaller schema "
+                       "compiles faster", param=field) from e
+    except ValueError as e:
+      raise BadRequest(f"{field}: {public_message(e)}", param=field) from e
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
@@ -142,6 +175,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       logger.cancel()
     drain.report()
     await asyncio.to_thread(aio.close, 60.0)   # the driver thread ends with the app
+    for c in compilers:
+      c.close()
     if on_shutdown is not None:
       on_shutdown()
 
@@ -222,8 +257,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     if body.messages is not None:
       ids = encode_or_refuse(lambda: tokenizer.encode_chat(
           [m.for_template() for m in body.messages],
-          add_generation_prompt=body.add_generation_prompt, chat_template=chat_template),
-          "messages")
+          add_generation_prompt=body.add_generation_prompt, chat_template=chat_template,
+          tools=body.tools or None), "messages")
     else:
       ids = encode_or_refuse(lambda: tokenizer.encode(body.prompt,
                                              add_special_tokens=body.add_special_tokens), "prompt")
@@ -258,23 +293,36 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         raise BadRequest(f"the prompt has {len(prompt)} tokens; max_len={engine.max_len} "
                          "leaves none to generate", param=prompt_field)
 
-  def build(body, prompts: list[list[int]], chat: bool) -> list[EngineRequest]:
+  def build(body, prompts: list[list[int]], chat: bool, grammar=None,
+            constraint: Constraint | None = None) -> list[EngineRequest]:
     max_tokens, limit_field = body.output_limit()
     check_prompts(prompts, "messages" if chat else "prompt")
+    if grammar is not None:   # what a constrained output cannot be combined with
+      for name, clash in (("min_tokens", body.min_tokens > 0),
+                          ("allowed_token_ids", body.allowed_token_ids is not None),
+                          ("ignore_eos", body.ignore_eos and not body.stop_token_ids)):
+        if clash:
+          raise BadRequest(f"{name} cannot be combined with {constraint.field}: the constraint "
+                           "decides the tokens and where the output ends (with a stop token)",
+                           param=name)
     out = []
     for prompt in prompts:
       limit = max_tokens if max_tokens is not None else engine.max_len - len(prompt)
       try:
-        params = body.sampling(max_tokens=limit, stop_ids=tokenizer.eos_ids)
+        params = body.sampling(max_tokens=limit, stop_ids=tokenizer.eos_ids, grammar=grammar)
         request = EngineRequest(tuple(prompt), params)
         engine.check(request)
       except (ValueError, TypeError) as e:
+        if "grammar" in public_message(e).split(":")[0]:   # the automaton does not fit the pool
+          raise BadRequest(f"{constraint.field}: {public_message(e)}",
+                           param=constraint.field) from e
         raise engine_refusal(e, chat=chat, limit_field=limit_field,
                               limit_given=max_tokens is not None) from e
       out.append(request)
     return out
 
-  async def serve(http: Request, requests, body, chat: bool) -> tuple[list, list, dict]:
+  async def serve(http: Request, requests, body, chat: bool,
+                  tools=None) -> tuple[list, list, dict]:
     """Adds every request (all or none); returns its ids, samples and an event stream."""
     arrived = time.perf_counter()
     # A request no queue could ever take is the request's fault (413), not the server's (503).
@@ -305,6 +353,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     metrics.accepted(own)
     stop = body.stop or []
     include_stop, skip_special_tokens = body.include_stop_str_in_output, body.skip_special_tokens
+    if tools is not None and tools.mode == "auto" and parser.needs_special_tokens:
+      skip_special_tokens = False   # the parser's marker is a special token
     samples = [[_Sample(tokenizer, stop, arrived,
                         None if r.params.logprobs is None else LogprobFormatter(
                             tokenizer, chat=chat, as_ids=body.return_tokens_as_token_ids),
@@ -460,8 +510,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     return StreamingResponse(events(), media_type="text/event-stream")
 
   async def respond(http, body, requests, *, chat: bool, echoed: list[str] | None = None,
-                    scored: _Scored | None = None):
-    ids, samples, _ = await serve(http, requests, body, chat)
+                    scored: _Scored | None = None, tools=None):
+    ids, samples, _ = await serve(http, requests, body, chat, tools)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     n = body.n
     head = {"id": rid, "created": int(time.time()), "model": model_name}
@@ -471,7 +521,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         for i in range(len(requests))]
     if body.stream:
       return StreamingResponse(_sse(head, ids, samples, requests, body, chat=chat, echoed=echoed,
-                                    firsts=firsts), media_type="text/event-stream")
+                                    firsts=firsts, tools=tools), media_type="text/event-stream")
     texts = [[echoed[i] if echoed else ""] * n for i in range(len(requests))]
     lps = [[[firsts[i][j]["logprobs"]] if "logprobs" in firsts[i][j] else [] for j in range(n)]
            for i in range(len(requests))]
@@ -498,8 +548,15 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         logprobs = (None if samples[i][j].logprobs is None
                     else LogprobFormatter.merge(lps[i][j], chat=chat))
         if chat:
+          message = {"role": "assistant", "content": texts[i][j]}
+          if tools is not None and tools.mode != "none":
+            content, calls = split_calls(tools, parser, texts[i][j])
+            if calls:
+              message = {"role": "assistant", "content": content or None,
+                         "tool_calls": [tool_call(name, args) for name, args in calls]}
+              reason = "tool_calls" if tools.mode != "named" and reason == "stop" else reason
           choice = {"index": i * n + j, "finish_reason": reason, "logprobs": logprobs,
-                    "message": {"role": "assistant", "content": texts[i][j]}}
+                    "message": message}
         else:
           choice = {"index": i * n + j, "text": texts[i][j], "finish_reason": reason,
                     "logprobs": logprobs}
@@ -512,7 +569,7 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
                     media_type="application/json")
 
   async def _sse(head, ids, samples, requests, body, *, chat: bool,
-                 echoed: list[str] | None = None, firsts: list[list[dict]]):
+                 echoed: list[str] | None = None, firsts: list[list[dict]], tools=None):
     kind = "chat.completion.chunk" if chat else "text_completion"
     n = body.n
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -529,6 +586,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       yield chunk([{"index": i * n + j, "text": echoed[i] if echoed else "",
                     "finish_reason": None, "logprobs": None} | firsts[i][j]
                    for i in range(len(requests)) for j in range(n)])
+    calls = ({} if tools is None or tools.mode == "none" else
+             {(i, j): StreamedCalls(tools, parser) for i in range(len(requests)) for j in range(n)})
     gen = events(ids, samples)
     try:
       async for i, j, text, finish, logprobs in gen:
@@ -536,7 +595,12 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         if not text and finish is None and not has_tokens:
           continue
         finish = "stop" if finish == "abort" else finish
-        if chat:
+        if chat and calls:   # content and tool calls, as the tool mode splits them
+          delta, finish = calls[i, j].push(text, finish)
+          if delta is not None or finish is not None or has_tokens:
+            yield chunk([{"index": i * n + j, "delta": delta or {}, "finish_reason": finish,
+                          "logprobs": logprobs}])
+        elif chat:
           yield chunk([{"index": i * n + j, "delta": {"content": text} if text else {},
                         "finish_reason": finish, "logprobs": logprobs}])
         else:
@@ -577,7 +641,9 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
       if not body.echo:
         raise BadRequest("max_tokens=0 generates nothing; it needs echo=true", param="max_tokens")
       return echo_only(body, prompts, echoed, await score(body, prompts))
-    requests = build(body, prompts, chat=False)   # every refusal before the scoring runs
+    constraint = constraint_of(body, body.model_extra or {})
+    requests = build(body, prompts, chat=False, grammar=await grammar_of(constraint),
+                     constraint=constraint)   # every refusal before the scoring runs
     return await respond(http, body, requests, chat=False, echoed=echoed,
                          scored=await score(body, prompts))
 
@@ -586,13 +652,24 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
     check_model(body)
     messages = [m.for_template() for m in body.messages]
     check_text(messages, "messages")
+    tools = tools_of(body.tools, body.tool_choice, body.parallel_tool_calls, tool_call_parser)
+    constraint = constraint_of(body, body.model_extra or {})
+    schema = None if tools is None else tools.schema()
+    if schema is not None:
+      if constraint is not None:
+        raise BadRequest(f"tool_choice={body.tool_choice!r} and {constraint.field} both "
+                         "constrain the output; give one", param=constraint.field)
+      constraint = Constraint("tools", "json", schema)
     size = sum(len(str(m.get("content", ""))) for m in messages)
     prompt = await off_loop(size, lambda: encode_or_refuse(lambda: tokenizer.encode(
         tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt,
-                              chat_template=chat_template, **(body.chat_template_kwargs or {})),
+                              chat_template=chat_template, tools=body.tools or None,
+                              **(body.chat_template_kwargs or {})),
         add_special_tokens=False, max_tokens=engine.max_len - 1), "messages"))
-    requests = build(body, [prompt], chat=True)   # every refusal before the scoring runs
-    return await respond(http, body, requests, chat=True, scored=await score(body, [prompt]))
+    grammar = await grammar_of(constraint)
+    requests = build(body, [prompt], chat=True, grammar=grammar, constraint=constraint)
+    return await respond(http, body, requests, chat=True, scored=await score(body, [prompt]),
+                         tools=tools)
 
   return app
 

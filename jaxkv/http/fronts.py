@@ -39,7 +39,8 @@ def engine_info(engine) -> dict:
   return {"capacity": engine.capacity, "max_len": engine.max_len,
           "limits": dict(vocab_size=one.vocab_size, max_len=one.max_len,
                          max_seqs=one.config.max_seqs, capacity=one.config.capacity,
-                         max_stop_tokens=one.max_stop, max_logprobs=one.max_logprobs)}
+                         max_stop_tokens=one.max_stop, max_logprobs=one.max_logprobs,
+                         grammar_room=one.grammar_pool)}
 
 
 class _Stats:
@@ -55,6 +56,7 @@ class EngineView:
   def __init__(self, info: dict):
     self.capacity, self.max_len = info["capacity"], info["max_len"]
     self._limits = info["limits"]
+    self.vocab_size, self.grammar_pool = self._limits["vocab_size"], self._limits["grammar_room"]
     self._counts, self.waiting_tokens, self.held = (0, 0), 0, 0
     self.stats = _Stats()
 

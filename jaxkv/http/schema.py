@@ -3,8 +3,10 @@
 Unknown fields are accepted (the app logs each name once), as vLLM accepts
 them: clients send fields such as `store`, `metadata` or `reasoning_effort`
 whose absence changes nothing here. OpenAI parameters whose meaning would
-change the output if ignored are refused by name: `best_of != n`, `suffix`,
-tools, response formats and images; `logit_bias` is OpenAI's and
+change the output if ignored are refused by name: `best_of != n`, `suffix`
+and images. `response_format`, vLLM's `structured_outputs` and `guided_*` fields constrain
+the output (`structured.py`), and `tools` with `tool_choice` call functions (`tools.py`);
+`logit_bias` is OpenAI's and
 `allowed_token_ids` vLLM's (at most `MAX_LOGIT_BIAS` tokens each). `echo` prepends
 the prompt, and with `max_tokens: 0` returns it alone; with `logprobs` the
 prompt's tokens come with theirs (`PromptScorer`). Logprobs
@@ -28,6 +30,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, field
                       model_validator)
 from pydantic import ValidationInfo
 
+from jaxkv.http.structured import FIELDS as CONSTRAINT_FIELDS
+from jaxkv.http.tools import message_for_template
 from jaxkv.serve.requests import SamplingParams
 
 # Strict numbers: JSON numbers only (an int is a float; a bool or a string is neither).
@@ -44,8 +48,6 @@ def _sampling_check(name: str, value):
 # OpenAI parameters this server cannot honour: refused when set (truthy), with these messages.
 _REFUSED = {
     "suffix": "suffix is not supported",
-    "tools": "tools are not supported",
-    "response_format": "response_format is not supported (only text)",
 }
 
 
@@ -53,16 +55,10 @@ _REFUSED = {
 # a request sets is refused with 400 naming it (`unsupported_field`), never accepted and ignored.
 _NO_EFFECT = {
     "metadata",             # tags for stored completions; nothing is stored
-    "parallel_tool_calls",  # tools are refused, so there are no tool calls to run in parallel
     "service_tier",         # one tier
 }
 # Known vLLM/OpenAI fields this server does not implement yet, and why (the rest: "unknown").
 _NOT_YET = {
-    "guided_json": "structured output is not supported yet",
-    "guided_choice": "structured output is not supported yet",
-    "guided_regex": "structured output is not supported yet",
-    "guided_grammar": "structured output is not supported yet",
-    "structured_outputs": "structured output is not supported yet",
     "reasoning_effort": "reasoning_effort is not supported (the model's template decides)",
     "store": "store=true is not supported: this server does not store completions",
 }
@@ -72,7 +68,7 @@ def unsupported_field(extra: dict) -> tuple[str, str] | None:
   """`(field, message)` of the first field of `extra` (a request's fields outside the schema)
   that this server would otherwise ignore, or None."""
   for name in sorted(extra):
-    if name in _NO_EFFECT or (name == "store" and not extra[name]):
+    if name in _NO_EFFECT or name in CONSTRAINT_FIELDS or (name == "store" and not extra[name]):
       continue
     return name, _NOT_YET.get(name, f"{name} is not a field this server knows")
   return None
@@ -135,6 +131,7 @@ class _Common(BaseModel):
   skip_special_tokens: StrictBool = True
   prompt_logprobs: Int | None = Field(default=None, ge=0)   # vLLM's: the prompt tokens' top n
   allowed_token_ids: list[Int] | None = None   # vLLM's: only these may be drawn
+  response_format: dict | None = None   # read by `structured.constraint_of`
 
   @field_validator("stop", mode="plain")
   @classmethod
@@ -181,7 +178,15 @@ class _Common(BaseModel):
       return self.max_completion_tokens, "max_completion_tokens"
     return self.max_tokens, "max_tokens"
 
-  def sampling(self, *, max_tokens: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+  @field_validator("response_format")
+  @classmethod
+  def _format(cls, v):
+    if v is not None and not isinstance(v.get("type"), str):
+      raise ValueError("response_format needs a type (text, json_object or json_schema)")
+    return v
+
+  def sampling(self, *, max_tokens: int, stop_ids: tuple[int, ...],
+               grammar=None) -> SamplingParams:
     ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else stop_ids)
     return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
                           top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
@@ -191,7 +196,7 @@ class _Common(BaseModel):
                           frequency_penalty=self.frequency_penalty,
                           logprobs=self.num_logprobs(), min_tokens=self.min_tokens,
                           logit_bias=self.logit_bias or (),
-                          allowed_token_ids=self.allowed_token_ids)
+                          allowed_token_ids=self.allowed_token_ids, grammar=grammar)
 
 
 class CompletionRequest(_Common):
@@ -246,32 +251,18 @@ class ChatMessage(BaseModel):
     out = self.model_dump(exclude_none=True)
     if isinstance(self.content, list):
       out["content"] = "".join(p.text for p in self.content)
-    return out
+    return message_for_template(out)
 
 
 class ChatRequest(_Common):
   messages: list[ChatMessage] = Field(min_length=1)
   add_generation_prompt: StrictBool = True
   chat_template_kwargs: dict[str, Any] | None = None   # passed to the template (enable_thinking)
-  tools: list | None = None
+  tools: list | None = None          # checked by `tools.tools_of`
   tool_choice: Union[str, dict, None] = None
-  response_format: dict | None = None
+  parallel_tool_calls: StrictBool = True
   logprobs: StrictBool = False
   top_logprobs: Int | None = Field(default=None, ge=0)
-
-  _refused_here = field_validator("tools")(_refuse_if_set)
-
-  @field_validator("tool_choice")
-  @classmethod
-  def _no_tool_choice(cls, v):
-    _refuse("tools", v not in (None, "none"))
-    return v
-
-  @field_validator("response_format")
-  @classmethod
-  def _text_only(cls, v):
-    _refuse("response_format", bool(v) and v.get("type") != "text")
-    return v
 
   @field_validator("chat_template_kwargs")
   @classmethod
@@ -299,6 +290,7 @@ class TokenizeRequest(BaseModel):
   model: str | None = None
   prompt: str | None = None
   messages: list[ChatMessage] | None = None
+  tools: list | None = None   # with messages: passed to the template, as chat completions do
   add_special_tokens: StrictBool = True
   add_generation_prompt: StrictBool = True
 

@@ -81,7 +81,6 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
   for name, value, fragment in (("made_up_field", [1, 2], "made_up_field is not a field"),
                                 ("reasoning_effort", "low", "reasoning_effort is not supported"),
                                 ("store", True, "does not store completions"),
-                                ("guided_json", {"type": "object"}, "structured output"),
                                 ("bad_words", ["x"], "bad_words is not a field")):
     for path, body in (("/v1/chat/completions", {"messages": HI}),
                        ("/v1/completions", {"prompt": "Hi"})):
@@ -90,10 +89,6 @@ def test_fields_that_change_nothing_are_accepted_and_unknown_ones_refused_by_nam
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {
-        "name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}},
-     "response_format"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "suffix"),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(url, path, body, param):
