@@ -56,7 +56,8 @@ def _text(vocab, tokens) -> str:
 
 
 def _params(grammar, **kw):
-  return serve.SamplingParams(max_tokens=120, stop_tokens=(EOS,), grammar=grammar, **kw)
+  return serve.SamplingParams(**{"max_tokens": 120, "stop_tokens": (EOS,), "grammar": grammar}
+                              | kw)
 
 
 def _check(kind, value, text):
@@ -181,3 +182,23 @@ def test_grammar_refusals_name_the_field_and_change_nothing(setup):
   with pytest.raises(ValueError, match="grammar_pool=.* must be"):
     serve.Engine(engine.core.graphdef and hf.load_model(FIXTURE, capacity=64, max_seqs=1,
                                                         max_write=8)[0], grammar_pool=(1, 0, 1))
+
+
+def test_preempted_and_prefix_cached_requests_keep_their_grammar_state(setup):
+  """Paged storage too small for four constrained requests at once: the latest admitted are
+  preempted and recomputed, and shared prompt pages come from the prefix cache; every output
+  equals the column engine's and matches its grammar."""
+  engine, tok, vocab, cache = setup
+  model, _, _ = hf.load_model(FIXTURE, capacity=96, max_seqs=4, max_write=16, page_size=8)
+  paged = serve.Engine(model, max_len=96, grammar_pool=POOL, max_steps=8, prefix_cache=True)
+  prompt = tuple(tok.encode("one prompt for all"))
+  specs = [("json", SCHEMA), ("regex", REGEX), ("json", SCHEMA), ("choice", CHOICES)] * 2
+  requests = [serve.Request(prompt, _params(cache.compile(k, v), temperature=0.9, seed=i,
+                                            max_tokens=70), request_id=i)
+              for i, (k, v) in enumerate(specs)]
+  want = {c.request_id: c.tokens for c in engine.run(requests)}
+  got = {c.request_id: c.tokens for c in paged.run(requests)}
+  assert got == want
+  assert paged.stats.preemptions > 0 and paged.stats.cached_tokens > 0
+  for (kind, value), r in zip(specs, requests):
+    _check(kind, value, _text(vocab, got[r.request_id][:-1]))
