@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import fp8
+
 
 def static_validate_kv_pair(k, v, *, names=("k_cache", "v_cache"), layout="[R, C, K, D]"):
   """A K and a V store of one 4-d shape and one dtype; raises ValueError naming them."""
@@ -45,7 +47,8 @@ def static_validate_kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_t
     raise ValueError(f"n_tokens must be a scalar; got shape {jnp.shape(n_tokens)}")
 
 
-def kv_write_reference(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens):
+def kv_write_reference(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
+                       k_scale=None, v_scale=None):
   """Sets `cache[rows[t], seq_cols[t]] = new[t]` (cast) for `t < n_tokens`.
 
   Args:
@@ -53,30 +56,36 @@ def kv_write_reference(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens)
     k_new, v_new: `[T, K, D]` new K/V of the step's tokens (any float dtype).
     seq_cols, rows: `[T]` int32 column and row of each token.
     n_tokens: int32 scalar; tokens `n_tokens..T-1` are padding and not written.
+    k_scale, v_scale: fp8 caches only (else None): `[K]` float32 per-head scales
+      the new K/V are quantised with (`fp8.quantize`; the caller chooses them,
+      `fp8.update_scale`).
 
   Returns:
     `(k_cache, v_cache)` updated.
   """
   static_validate_kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens)
+  fp8.static_validate_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
   is_real = jnp.arange(k_new.shape[0], dtype=jnp.int32) < n_tokens
   # Padded tokens get an out-of-range row and are dropped: nothing is written.
   rows = jnp.where(is_real, rows, k_cache.shape[0])
-  k_cache = k_cache.at[rows, seq_cols].set(k_new.astype(k_cache.dtype), mode="drop")
-  v_cache = v_cache.at[rows, seq_cols].set(v_new.astype(v_cache.dtype), mode="drop")
+  k_cache = k_cache.at[rows, seq_cols].set(fp8.store_as(k_new, k_cache.dtype, k_scale), mode="drop")
+  v_cache = v_cache.at[rows, seq_cols].set(fp8.store_as(v_new, v_cache.dtype, v_scale), mode="drop")
   return k_cache, v_cache
 
 
-def kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, config=None,
-             interpret=False):
+def kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, k_scale=None,
+             v_scale=None, config=None, interpret=False):
   """The Mosaic GPU write kernel; same arguments and result as the reference.
 
   Raises:
     NotImplementedError: for a valid request the kernel cannot serve.
   """
   static_validate_kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens)
+  fp8.static_validate_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
   from pallas_kernels import kv_write_sm90   # pylint: disable=g-import-not-at-top
   return kv_write_sm90.kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows,
-                                     n_tokens, config=config, interpret=interpret)
+                                     n_tokens, k_scale=k_scale, v_scale=v_scale,
+                                     config=config, interpret=interpret)
 
 
 def check_kv_write(k_cache, *, config=None) -> None:

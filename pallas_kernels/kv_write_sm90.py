@@ -24,6 +24,7 @@ import numpy as np
 
 from pallas_kernels import _compat
 from pallas_kernels import config as config_lib
+from pallas_kernels import fp8
 from pallas_kernels.common import SUPPORTED_KV_DTYPES
 
 _TMA_MAX_BOX = 256
@@ -63,7 +64,8 @@ def static_check(k_cache, *, block_heads):
   """Raises NotImplementedError for valid requests this kernel cannot serve."""
   _, _, num_kv_heads, head_dim = k_cache.shape
   dtype = np.dtype(k_cache.dtype)
-  if dtype not in SUPPORTED_KV_DTYPES:
+  # fp8 rows are quantised by XLA before the kernel (`fp8.store_as`): it moves bytes only.
+  if dtype not in SUPPORTED_KV_DTYPES and not fp8.is_fp8(dtype):
     raise NotImplementedError(f"kv dtype {dtype} is not supported")
   if (head_dim * dtype.itemsize) % 16 or head_dim > _TMA_MAX_BOX:
     raise NotImplementedError(f"{head_dim=} rows of {dtype} must be a multiple of 16 "
@@ -85,18 +87,20 @@ def check_request(k_cache, *, config=None) -> int:
 
 
 def run_write(kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, extra=(), *,
-              block_heads, interpret):
+              block_heads, interpret, k_scale=None, v_scale=None):
   """Runs a write kernel with this file's anatomy; call it under `jax.jit`.
 
   `kernel` takes `_kv_write_kernel`'s refs with the `extra` int32 inputs between
-  `kv_new_ref` and the caches (`block_heads` is bound here).
+  `kv_new_ref` and the caches (`block_heads` is bound here). `k_scale`, `v_scale`:
+  an fp8 cache's per-head scales (`fp8.quantize`), else None.
   """
   num_tokens, num_kv_heads, head_dim = k_new.shape
   dtype = k_cache.dtype
-  # The cast (round to nearest even, like the reference's astype) and the stack are
-  # one XLA fusion with whatever produced K and V (RoPE, the projection's slices);
-  # the kernel then moves bytes only.
-  kv_new = jnp.stack([k_new.astype(dtype), v_new.astype(dtype)], axis=1)
+  # The cast (round to nearest even, like the reference's astype; for fp8 the
+  # reference's quantisation) and the stack are one XLA fusion with whatever
+  # produced K and V (RoPE, the projection's slices); the kernel then moves bytes only.
+  kv_new = jnp.stack([fp8.store_as(k_new, dtype, k_scale), fp8.store_as(v_new, dtype, v_scale)],
+                     axis=1)
   k_ref = jax.new_ref(k_cache, memory_space=plgpu.GMEM)
   v_ref = jax.new_ref(v_cache, memory_space=plgpu.GMEM)
   plgpu.kernel(
@@ -113,19 +117,21 @@ def run_write(kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, 
 
 
 @functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
-def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *, block_heads,
-              interpret):
+def _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, k_scale=None,
+              v_scale=None, *, block_heads, interpret):
   return run_write(_kv_write_kernel, k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens,
-                   block_heads=block_heads, interpret=interpret)
+                   block_heads=block_heads, interpret=interpret, k_scale=k_scale,
+                   v_scale=v_scale)
 
 
 def kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
-                  config=None, interpret=False):
+                  k_scale=None, v_scale=None, config=None, interpret=False):
   """Sets `cache[rows[t], seq_cols[t]] = new[t]` (cast) for `t < n_tokens`, in place.
 
   Args:
-    k_cache, v_cache: `[R, C, K, D]` caches (bf16, fp16 or fp32); donate them at
-      the enclosing jit boundary for a true in-place update.
+    k_cache, v_cache: `[R, C, K, D]` caches (bf16, fp16, fp32, or fp8 with
+      `k_scale`/`v_scale`); donate them at the enclosing jit boundary for a true
+      in-place update.
     k_new, v_new: `[T, K, D]` new K/V (any float dtype; cast to the cache's).
     seq_cols, rows: `[T]` int32 column and row of each token.
     n_tokens: int32 scalar; tokens `n_tokens..T-1` are padding and not written.
@@ -141,5 +147,5 @@ def kv_write_sm90(k_cache, v_cache, k_new, v_new, seq_cols, rows, n_tokens, *,
   """
   block_heads = check_request(k_cache, config=config)
   return _kv_write(k_cache, v_cache, k_new, v_new, seq_cols, rows,
-                   jnp.asarray(n_tokens, jnp.int32), block_heads=block_heads,
+                   jnp.asarray(n_tokens, jnp.int32), k_scale, v_scale, block_heads=block_heads,
                    interpret=_compat.resolve_interpret(interpret))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import fp8
 from pallas_kernels.indexing import page_address
 from pallas_kernels.kv_write import static_validate_kv_pair, static_validate_kv_write
 from pallas_kernels.varlen_attention import blocked_attention
@@ -35,7 +36,7 @@ def static_validate_paged(k_pool, v_pool, page_table) -> None:
 
 
 def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
-                             page_table):
+                             page_table, *, k_scale=None, v_scale=None):
   """Sets `pool[page_table[seq_cols[t], rows[t] // P], rows[t] % P] = new[t]` for `t < n_tokens`.
 
   Args:
@@ -45,6 +46,8 @@ def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tok
     n_tokens: int32 scalar; later tokens are padding and not written.
     page_table: `[C, pages per column]` int32; the caller has given every written
       row a page the column owns alone (copy on write happens before).
+    k_scale, v_scale: fp8 pools only: `[K]` float32 per-head scales (as
+      `kv_write_reference`'s).
 
   Returns:
     `(k_pool, v_pool)` updated.
@@ -52,18 +55,19 @@ def paged_kv_write_reference(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tok
   static_validate_paged(k_pool, v_pool, page_table)
   static_validate_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
                            names=("k_pool", "v_pool"), layout="[pages, page_size, K, D]")
+  fp8.static_validate_scales(k_pool.dtype, k_scale, v_scale, k_pool.shape[2], what="k_pool")
   num_tokens = k_new.shape[0]
   page, offset = page_address(page_table, seq_cols, rows, k_pool.shape[1])
   is_real = jnp.arange(num_tokens, dtype=jnp.int32) < n_tokens
   # Padded tokens get an out-of-range page and are dropped: nothing is written.
   page = jnp.where(is_real, page, k_pool.shape[0])
-  k_pool = k_pool.at[page, offset].set(k_new.astype(k_pool.dtype), mode="drop")
-  v_pool = v_pool.at[page, offset].set(v_new.astype(v_pool.dtype), mode="drop")
+  k_pool = k_pool.at[page, offset].set(fp8.store_as(k_new, k_pool.dtype, k_scale), mode="drop")
+  v_pool = v_pool.at[page, offset].set(fp8.store_as(v_new, v_pool.dtype, v_scale), mode="drop")
   return k_pool, v_pool
 
 
 def paged_varlen_attention_reference(q, k_pool, v_pool, page_table, seq_info, n_segments, *,
-                                     window, scale):
+                                     window, scale, k_scale=None, v_scale=None):
   """`varlen_attention_reference` over paged storage (flat layers only).
 
   Each token streams its column's logical rows in blocks; a block's keys are
@@ -78,6 +82,7 @@ def paged_varlen_attention_reference(q, k_pool, v_pool, page_table, seq_info, n_
     raise ValueError(f"{window=}: paged storage serves flat layers only (window=None)")
   static_validate_varlen_attention(q, k_pool, v_pool, seq_info, n_segments, window=None,
                                    scale=scale)
+  fp8.static_validate_scales(k_pool.dtype, k_scale, v_scale, k_pool.shape[2], what="k_pool")
   page_size = k_pool.shape[1]
 
   def gather(pool, rows, col):
@@ -85,11 +90,12 @@ def paged_varlen_attention_reference(q, k_pool, v_pool, page_table, seq_info, n_
     return pool[page, offset]                                                 # [T, S, K, D]
 
   return blocked_attention(q, k_pool, v_pool, gather, page_table.shape[1] * page_size,
-                           seq_info, n_segments, window=None, scale=scale)
+                           seq_info, n_segments, window=None, scale=scale, k_scale=k_scale,
+                           v_scale=v_scale)
 
 
 def paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
-                   config=None, interpret=False):
+                   k_scale=None, v_scale=None, config=None, interpret=False):
   """The Mosaic GPU write kernel through the page table; the reference's arguments and result.
 
   Raises:
@@ -98,13 +104,15 @@ def paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_
   static_validate_paged(k_pool, v_pool, page_table)
   static_validate_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
                            names=("k_pool", "v_pool"), layout="[pages, page_size, K, D]")
+  fp8.static_validate_scales(k_pool.dtype, k_scale, v_scale, k_pool.shape[2], what="k_pool")
   from pallas_kernels import paged_sm90   # pylint: disable=g-import-not-at-top
   return paged_sm90.paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens,
-                                        page_table, config=config, interpret=interpret)
+                                        page_table, k_scale=k_scale, v_scale=v_scale,
+                                        config=config, interpret=interpret)
 
 
 def paged_varlen_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, window,
-                           scale, config=None, interpret=False):
+                           scale, k_scale=None, v_scale=None, config=None, interpret=False):
   """The Mosaic GPU attention kernel through the page table; the reference's arguments and result.
 
   `config.block_k` must serve the page size: divide it, or be a multiple of a page
@@ -119,9 +127,11 @@ def paged_varlen_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, 
     raise ValueError(f"{window=}: paged storage serves flat layers only (window=None)")
   static_validate_varlen_attention(q, k_pool, v_pool, seq_info, n_segments, window=None,
                                    scale=scale)
+  fp8.static_validate_scales(k_pool.dtype, k_scale, v_scale, k_pool.shape[2], what="k_pool")
   from pallas_kernels import paged_sm90   # pylint: disable=g-import-not-at-top
   return paged_sm90.paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info,
-                                                n_segments, scale=scale, config=config,
+                                                n_segments, scale=scale, k_scale=k_scale,
+                                                v_scale=v_scale, config=config,
                                                 interpret=interpret)
 
 

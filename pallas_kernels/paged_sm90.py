@@ -163,8 +163,8 @@ def _paged_kernel(items_ref, q_ref, k_ref, v_ref, table_ref,   # Inputs
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
-def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale, config,
-                     interpret):
+def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, k_scale=None,
+                     v_scale=None, *, scale, config, interpret):
   # pylint: disable=protected-access
   num_q_heads = q.shape[1]
   page_size, num_kv_heads = k_pool.shape[1:3]
@@ -184,11 +184,12 @@ def _paged_attention(q, k_pool, v_pool, page_table, seq_info, n_segments, *, sca
   return column.run_items(kernel, q, seg, (pool_view(k_pool), pool_view(v_pool),
                                            page_table.reshape(-1)),
                           group=group, block_k=block_k, cache_rows=max(num_rows, block_k),
-                          window=None, scale=scale, config=config, interpret=interpret)
+                          window=None, scale=scale, config=config, interpret=interpret,
+                          k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segments, *, scale,
-                                config=None, interpret=False):
+                                k_scale=None, v_scale=None, config=None, interpret=False):
   """`paged_varlen_attention_reference` on the Mosaic GPU kernel (flat layers only).
 
   Args:
@@ -218,7 +219,8 @@ def paged_varlen_attention_sm90(q, k_pool, v_pool, page_table, seq_info, n_segme
   """
   config = check_request(q, k_pool, config=config, interpret=interpret)
   return _paged_attention(q, k_pool, v_pool, page_table, seq_info,
-                          jnp.asarray(n_segments, jnp.int32), scale=float(scale),
+                          jnp.asarray(n_segments, jnp.int32), k_scale, v_scale,
+                          scale=float(scale),
                           config=config, interpret=_compat.resolve_interpret(interpret))
 
 
@@ -251,19 +253,20 @@ def _paged_write_kernel(seq_cols_ref, rows_ref, n_tokens_ref, kv_new_ref,  # Inp
 
 
 @functools.partial(jax.jit, static_argnames=("block_heads", "interpret"))
-def _paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
-                    block_heads, interpret):
+def _paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table,
+                    k_scale=None, v_scale=None, *, block_heads, interpret):
   page_size, pages_per_col = k_pool.shape[1], page_table.shape[1]
   kernel = functools.partial(_paged_write_kernel, page_size=page_size,
                              pages_per_col=pages_per_col)
   k_view, v_view = kv_write_sm90.run_write(
       kernel, pool_view(k_pool), pool_view(v_pool), k_new, v_new, seq_cols, rows, n_tokens,
-      (page_table.reshape(-1),), block_heads=block_heads, interpret=interpret)
+      (page_table.reshape(-1),), block_heads=block_heads, interpret=interpret, k_scale=k_scale,
+      v_scale=v_scale)
   return k_view.reshape(k_pool.shape), v_view.reshape(v_pool.shape)
 
 
 def paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, page_table, *,
-                        config=None, interpret=False):
+                        k_scale=None, v_scale=None, config=None, interpret=False):
   """`paged_kv_write_reference` on the Mosaic GPU write kernel, in place when donated.
 
   The kernel looks each real token's pool row `page * P + offset` up in the page
@@ -275,5 +278,6 @@ def paged_kv_write_sm90(k_pool, v_pool, k_new, v_new, seq_cols, rows, n_tokens, 
   """
   block_heads = check_write_request(k_pool, config=config)
   return _paged_kv_write(k_pool, v_pool, k_new, v_new, seq_cols, rows,
-                         jnp.asarray(n_tokens, jnp.int32), page_table, block_heads=block_heads,
+                         jnp.asarray(n_tokens, jnp.int32), page_table, k_scale, v_scale,
+                         block_heads=block_heads,
                          interpret=_compat.resolve_interpret(interpret))

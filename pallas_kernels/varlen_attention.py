@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fp8
 from pallas_kernels import indexing
 from pallas_kernels.common import MASK_VALUE
 from pallas_kernels.common import token_segments
@@ -53,7 +54,7 @@ _REFERENCE_BLOCK_ELEMENTS = 1 << 24
 
 
 def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, window,
-                               scale):
+                               scale, k_scale=None, v_scale=None):
   """Attention of every step token over its own column's visible keys.
 
   Each token streams its column's rows in blocks with an online float32 softmax,
@@ -71,6 +72,9 @@ def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, win
     n_segments: int32 scalar, at most `S`.
     window: None for a flat layer, else the ring window (`R` is the ring size).
     scale: softmax scale.
+    k_scale, v_scale: fp8 caches only (else None): `[K]` float32 per-head scales;
+      each key and value read is dequantised (`fp8.dequantize`: stored value
+      times its head's scale, in float32).
 
   Returns:
     `[T, H_q, D]` in `q.dtype`. Rows of tokens outside every real segment are
@@ -78,14 +82,16 @@ def varlen_attention_reference(q, k_cache, v_cache, seq_info, n_segments, *, win
   """
   static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments,
                                    window=window, scale=scale)
+  fp8.static_validate_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
   # Row `r` of token `t`'s column: `cache[r, col[t]]`.
   gather = lambda cache, rows, col: cache[rows.T, col[None, :]].swapaxes(0, 1)
   return blocked_attention(q, k_cache, v_cache, gather, k_cache.shape[0], seq_info,
-                           n_segments, window=window, scale=scale)
+                           n_segments, window=window, scale=scale, k_scale=k_scale,
+                           v_scale=v_scale)
 
 
 def blocked_attention(q, k_cache, v_cache, gather, num_rows: int, seq_info, n_segments, *,
-                      window, scale):
+                      window, scale, k_scale=None, v_scale=None):
   """The reference's loop over blocks of rows, for any storage layout.
 
   Args:
@@ -95,6 +101,11 @@ def blocked_attention(q, k_cache, v_cache, gather, num_rows: int, seq_info, n_se
     num_rows: rows per column (`R`); rows `[0, R)` are streamed.
     The other arguments are `varlen_attention_reference`'s.
   """
+  def read(cache, rows, col, cache_scale):
+    """Float32 K or V of the rows; an fp8 cache's dequantised (None: a plain cast)."""
+    x = gather(cache, rows, col)
+    return x.astype(jnp.float32) if cache_scale is None else fp8.dequantize(x, cache_scale)
+
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = k_cache.shape[2]
   group = num_q_heads // num_kv_heads
@@ -116,10 +127,8 @@ def blocked_attention(q, k_cache, v_cache, gather, num_rows: int, seq_info, n_se
     visible = (indexing.is_visible(key_pos, query_pos, lo, end, kind[:, None], window=window)
                & has_segment[:, None] & (rows < num_rows)[None, :])       # [T, S]
     # Select, never multiply: a masked row may hold NaN, and 0 * NaN is NaN.
-    keys = jnp.where(visible[:, :, None, None],
-                     gather(k_cache, safe_rows, col).astype(jnp.float32), 0.0)
-    values = jnp.where(visible[:, :, None, None],
-                       gather(v_cache, safe_rows, col).astype(jnp.float32), 0.0)
+    keys = jnp.where(visible[:, :, None, None], read(k_cache, safe_rows, col, k_scale), 0.0)
+    values = jnp.where(visible[:, :, None, None], read(v_cache, safe_rows, col, v_scale), 0.0)
     scores = jnp.einsum("TKGD,TSKD->TKGS", queries, keys,
                         precision=jax.lax.Precision.HIGHEST) * scale
     scores = jnp.where(visible[:, None, None, :], scores, MASK_VALUE)
@@ -139,7 +148,7 @@ def blocked_attention(q, k_cache, v_cache, gather, num_rows: int, seq_info, n_se
 
 
 def varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,
-                     config=None, interpret=False):
+                     k_scale=None, v_scale=None, config=None, interpret=False):
   """The Mosaic GPU kernel; same arguments and result as the reference.
 
   Raises:
@@ -148,10 +157,11 @@ def varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale
   """
   static_validate_varlen_attention(q, k_cache, v_cache, seq_info, n_segments,
                                    window=window, scale=scale)
+  fp8.static_validate_scales(k_cache.dtype, k_scale, v_scale, k_cache.shape[2])
   from pallas_kernels import varlen_attention_sm90   # pylint: disable=g-import-not-at-top
   return varlen_attention_sm90.varlen_attention_sm90(
       q, k_cache, v_cache, seq_info, n_segments, window=window, scale=scale,
-      config=config, interpret=interpret)
+      k_scale=k_scale, v_scale=v_scale, config=config, interpret=interpret)
 
 
 def check_varlen_attention(q, k_cache, *, config=None, interpret=False) -> None:

@@ -51,6 +51,7 @@ import numpy as np
 from pallas_kernels import _compat
 from pallas_kernels import combine_sm90
 from pallas_kernels import config as config_lib
+from pallas_kernels import fp8
 from pallas_kernels import indexing
 from pallas_kernels import varlen_epilogue
 from pallas_kernels import varlen_kernel_sm90
@@ -115,13 +116,21 @@ def static_check(q, k_cache, *, config):
   num_kv_heads = k_cache.shape[2]
   group = num_q_heads // num_kv_heads
   dtype = np.dtype(k_cache.dtype)
-  if dtype not in SUPPORTED_KV_DTYPES:
+  if dtype not in SUPPORTED_KV_DTYPES and not fp8.is_fp8(dtype):
     raise NotImplementedError(f"kv dtype {dtype} is not supported")
   if group > config.block_q:
     raise NotImplementedError(f"GQA group {group} must be at most {config.block_q=} "
                               "(a token's query heads share one q tile)")
   if not config.use_wgmma:
     return
+  if fp8.is_fp8(dtype):
+    # The interpreter variant converts fp8 tiles to q's dtype after the load; the wgmma
+    # path would need that conversion (or fp8 wgmma) laid out for 1-byte tiles in shared
+    # memory, which has not been written and run on a GPU.
+    raise NotImplementedError(
+        f"{dtype} K/V storage is not served by the compiled Mosaic GPU attention kernel "
+        "(its fp8 dequantisation before wgmma is not implemented); "
+        "implementation='reference' serves it")
   if dtype == np.dtype(jnp.float32):
     # wgmma on float32 operands rounds them to tf32 (~1e-3), outside CONTRACT's 1e-5.
     raise NotImplementedError(
@@ -233,8 +242,8 @@ def _padded_caches(k_cache, v_cache, seq_info, *, padded_rows: int):
 
 
 @functools.partial(jax.jit, static_argnames=("window", "scale", "config", "interpret"))
-def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scale, config,
-                      interpret):
+def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, k_scale=None, v_scale=None, *,
+                      window, scale, config, interpret):
   _, num_q_heads, head_dim = q.shape
   num_rows, _, num_kv_heads, _ = k_cache.shape
   group = num_q_heads // num_kv_heads
@@ -251,22 +260,28 @@ def _varlen_attention(q, k_cache, v_cache, seq_info, n_segments, *, window, scal
                       tile_rows=tile_rows, block_k=block_k, align=ROW_ALIGN, config=config)
   return run_items(attention_kernel, q, seg, (k_cache, v_cache), group=group, block_k=block_k,
                    cache_rows=padded_rows, window=window, scale=scale, config=config,
-                   interpret=_compat.resolve_interpret(interpret), atom_parts=in_place)
+                   interpret=_compat.resolve_interpret(interpret), atom_parts=in_place,
+                   k_scale=k_scale, v_scale=v_scale)
 
 
 def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, scale, config,
-              interpret, atom_parts=False):
+              interpret, atom_parts=False, k_scale=None, v_scale=None):
   """The item table, q's layout, the Mosaic GPU call and the epilogue for a segment plan.
 
   Shared by this module's wrapper and the paged one (`paged_sm90`): `kernel` is
   `attention_kernel` or a variant that takes more inputs after V (the page
   table), and `kv_inputs` are the arrays it reads after q (K, V, ...).
   `interpret` is resolved (`_compat.resolve_interpret`). `atom_parts`: see
-  `varlen_kernel_sm90.attention_kernel`.
+  `varlen_kernel_sm90.attention_kernel`. `k_scale`, `v_scale`: fp8 K/V's per-head
+  scales (else None): K's is folded into q, V's applied to the output, both exact
+  (powers of two), so the kernel multiplies the stored values as they are.
   """
   num_tokens, num_q_heads, head_dim = q.shape
   num_kv_heads = num_q_heads // group
-  dtype = kv_inputs[0].dtype
+  kv_dtype = kv_inputs[0].dtype
+  # The products' dtype: the storage's, or q's for fp8 storage (q and P are not
+  # rounded to fp8; the kernel converts each loaded fp8 tile).
+  dtype = q.dtype if fp8.is_fp8(kv_dtype) else kv_dtype
   block_q = config.block_q
   tile_rows = q_tile_rows(block_q, group)
   max_items = item_capacity(num_tokens, group=group, tile_rows=tile_rows, config=config,
@@ -277,7 +292,10 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   # last q tile's TMA may read past the rows: the GPU zero-fills those rows (no
   # copy), so only an array shorter than one tile is padded; the interpreter
   # raises on such reads, so there every tile is padded in.
-  qt = (q.astype(jnp.float32) * (scale * LOG2E)).astype(dtype)
+  qt = q.astype(jnp.float32) * (scale * LOG2E)
+  if k_scale is not None:
+    qt = qt * jnp.repeat(k_scale.astype(jnp.float32), group)[None, :, None]
+  qt = qt.astype(dtype)
   qt = qt.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
   qt = qt.reshape(num_kv_heads, num_tokens * group, head_dim)
   pad = block_q if interpret is not None else max(0, block_q - num_tokens * group)
@@ -285,7 +303,7 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
     qt = jnp.pad(qt, ((0, 0), (0, pad), (0, 0)))
   num_workers = max(1, min(max_items, config.max_programs // num_kv_heads))
   in_place = tokens_in_place(config, num_tokens=num_tokens, group=group, head_dim=head_dim,
-                             block_k=block_k, kv_dtype=dtype, out_dtype=q.dtype,
+                             block_k=block_k, kv_dtype=kv_dtype, out_dtype=q.dtype,
                              atom_parts=atom_parts)
   full_tile_loop = config.full_tile_loop
   if full_tile_loop is None:
@@ -315,16 +333,23 @@ def run_items(kernel, q, seg, kv_inputs, *, group, block_k, cache_rows, window, 
   )(items, qt, *kv_inputs)
   o_part, lse_part = outs[:2]
   if in_place:
-    return varlen_epilogue.finish_in_place(
+    out = varlen_epilogue.finish_in_place(
         outs[2], o_part, lse_part, tokens, group=group, block_q=block_q,
         max_splits=config.max_splits, max_split_tokens=config.max_split_tokens)
-  if config.fused_combine and combine_sm90.supported(group=group, head_dim=head_dim):
-    return combine_sm90.combine_sm90(
+  elif config.fused_combine and combine_sm90.supported(group=group, head_dim=head_dim):
+    out = combine_sm90.combine_sm90(
         o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
         max_splits=config.max_splits, interpret=interpret).astype(q.dtype)
-  return varlen_epilogue.combine(
-      o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
-      max_splits=config.max_splits, max_split_tokens=config.max_split_tokens, out_dtype=q.dtype)
+  else:
+    out = varlen_epilogue.combine(
+        o_part, lse_part, seg, num_tokens=num_tokens, group=group, block_q=block_q,
+        max_splits=config.max_splits, max_split_tokens=config.max_split_tokens,
+        out_dtype=q.dtype)
+  if v_scale is not None:
+    # The output is linear in V: its head's scale once here, not on every V tile.
+    per_q_head = jnp.repeat(v_scale.astype(jnp.float32), group)[None, :, None]
+    out = (out.astype(jnp.float32) * per_q_head).astype(q.dtype)
+  return out
 
 
 def _without_output(kernel, num_refs):
@@ -376,14 +401,14 @@ MAX_TOKEN_STAGING_COLS = 128
 
 
 def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, scale,
-                          config=None, interpret=False):
+                          k_scale=None, v_scale=None, config=None, interpret=False):
   """Attention of every step token over its own column's visible keys (CONTRACT §8).
 
   Args:
     q: `[T, H_q, D]` queries in step-token order (any float dtype).
-    k_cache, v_cache: `[R, C, K, D]` storage of one layer (bf16, fp16 or fp32),
-      already holding this step's K/V; rows outside a segment's read range may
-      hold anything, NaN included.
+    k_cache, v_cache: `[R, C, K, D]` storage of one layer (bf16, fp16 or fp32; fp8
+      under the interpreter, with `k_scale`/`v_scale`), already holding this step's
+      K/V; rows outside a segment's read range may hold anything, NaN included.
     seq_info: `[S, 5]` int32 segment table (`S >= 1` rows, one per token for a cache
       step; fewer bound the plan, see `varlen_attention_reference`); rows
       `[0, n_segments)` are real.
@@ -404,5 +429,5 @@ def varlen_attention_sm90(q, k_cache, v_cache, seq_info, n_segments, *, window, 
   """
   config = check_request(q, k_cache, config=config, interpret=interpret)
   return _varlen_attention(q, k_cache, v_cache, seq_info, jnp.asarray(n_segments, jnp.int32),
-                           window=window, scale=float(scale), config=config,
+                           k_scale, v_scale, window=window, scale=float(scale), config=config,
                            interpret=_compat.resolve_interpret(interpret))

@@ -91,9 +91,9 @@ def attention_kernel(items_ref, q_ref, k_ref, v_ref,   # Inputs
   head = lax.axis_index("head")
   worker = lax.axis_index("worker")
   num_items = items_ref[0]
-  dtype = k_ref.dtype
+  dtype = k_ref.dtype   # storage; q's dtype is the compute dtype (they differ for fp8 K/V)
   head_dim = k_ref.shape[-1]
-  q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, dtype,
+  q_views = part_views(q_smem, q_scratch(use_wgmma, block_q, head_dim, q_ref.dtype,
                                          atoms=atom_parts)[0])
   stages = kv_stage_scratch(use_wgmma, num_stages, block_k, head_dim, dtype, atoms=atom_parts)
   # A stage's phase completes once all of its copies have arrived, one per piece
@@ -579,7 +579,12 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
   span, t_begin, t_end = tiles.span, tiles.t_begin, tiles.t_end
   num_stages, block_k, use_wgmma = tiles.num_stages, tiles.block_k, tiles.use_wgmma
   address, locate, fetch = tiles.address, tiles.locate, tiles.fetch
-  dtype = k_ref.dtype
+  # K/V tiles are stored in `kv_dtype`; the products run in q's dtype (`dtype`). They
+  # differ only for fp8 storage, whose tiles are converted after the load (its scales
+  # are applied outside the kernel: K's folded into q, V's to the output).
+  kv_dtype = k_ref.dtype
+  dtype = q_smem[0][1].dtype
+  convert = (lambda x: x) if kv_dtype == dtype else (lambda x: x.astype(dtype))
   head_dim = tiles.head_dim
   parts = tiles.parts
   atom_parts = tiles.atom_parts
@@ -634,7 +639,7 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
         return acc_ref[...]
       s = pl.run_scoped(compute_qk, plgpu.ACC((block_q, block_k), jnp.float32))
     else:
-      s = sum(lax.dot_general(q_part, k_columns(stage, c0, width)[...],
+      s = sum(lax.dot_general(q_part, convert(k_columns(stage, c0, width)[...]),
                               (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
               for (c0, width), q_part in zip(q_cols, q_now, strict=True))
@@ -689,7 +694,8 @@ def _stream_tiles(tiles, q_smem, q_bar, *, pos0, q_tok0, lo, end, kind, all_star
     else:
       new_acc = []
       for i, (part, v_tile) in enumerate(zip(acc, v_tiles, strict=True)):
-        v = v_tile[...] if all_full else jnp.where(v_valid[i], v_tile[...], jnp.zeros((), dtype))
+        v = convert(v_tile[...])
+        v = v if all_full else jnp.where(v_valid[i], v, jnp.zeros((), dtype))
         new_acc.append(part + lax.dot_general(p16, v, (((1,), (0,)), ((), ())),
                                               precision=lax.Precision.HIGHEST,
                                               preferred_element_type=jnp.float32))
