@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
+from pallas_kernels import fp8
 from jaxkv import _implementation
 from jaxkv._config import CacheConfig
 from jaxkv._implementation import default_implementation  # pylint: disable=unused-import
@@ -44,7 +45,8 @@ def warn_dtype_mismatch(config: CacheConfig, layer: int, q, k, v) -> None:
   not in `kv_dtype` sends the layer to the reference attention.
   """
   dtypes = tuple(np.dtype(x.dtype) for x in (q, k, v))
-  if all(d == config.kv_dtype for d in dtypes):
+  if all(d == config.kv_dtype for d in dtypes) or config.is_fp8:
+    # An fp8 cache always quantises its activations' K/V: that is what it was asked for.
     return
   key = (tuple(q.shape[1:]), tuple(k.shape[1:]), dtypes, config.kv_dtype)
   if key in _dtype_warned:
@@ -69,10 +71,18 @@ def static_validate_scale(scale) -> float | None:
   return value
 
 
-def _write_and_attend(implementation, *, window, scale, paged=False):
-  """`(k_cache, v_cache, q, k, v, step, rows, n_tokens, n_segments[, page_table])
-  -> (k, v, out)` for one implementation: the write, then the attention over the
-  written cache. A paged layer takes the pool and its page table."""
+def _write_and_attend(implementation, *, window, scale, paged=False, scaled=False):
+  """`(k_cache, v_cache, q, k, v[, k_scale, v_scale], step, rows, n_tokens, n_segments
+  [, page_table]) -> (k, v, out)` for one implementation: the write, then the attention
+  over the written cache. A paged layer takes the pool and its page table; an fp8
+  layer (`scaled`) its per-head scales, which the write quantises with and the
+  attention dequantises with (16- and 32-bit layers pass no scale at all)."""
+  def split(rest):
+    """`(scale keywords, the rest)` of the operands after v."""
+    if not scaled:
+      return {}, rest
+    return dict(k_scale=rest[0], v_scale=rest[1]), rest[2:]
+
   if paged:
     if implementation == "reference":
       write = pallas_kernels.paged_kv_write_reference
@@ -82,10 +92,12 @@ def _write_and_attend(implementation, *, window, scale, paged=False):
       write = functools.partial(pallas_kernels.paged_kv_write, interpret=interpret)
       attention = functools.partial(pallas_kernels.paged_varlen_attention, interpret=interpret)
 
-    def run_paged(k_pool, v_pool, q, k, v, step, rows, n_tokens, n_segments, page_table):
-      k_pool, v_pool = write(k_pool, v_pool, k, v, step.seq_cols, rows, n_tokens, page_table)
+    def run_paged(k_pool, v_pool, q, k, v, *rest):
+      scales, (step, rows, n_tokens, n_segments, page_table) = split(rest)
+      k_pool, v_pool = write(k_pool, v_pool, k, v, step.seq_cols, rows, n_tokens, page_table,
+                             **scales)
       out = attention(q, k_pool, v_pool, page_table, step.seq_info, n_segments, window=window,
-                      scale=scale)
+                      scale=scale, **scales)
       return k_pool, v_pool, out
 
     return run_paged
@@ -96,10 +108,11 @@ def _write_and_attend(implementation, *, window, scale, paged=False):
     write = functools.partial(pallas_kernels.kv_write, interpret=interpret)
     attention = functools.partial(pallas_kernels.varlen_attention, interpret=interpret)
 
-  def run(k_cache, v_cache, q, k, v, step, rows, n_tokens, n_segments):
-    k_cache, v_cache = write(k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens)
+  def run(k_cache, v_cache, q, k, v, *rest):
+    scales, (step, rows, n_tokens, n_segments) = split(rest)
+    k_cache, v_cache = write(k_cache, v_cache, k, v, step.seq_cols, rows, n_tokens, **scales)
     out = attention(q, k_cache, v_cache, step.seq_info, n_segments, window=window,
-                    scale=scale)
+                    scale=scale, **scales)
     return k_cache, v_cache, out
 
   return run
@@ -150,13 +163,21 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   # A refused attend writes nothing (n = 0) and reports no segment.
   n_tokens = jnp.where(is_prepared, step.n_tokens, 0)
   n_segments = jnp.where(is_prepared, step.n_segments, 0)
-  operands = (state.k[layer], state.v[layer], q, k, v, step, step.write_rows[layer],
+  scaled = config.is_fp8
+  scales = ()
+  if scaled:
+    # The scale rule (CONTRACT §3.2): an unset head's scale is fixed by this write's real
+    # tokens; a set one never changes. A refused attend (n = 0) leaves every scale unset.
+    scales = (fp8.update_scale(state.k_scale[layer], k, n_tokens, config.kv_dtype),
+              fp8.update_scale(state.v_scale[layer], v, n_tokens, config.kv_dtype))
+  operands = (state.k[layer], state.v[layer], q, k, v, *scales, step, step.write_rows[layer],
               n_tokens, n_segments)
   paged = config.is_paged_layer(layer)
   if paged:
     operands += (state.page_table,)
-  static = dict(window=config.window(layer), scale=scale, paged=paged)
-  run = lambda impl: per_shard(_write_and_attend(impl, **static), mesh, kv_axis)(*operands)
+  static = dict(window=config.window(layer), scale=scale, paged=paged, scaled=scaled)
+  run = lambda impl: per_shard(_write_and_attend(impl, **static), mesh, kv_axis,
+                               head_vectors=len(scales))(*operands)
   ran = implementation
   if implementation is None:
     ran, reason = _implementation.choose_implementation(q, state.k[layer], paged=paged)
@@ -179,6 +200,10 @@ def attend(config: CacheConfig, state: CacheState, layer: int, q, k, v, *, scale
   status = jnp.where(is_prepared, jnp.int32(Status.OK), jnp.int32(Status.NOT_PREPARED))
   new_k = state.k[:layer] + (k_cache,) + state.k[layer + 1:]
   new_v = state.v[:layer] + (v_cache,) + state.v[layer + 1:]
+  if scaled:
+    state = dataclasses.replace(
+        state, k_scale=state.k_scale[:layer] + (scales[0],) + state.k_scale[layer + 1:],
+        v_scale=state.v_scale[:layer] + (scales[1],) + state.v_scale[layer + 1:])
   # An elementwise select, not a scatter: the layers' marks then fuse into one
   # kernel (a scatter per layer was 16 of a decode step's ~460 GPU launches).
   is_layer = jnp.arange(config.num_layers, dtype=jnp.int32) == layer

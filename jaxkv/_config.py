@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import fp8
 from pallas_kernels import indexing
 
 FLAT = "flat"
 RING = "ring"
 _MAX_INT32 = 2**31
-_KV_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+_KV_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)) + fp8.FP8_DTYPES
 
 
 def _require_int(name: str, value: Any) -> None:
@@ -106,7 +107,8 @@ class CacheConfig:
       room check), so a wider one could never be declared and would only size
       the step arrays (and a ring's rows) past what the cache can hold.
     kv_dtype: storage dtype, canonicalised to a NumPy dtype (float32, bfloat16,
-      float16).
+      float16, or the fp8 formats float8_e4m3fn and float8_e5m2, stored with one
+      float32 scale per layer and KV head for K and for V: CONTRACT §3.2).
     initial_capacity: flat rows allocated at construction (`> 0`; clamped to
       `max_flat_rows`). None (the default) allocates `max_flat_rows` (the
       `capacity`, or `max_seq_len` when set), so a jitted loop never meets
@@ -173,7 +175,8 @@ class CacheConfig:
     except TypeError as e:
       raise ValueError(f"kv_dtype={self.kv_dtype!r} is not a dtype") from e
     if dtype not in _KV_DTYPES:
-      raise ValueError(f"kv_dtype={dtype} must be float32, bfloat16 or float16")
+      raise ValueError(f"kv_dtype={dtype} must be float32, bfloat16, float16, float8_e4m3fn or "
+                       "float8_e5m2")
     object.__setattr__(self, "kv_dtype", dtype)
     if self.max_seq_len is not None:
       _require_int("max_seq_len", self.max_seq_len)
@@ -244,6 +247,11 @@ class CacheConfig:
   def scratch_page(self) -> int:
     """Page `num_pages - 1`: padded writes and refused copies land there; nothing reads it."""
     return self.num_pages - 1
+
+  @property
+  def is_fp8(self) -> bool:
+    """Whether K/V are stored in fp8 with per-head scales (`CacheState.k_scale`, CONTRACT §3.2)."""
+    return fp8.is_fp8(self.kv_dtype)
 
   @property
   def has_flat(self) -> bool:

@@ -69,7 +69,10 @@ def kv_formula(config: CacheConfig, flat_rows: int, layers=None) -> tuple[int, s
   """`(bytes, formula)` of the K/V storage of `layers` (default all) with `flat_rows`.
 
   Each layer holds K and V of `[rows, max_seqs + 1, n_kv_heads, head_dim]`;
-  layers of one geometry are grouped in the formula.
+  layers of one geometry are grouped in the formula. An fp8 cache stores one byte
+  per element plus a float32 scale per layer and KV head for K and for V
+  (CONTRACT §3.2), counted here too: a byte budget holds twice bfloat16's tokens,
+  less those few bytes.
   """
   layers = range(config.num_layers) if layers is None else layers
   groups: dict[tuple[int, ...], int] = {}
@@ -88,6 +91,10 @@ def kv_formula(config: CacheConfig, flat_rows: int, layers=None) -> tuple[int, s
       what = f"{rows} rows x {cols} columns (max_seqs + 1)"
     terms.append(f"{count} layers x 2 (K, V) x {what} x "
                  f"{heads} kv heads x {dim} head_dim x {item} bytes")
+  if config.is_fp8:
+    heads = sum(config.layers[l].n_kv_heads for l in layers)
+    total += 2 * heads * 4
+    terms.append(f"2 (K, V) x {heads} kv heads (all layers) x 4 bytes (fp8 scales)")
   return total, " + ".join(terms)
 
 

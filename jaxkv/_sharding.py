@@ -72,15 +72,18 @@ def place(x, mesh, spec: P):
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def per_shard(fn, mesh, kv_axis: str):
-  """Runs `fn(k_cache, v_cache, q, k, v, *replicated_args) -> (k_cache, v_cache, out)`
-  once per KV-head shard (identity when `mesh` is None)."""
+def per_shard(fn, mesh, kv_axis: str, *, head_vectors: int = 0):
+  """Runs `fn(k_cache, v_cache, q, k, v, *head_vectors, *replicated_args) -> (k_cache,
+  v_cache, out)` once per KV-head shard (identity when `mesh` is None); the first
+  `head_vectors` arguments after v are `[n_kv_heads]` vectors (fp8 scales), split
+  over heads like K/V."""
   if mesh is None:
     return fn
   kv, heads = kv_spec(kv_axis), head_spec(kv_axis)
 
   def wrapped(k_cache, v_cache, q, k, v, *rest):
-    specs = (kv, kv, heads, heads, heads) + (P(),) * len(rest)
+    specs = ((kv, kv, heads, heads, heads) + (P(kv_axis),) * head_vectors
+             + (P(),) * (len(rest) - head_vectors))
     args = jax.tree.map(lambda spec, x: place(x, mesh, spec), specs,
                         (k_cache, v_cache, q, k, v) + rest,
                         is_leaf=lambda x: isinstance(x, P))

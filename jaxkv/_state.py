@@ -122,6 +122,10 @@ class CacheState:
     page_refs: paged storage only (else None): `int32[num_pages]`, how many
       page-table entries of live columns hold each page (0 = free; the scratch
       page stays 0 and is never handed out).
+    k_scale, v_scale: fp8 storage only (else None): tuples of `L` arrays
+      `float32[n_kv_heads_l]`, each layer's per-head scales of K and of V
+      (0 = unset; set by the first write that meets the head, then fixed;
+      CONTRACT §3.2).
   """
 
   k: tuple[jax.Array, ...]
@@ -138,6 +142,8 @@ class CacheState:
   step: Step
   page_table: jax.Array | None = None
   page_refs: jax.Array | None = None
+  k_scale: tuple[jax.Array, ...] | None = None
+  v_scale: tuple[jax.Array, ...] | None = None
 
 
 def empty_step(config: CacheConfig) -> Step:
@@ -213,6 +219,9 @@ def _fresh_state(config: CacheConfig, kv) -> CacheState:
   # Distinct buffers per leaf: the state is donated leaf by leaf (XLA gives every
   # output of a computation its own buffer, equal values included).
   zeros_i = lambda: jnp.zeros((config.max_seqs,), jnp.int32)
+  # fp8: every scale unset (0) until a write meets its head (CONTRACT §3.2).
+  scales = lambda: (tuple(jnp.zeros((layer.n_kv_heads,), jnp.float32) for layer in config.layers)
+                    if config.is_fp8 else None)
   return CacheState(
       k=tuple(_zeros(s, config.kv_dtype, kv) for s in shapes),
       v=tuple(_zeros(s, config.kv_dtype, kv) for s in shapes),
@@ -229,6 +238,8 @@ def _fresh_state(config: CacheConfig, kv) -> CacheState:
       page_table=(jnp.full((config.max_seqs + 1, config.max_pages_per_seq),
                            config.scratch_page, jnp.int32) if config.is_paged else None),
       page_refs=jnp.zeros((config.num_pages,), jnp.int32) if config.is_paged else None,
+      k_scale=scales(),
+      v_scale=scales(),
   )
 
 

@@ -146,3 +146,14 @@ def static_validate_state(config: CacheConfig, state) -> None:
       got = "None" if leaf is None else f"{leaf.dtype}{list(leaf.shape)}"
       raise ValueError(f"state.{name} is {got}; config (page_size={config.page_size}) "
                        f"needs int32{list(shape)}")
+  for name in ("k_scale", "v_scale"):
+    scales = getattr(state, name)
+    if not config.is_fp8:
+      if scales is not None:
+        raise ValueError(f"state.{name} must be None: kv_dtype={config.kv_dtype} is not fp8")
+      continue
+    shapes = [(layer.n_kv_heads,) for layer in config.layers]
+    got = None if scales is None else [(tuple(a.shape), a.dtype) for a in scales]
+    if got != [(shape, np.dtype(np.float32)) for shape in shapes]:
+      raise ValueError(f"state.{name} is {got}; kv_dtype={config.kv_dtype} needs one "
+                       f"float32[n_kv_heads] per layer: {shapes}")

@@ -53,7 +53,7 @@ def names(field: str, value: str) -> str:
         pytest.param(lambda: config(initial_capacity=0), "initial_capacity", "0", id="initial_capacity0"),
         pytest.param(lambda: config(kv_dtype=jnp.int32), "kv_dtype", "int32", id="kv_dtype-int32"),
         pytest.param(lambda: config(kv_dtype=jnp.float64), "kv_dtype", "float64", id="kv_dtype-float64"),
-        pytest.param(lambda: config(kv_dtype=jnp.float8_e4m3fn), "kv_dtype", "float8", id="kv_dtype-fp8"),
+        pytest.param(lambda: config(kv_dtype=jnp.float8_e4m3fnuz), "kv_dtype", "float8_e4m3fnuz", id="kv_dtype-fp8-fnuz"),
     ],
 )
 def test_scenario_39_validation_names_field_and_value(build, field, value):
