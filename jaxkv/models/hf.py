@@ -150,15 +150,28 @@ def check_tensors(ckpt: Checkpoint, config: ModelConfig, *, config_path: str,
                      f"{hint}; the checkpoint is refused rather than loaded partially")
 
 
-def _dtype(name: str, value, auto):
+# vLLM's `--kv-cache-dtype` spellings of the fp8 K/V formats (CONTRACT §3.2).
+FP8_KV_NAMES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+                "fp8_e5m2": jnp.float8_e5m2}
+
+
+def _dtype(name: str, value, auto, *, fp8: bool = False):
+  """A NumPy dtype from `value` ("auto": `auto`); `fp8` also allows the fp8 K/V formats,
+  by dtype or by vLLM's names (`FP8_KV_NAMES`)."""
   if isinstance(value, str) and value == "auto":
     return np.dtype(auto)
+  if fp8 and isinstance(value, str) and value in FP8_KV_NAMES:
+    return np.dtype(FP8_KV_NAMES[value])
   try:
     dtype = np.dtype(value)
   except TypeError:
     raise TypeError(f"{name}={value!r} must be a dtype or 'auto'") from None
-  if dtype not in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-    raise ValueError(f"{name}={value!r} must be float32, bfloat16, float16 or 'auto'")
+  allowed = [np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)]
+  if fp8:
+    allowed += [np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)]
+  if dtype not in allowed:
+    extra = ", float8_e4m3fn, float8_e5m2 ('fp8', 'fp8_e4m3', 'fp8_e5m2')" if fp8 else ""
+    raise ValueError(f"{name}={value!r} must be float32, bfloat16, float16{extra} or 'auto'")
   return dtype
 
 
@@ -183,7 +196,7 @@ def resolve_dtypes(ckpt: Checkpoint, meta: dict, dtype, param_dtype, kv_dtype):
   auto = meta["dtype"] or FLOAT_DTYPES[ckpt.dtypes["model.embed_tokens.weight"]]
   dtype = _dtype("dtype", dtype, auto)
   param_dtype = dtype if param_dtype is None else _dtype("param_dtype", param_dtype, dtype)
-  return dtype, param_dtype, _dtype("kv_dtype", kv_dtype, dtype)
+  return dtype, param_dtype, _dtype("kv_dtype", kv_dtype, dtype, fp8=True)
 
 
 def _cache_config(config: ModelConfig, *, capacity, max_seqs, max_write, kv_dtype,
@@ -231,7 +244,9 @@ def load_model(checkpoint: str, *, max_seqs: int, max_write: int, capacity: int 
     page_size: None: column storage; an int: flat layers in a pool of pages of
       that many positions (serve with `jaxkv.serve.Engine(model, prefix_cache=True)`
       to reuse prompt pages).
-    kv_dtype: K/V storage dtype, or `"auto"` (the default: the compute dtype).
+    kv_dtype: K/V storage dtype, or `"auto"` (the default: the compute dtype); the
+      fp8 formats too (`jnp.float8_e4m3fn`, `jnp.float8_e5m2`, or vLLM's names
+      `"fp8"`, `"fp8_e4m3"`, `"fp8_e5m2"`; CONTRACT §3.2).
     dtype: computation dtype, or `"auto"` (the default): the checkpoint's
       (`config.json`'s `torch_dtype`/`dtype`, else the embedding tensor's;
       float64 serves as float32).
