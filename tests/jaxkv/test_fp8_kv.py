@@ -8,6 +8,7 @@ in float64 Python arithmetic and the rounding is ml_dtypes' cast of the exact qu
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -17,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from drivers import has_hopper_gpu
 import jaxkv
 import oracle
 import pallas_kernels
@@ -39,6 +41,8 @@ ATTENTION_BOUND = {E4M3: 0.25, E5M2: 0.5}
 # The hf_llama golden fixture's logits (magnitude up to 3.3) with fp8 e4m3 K/V: observed
 # 0.20 max abs (bfloat16 K/V: 0.013, float32: 3e-6).
 GOLDEN_BOUND = 0.4
+# Explicit: on a Hopper GPU `None` would pick the reference for fp8 too, with a warning.
+REFERENCE = "reference"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -153,7 +157,7 @@ def test_scale_rule_first_write_fixes_later_values_saturate():
   fmt = E4M3
   cfg = config(fmt, **CONFIGS["columns-flat-ring"])
   rng = np.random.default_rng(2)
-  cache = jaxkv.BatchedSequenceCache(cfg)
+  cache = jaxkv.BatchedSequenceCache(cfg, implementation=REFERENCE)
   a, b = cache.seq_new(), cache.seq_new()
   (q, k, v), ring = content(rng, 2, 2)
   k[:, 1], v[:, 1] = 0.0, 0.0                          # head 1 meets only zeros
@@ -233,7 +237,7 @@ def test_attention_within_bound_of_float32(layout):
   K/V kept in float32 (the reference attention; e5m2 over columns only: the format changes
   the cast, not the addressing)."""
   for fmt in (E4M3,) + ((E5M2,) if layout != "pages" else ()):
-    cache = jaxkv.BatchedSequenceCache(config(fmt, **CONFIGS[layout]))
+    cache = jaxkv.BatchedSequenceCache(config(fmt, **CONFIGS[layout]), implementation=REFERENCE)
     got, want = _script(cache, np.random.default_rng(3))
     worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
     assert 0 < worst <= ATTENTION_BOUND[fmt], (fmt, worst)
@@ -293,6 +297,24 @@ def test_compiled_attention_refuses_fp8_with_the_reason():
                                       k_scale=jnp.ones((2,)), v_scale=jnp.ones((2,)))
 
 
+@pytest.mark.skipif(not has_hopper_gpu(), reason="needs an NVIDIA Hopper GPU (compute "
+                    "capability >= 9.0) to compile and run the Mosaic GPU kernel")
+def test_compiled_write_kernel_stores_the_reference_bytes():
+  """The compiled write kernel moves the quantised bytes the reference stores (fp8 rows of
+  head dim 64: 64 bytes, a whole number of TMA's 16)."""
+  rng = np.random.default_rng(6)
+  new = jnp.asarray(rng.standard_normal((4, HEADS, 64), dtype=np.float32), jnp.bfloat16)
+  scale = jnp.asarray([2.0**-6, 2.0**-2], jnp.float32)
+  args = (jnp.zeros((8, 3, HEADS, 64), E4M3), jnp.zeros((8, 3, HEADS, 64), E4M3), new, new * 2, jnp.asarray([0, 1, 0, 2], jnp.int32),
+          jnp.asarray([0, 0, 5, 0], jnp.int32), jnp.int32(3))
+  kw = dict(k_scale=scale, v_scale=scale)
+  want = jax.jit(functools.partial(pallas_kernels.kv_write_reference, **kw))(*args)
+  got = jax.jit(functools.partial(pallas_kernels.kv_write, **kw))(*args)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g)[:, :2].view(np.uint8),
+                                  np.asarray(w)[:, :2].view(np.uint8))
+
+
 def test_bytes_halve_so_a_budget_holds_twice_the_tokens():
   from jaxkv import _memory   # pylint: disable=g-import-not-at-top
   layers = [jaxkv.LayerConfig(jaxkv.LayerPolicy.flat(), 4, 64),
@@ -319,8 +341,8 @@ def test_sharded_fp8_equals_unsharded():
   mesh = jax.make_mesh((2,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
   cfg = config(E4M3, **CONFIGS["columns-flat-ring"])
   runs = []
-  for cache in (jaxkv.BatchedSequenceCache(cfg),
-                jaxkv.BatchedSequenceCache(cfg, mesh=mesh)):
+  for cache in (jaxkv.BatchedSequenceCache(cfg, implementation=REFERENCE),
+                jaxkv.BatchedSequenceCache(cfg, implementation=REFERENCE, mesh=mesh)):
     rng = np.random.default_rng(4)
     a, b = cache.seq_new(), cache.seq_new()
     outs = step(cache, [a, a, b], content(rng, 3, 2, k_scales=(2.0, 0.1)))
@@ -343,7 +365,7 @@ def test_golden_fixture_logits_with_fp8_kv():
   count = len([k for k in data.files if k.startswith("tokens_")])
   tokens = [data[f"tokens_{i}"] for i in range(count)]
   model, _, cache_config = hf.load_model(fixture, capacity=256, max_seqs=count, max_write=8,
-                                         kv_dtype="fp8")
+                                         kv_dtype="fp8", implementation=REFERENCE)
   assert cache_config.kv_dtype == E4M3
   runner = ModelRunner(model)
   ids = [runner.seq_new() for _ in range(count)]
