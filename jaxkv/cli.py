@@ -86,8 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                       "(default 1)")
   g.add_argument("--dtype", choices=_DTYPES, default="auto",
                  help="compute dtype (default auto: the checkpoint's)")
-  g.add_argument("--kv-cache-dtype", choices=_DTYPES, default="auto",
-                 help="K/V storage dtype (default auto: the compute dtype)")
+  g.add_argument("--kv-cache-dtype", choices=_DTYPES + ("fp8", "fp8_e4m3", "fp8_e5m2"),
+                 default="auto",
+                 help="K/V storage dtype (default auto: the compute dtype); fp8 (= fp8_e4m3) and "
+                      "fp8_e5m2 store 1 byte per value with per-head scales (docs/CONTRACT.md 3.2)")
   r = s.add_argument_group("serving")
   r.add_argument("--stepping", choices=_STEPPING, default="steps",
                  help="steps: single steps queued ahead of the GPU, new requests joining at the "

@@ -584,11 +584,16 @@ class LLM:
 
 
 def _dtype_arg(name: str, value):
-  """A dtype argument: "auto", a dtype name jax.numpy knows, or a dtype."""
+  """A dtype argument: "auto", a dtype name jax.numpy knows, or a dtype; `kv_cache_dtype`
+  also takes vLLM's fp8 names (passed on: the loader reads them)."""
   if isinstance(value, str) and value != "auto":
     import jax.numpy as jnp   # pylint: disable=g-import-not-at-top
+    if name == "kv_cache_dtype" and value in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+      return value
     if value not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"{name}={value!r} must be 'auto', 'float32', 'bfloat16' or 'float16'")
+      extra = ", 'fp8', 'fp8_e4m3', 'fp8_e5m2'" if name == "kv_cache_dtype" else ""
+      raise ValueError(f"{name}={value!r} must be 'auto', 'float32', 'bfloat16' or "
+                       f"'float16'{extra}")
     return getattr(jnp, value)
   return value
 
