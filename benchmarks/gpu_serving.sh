@@ -44,6 +44,9 @@ for w in "$@"; do
     serve_fronts) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
         TAIL=10 run dispatch 60 python3 benchmarks/dispatch.py --out "$out/dispatch.json"
         TAIL=60 run serve_fronts 500 python3 benchmarks/serve.py --write-checkpoint /tmp/ck --rates inf,4 --rate-requests 48 --skip-best --raw-client --server-configs 16:fcfs:steps,16:fcfs:steps:100:2:p2,16:fcfs:steps:100:2:p4 --out "$out/serve_fronts.json";;
+    # Structured output through jaxkv serve's defaults (issue 52's targets).
+    structured) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
+        TAIL=12 run structured 560 python3 benchmarks/structured.py --write-checkpoint /tmp/ck_structured --server-flags "--grammar-compile-timeout 30" --out "$out/structured.json";;
     # Paged storage.
     paged_decode_kernel) TAIL=60 run paged_decode_kernel 300 python3 benchmarks/paged_decode.py --page-sizes 16,32,64,128 --out "$out/paged_decode_kernel.json";;
     paged_mix_equal_slots) run paged_mix_equal_slots 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-repeats 5 --out "$out/paged_mix_equal_slots.json";;

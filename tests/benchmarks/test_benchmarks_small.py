@@ -25,6 +25,9 @@ CPU_RUNS = {
     "serve.py": (["--small", "--rates", "inf,16", "--rate-requests", "6", "--raw-client"],
                  r"(?s)server i\d+-fcfs-steps rate inf .* tok/s .* failed 0 short 0.*"
                  r"rate 16 \(bare HTTP client\) .* tok/s .* failed 0 short 0", {}),
+    "structured.py": (["--small", "--skip", "half_mix,cold_compile"],
+                      r'schema_vs_none \{.*"valid": 4, "requests": 4.*\n.*schema_set \{"schemas": 4, '
+                      r'"served": 4, "valid": 4', {}),
     "dispatch.py": (["--small"], r"state packed into \d+ +params +\d+ state +\d+ busy threads \d: +\d+\.\d us per call", {}),
     "http_front.py": (["--streams", "8", "--tokens", "10", "--fronts", "auto"],
                       r"on \w+ +wall +\d+\.\d+ s +\d+ events/s .* us/event", {}),
