@@ -311,6 +311,8 @@ class LLM:
     # Requests in flight (generate's and open streams'): their deltas, and samples not ended.
     self._inbox: dict[str, list] = {}
     self._open: dict[str, int] = {}
+    # Requests an engine failure dropped while another call pumped: raised by their own call.
+    self._failed: dict[str, EngineError] = {}
     self._ids = 0
     self._automaton_cache: AutomatonCache | None = None
 
@@ -436,6 +438,7 @@ class LLM:
               if text.stopped:
                 self.engine.abort(r.request_id, delta.index)
           self._inbox[r.request_id].clear()
+      self._raise_dropped(requests)
     outputs = [RequestOutput(i, text, list(ids), []) for i, (text, ids) in enumerate(encoded)]
     for i, r in enumerate(requests):
       for j in range(r.params.n):
@@ -475,6 +478,15 @@ class LLM:
         for r in requests:
           self._inbox.pop(r.request_id, None)
           self._open.pop(r.request_id, None)
+          self._failed.pop(r.request_id, None)
+
+  def _raise_dropped(self, requests) -> None:
+    """Raises the engine failure that dropped one of `requests` during another call's pump (it
+    ended without a finish reason: never reported as complete)."""
+    for r in requests:
+      failure = self._failed.pop(r.request_id, None)
+      if failure is not None:
+        raise failure
 
   def _pump(self, steps: int | None = None) -> None:
     """One loop entry (`steps` steps, default the engine's); its deltas go to the inboxes of
@@ -484,6 +496,8 @@ class LLM:
     except EngineError as e:
       self._route(getattr(e, "deltas", None) or [])
       for rid in getattr(e, "failed", None) or ():   # dropped: they send no more deltas
+        if self._open.get(rid):
+          self._failed[rid] = e
         self._open[rid] = 0
       raise
     self._route(deltas)
@@ -581,6 +595,7 @@ class LLM:
             return
           if out:
             yield out
+      self._raise_dropped([request])
 
 
 def _dtype_arg(name: str, value):

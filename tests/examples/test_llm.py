@@ -316,3 +316,30 @@ def test_structured_outputs_hold_on_the_fixture_whose_free_text_is_gibberish(set
   with pytest.raises(ValueError, match="grammar needs stop_tokens"):
     llm.generate(TEXT, jaxkv.SamplingParams(structured_outputs={"regex": "a+"}), ignore_eos=True)
   assert not llm.engine.has_unfinished()
+
+
+def test_a_stream_dropped_by_a_failure_in_another_calls_step_raises(setup, monkeypatch):
+  """A generate's step fails and the engine drops every request in flight, an open stream's
+  too: the generate raises, and so does the stream when it resumes (it is never reported as
+  complete); nothing stays in the engine."""
+  llm = setup[0]
+  stream = llm.stream(TEXT, jaxkv.SamplingParams(max_tokens=40, temperature=0), steps=1)
+  next(stream)
+  engine, real_step = llm.engine, llm.engine.step
+
+  def failing(steps):   # what a device failure does: everything in flight dropped, then raised
+    dropped = sorted(llm._open)   # pylint: disable=protected-access
+    for rid in dropped:
+      engine.abort(rid)
+    while engine.has_unfinished():
+      real_step(steps)
+    e = serve.EngineError(f"step failed; requests {dropped} were dropped: boom", [])
+    e.failed, e.deltas = dropped, []
+    raise e
+  monkeypatch.setattr(engine, "step", failing)
+  with pytest.raises(serve.EngineError, match="boom"):
+    llm.generate(["x"], jaxkv.SamplingParams(max_tokens=5, temperature=0))
+  monkeypatch.setattr(engine, "step", real_step)
+  with pytest.raises(serve.EngineError, match="boom"):
+    list(stream)
+  assert not engine.has_unfinished() and not llm._open and not llm._failed   # pylint: disable=protected-access
