@@ -362,8 +362,7 @@ class LLM:
         raise ValueError("structured_outputs needs the checkpoint's tokenizer.json (text "
                          "grammars are over the tokens' bytes)")
       self._automaton_cache = AutomatonCache(model_token_bytes(self.tokenizer,
-                                                               self.engine.vocab_size),
-                                             max_transitions=self.engine.grammar_pool[2])
+                                                               self.engine.vocab_size))
     return self._automaton_cache
 
   def _per_prompt(self, params, encoded, ignore_eos: bool) -> list[tuple[EngineParams, _Text]]:

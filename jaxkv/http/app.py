@@ -153,9 +153,8 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
 
     def compiled():
       if not compilers:
-        compilers.append(ProcessCompiler(
-            model_token_bytes(tokenizer, engine.vocab_size),
-            max_transitions=engine.grammar_pool[2], timeout=grammar_compile_timeout))
+        compilers.append(ProcessCompiler(model_token_bytes(tokenizer, engine.vocab_size),
+                                         timeout=grammar_compile_timeout))
       return compilers[0].compile(constraint.kind, constraint.value)
     try:
       return await asyncio.to_thread(compiled)

@@ -29,7 +29,7 @@ from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_re
 from jaxkv.serve.results import Completion, Delta, EngineStats
 from jaxkv.serve.state import LoopState
 from jaxkv.structured.pool import default_capacity as default_grammar_pool, pack as pack_pool
-from jaxkv.structured.pool import pool_bytes
+from jaxkv.structured.pool import capacity_of, pool_bytes
 
 
 def _model_mesh(model, config: CacheConfig, mesh, kv_axis):
@@ -124,7 +124,7 @@ class Engine:
       `{"xla_gpu_enable_triton_gemm": False}`); default none (XLA's defaults,
       which served the e2e model fastest on H200: docs/PERFORMANCE.md,
       "Serving speed" §10). An option XLA does not know fails the first `run`.
-    grammar_pool: `(states, masks, transitions)` the structured-output automata of
+    grammar_pool: `(states, masks, transitions[, automata])` the structured-output automata of
       the requests on the device may hold together (`SamplingParams.grammar`;
       `jaxkv.structured`); part of the loop state's shape, counted in its memory.
       Default `structured.pool.default_capacity(vocab_size)`.
@@ -192,12 +192,12 @@ class Engine:
     self.max_steps, self.max_stop = int(max_steps), int(max_stop_tokens)
     if grammar_pool is None:
       grammar_pool = default_grammar_pool(self.vocab_size)
-    if (not isinstance(grammar_pool, (tuple, list)) or len(grammar_pool) != 3
+    if (not isinstance(grammar_pool, (tuple, list)) or len(grammar_pool) not in (3, 4)
         or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1
                for v in grammar_pool)):
-      raise ValueError(f"grammar_pool={grammar_pool!r} must be (states, masks, transitions), "
-                       "three ints >= 1")
-    self.grammar_pool = tuple(int(v) for v in grammar_pool)
+      raise ValueError(f"grammar_pool={grammar_pool!r} must be (states, masks, transitions[, "
+                       "automata]), ints >= 1")
+    self.grammar_pool = capacity_of(grammar_pool)
     check_engine_fits(config, self.max_len, self.max_stop, mesh=self.mesh, kv_axis=self.kv_axis,
                       grammar_bytes=pool_bytes(self.vocab_size, self.grammar_pool))
     if device is not None and self.mesh is not None:
@@ -260,14 +260,15 @@ class Engine:
       ValueError: together they do not fit the pool (`grammar_pool=`).
     """
     need = (sum(a.num_states for a in automata), sum(a.masks.shape[0] for a in automata),
-            sum(a.tokens.shape[0] for a in automata))
-    for what, n, room in zip(("states", "masks", "transitions"), need, self.grammar_pool):
+            sum(a.tokens.shape[0] for a in automata), len(automata))
+    for what, n, room in zip(("states", "masks", "transitions", "automata"), need,
+                             self.grammar_pool):
       if n > room:
         raise ValueError(f"the requests' grammars hold {n} {what}; the engine's grammar pool "
                          f"holds {room} (Engine(grammar_pool=...))")
-    states, masks, transitions = self.grammar_pool
+    states, masks, transitions, rows = self.grammar_pool
     return pack_pool(automata, self.vocab_size, states=states, masks=masks,
-                     transitions=transitions)
+                     transitions=transitions, rows=rows)
 
   def run(self, requests: Sequence[Request], *,
           on_progress: Callable[[EngineStats, list[Completion]], None] | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxkv.structured.automaton import TokenAutomaton
-from jaxkv.structured.pool import DEAD, empty_pool
+from jaxkv.structured.pool import DEAD, capacity_of, empty_pool
 
 
 class _Ranges:
@@ -43,14 +43,14 @@ class _Ranges:
 
 
 class GrammarPlacer:
-  """Places automata in a pool of `capacity = (states, masks, transitions)` for a model of
-  `vocab_size` tokens; `pool` is the host mirror to upload after `place` changed it."""
+  """Places automata in a pool of `capacity = (states, masks, transitions, automata)` for a
+  model of `vocab_size` tokens; `pool` is the host mirror to upload after `place` changed it."""
 
   def __init__(self, vocab_size: int, capacity):
-    self.vocab_size, self.capacity = vocab_size, tuple(capacity)
+    self.vocab_size, self.capacity = vocab_size, capacity_of(capacity)
     self.pool = empty_pool(vocab_size, *self.capacity)
     self._ranges = [_Ranges(n) for n in self.capacity]
-    self._placed: dict[object, tuple[TokenAutomaton, tuple[int, int, int]]] = {}
+    self._placed: dict[object, tuple[TokenAutomaton, tuple[int, ...]]] = {}
 
   def initial(self, automaton: TokenAutomaton) -> int | None:
     """The automaton's initial state in the pool, if it is placed."""
@@ -63,7 +63,7 @@ class GrammarPlacer:
     already placed; None: no room while the others stay in use (nothing changed)."""
     if automaton.identity in self._placed:
       return False
-    need = (automaton.num_states, automaton.masks.shape[0], automaton.tokens.shape[0])
+    need = _need(automaton)
     while True:
       taken = [r.take(n) for r, n in zip(self._ranges, need)]
       if None not in taken:
@@ -80,17 +80,16 @@ class GrammarPlacer:
     return True
 
   def _evict(self, key: int) -> None:
-    automaton, (s0, m0, t0) = self._placed.pop(key)
-    for r, at, n in zip(self._ranges, (s0, m0, t0), (automaton.num_states,
-                                                      automaton.masks.shape[0],
-                                                      automaton.tokens.shape[0])):
+    automaton, taken = self._placed.pop(key)
+    for r, at, n in zip(self._ranges, taken, _need(automaton)):
       r.give(at, n)
+    s0 = taken[0]
     p = self.pool
     p.count[s0:s0 + automaton.num_states] = 0   # a stale id allows nothing but stop tokens
     p.final[s0:s0 + automaton.num_states] = 0
 
   def _write(self, a: TokenAutomaton, at) -> None:
-    s0, m0, t0 = at
+    s0, m0, t0, row = at
     p, ns, nm, nt = self.pool, a.num_states, a.masks.shape[0], a.tokens.shape[0]
     p.final[s0:s0 + ns] = a.final
     p.mask_of[s0:s0 + ns] = a.mask_of + m0
@@ -100,3 +99,11 @@ class GrammarPlacer:
     p.masks[m0:m0 + nm, :a.masks.shape[1]] = a.masks
     p.tokens[t0:t0 + nt] = a.tokens
     p.next[t0:t0 + nt] = np.where(a.next >= 0, a.next + s0, DEAD)
+    p.row[s0:s0 + ns] = row
+    p.class_of[row] = 0
+    p.class_of[row, :a.vocab_size] = a.class_of
+
+
+def _need(a: TokenAutomaton) -> tuple[int, int, int, int]:
+  """What `a` takes of each range: states, masks, transitions, one row of classes."""
+  return a.num_states, a.masks.shape[0], a.tokens.shape[0], 1

@@ -379,7 +379,7 @@ def check_request(request: Request, *, vocab_size: int, max_len: int, max_seqs: 
       raise ValueError(f"{label}: grammar was compiled for {g.vocab_size} tokens; the model has "
                        f"vocab_size={vocab_size}")
     need = (g.num_states, g.masks.shape[0], g.tokens.shape[0])
-    for what, n, room in zip(("states", "masks", "transitions"), need, grammar_room):
+    for what, n, room in zip(("states", "masks", "transitions"), need, grammar_room[:3]):
       if n > room:
         raise ValueError(f"{label}: grammar has {n} {what}; the engine's grammar pool holds "
                          f"{room} (Engine(grammar_pool=...))")

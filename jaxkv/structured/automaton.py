@@ -281,7 +281,11 @@ def enforceable(schema, where: str = "$", numbers: dict | None = None):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenAutomaton:
-  """A deterministic automaton over token ids (`compile_automaton`).
+  """A deterministic automaton over token ids (`AutomatonCache.compile`).
+
+  Tokens that every state treats alike (the same next state from each state, or refused by
+  each) share a class: a free-text state of a large vocabulary has a few classes where it has
+  most of the vocabulary's tokens, so transitions are stored by class.
 
   Attributes:
     vocab_size: token ids are `0..vocab_size-1`.
@@ -290,8 +294,9 @@ class TokenAutomaton:
     mask_of: `int32[S]`: each state's row of `masks`.
     masks: `uint32[M, ceil(V / 32)]`: the distinct allowed-token sets, packed (bit
       `t % 32` of word `t // 32` is token `t`).
+    class_of: `int32[V]`: each token's class.
     start, count: `int32[S]`: each state's transitions, `tokens[start:start + count]`.
-    tokens, next: `int32[T]`: transition tokens (ascending within a state) and targets.
+    tokens, next: `int32[T]`: transition classes (ascending within a state) and targets.
     key: a digest of the spec and vocabulary it was compiled from.
   """
 
@@ -300,6 +305,7 @@ class TokenAutomaton:
   final: np.ndarray
   mask_of: np.ndarray
   masks: np.ndarray
+  class_of: np.ndarray
   start: np.ndarray
   count: np.ndarray
   tokens: np.ndarray
@@ -319,8 +325,8 @@ class TokenAutomaton:
   @property
   def nbytes(self) -> int:
     """Bytes of its arrays: what placing it on the device takes."""
-    return sum(a.nbytes for a in (self.final, self.mask_of, self.masks, self.start, self.count,
-                                  self.tokens, self.next))
+    return sum(a.nbytes for a in (self.final, self.mask_of, self.masks, self.class_of,
+                                  self.start, self.count, self.tokens, self.next))
 
   def allowed(self, state: int) -> np.ndarray:
     """`bool[vocab_size]`: the tokens state `state` allows."""
@@ -329,9 +335,12 @@ class TokenAutomaton:
 
   def step(self, state: int, token: int) -> int:
     """The state after `token` (-1 if the state does not allow it)."""
+    if not self.allowed(state)[token]:
+      return -1
     lo, n = int(self.start[state]), int(self.count[state])
-    i = lo + int(np.searchsorted(self.tokens[lo:lo + n], token))
-    return int(self.next[i]) if i < lo + n and self.tokens[i] == token else -1
+    key = int(self.class_of[token])
+    i = lo + int(np.searchsorted(self.tokens[lo:lo + n], key))
+    return int(self.next[i]) if i < lo + n and self.tokens[i] == key else -1
 
   def is_dead_end(self, state: int) -> bool:
     """A final state with no transitions: only a stop token may follow."""
@@ -375,32 +384,64 @@ def from_transitions(transitions: dict, initial, finals, vocab_size: int, *,
   index = {s: i for i, s in enumerate(order)}
   words = -(-vocab_size // 32)
   drop = np.array(sorted(drop), np.int64)
+  edges = []   # each state's kept (tokens, targets), targets as indices of `order`
+  for s in order:
+    tokens, nexts = raw.get(s, (np.zeros(0, np.int64), []))
+    target = np.fromiter((index.get(n, -1) for n in nexts), np.int64, len(nexts))
+    keep = (target >= 0) & (tokens >= 0) & (tokens < vocab_size) & ~np.isin(tokens, drop)
+    edges.append((tokens[keep], target[keep]))
+  class_of = _classes(edges, vocab_size)
   final = np.array([s in finals for s in order], bool)
   start = np.zeros(len(order), np.int32)
   count = np.zeros(len(order), np.int32)
   mask_of = np.zeros(len(order), np.int32)
   toks, nxt, rows, row_of, at = [], [], [], {}, 0
-  for i, s in enumerate(order):
-    tokens, nexts = raw.get(s, (np.zeros(0, np.int64), []))
-    target = np.fromiter((index.get(n, -1) for n in nexts), np.int64, len(nexts))
-    keep = (target >= 0) & (tokens >= 0) & (tokens < vocab_size) & ~np.isin(tokens, drop)
-    tokens, target = tokens[keep], target[keep]
-    by_token = np.argsort(tokens, kind="stable")
-    tokens, target = tokens[by_token].astype(np.int32), target[by_token].astype(np.int32)
-    start[i], count[i] = at, tokens.size
-    at += tokens.size
-    toks.append(tokens)
-    nxt.append(target)
-    ids = tokens.tobytes()
+  for i, (tokens, target) in enumerate(edges):
+    tokens = np.sort(tokens)
+    keys, first = np.unique(class_of[tokens], return_index=True)   # one transition per class
+    by_token = np.argsort(edges[i][0], kind="stable")
+    targets = target[by_token][first]
+    start[i], count[i] = at, keys.size
+    at += keys.size
+    toks.append(keys.astype(np.int32))
+    nxt.append(targets.astype(np.int32))
+    ids = tokens.astype(np.int32).tobytes()
     if ids not in row_of:
       bits = np.zeros(words * 32, np.uint8)
       bits[tokens] = 1
       row_of[ids] = len(rows)
       rows.append(np.packbits(bits, bitorder="little").view(np.uint32))
     mask_of[i] = row_of[ids]
-  return TokenAutomaton(vocab_size, 0, final, mask_of, np.stack(rows), start, count,
+  return TokenAutomaton(vocab_size, 0, final, mask_of, np.stack(rows), class_of, start, count,
                         np.concatenate(toks).astype(np.int32), np.concatenate(nxt).astype(np.int32),
                         key)
+
+
+def _classes(edges, vocab_size: int) -> np.ndarray:
+  """`int32[V]`: token classes of an automaton's `edges` (per state: tokens, targets), numbered
+  from 0: tokens with the same target from every state (absent: refused) share a class.
+  Found by hashing each token's column of targets state by state, then checked exactly."""
+  h = np.zeros(vocab_size, np.uint64)
+  with np.errstate(over="ignore"):
+    for i, (tokens, target) in enumerate(edges):
+      mix = (np.uint64(i + 1) * np.uint64(0x9E3779B97F4A7C15)
+             ^ (target.astype(np.uint64) + np.uint64(1)) * np.uint64(0xC2B2AE3D27D4EB4F))
+      h[tokens] = (h[tokens] ^ mix) * np.uint64(0x100000001B3) + np.uint64(i)
+  _, class_of = np.unique(h, return_inverse=True)
+  class_of = class_of.astype(np.int32).reshape(-1)
+  members = np.bincount(class_of)
+  for tokens, target in edges:   # exact: within a state a class has one target, and every
+    # token of a class is present where one is (a hash collision would merge two columns)
+    if tokens.size == 0:
+      continue
+    cls = class_of[tokens]
+    order = np.argsort(cls, kind="stable")
+    cls, tgt = cls[order], target[order]
+    same = cls[1:] == cls[:-1]
+    present, count = np.unique(cls, return_counts=True)
+    if np.any(tgt[1:][same] != tgt[:-1][same]) or np.any(count != members[present]):
+      return np.arange(vocab_size, dtype=np.int32)   # a collision: every token its own class
+  return class_of
 
 
 def _transitions_estimate(index) -> int | None:
@@ -413,16 +454,21 @@ def _transitions_estimate(index) -> int | None:
   return len(blob) // 8 if isinstance(blob, bytes) else None
 
 
+# outlines-core index transitions read out at most (about 100 bytes each while read out).
+MAX_INDEX_TRANSITIONS = 20_000_000
+
+
 class AutomatonCache:
   """Compiled automata of one vocabulary, by spec (`compile`): a spec compiles once.
 
   Thread-safe: fronts compile off their event loop, several at a time.
   """
 
-  def __init__(self, token_bytes, *, max_entries: int = 256, max_transitions: int | None = None):
+  def __init__(self, token_bytes, *, max_entries: int = 256,
+               max_transitions: int | None = MAX_INDEX_TRANSITIONS):
     self.token_bytes = list(token_bytes)
-    # The pool's room: an index clearly larger is refused before its transitions are read out
-    # (at a large vocabulary that read-out alone takes minutes and gigabytes).
+    # An index clearly larger is refused before its transitions are read out into Python
+    # objects (tens of millions take minutes and gigabytes); what is stored is by class.
     self.max_transitions = max_transitions
     self.vocab_size = len(self.token_bytes)
     self.vocab_key = _vocabulary_key(self.token_bytes)
@@ -479,9 +525,9 @@ class AutomatonCache:
     if self.max_transitions is not None:
       estimate = _transitions_estimate(index)
       if estimate is not None and estimate > self.max_transitions:
-        raise ValueError(f"the grammar compiles to about {estimate:,} token transitions; the "
-                         f"engine's grammar pool holds {self.max_transitions:,} "
-                         "(Engine(grammar_pool=...)): a smaller schema or vocabulary")
+        raise ValueError(f"the grammar compiles to about {estimate:,} token transitions before "
+                         f"they are grouped by class; at most {self.max_transitions:,} are read "
+                         "(a smaller schema or vocabulary)")
     return from_transitions(index.get_transitions(), index.get_initial_state(),
                             set(index.get_final_states()), self.vocab_size,
                             drop=(self.vocab_size,), key=key)

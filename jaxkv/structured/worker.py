@@ -18,8 +18,8 @@ import sys
 import threading
 from multiprocessing.connection import Connection
 
-from jaxkv.structured.automaton import (AutomatonCache, TokenAutomaton, _vocabulary_key,
-                                        spec_regex)
+from jaxkv.structured.automaton import (MAX_INDEX_TRANSITIONS, AutomatonCache, TokenAutomaton,
+                                        _vocabulary_key, spec_regex)
 
 
 class CompileTimeout(TimeoutError):
@@ -32,7 +32,7 @@ class ProcessCompiler:
   Args:
     token_bytes: the bytes of every token id of the model's vocabulary (`vocab.token_bytes`,
       padded with None to the model's vocabulary size).
-    max_transitions: the engine's grammar pool room (see `AutomatonCache`).
+    max_transitions: the most index transitions read out (see `AutomatonCache`).
     timeout: seconds one compile may take (waiting for an earlier compile excluded).
     max_entries: compiled automata kept (the oldest goes first).
 
@@ -40,7 +40,7 @@ class ProcessCompiler:
   refused by `spec_regex` (a malformed schema, say) never reaches it.
   """
 
-  def __init__(self, token_bytes, *, max_transitions: int | None = None,
+  def __init__(self, token_bytes, *, max_transitions: int | None = MAX_INDEX_TRANSITIONS,
                timeout: float = 60.0, max_entries: int = 256):
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
       raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0")

@@ -92,7 +92,7 @@ def test_gpu_memory_utilization_counts_weights_and_loop_buffers():
   # tokens, stops, per-column values, bias; the grammar pool: states, masks, transitions
   vocab = CONFIG.vocab_size
   loop = (seqs * (4 * 128 + 4 * 8 + 27 * 4 + 8 * 64)
-          + 16 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 21, max(1 << 14, 16 * vocab)))
+          + 20 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 18, max(1 << 14, 16 * vocab)) + 4 * 16 * vocab)
   spare = int(util * limit) - weights - loop - plan.kv_bytes
   assert 0 <= spare < PAGE_BYTES + (1 << 16)   # one more page would not fit (control values)
   assert "0.5 x 8,388,608 bytes (Fake GPU bytes_limit)" in plan.budget_source
@@ -113,7 +113,7 @@ def test_tensor_parallel_budgets_leave_the_loop_buffers_on_every_device():
   # tokens, stops, per-column values, bias; the grammar pool: states, masks, transitions
   vocab = CONFIG.vocab_size
   loop = (seqs * (4 * 128 + 4 * 8 + 27 * 4 + 8 * 64)
-          + 16 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 21, max(1 << 14, 16 * vocab)))
+          + 20 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 18, max(1 << 14, 16 * vocab)) + 4 * 16 * vocab)
   control = 1 << 16   # at most, per device
   assert shards * (left - loop - control) <= plan.kv_budget_bytes <= shards * (left - loop)
   assert plan.kv_bytes // shards + loop <= left   # what one device holds fits it

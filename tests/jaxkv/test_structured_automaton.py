@@ -221,13 +221,40 @@ def test_token_bytes_of_byte_level_and_metaspace_tokenizers():
   assert all(got[i] is None for i in range(8))   # the specials
 
 
-def test_an_index_larger_than_the_pool_is_refused_before_its_tables_are_built():
+def test_an_index_too_large_to_read_out_is_refused_before_its_tables_are_built():
   small = am.AutomatonCache(VOCAB, max_transitions=50)
-  with pytest.raises(ValueError, match="compiles to about .* token transitions; the engine's "
-                                       "grammar pool holds 50"):
+  with pytest.raises(ValueError, match="compiles to about .* token transitions before they are "
+                                       "grouped by class; at most 50 are read"):
     small.compile("json", SCHEMAS[0])
   a = small.compile("choice", ["ab", "Paris"])   # a few transitions: built
   assert a.tokens.shape[0] <= 50
+
+
+def test_tokens_a_state_treats_alike_share_a_class_and_every_lookup_is_unchanged(cache):
+  """Against outlines-core's own index, token by token: each state allows exactly the index's
+  tokens and steps to the state the index names; the tables store far fewer transitions."""
+  regex = am.spec_regex("json", SCHEMAS[0])
+  index = oc.Index(regex, cache._vocabulary)   # pylint: disable=protected-access
+  a = cache.compile("json", SCHEMAS[0])
+  raw = index.get_transitions()
+  assert a.tokens.shape[0] < sum(len(v) for v in raw.values())
+  # Map the index's state ids onto the automaton's by walking both from the start.
+  ids, todo = {index.get_initial_state(): a.initial}, [index.get_initial_state()]
+  while todo:
+    s = todo.pop()
+    out = {t: n for t, n in raw.get(s, {}).items() if t < len(VOCAB)}
+    allowed = set(np.flatnonzero(a.allowed(ids[s])))
+    assert allowed <= set(out)   # (states that reach no final state are pruned)
+    for t in range(len(VOCAB)):
+      got = a.step(ids[s], t)
+      if t not in allowed:
+        assert got == -1
+        continue
+      n = out[t]
+      if n not in ids:
+        ids[n] = got
+        todo.append(n)
+      assert got == ids[n], (s, t)
 
 
 def test_bounded_numbers_admit_only_numbers_in_range():

@@ -67,6 +67,13 @@ def test_two_front_processes_serve_what_one_engine_computes_and_stop_on_sigterm(
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
       got = list(pool.map(ask, range(len(prompts))))
+    # Constrained requests: each front compiles the spec, and its automaton's copies share one
+    # place in the engine's pool.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      constrained = list(pool.map(lambda i: client.completions.create(
+          model="hf_llama", prompt=[5 + i], max_tokens=12, temperature=0,
+          extra_body={"guided_choice": ["alpha", "beta"]}), range(4)))
+    assert all(r.choices[0].text in ("alpha", "beta") for r in constrained)
     # The prompt's own logprobs run the model in the engine's process: a front refuses them.
     for extra in ({"echo": True, "logprobs": 1}, {"extra_body": {"prompt_logprobs": 1}}):
       with pytest.raises(openai.BadRequestError) as info:
@@ -92,4 +99,5 @@ def test_two_front_processes_serve_what_one_engine_computes_and_stop_on_sigterm(
     assert reason == c.finish_reason
     assert usage in (None, len(c.tokens))
   generated = int(out.split("jaxkv serve: generated ")[1].split()[0])
-  assert generated == sum(len(c.tokens) for c in done)
+  assert generated == sum(len(c.tokens) for c in done) + sum(r.usage.completion_tokens
+                                                             for r in constrained)

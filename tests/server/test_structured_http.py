@@ -200,7 +200,8 @@ def test_auto_returns_text_without_a_call_and_the_template_sees_the_tools(server
       "id": "call_1", "type": "function", "function": {"name": "now", "arguments": "{\"utc\": true}"}}]},
       {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
   assert client.chat.completions.create(model=MODEL, messages=history, max_tokens=2, seed=1,
-                                        temperature=0.5).choices[0].finish_reason == "length"
+                                        temperature=0.5).choices[0].finish_reason in ("stop",
+                                                                                      "length")
 
 
 @pytest.mark.parametrize("parser, text, content, calls", [
