@@ -46,6 +46,7 @@ def serving_process(*flags: str):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", *flags, "--port", str(port)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  client = None
   try:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120,
                            max_retries=0)
@@ -59,5 +60,7 @@ def serving_process(*flags: str):
         time.sleep(0.5)
     yield proc, port, client
   finally:
+    if client is not None:   # its pooled connections: a later test would see them unclosed
+      client.close()
     if proc.poll() is None:
       proc.kill()
