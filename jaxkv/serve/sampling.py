@@ -263,7 +263,10 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
       x = jnp.where(structured_pool.allowed(pool, jnp.where(has_grammar, now, -1), stops, vocab),
                     x, _NEG)
     x = _add_bias(x, *bias, has_bias)
-    x = _penalize(x, p, history, prompt_len, length)
+    # Penalties count each row's whole token history (rows x max_len scatters): a batch that
+    # adjusts logits only for a grammar, a bias or a ban must not pay for them every step.
+    x = jax.lax.cond(jnp.any(has_pen), lambda x: _penalize(x, p, history, prompt_len, length),
+                     lambda x: x, x)
     return _ban(x, banned, has_ban), now
 
   def special():
