@@ -121,8 +121,10 @@ _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties")
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_ENUM_RANGE = 1024   # integer parts a bounded range may spell out one by one
-_FRACTION = r"(\.[0-9]+)?"
-_NONZERO_FRACTION = r"\.[0-9]*[1-9][0-9]*"
+# Fractions of at most 16 digits (a float64 holds about 16): an output always ends, where
+# unbounded digits let a model that never stops writing them run to max_tokens.
+_FRACTION = r"(\.[0-9]{1,16})?"
+_NONZERO_FRACTION = r"\.[0-9]{0,15}[1-9][0-9]{0,15}"
 _ZERO_FRACTION = r"(\.0+)?"
 
 
