@@ -18,6 +18,7 @@ import dataclasses
 import json
 import re
 import uuid
+from typing import Callable
 
 from jaxkv.http.errors import BadRequest
 
@@ -152,20 +153,31 @@ def constrained_calls(tools: Tools, text: str) -> list[tuple[str, str]]:
   return [(c["name"], _arguments(c["parameters"])) for c in calls]
 
 
+@dataclasses.dataclass(frozen=True)
 class Parser:
-  """A family's spelling of tool calls in free text (`tool_choice: "auto"`)."""
+  """A family's spelling of tool calls in free text (`tool_choice: "auto"`): where a call
+  begins (`marker` anywhere, or with `heads` only at the reply's start, after whitespace),
+  and `read`, the calls of the text from there on ([] when none parse)."""
 
-  name = ""
-  marker = ""                  # where a call begins; text before it is content
-  needs_special_tokens = False  # the marker is a special token: decode without skipping them
+  name: str
+  marker: str
+  read: Callable[[str], list]
+  heads: tuple[str, ...] = ()
+  needs_special_tokens: bool = False   # the marker is a special token: decode without skipping
 
   def start(self, text: str) -> int | None:
     """Where the first call begins in `text`, or None."""
+    if self.heads:
+      stripped = text.lstrip()
+      return len(text) - len(stripped) if stripped.startswith(self.heads) else None
     i = text.find(self.marker)
     return None if i < 0 else i
 
   def held(self, text: str) -> int:
     """How many trailing characters of `text` may yet begin a call (not streamed yet)."""
+    if self.heads:
+      stripped = text.lstrip()
+      return len(text) if not stripped or any(h.startswith(stripped) for h in self.heads) else 0
     for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
       if self.marker.startswith(text[-k:]):
         return k
@@ -173,7 +185,7 @@ class Parser:
 
   def calls(self, text: str) -> list[tuple[str, str]]:
     """`(name, arguments)` of the calls in `text` from `start` on ([]: none parse)."""
-    raise NotImplementedError
+    return self.read(text)
 
 
 def _named(obj, args_keys=("arguments", "parameters")) -> tuple[str, str] | None:
@@ -199,75 +211,53 @@ def _json_values(text: str) -> list:
     values.append(value)
 
 
-class Llama3Json(Parser):
+def _llama3_json(text: str) -> list[tuple[str, str]]:
   """Llama 3.1-3.3: the whole reply is `{"name": ..., "parameters": {...}}` (several
   separated by `;`), after an optional `<|python_tag|>`."""
-
-  name, marker = "llama3_json", "{"
-
-  def start(self, text: str) -> int | None:
-    stripped = text.lstrip()
-    for head in ("<|python_tag|>", "{"):
-      if stripped.startswith(head):
-        return len(text) - len(stripped)
-    return None
-
-  def held(self, text: str) -> int:
-    stripped = text.lstrip()
-    return len(text) if not stripped or "<|python_tag|>".startswith(stripped) else 0
-
-  def calls(self, text: str) -> list[tuple[str, str]]:
-    text = text.lstrip().removeprefix("<|python_tag|>")
-    calls = [_named(v) for v in _json_values(text)]
-    return calls if calls and None not in calls else []
+  text = text.lstrip().removeprefix("<|python_tag|>")
+  calls = [_named(v) for v in _json_values(text)]
+  return calls if calls and None not in calls else []
 
 
-class Hermes(Parser):
+def _hermes(text: str) -> list[tuple[str, str]]:
   """Qwen 2/2.5/3 (Hermes' format): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+  calls = []
+  for body in re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL):
+    values = _json_values(body.strip())
+    call = _named(values[0]) if len(values) == 1 else None
+    if call is None:
+      return []
+    calls.append(call)
+  return calls
 
-  name, marker = "hermes", "<tool_call>"
 
-  def calls(self, text: str) -> list[tuple[str, str]]:
-    found = re.findall(r"<tool_call>(.*?)(?:</tool_call>|$)", text, re.DOTALL)
-    calls = []
-    for body in found:
-      values = _json_values(body.strip())
-      call = _named(values[0]) if len(values) == 1 else None
+def _mistral(text: str) -> list[tuple[str, str]]:
+  """Mistral: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}`, or (v11
+  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call."""
+  calls = []
+  for part in (p.strip() for p in text.split("[TOOL_CALLS]")[1:]):
+    if "[ARGS]" in part:
+      name, _, args = part.partition("[ARGS]")
+      values = _json_values(args.strip())
+      if len(values) != 1 or not name.strip():
+        return []
+      calls.append((name.strip(), _arguments(values[0])))
+      continue
+    values = _json_values(part)
+    if len(values) != 1 or not isinstance(values[0], list):
+      return []
+    for v in values[0]:
+      call = _named(v)
       if call is None:
         return []
       calls.append(call)
-    return calls
+  return calls
 
 
-class Mistral(Parser):
-  """Mistral: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}`, or (v11
-  tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call."""
-
-  name, marker, needs_special_tokens = "mistral", "[TOOL_CALLS]", True
-
-  def calls(self, text: str) -> list[tuple[str, str]]:
-    parts = [p.strip() for p in text.split("[TOOL_CALLS]")[1:]]
-    calls = []
-    for part in parts:
-      if "[ARGS]" in part:
-        name, _, args = part.partition("[ARGS]")
-        values = _json_values(args.strip())
-        if len(values) != 1 or not name.strip():
-          return []
-        calls.append((name.strip(), _arguments(values[0])))
-        continue
-      values = _json_values(part)
-      if len(values) != 1 or not isinstance(values[0], list):
-        return []
-      for v in values[0]:
-        call = _named(v)
-        if call is None:
-          return []
-        calls.append(call)
-    return calls
-
-
-PARSERS = {p.name: p for p in (Llama3Json(), Hermes(), Mistral())}
+PARSERS = {p.name: p for p in (
+    Parser("llama3_json", "{", _llama3_json, heads=("<|python_tag|>", "{")),
+    Parser("hermes", "<tool_call>", _hermes),
+    Parser("mistral", "[TOOL_CALLS]", _mistral, needs_special_tokens=True))}
 # The parser of each model family jaxkv loads (`model_type` of config.json); Gemma 3 has no
 # tool-call format of its own.
 FAMILY_PARSERS = {"llama": "llama3_json", "mistral": "mistral", "qwen2": "hermes",
