@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serve as serve_bench  # noqa: E402  pylint: disable=wrong-import-position
+from jaxkv.structured.vocab import _byte_level_table  # noqa: E402  pylint: disable=wrong-import-position,protected-access
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEMA_SET = os.path.join(ROOT, "tests", "fixtures", "schemas.json")
@@ -73,7 +74,7 @@ def _args(argv=None):
 def byte_level_tokenizer(path: str, vocab_size: int, seed: int = 0) -> None:
   """Replaces `path`'s tokenizer.json with a synthetic byte-level vocabulary of `vocab_size`."""
   from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers   # pylint: disable=g-import-not-at-top
-  table = {b: c for c, b in _unicode_bytes().items()}
+  table = {b: c for c, b in _byte_level_table().items()}
   rng = random.Random(seed)
   texts: list[bytes] = [bytes([b]) for b in range(256)]
   seen = set(texts)
@@ -100,19 +101,6 @@ def byte_level_tokenizer(path: str, vocab_size: int, seed: int = 0) -> None:
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([AddedToken("<|end|>", special=True)])
   tok.save(os.path.join(path, "tokenizer.json"))
-
-
-def _unicode_bytes() -> dict[str, int]:
-  """GPT-2's printable stand-in of each byte."""
-  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-      range(ord("®"), ord("ÿ") + 1))
-  cs, n = bs[:], 0
-  for b in range(256):
-    if b not in bs:
-      bs.append(b)
-      cs.append(256 + n)
-      n += 1
-  return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class Server:

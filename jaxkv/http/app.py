@@ -312,11 +312,9 @@ def create_app(engine, tokenizer: Tokenizer, *, model_name: str, interval: int =
         request = EngineRequest(tuple(prompt), params)
         engine.check(request)
       except (ValueError, TypeError) as e:
-        if "grammar" in public_message(e).split(":")[0]:   # the automaton does not fit the pool
-          raise BadRequest(f"{constraint.field}: {public_message(e)}",
-                           param=constraint.field) from e
         raise engine_refusal(e, chat=chat, limit_field=limit_field,
-                              limit_given=max_tokens is not None) from e
+                             limit_given=max_tokens is not None,
+                             grammar_field=None if constraint is None else constraint.field) from e
       out.append(request)
     return out
 

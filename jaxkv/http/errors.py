@@ -61,14 +61,19 @@ def encode_or_refuse(encode, param: str) -> list[int]:
     raise BadRequest(public_message(e), param=param) from e
 
 
-def engine_refusal(e: Exception, *, chat: bool, limit_field: str, limit_given: bool):
-  """The engine's refusal of a request as a 400 naming the request field it is about."""
+def engine_refusal(e: Exception, *, chat: bool, limit_field: str, limit_given: bool,
+                   grammar_field: str | None = None):
+  """The engine's refusal of a request as a 400 naming the request field it is about
+  (`grammar_field`: the field whose constraint became the request's grammar)."""
   message = public_message(e)
   head = message.split("=")[0].split(" ")[0].split("[")[0]
   param = {"n": "n", "logprobs": "top_logprobs" if chat else "logprobs",
            "stop_tokens": "stop_token_ids", "max_tokens": limit_field,
            "prompt": "messages" if chat else "prompt", "min_tokens": "min_tokens",
-           "logit_bias": "logit_bias", "allowed_token_ids": "allowed_token_ids"}.get(head)
+           "logit_bias": "logit_bias", "allowed_token_ids": "allowed_token_ids",
+           "grammar": grammar_field}.get(head)
+  if head == "grammar" and grammar_field is not None:   # the automaton does not fit the pool
+    message = f"{grammar_field}: {message}"
   if head == "prompt" and "max_tokens" in message and limit_given:
     param = limit_field   # prompt + max_tokens past max_len: the limit the client set
   return BadRequest(message, param=param)

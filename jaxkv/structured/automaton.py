@@ -446,6 +446,11 @@ def _classes(edges, vocab_size: int) -> np.ndarray:
   return class_of
 
 
+def spec_key(vocab_key: str, regex: str) -> str:
+  """The cache key (and `TokenAutomaton.key`) of `regex` over the vocabulary `vocab_key`."""
+  return hashlib.sha256(f"{vocab_key}\x00{regex}".encode()).hexdigest()
+
+
 def _transitions_estimate(index) -> int | None:
   """A lower bound of an outlines-core index's transitions from its serialized size (about 7
   bytes each, at least 8 counted here); None where the library does not serialize so."""
@@ -496,7 +501,7 @@ class AutomatonCache:
       ValueError: the spec is malformed or matches nothing this vocabulary can spell.
     """
     regex = spec_regex(kind, value)
-    key = hashlib.sha256(f"{self.vocab_key}\x00{regex}".encode()).hexdigest()
+    key = spec_key(self.vocab_key, regex)
     while True:
       with self._lock:
         hit = self._entries.get(key)

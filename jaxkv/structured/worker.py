@@ -11,7 +11,6 @@ Run as `python -m jaxkv.structured.worker READ_FD WRITE_FD` by `ProcessCompiler`
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from jaxkv.structured.automaton import (MAX_INDEX_TRANSITIONS, AutomatonCache, TokenAutomaton,
-                                        _vocabulary_key, spec_regex)
+                                        _vocabulary_key, spec_key, spec_regex)
 
 
 class CompileTimeout(TimeoutError):
@@ -62,7 +61,7 @@ class ProcessCompiler:
       CompileTimeout: it did not compile within `timeout` seconds.
     """
     regex = spec_regex(kind, value)
-    key = hashlib.sha256(f"{self._vocab_key}\x00{regex}".encode()).hexdigest()
+    key = spec_key(self._vocab_key, regex)
     with self._cache_lock:
       hit = self._entries.get(key)
     if hit is not None:
