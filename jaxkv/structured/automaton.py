@@ -124,8 +124,10 @@ MAX_ENUM_RANGE = 1024   # integer parts a bounded range may spell out one by one
 # Fractions of at most 16 digits (a float64 holds about 16): an output always ends, where
 # unbounded digits let a model that never stops writing them run to max_tokens.
 _FRACTION = r"(\.[0-9]{1,16})?"
-_NONZERO_FRACTION = r"\.[0-9]{0,15}[1-9][0-9]{0,15}"
-_ZERO_FRACTION = r"(\.0+)?"
+# Not zero: spelled by where its first nonzero digit is, so the regex stays unambiguous (an
+# ambiguous spelling's automaton grows with every digit it could be).
+_NONZERO_FRACTION = r"\.(" + "|".join(f"0{{{k}}}[1-9][0-9]{{0,{15 - k}}}" for k in range(16)) + ")"
+_ZERO_FRACTION = r"(\.0{1,16})?"
 
 
 def _alternatives(values) -> str:
