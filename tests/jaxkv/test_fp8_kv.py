@@ -182,7 +182,8 @@ def test_scale_rule_first_write_fixes_later_values_saturate():
   before = scales_of(cache.state)
   # A refused attend (the state is not prepared) writes nothing and sets no scale.
   wide = lambda x: jnp.asarray(np.repeat(x, cfg.max_write, axis=0) * 7)   # W rows
-  state, _, status = pure.attend(cfg, cache.state, 0, wide(q2), wide(k2), wide(v2))
+  state, _, status = pure.attend(cfg, cache.state, 0, wide(q2), wide(k2), wide(v2),
+                                   implementation=REFERENCE)
   assert status == jaxkv.Status.NOT_PREPARED
   assert all(np.array_equal(x, y) for x, y in zip(scales_of(state), before))
   fork = cache.seq_clone(a, 1)
