@@ -13,9 +13,11 @@ The rules, in order:
   itself and, as vLLM's `kv_cache_memory_bytes`, makes `gpu_memory_utilization`
   ignored). Otherwise `gpu_memory_utilization` (default 0.9, vLLM's) of the
   device's memory (`device.memory_stats()["bytes_limit"]`), minus the weights,
-  the serving loop's own buffers (`jaxkv.serve.memory.loop_buffer_bytes`) and
-  the cache's control values. The share left over is the headroom for
-  activations and XLA's workspace (nothing is profiled). A device that reports
+  the serving loop's own buffers (`jaxkv.serve.memory.loop_buffer_bytes`), its
+  temporaries (the sampler's, `jaxkv.serve.memory.sampler_temp_bytes`, and one
+  step's activations at the step width) and the cache's control values. The
+  share left over is the headroom for XLA's workspace and what the estimates
+  miss (nothing is profiled). A device that reports
   no memory figure (a CPU) counts as `CPU_DEVICE_BYTES` (1 GiB): a CPU run is
   for development and tests, and the host's memory is shared with everything
   else on it.
@@ -50,7 +52,7 @@ import numpy as np
 from jaxkv import CacheConfig
 from jaxkv import _memory
 from jaxkv._memory import DEFAULT_PAGE_SIZE
-from jaxkv.serve.memory import loop_buffer_bytes
+from jaxkv.serve.memory import loop_buffer_bytes, sampler_temp_bytes
 from jaxkv.structured.pool import default_capacity, pool_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -206,14 +208,16 @@ def _derived_max_seqs(tokens: int, max_len: int, max_write: int) -> int:
 
 
 def _fit(config: CacheConfig, budget: int, *, paged: bool, fixed_kv: bool,
-         shards: int, grammar_bytes: int = 0) -> tuple[int, int]:
+         shards: int, grammar_bytes: int = 0, vocab_size: int = 0,
+         step_bytes: int = 0) -> tuple[int, int]:
   """`(K/V budget, capacity)` for `config`'s `max_seqs`: `budget` (per device) less the loop's
-  buffers and control values (unless the budget is K/V only), times `shards`, and the largest
-  capacity it holds."""
+  buffers, temporaries (the sampler's and `step_bytes` of activations) and control values
+  (unless the budget is K/V only), times `shards`, and the largest capacity it holds."""
   kv = budget
   if not fixed_kv:
     kv -= loop_buffer_bytes(config.max_seqs, config.max_seq_len, DEFAULT_MAX_STOP_TOKENS,
                             grammar_bytes)[0]
+    kv -= sampler_temp_bytes(config.max_seqs, config.max_seq_len, vocab_size)[0] + step_bytes
     # Control values grow with the pool's pages: count them at the most pages the budget holds.
     most = max(kv // max(_flat_token_bytes(config), 1), config.max_seq_len)
     kv -= _memory.control_bytes(dataclasses.replace(config, capacity=most))
@@ -324,7 +328,9 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
     kv_budget, capacity = _fit(config, budget, paged=paged, fixed_kv=fixed is not None,
                                shards=shards, grammar_bytes=pool_bytes(
                                    model_config.vocab_size,
-                                   default_capacity(model_config.vocab_size)))
+                                   default_capacity(model_config.vocab_size)),
+                               vocab_size=model_config.vocab_size,
+                               step_bytes=_step_bytes(model_config, config.max_write))
     if capacity >= max_len or max_seqs is not None or seqs == 1:
       break
     seqs -= 1   # a derived count that leaves too little for one max_len sequence: fewer
@@ -337,15 +343,15 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
         f"({max_len} positions x {_flat_token_bytes(probe)} bytes over the flat layers + "
         f"{_ring_column_bytes(probe)} bytes of ring rows); the K/V budget is "
         f"{kv_budget:,} bytes = {budget_text}"
-        f"{'' if fixed is not None else ' - the loop buffers and control values'}. "
+        f"{'' if fixed is not None else ' - the loop buffers, temporaries and control values'}. "
         f"Give a smaller {names['max_len']}"
         f"{'' if max_seqs is None else ' or ' + names['max_seqs']}, or more memory "
         f"({names['kv_cache_memory']} or {names['gpu_memory_utilization']})")
   if not paged:
     capacity = seqs * max_len
   if fixed is None:
-    budget_text += (f" - {budget - kv_budget // shards:,} bytes of loop buffers and control "
-                    "values")
+    budget_text += (f" - {budget - kv_budget // shards:,} bytes of loop buffers, temporaries "
+                    "and control values")
   if shards > 1:
     budget_text = f"{shards} devices x ({budget_text})"
   config = geometry(seqs, capacity)

@@ -34,6 +34,13 @@ def _paged_expectation(budget: int, max_len: int, max_write: int) -> tuple[int, 
   return seqs, min(pages * 64, ceiling)
 
 
+def _temporaries(seqs: int, width: int) -> int:
+  """The sampler's `[S, V]` and `[S, max_len]` temporaries (9 and 4 of 4 bytes) and one step's
+  float32 activations (8 x hidden + 3 x intermediate + vocab per token) at max_len 128."""
+  return (4 * seqs * (9 * CONFIG.vocab_size + 4 * 128)
+          + 4 * width * (8 * CONFIG.hidden_size + 3 * CONFIG.intermediate_size + CONFIG.vocab_size))
+
+
 @pytest.mark.parametrize("budget", [4 << 20, 64 << 20])
 def test_paged_sizes_from_kv_cache_memory(budget):
   plan = sizing.plan_serving(CONFIG, kv_cache_memory=budget, **F32)
@@ -83,19 +90,20 @@ class _Device:
 
 
 def test_gpu_memory_utilization_counts_weights_and_loop_buffers():
-  limit, util, weights = 8 << 20, 0.5, 3 << 20   # 1 MiB left: the pool, not the columns, binds
+  limit, util, weights = 13 << 20, 0.5, 3 << 20   # 3.5 MiB left: the pool, not the columns, binds
   plan = sizing.plan_serving(CONFIG, dtype=jnp.float32, kv_dtype=jnp.float32,
                              weights_bytes=weights, gpu_memory_utilization=util,
                              device=_Device(limit), max_write=64)
   seqs = min(256, 64, (int(util * limit) - weights) // POSITION_BYTES // 128)
-  assert plan.max_seqs == seqs == 32 and plan.capacity < seqs * 128
+  assert plan.max_seqs == seqs == 64 and plan.capacity < seqs * 128
   # tokens, stops, per-column values, bias; the grammar pool: states, masks, transitions
   vocab = CONFIG.vocab_size
   loop = (seqs * (4 * 128 + 4 * 8 + 27 * 4 + 8 * 64)
           + 20 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 18, max(1 << 14, 16 * vocab)) + 4 * 16 * vocab)
+  loop += _temporaries(seqs, 64)
   spare = int(util * limit) - weights - loop - plan.kv_bytes
   assert 0 <= spare < PAGE_BYTES + (1 << 16)   # one more page would not fit (control values)
-  assert "0.5 x 8,388,608 bytes (Fake GPU bytes_limit)" in plan.budget_source
+  assert "0.5 x 13,631,488 bytes (Fake GPU bytes_limit)" in plan.budget_source
   # Without a memory figure (a CPU) the device counts as CPU_DEVICE_BYTES.
   cpu = sizing.plan_serving(CONFIG, gpu_memory_utilization=util, **F32)
   assert f"{util} x {sizing.CPU_DEVICE_BYTES:,} bytes" in cpu.budget_source
@@ -114,6 +122,7 @@ def test_tensor_parallel_budgets_leave_the_loop_buffers_on_every_device():
   vocab = CONFIG.vocab_size
   loop = (seqs * (4 * 128 + 4 * 8 + 27 * 4 + 8 * 64)
           + 20 * 4096 + 4 * 256 * -(-vocab // 32) + 8 * min(1 << 18, max(1 << 14, 16 * vocab)) + 4 * 16 * vocab)
+  loop += _temporaries(seqs, 64)
   control = 1 << 16   # at most, per device
   assert shards * (left - loop - control) <= plan.kv_budget_bytes <= shards * (left - loop)
   assert plan.kv_bytes // shards + loop <= left   # what one device holds fits it
@@ -194,3 +203,31 @@ def test_max_len_past_the_checkpoint_context_and_a_step_past_the_device_are_refu
                                        rf"many tokens needs about {(fits + 1) * per_token:,} bytes"):
     sizing.plan_serving(CONFIG, kv_cache_memory=1 << 20, max_write=fits + 1, device=device,
                         flags=True, **F32)
+
+
+@pytest.mark.parametrize("rows, vocab, max_len", [(16, 2048, 4096), (32, 8192, 512)])
+def test_the_sampler_estimate_bounds_xla_memory_analysis(rows, vocab, max_len):
+  """XLA's own count of `sample_rows`'s temporaries, every stage on (penalties over the history,
+  bias, bans, a grammar, logprobs, sampling), is within the sizing's estimate and not far below
+  it: one geometry where the vocabulary dominates, one where the history does."""
+  import jax   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve import memory, sampling   # pylint: disable=g-import-not-at-top
+  from jaxkv.structured import pool as grammar_pool   # pylint: disable=g-import-not-at-top
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  pool = grammar_pool.empty_pool(vocab, *grammar_pool.default_capacity(vocab))
+
+  def sample(logits, history, length, keys, banned, bias_ids, bias, pool, state):
+    p = sampling.RowParams.default(rows, temperature=0.7, repetition_penalty=1.1,
+                                   presence_penalty=0.5, logprobs=3)
+    return sampling.sample_rows(
+        logits, p, keys, sampling=jnp.ones((rows,), bool), history=history,
+        prompt_len=length // 2, length=length, banned=banned,
+        bias=(bias_ids, bias, length % 2), num_logprobs=5, grammar=(pool, state, state, banned))
+
+  args = (jax.ShapeDtypeStruct((rows, vocab), jnp.float32), i32(rows, max_len), i32(rows),
+          jax.random.split(jax.random.key(0), rows), i32(rows, 8), i32(rows, 64),
+          jax.ShapeDtypeStruct((rows, 64), jnp.float32),
+          jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool), i32(rows))
+  temp = jax.jit(sample).lower(*args).compile().memory_analysis().temp_size_in_bytes
+  estimate = memory.sampler_temp_bytes(rows, max_len, vocab)[0]
+  assert temp <= estimate < 2 * temp, (temp, estimate)
