@@ -44,6 +44,13 @@ if (os.environ.get("JAXKV_TEST_XLA_CACHE", "1") != "0" and not GPU_CHECK
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
+# Most of the CPU suite is XLA compiling programs that then run for milliseconds: LLVM's
+# optimisation passes cost more than they save (tests/README.md "Suite time" has the
+# measurement). Set before jax reads it, so the processes tests start inherit it too; the GPU
+# check and JAXKV_TEST_FAST_COMPILE=0 compile as users do.
+if os.environ.get("JAXKV_TEST_FAST_COMPILE", "1") != "0" and not GPU_CHECK:
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 from hypothesis import settings  # pylint: disable=wrong-import-position
 import hypothesis.internal.conjecture.engine as hypothesis_engine  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
