@@ -26,7 +26,7 @@ def _progress(ls) -> dict:
   o = ls.out
   return {k: getattr(ls, k) for k in (
       "steps", "step_tokens", "occupancy", "status", "peak_rows", "width_steps",
-      *PAGED_COUNTERS)} | {
+      "draft_tokens", "accepted_tokens", *PAGED_COUNTERS)} | {
           "out_done": o.done, "out_len": o.length, "out_stop": o.stop, "out_admitted": o.admitted,
           "out_first": o.first, "out_finished": o.finished, "active": ls.cols.active,
           "used": ls.cols.used, "next": ls.queue.next}
@@ -98,6 +98,8 @@ def serve_queue(engine, requests, on_progress, grammars) -> list[Completion]:
       stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
       stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
       read_paged_counters(stats, host)
+      stats.draft_tokens, stats.accepted_tokens = (int(host["draft_tokens"]),
+                                                   int(host["accepted_tokens"]))
       stats.generated = sum(len(c.tokens) for c in engine.completions)
       stats.seconds = time.perf_counter() - started
       stats.compile_seconds = compile_seconds() - compiled

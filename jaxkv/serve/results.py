@@ -127,6 +127,8 @@ class EngineStats:
       a GPU its call returns once the device has run every step queued before it
       and the block itself: what a request arriving at a busy engine waits for.
     admissions: stepping: admission blocks dispatched.
+    draft_tokens, accepted_tokens: speculative decoding (`Engine(speculative=)`): draft
+      tokens verified, and those accepted (`acceptance_rate` is their ratio).
   """
 
   steps: int = 0
@@ -149,6 +151,13 @@ class EngineStats:
   pace_seconds: float = 0.0
   admit_seconds: float = 0.0
   admissions: int = 0
+  draft_tokens: int = 0
+  accepted_tokens: int = 0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted over verified draft tokens (0 before any draft)."""
+    return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
   @property
   def serve_seconds(self) -> float:
