@@ -94,7 +94,8 @@ class EngineCore:
     self._greedy_loop = entry(True)
 
     step_fn = serve_step
-    self._step_fns = [functools.partial(step_fn, self.graphdef, config, self.widths, w)
+    self._step_fns = [functools.partial(step_fn, self.graphdef, config, self.widths, w,
+                                        speculative=speculative)
                       for w in range(len(self.widths))]
     self._unflatten = lambda leaves: jax.tree.unflatten(treedef, leaves)
     self._compiler_options = dict(compiler_options) or None

@@ -134,8 +134,7 @@ class Engine:
       tokens per plain greedy sequence and verifies them in one step (the tokens
       are those of plain decoding; requests that sample, penalise, bias, want
       logprobs, follow a grammar or opt out with `SamplingParams(speculative=False)`
-      decode one token a step beside them). Column storage and `run` only for now:
-      paged storage is refused here, the incremental API at its first call.
+      decode one token a step beside them), in `run` and the incremental API alike.
 
   Over paged storage the engine admits by claims, not by prompt + max_tokens,
   and preempts the latest admitted sequence when a step would pass `capacity`
@@ -346,9 +345,6 @@ class Engine:
   # Each verb hands the work to the `LiveQueue` (made on first use; `live.py`).
 
   def _live_queue(self) -> LiveQueue:
-    if self.speculative is not None:   # its reads assume one token a column per step
-      raise ValueError("the incremental API (add_request, step, stream, warm_up) is not built "
-                       "for speculative= yet: serve this engine with run()")
     if self._live is None:
       self.core.drop()   # run's state goes before the persistent one is allocated
       self.stats = EngineStats(implementations=self.implementations)

@@ -480,7 +480,7 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
 
 
 def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: int, params,
-               ls: LoopState) -> LoopState:
+               ls: LoopState, *, speculative: SpeculativeConfig | None = None) -> LoopState:
   """One greedy step at width `widths[which]` (static), with no loop and no branch around it.
 
   On a GPU a jitted program holding a `while` or a `cond` returns to the host only
@@ -496,12 +496,14 @@ def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: in
   `admit_block`'s, which the host runs alone when one is due (its loops read
   their predicates back, so the host waits for it).
 
-  Jit it with `graphdef`, `config`, `widths` and `which` static and `ls` donated.
+  Jit it with `graphdef`, `config`, `widths` and `which` static and `ls` donated
+  (`speculative` too: drafts are verified as in the loop, still with no branch).
 
   Returns:
     `(ls, steps)`: the new state, and its step counter apart from it (the state is
     donated to the next program; the host waits on this one to pace itself).
   """
   from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
-  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=True, gated=True)
+  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=True, gated=True,
+             spec=speculative)
   return ls, ls.steps

@@ -210,13 +210,20 @@ def _oracle_drafter(requests, completions, p: float, seed: int = 0):
   return drafter
 
 
-def test_oracle_drafter_accepts_and_stays_exact(model, queue):
-  """k = 8 with a drafter right 3 times in 4: long accepted runs, stops and limits inside
-  them, rejections after them; the tokens are plain decoding's, in fewer steps."""
-  requests, want, plain_steps = queue
+@pytest.fixture(scope="module")
+def oracle8(model, queue):
+  """k = 8 with a drafter right 3 times in 4."""
+  requests, want, _ = queue
   spec = serve.SpeculativeConfig(method="custom", k=8,
                                  drafter=_oracle_drafter(requests, want, p=0.25))
-  engine = serve.Engine(model, max_len=MAX_LEN, widths=(WIDTH,), speculative=spec)
+  return serve.Engine(model, max_len=MAX_LEN, widths=(WIDTH,), speculative=spec)
+
+
+def test_oracle_drafter_accepts_and_stays_exact(oracle8, queue):
+  """Long accepted runs, stops and limits inside them, rejections after them: the tokens
+  are plain decoding's, in fewer steps."""
+  requests, want, plain_steps = queue
+  engine = oracle8
   assert _key(engine.run(requests)) == _key(want)
   stats = engine.stats
   assert 0 < stats.accepted_tokens < stats.draft_tokens
@@ -261,16 +268,15 @@ def test_refusals_name_the_argument_and_change_nothing(model, ngram3, queue):
     serve.Engine(model, max_len=MAX_LEN, speculative=serve.SpeculativeConfig(k=bound + 1))
   with pytest.raises(TypeError, match="speculative="):
     serve.Engine(model, max_len=MAX_LEN, speculative="ngram")
-  # The incremental API is refused before it touches the engine: the last run's state stays.
+  # A queue holding a request that cannot fit is refused before anything is served: the
+  # last run's state and completions stay.
   requests, _, _ = queue
   ngram3.run(requests[:2])
   state, completions = ngram3.state, list(ngram3.completions)
-  for call in (lambda: ngram3.add_request(requests[0]), lambda: ngram3.step(),
-               lambda: ngram3.warm_up()):
-    with pytest.raises(ValueError, match="speculative="):
-      call()
-  assert ngram3.state is not None and ngram3.completions == completions
-  assert not ngram3.has_unfinished()
+  too_long = serve.Request(requests[0].prompt, serve.SamplingParams(max_tokens=MAX_LEN))
+  with pytest.raises(ValueError, match="max_tokens"):
+    ngram3.run(requests[:1] + [too_long])
+  assert ngram3.completions == completions and not ngram3.has_unfinished()
   assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), ngram3.state, state))
 
 
@@ -290,3 +296,26 @@ def test_paged_storage_preempts_and_caches_prefixes_exactly(queue):
   assert _key(got[:-1]) == _key(want) and got[-1].tokens == want[1].tokens
   stats = engine.stats
   assert stats.preemptions > 0 and stats.cached_tokens > 0 and stats.accepted_tokens > 0
+
+
+def _stream(engine, requests, step):
+  """`{(position in requests, index): (tokens, finish reason)}` of `requests` served by
+  `step()` calls."""
+  position = {engine.add_request(r): i for i, r in enumerate(requests)}
+  got: dict = {}
+  while engine.has_unfinished() or engine.live.has_work():
+    for d in step():
+      key = (position[d.request_id], d.index)
+      got[key] = (got.get(key, ((), None))[0] + tuple(d.tokens), d.finish_reason)
+  return got
+
+
+def test_incremental_api_streams_the_same_tokens(oracle8, queue):
+  """Single steps queued ahead of the device (`serve_step`: drafts verified with no branch),
+  each read back while the next is in flight, from a snapshot that holds `k + 1 = 9` tokens
+  a row (more than the smallest snapshot): each sample's tokens are plain decoding's."""
+  requests, want, _ = queue
+  expected = {(c.request_id, c.index): (tuple(c.tokens), c.finish_reason) for c in want}
+  live = oracle8.live
+  assert _stream(oracle8, requests, lambda: live.step(1, overlap=True, stepwise=True)) == expected
+  assert oracle8.stats.accepted_tokens > 0
