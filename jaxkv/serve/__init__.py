@@ -58,11 +58,12 @@ from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv._memory import paged_cache_config
 from jaxkv.serve.step_model import StepModel, check_step_model
 from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
-from jaxkv.serve.results import Completion, Delta, EngineStats, RequestTiming, TokenLogprob
+from jaxkv.serve.results import (Completion, Delta, EngineStats, RequestTiming, Speculation,
+                                 TokenLogprob)
 from jaxkv.serve.runner import ModelRunner
 from jaxkv.serve.speculative import SpeculativeConfig
 
 __all__ = ["MAX_LOGPROBS", "AsyncEngine", "Completion", "DataParallelEngine", "Delta", "Engine",
            "EngineError", "EngineStats", "ModelRunner", "Request", "RequestTiming",
-           "SamplingParams", "SpeculativeConfig", "StepModel", "TokenLogprob", "check_request", "check_step_model",
+           "SamplingParams", "Speculation", "SpeculativeConfig", "StepModel", "TokenLogprob", "check_request", "check_step_model",
            "default_widths", "paged_cache_config"]

@@ -95,7 +95,11 @@ def admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
       sample_index=sample_index, lp_row=q.lp_base[i] + sample_index,
       params=ColumnParams.of_request(q, i), grammar=q.grammar[i], grammar_token=-1,
       draft=0)
-  out = dataclasses.replace(ls.out, admitted=jnp.where(admitted, ls.steps, ls.out.admitted))
+  o = ls.out
+  out = dataclasses.replace(o, admitted=jnp.where(admitted, ls.steps, o.admitted),
+                            draft_tokens=jnp.where(admitted, 0, o.draft_tokens),
+                            accepted_tokens=jnp.where(admitted, 0, o.accepted_tokens),
+                            draft_rounds=jnp.where(admitted, 0, o.draft_rounds))
   # A forking request is one admission; otherwise each of its n samples is one.
   copies = jnp.where(ok, q.copies + 1, q.copies)
   finished_request = ok & (fork | (copies >= n))

@@ -320,6 +320,9 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
   length = c.length + count
   fin_at = jnp.where(finished, c.out_row, rows_out)
   first_at = jnp.where(emits & (generated == 0), c.out_row, rows_out)
+  verified = jnp.where(emits, drafted, 0)
+  kept = jnp.maximum(count - 1, 0)   # the emitted tokens that were draft tokens
+  draft_at = jnp.where(verified > 0, c.out_row, rows_out)
   # A column that emitted keeps its pending token unfed, as after a plain step; the
   # cache keeps what was fed before it and rolls the rejected draft back.
   fed = jnp.where(ok, jnp.where(emits, length - 1, c.fed + alloc), c.fed)
@@ -348,7 +351,10 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
       stop=o.stop.at[fin_at].set(as_int(is_stop), mode="drop"),
       done=o.done.at[fin_at].set(1, mode="drop"),
       first=o.first.at[first_at].set(ls.steps + 1, mode="drop"),
-      finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"))
+      finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"),
+      draft_tokens=o.draft_tokens.at[draft_at].add(verified, mode="drop"),
+      accepted_tokens=o.accepted_tokens.at[draft_at].add(kept, mode="drop"),
+      draft_rounds=o.draft_rounds.at[draft_at].add(1, mode="drop"))
   counted = ok & (n > 0) if gated else ok
   return dataclasses.replace(
       ls, cache=cache, cols=cols, out=out,
@@ -357,8 +363,8 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
       peak_rows=jnp.maximum(ls.peak_rows, held),
       width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
       status=merge_status(ls.status, status),
-      draft_tokens=ls.draft_tokens + jnp.where(emits, drafted, 0).sum(dtype=jnp.int32),
-      accepted_tokens=ls.accepted_tokens + jnp.maximum(count - 1, 0).sum(dtype=jnp.int32))
+      draft_tokens=ls.draft_tokens + verified.sum(dtype=jnp.int32),
+      accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32))
 
 
 def _row_params(p: ColumnParams) -> RowParams:

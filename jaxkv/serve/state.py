@@ -216,6 +216,9 @@ class Outputs:
       token, after the step that sampled its last (-1 until then; a reused row
       holds its last sample's values until they are set again). `Engine.run`
       turns them into latency figures (`RequestTiming`).
+    draft_tokens, accepted_tokens, draft_rounds: `int32[R]` speculative decoding: the
+      sample's draft tokens verified, those accepted, and the steps that verified one
+      (reset when a request takes the row).
   """
 
   tokens: jax.Array
@@ -228,6 +231,9 @@ class Outputs:
   admitted: jax.Array
   first: jax.Array
   finished: jax.Array
+  draft_tokens: jax.Array
+  accepted_tokens: jax.Array
+  draft_rounds: jax.Array
 
 
 @_register
@@ -417,7 +423,9 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         logprob=jnp.zeros(lp_shape, jnp.float32),
         top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
         top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
-        admitted=unset(rows), first=unset(rows), finished=unset(rows))
+        admitted=unset(rows), first=unset(rows), finished=unset(rows),
+        draft_tokens=jnp.zeros((rows,), jnp.int32), accepted_tokens=jnp.zeros((rows,), jnp.int32),
+        draft_rounds=jnp.zeros((rows,), jnp.int32))
     counters = dict(
         steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
         status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32), clock=scalar(),

@@ -10,12 +10,15 @@ pages), and the general (sampling) loop is compiled for one `k` only.
 from __future__ import annotations
 
 import dataclasses
+import os
 
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import HealthCheck, given, settings
 
 from drivers import PureCache
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy, Status, pure, serve
@@ -27,6 +30,8 @@ MODEL = ModelConfig.gemma3(vocab_size=64, hidden_size=32, intermediate_size=64, 
                            num_kv_heads=1, head_dim=16, sliding_window=4,
                            query_pre_attn_scalar=16.0)
 CAPACITY, MAX_SEQS, WIDTH, MAX_LEN = 256, 4, 16, 64
+# Random mixes per run (each two runs on compiled engines); JAXKV_SPECULATIVE_EXAMPLES=N for more.
+EXAMPLES = int(os.environ.get("JAXKV_SPECULATIVE_EXAMPLES", "20"))
 
 
 # ----------------------------------------------------------------------------- the verb
@@ -227,9 +232,41 @@ def test_oracle_drafter_accepts_and_stays_exact(oracle8, queue):
   assert _key(engine.run(requests)) == _key(want)
   stats = engine.stats
   assert 0 < stats.accepted_tokens < stats.draft_tokens
+  # Per sample: what the engine's counters sum.
+  done = engine.completions
+  assert sum(c.speculation.accepted_tokens for c in done) == stats.accepted_tokens
+  assert sum(c.speculation.draft_tokens for c in done) == stats.draft_tokens
+  assert all(c.speculation.rounds <= c.speculation.draft_tokens for c in done)
+  assert max(c.speculation.mean_accepted_length for c in done) > 1
   assert stats.steps < plain_steps
   print(f"oracle drafter k=8 p=0.25: acceptance {stats.acceptance_rate:.2f}, "
         f"{stats.generated} tokens in {stats.steps} steps (plain: {plain_steps})")
+
+
+@st.composite
+def _greedy_mix(draw):
+  """Greedy requests over a small alphabet (so prompt lookup finds matches): prompts,
+  `max_tokens`, `n`, stop tokens, opt-outs; at most 8 samples, the `queue` fixture's size
+  class (a queue of more output rows would compile the loops again)."""
+  alphabet = draw(st.integers(2, 8))
+  token = st.integers(0, alphabet - 1)
+  requests, rows = [], draw(st.integers(1, 8))
+  while rows > 0:
+    prompt = tuple(draw(st.lists(token, min_size=1, max_size=16)))
+    n = draw(st.integers(1, min(2, rows)))
+    rows -= n
+    requests.append(serve.Request(prompt, serve.SamplingParams(
+        max_tokens=draw(st.integers(1, MAX_LEN - len(prompt))), n=n,
+        stop_tokens=tuple(draw(st.lists(token, max_size=2))),
+        speculative=draw(st.booleans()) or draw(st.booleans()))))
+  return requests
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(requests=_greedy_mix())
+def test_random_greedy_mixes_equal_plain_decoding(plain, ngram3, requests):
+  assert _key(ngram3.run(requests)) == _key(plain.run(requests))
 
 
 def test_sampled_and_opted_out_requests_decode_beside_drafting_ones(plain, ngram3, queue):
@@ -252,6 +289,7 @@ def test_sampled_and_opted_out_requests_decode_beside_drafting_ones(plain, ngram
            for r in requests]
   assert _key(ngram3.run(quiet)) == _key(plain.run(quiet))
   assert ngram3.stats.draft_tokens == 0
+  assert {c.speculation for c in ngram3.completions} == {serve.Speculation(0, 0, 0)}
 
 
 def test_refusals_name_the_argument_and_change_nothing(model, ngram3, queue):
@@ -319,3 +357,14 @@ def test_incremental_api_streams_the_same_tokens(oracle8, queue):
   live = oracle8.live
   assert _stream(oracle8, requests, lambda: live.step(1, overlap=True, stepwise=True)) == expected
   assert oracle8.stats.accepted_tokens > 0
+
+
+def test_cli_flags_name_the_config():
+  from jaxkv import cli   # pylint: disable=g-import-not-at-top
+  parse = lambda *flags: cli._parser().parse_args(["serve", "m", *flags])   # pylint: disable=protected-access
+  assert cli.speculative_config(parse()) is None
+  assert cli.speculative_config(parse("--speculative-method", "ngram", "--num-speculative-tokens",
+                                      "5", "--prompt-lookup-max", "4")) == serve.SpeculativeConfig(
+                                          k=5, ngram_max=4)
+  with pytest.raises(ValueError, match="--num-speculative-tokens needs --speculative-method"):
+    cli.speculative_config(parse("--num-speculative-tokens", "2"))
