@@ -20,6 +20,7 @@ import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 
+import hlo_walk
 from drivers import PureCache
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy, Status, pure, serve
 from jaxkv.models import Decoder, ModelConfig
@@ -357,6 +358,13 @@ def test_incremental_api_streams_the_same_tokens(oracle8, queue):
   live = oracle8.live
   assert _stream(oracle8, requests, lambda: live.step(1, overlap=True, stepwise=True)) == expected
   assert oracle8.stats.accepted_tokens > 0
+  # What lets the host run ahead: verifying, rolling back and drafting add no loop and no
+  # branch to the compiled step (each would read a predicate back on a GPU).
+  core = oracle8.core   # pylint: disable=protected-access
+  hlo = core._verbs.steps[0].lower(core._param_leaves, core._packed).compile().as_text()
+  comps, entry = hlo_walk.computations(hlo)
+  lines = hlo_walk.reached(comps, entry, branches=True)
+  assert hlo_walk.whiles(lines) == [] and not [l for l in lines if " conditional(" in l]
 
 
 def test_cli_flags_name_the_config():
