@@ -271,13 +271,17 @@ def test_random_greedy_mixes_equal_plain_decoding(plain, ngram3, requests):
 
 
 def test_sampled_and_opted_out_requests_decode_beside_drafting_ones(plain, ngram3, queue):
-  """The general loop: a sampled request, one with logprobs, one with a penalty and one that
-  opts out decode one token a step beside drafting columns; every token is plain's."""
-  requests, _, _ = queue
+  """The general loop: a sampled request, one with logprobs, one with a penalty, one that
+  opts out and one holding a stop token back (`min_tokens`) decode one token a step beside
+  drafting columns; every token is plain's."""
+  requests, plain_done, _ = queue
+  # Met at its second token alone: held back until the fifth.
+  want_stop = (next(c for c in plain_done if c.request_id == 5).tokens[1],)
   extra = [serve.SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=2),
            serve.SamplingParams(max_tokens=10, logprobs=2),
            serve.SamplingParams(max_tokens=10, repetition_penalty=1.3),
-           serve.SamplingParams(max_tokens=20, speculative=False)]
+           serve.SamplingParams(max_tokens=20, speculative=False),
+           serve.SamplingParams(max_tokens=12, min_tokens=5, stop_tokens=want_stop)]
   mixed = requests[:4] + [serve.Request(requests[5].prompt, p) for p in extra]
   want, got = plain.run(mixed), ngram3.run(mixed)
   assert _key(got) == _key(want)
