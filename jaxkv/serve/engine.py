@@ -130,11 +130,12 @@ class Engine:
       the requests on the device may hold together (`SamplingParams.grammar`;
       `jaxkv.structured`); part of the loop state's shape, counted in its memory.
       Default `structured.pool.default_capacity(vocab_size)`.
-    speculative: a `jaxkv.serve.SpeculativeConfig`: `Engine.run` drafts up to `k`
-      tokens per plain greedy sequence and verifies them in one step (the tokens
-      are those of plain decoding; requests that sample, penalise, bias, want
-      logprobs, follow a grammar or opt out with `SamplingParams(speculative=False)`
-      decode one token a step beside them), in `run` and the incremental API alike.
+    speculative: a `jaxkv.serve.SpeculativeConfig`: the loop (`run` and the
+      incremental API alike) drafts up to `k` tokens per plain greedy sequence and
+      verifies them in one step, the tokens those of plain decoding; requests that
+      sample, penalise, bias, want logprobs, follow a grammar or opt out with
+      `SamplingParams(speculative=False)` decode one token a step beside them.
+      `k` is checked against the cache here (`speculative.max_speculative_tokens`).
 
   Over paged storage the engine admits by claims, not by prompt + max_tokens,
   and preempts the latest admitted sequence when a step would pass `capacity`
