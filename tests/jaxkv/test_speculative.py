@@ -144,19 +144,6 @@ def ngram3(model):
   return _engine(model, k=3)
 
 
-def _greedy_queue():
-  """Greedy requests over 4 columns: repetitive and random prompts, stops, limits, n = 2."""
-  rng = np.random.default_rng(5)
-  reqs = []
-  for i in range(7):
-    cycle = [int(t) for t in rng.integers(0, MODEL.vocab_size, 4)]
-    prompt = tuple(cycle * 3) if i % 2 else tuple(int(t) for t in rng.integers(0, 64, 3 + i))
-    reqs.append(serve.Request(prompt, serve.SamplingParams(
-        max_tokens=int(rng.integers(4, 40)), n=1 + (i == 3),
-        stop_tokens=tuple(int(t) for t in rng.integers(0, 64, 2)) if i % 3 == 0 else ())))
-  return reqs
-
-
 def _key(completions):
   return [(c.request_id, c.index, c.tokens, c.finish_reason) for c in completions]
 
