@@ -58,8 +58,8 @@ def loop_buffer_bytes(max_seqs: int, max_len: int, max_stop: int,
   return total, formula
 
 
-def sampler_temp_bytes(max_seqs: int, max_len: int, vocab_size: int) -> tuple[int, str]:
-  """`(bytes, formula)`: an upper estimate of the sampler's temporaries in the serving loop.
+def sampler_temp_bytes(max_seqs: int, max_len: int, vocab_size: int) -> int:
+  """An upper estimate of the sampler's temporaries in the serving loop, in bytes.
 
   XLA holds about nine `[max_seqs, vocab]` 4-byte arrays at once (the logits adjusted, their
   order keys, masses, log-softmax, top candidates) and, for penalties, about four
@@ -68,9 +68,7 @@ def sampler_temp_bytes(max_seqs: int, max_len: int, vocab_size: int) -> tuple[in
   headroom was not sized for; `tests/jaxkv/test_sizing.py` checks the estimate bounds XLA's own
   memory analysis of `sample_rows`.
   """
-  total = 4 * max_seqs * (9 * vocab_size + 4 * max_len)
-  return total, (f"sampler temporaries 4 x {max_seqs} columns x (9 x {vocab_size} vocabulary + "
-                 f"4 x {max_len} max_len)")
+  return 4 * max_seqs * (9 * vocab_size + 4 * max_len)
 
 
 def check_engine_fits(config: CacheConfig, max_len: int, max_stop: int, *, mesh=None,

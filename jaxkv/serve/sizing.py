@@ -208,16 +208,15 @@ def _derived_max_seqs(tokens: int, max_len: int, max_write: int) -> int:
 
 
 def _fit(config: CacheConfig, budget: int, *, paged: bool, fixed_kv: bool,
-         shards: int, grammar_bytes: int = 0, vocab_size: int = 0,
-         step_bytes: int = 0) -> tuple[int, int]:
+         shards: int, grammar_bytes: int = 0, temp_bytes: int = 0) -> tuple[int, int]:
   """`(K/V budget, capacity)` for `config`'s `max_seqs`: `budget` (per device) less the loop's
-  buffers, temporaries (the sampler's and `step_bytes` of activations) and control values
-  (unless the budget is K/V only), times `shards`, and the largest capacity it holds."""
+  buffers, `temp_bytes` of temporaries and the control values (unless the budget is K/V
+  only), times `shards`, and the largest capacity it holds."""
   kv = budget
   if not fixed_kv:
     kv -= loop_buffer_bytes(config.max_seqs, config.max_seq_len, DEFAULT_MAX_STOP_TOKENS,
                             grammar_bytes)[0]
-    kv -= sampler_temp_bytes(config.max_seqs, config.max_seq_len, vocab_size)[0] + step_bytes
+    kv -= temp_bytes
     # Control values grow with the pool's pages: count them at the most pages the budget holds.
     most = max(kv // max(_flat_token_bytes(config), 1), config.max_seq_len)
     kv -= _memory.control_bytes(dataclasses.replace(config, capacity=most))
@@ -329,8 +328,9 @@ def plan_serving(model_config, *, dtype, kv_dtype, weights_bytes: int, max_len: 
                                shards=shards, grammar_bytes=pool_bytes(
                                    model_config.vocab_size,
                                    default_capacity(model_config.vocab_size)),
-                               vocab_size=model_config.vocab_size,
-                               step_bytes=_step_bytes(model_config, config.max_write))
+                               temp_bytes=sampler_temp_bytes(
+                                   seqs, max_len, model_config.vocab_size)
+                               + _step_bytes(model_config, config.max_write))
     if capacity >= max_len or max_seqs is not None or seqs == 1:
       break
     seqs -= 1   # a derived count that leaves too little for one max_len sequence: fewer
