@@ -226,6 +226,48 @@ def rewind(config: CacheConfig, state: CacheState, seq_id, position):
   return _select_control(ok, new, state), status
 
 
+def rewind_many(config: CacheConfig, state: CacheState, positions):
+  """`rewind` of every sequence at once: each keeps positions `[0, positions[s])`.
+
+  A serving step that verified several sequences' drafts rolls all their rejected
+  tails back in one verb (a loop of `rewind`s would be a loop per step). `hw` is
+  unchanged. It takes no page: over paged storage a target that would need a copy
+  on write (it ends inside a page another sequence holds) is refused with NO_ROOM.
+  A target inside the sequence's most recent step never does: every page a column
+  holds at or past its step's start is its own (CONTRACT §3.1).
+
+  Args:
+    positions: `int32[max_seqs]`; `positions[s] == pos[s]` leaves `s` as it is (a
+      sequence that is not live must be given its `pos`, 0).
+
+  Returns:
+    `(state, status)`: the first of BAD_TARGET (a position `< 0` or `> pos`, or a
+    change on a sequence that is not live), BELOW_FLOOR, NO_ROOM (paged, above)
+    over the sequences refuses the whole call, changing nothing.
+  """
+  _check(config, state, positions=(positions, (config.max_seqs,)))
+  positions = _i32(positions)
+  changed = positions != state.pos
+  bad = changed & ((state.live != 1) | (positions < 0) | (positions > state.pos))
+  below = changed & (positions < indexing.floor(state.hw, config.rings()))
+  kept = jnp.clip(positions, 0, state.pos)
+  pages, shared = {}, jnp.zeros_like(changed)
+  if config.is_paged:
+    table, refs = _pages.release_past(config, state.page_table, state.page_refs,
+                                      jnp.where(state.live == 1, kept, 0))
+    slot = jnp.minimum(kept // config.page_size, config.max_pages_per_seq - 1)
+    page = jnp.take_along_axis(state.page_table[:config.max_seqs], slot[:, None], axis=1)[:, 0]
+    # `refs[scratch] == 0`, so an unheld slot never counts as shared.
+    shared = changed & (kept % config.page_size != 0) & (refs[page] > 1)
+    pages = dict(page_table=table, page_refs=refs)
+  status = _first_failure([(jnp.any(bad), Status.BAD_TARGET),
+                           (jnp.any(below), Status.BELOW_FLOOR),
+                           (jnp.any(shared), Status.NO_ROOM)])
+  ok = status == Status.OK
+  new = _invalidated(config, state, pos=kept, held=_held(state.live, kept), **pages)
+  return _select_control(ok, new, state), status
+
+
 def clear(config: CacheConfig, state: CacheState):
   """Drops every sequence and the step; storage keeps its shape and bytes."""
   _check(config, state)

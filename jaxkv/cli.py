@@ -107,6 +107,16 @@ def _parser() -> argparse.ArgumentParser:
                  help="--stepping entries: steps per loop entry while fewer than a sixteenth of "
                       "the sequences run and nothing waits: the longest a request waits to join "
                       "a quiet server (default interval / 4)")
+  r.add_argument("--speculative-method", choices=("ngram",), default=None,
+                 help="draft tokens for greedy requests and verify them in one step (ngram: "
+                      "prompt lookup in the request's own tokens); the tokens are the same")
+  r.add_argument("--num-speculative-tokens", type=int, default=None,
+                 help="most draft tokens per sequence and step (default 3; at most "
+                      "--max-write - 1)")
+  r.add_argument("--prompt-lookup-min", type=int, default=None,
+                 help="ngram: shortest suffix looked up (default 1)")
+  r.add_argument("--prompt-lookup-max", type=int, default=None,
+                 help="ngram: longest suffix looked up, tried first (default 3)")
   r.add_argument("--scheduling", choices=("fcfs", "longest_first"), default="fcfs",
                  help="admission order of waiting requests (default fcfs)")
   r.add_argument("--max-queued", type=int, default=4096,
@@ -165,7 +175,8 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
                  gpu_memory_utilization: float | None = None, prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  implementation: str | None = None,
-                 max_logprobs: int | None = None, scheduling: str = "fcfs", flags: bool = False):
+                 max_logprobs: int | None = None, scheduling: str = "fcfs", flags: bool = False,
+                 speculative=None):
   """`(engine, tokenizer, plan)` for a checkpoint: sized from memory, loaded, the engine built.
 
   The flags' values go to `jaxkv.serve.loading.build_engine` (sizing:
@@ -181,8 +192,22 @@ def build_server(checkpoint: str, *, max_seqs: int | None = None, max_len: int |
       scheduling=scheduling, need_tokenizer=True, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
       max_len=max_len, max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
       gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
-      max_write=max_write, implementation=implementation, flags=flags)
+      max_write=max_write, implementation=implementation, flags=flags, speculative=speculative)
   return engine, tokenizer, plan
+
+
+def speculative_config(args):
+  """The `SpeculativeConfig` the speculative flags name, or None (ValueError naming a flag)."""
+  if args.speculative_method is None:
+    for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+      if getattr(args, name) is not None:
+        raise ValueError(f"--{name.replace('_', '-')} needs --speculative-method")
+    return None
+  from jaxkv.serve import SpeculativeConfig   # pylint: disable=g-import-not-at-top
+  given = {"k": args.num_speculative_tokens, "ngram_min": args.prompt_lookup_min,
+           "ngram_max": args.prompt_lookup_max}
+  return SpeculativeConfig(method=args.speculative_method,
+                           **{k: v for k, v in given.items() if v is not None})
 
 
 def warm_up(aio) -> float:
@@ -303,7 +328,8 @@ def serve(args) -> int:
         prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, implementation=args.implementation,
-        max_logprobs=args.max_logprobs, scheduling=args.scheduling, flags=True)
+        max_logprobs=args.max_logprobs, scheduling=args.scheduling, flags=True,
+        speculative=speculative_config(args))
   except (ValueError, TypeError, OSError, ImportError) as e:   # TypeError: a config.json type
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2

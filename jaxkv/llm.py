@@ -267,6 +267,8 @@ class LLM:
       `jaxkv serve` (a second process compiles nothing it already compiled):
       `"auto"` keeps one already configured (`JAX_COMPILATION_CACHE_DIR`) and
       otherwise uses `~/.cache/jaxkv/jax`; None leaves JAX's setting alone.
+    speculative: a `jaxkv.serve.SpeculativeConfig`: greedy requests are drafted
+      and verified several tokens a step (the same tokens); None: one a step.
 
   Attributes:
     plan: the `jaxkv.serve.sizing.ServingPlan` it runs on.
@@ -287,7 +289,7 @@ class LLM:
                prefix_caching: bool = True, max_write: int = sizing.DEFAULT_MAX_WRITE,
                implementation: str | None = None, tensor_parallel_size: int = 1,
                max_model_len: int | None = None, max_num_seqs: int | None = None,
-               compilation_cache: str | None = "auto"):
+               compilation_cache: str | None = "auto", speculative=None):
     for ours, value, theirs, alias in (("max_len", max_len, "max_model_len", max_model_len),
                                        ("max_seqs", max_seqs, "max_num_seqs", max_num_seqs)):
       if value is not None and alias is not None:
@@ -305,7 +307,7 @@ class LLM:
         kv_cache_dtype=_dtype_arg("kv_cache_dtype", kv_cache_dtype), max_len=max_len,
         max_seqs=max_seqs, page_size=page_size, kv_cache_memory=kv_cache_memory,
         gpu_memory_utilization=gpu_memory_utilization, prefix_caching=prefix_caching,
-        max_write=max_write, implementation=implementation)
+        max_write=max_write, implementation=implementation, speculative=speculative)
     eos = self.tokenizer.eos_ids if self.tokenizer is not None else ()
     self.eos_ids = tuple(eos) or tuple(self.model.config.eos_token_ids)
     # Requests in flight (generate's and open streams'): their deltas, and samples not ended.

@@ -43,7 +43,8 @@ its queue bookkeeping, request records, reading of an entry, jitted helpers), `a
 layer, and why), `runner` (`ModelRunner`), `memory` (byte counts, engine size bounds),
 `sizing` (`ServingPlan`: a checkpoint's cache sized from memory), `loading` (`load_for_serving`,
 `build_engine`: the checkpoint-to-engine path of `jaxkv serve` and `LLM`), `decoding`
-(host-level feeding and greedy decoding over a `ModelRunner`).
+(host-level feeding and greedy decoding over a `ModelRunner`), `speculative`
+(`SpeculativeConfig`, the on-device drafters and the acceptance rule of the loop's verify step).
 
 The package exports what users call (`__all__`); the loop's internals (`serve_loop`,
 `LoopState`, `pack_queue`, `sample_rows`, ...) are imported from their modules
@@ -57,10 +58,12 @@ from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv._memory import paged_cache_config
 from jaxkv.serve.step_model import StepModel, check_step_model
 from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
-from jaxkv.serve.results import Completion, Delta, EngineStats, RequestTiming, TokenLogprob
+from jaxkv.serve.results import (Completion, Delta, EngineStats, RequestTiming, Speculation,
+                                 TokenLogprob)
 from jaxkv.serve.runner import ModelRunner
+from jaxkv.serve.speculative import SpeculativeConfig
 
 __all__ = ["MAX_LOGPROBS", "AsyncEngine", "Completion", "DataParallelEngine", "Delta", "Engine",
            "EngineError", "EngineStats", "ModelRunner", "Request", "RequestTiming",
-           "SamplingParams", "StepModel", "TokenLogprob", "check_request", "check_step_model",
+           "SamplingParams", "Speculation", "SpeculativeConfig", "StepModel", "TokenLogprob", "check_request", "check_step_model",
            "default_widths", "paged_cache_config"]

@@ -93,8 +93,13 @@ def admit_one(config: CacheConfig, ls: LoopState) -> LoopState:
       hold=jnp.where(fork, plen - 1, max_len), forks=jnp.where(fork, n - 1, 0),
       limit=plen + q.max_tokens[i], used=1, active=1, done=0, reserve=rows, out_row=first_row,
       sample_index=sample_index, lp_row=q.lp_base[i] + sample_index,
-      params=ColumnParams.of_request(q, i), grammar=q.grammar[i], grammar_token=-1)
-  out = dataclasses.replace(ls.out, admitted=jnp.where(admitted, ls.steps, ls.out.admitted))
+      params=ColumnParams.of_request(q, i), grammar=q.grammar[i], grammar_token=-1,
+      draft=0)
+  o = ls.out
+  out = dataclasses.replace(o, admitted=jnp.where(admitted, ls.steps, o.admitted),
+                            draft_tokens=jnp.where(admitted, 0, o.draft_tokens),
+                            accepted_tokens=jnp.where(admitted, 0, o.accepted_tokens),
+                            draft_rounds=jnp.where(admitted, 0, o.draft_rounds))
   # A forking request is one admission; otherwise each of its n samples is one.
   copies = jnp.where(ok, q.copies + 1, q.copies)
   finished_request = ok & (fork | (copies >= n))

@@ -60,11 +60,15 @@ class EngineCore:
     mesh, kv_axis, device: where the state lives (`Engine`'s arguments).
     prefix_cache: whether fresh states keep a prefix cache (paged storage).
     compiler_options: XLA options for the loop entries.
+    speculative: the `SpeculativeConfig` the loop entries draft and verify with (static in
+      them), or None.
   """
 
   def __init__(self, model, config: CacheConfig, widths: Sequence[int], *, mesh, kv_axis: str,
-               device, prefix_cache: bool, compiler_options: Mapping[str, object]):
+               device, prefix_cache: bool, compiler_options: Mapping[str, object],
+               speculative=None):
     self.config, self.widths = config, tuple(widths)
+    self.speculative = speculative
     self.mesh, self.kv_axis, self.device = mesh, kv_axis, device
     self.prefix_cache = prefix_cache
     self.graphdef, self.params = _split_placed(model, mesh)
@@ -83,14 +87,15 @@ class EngineCore:
     def entry(greedy):
       return jit(lambda leaves, ls, max_steps: loop_fn(
           self.graphdef, config, self.widths, jax.tree.unflatten(treedef, leaves), ls,
-          max_steps, greedy=greedy))
+          max_steps, greedy=greedy, speculative=speculative))
     self._loop = entry(False)
     # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
     self._greedy_loop = entry(True)
 
     step_fn = serve_step
-    self._step_fns = [functools.partial(step_fn, self.graphdef, config, self.widths, w)
+    self._step_fns = [functools.partial(step_fn, self.graphdef, config, self.widths, w,
+                                        speculative=speculative)
                       for w in range(len(self.widths))]
     self._unflatten = lambda leaves: jax.tree.unflatten(treedef, leaves)
     self._compiler_options = dict(compiler_options) or None

@@ -27,6 +27,7 @@ from jaxkv.serve.step_model import check_step_model
 from jaxkv.serve.report import layer_implementations
 from jaxkv.serve.requests import MAX_LOGPROBS, Request, SamplingParams, check_request
 from jaxkv.serve.results import Completion, Delta, EngineStats
+from jaxkv.serve.speculative import check_speculative
 from jaxkv.serve.state import LoopState
 from jaxkv.structured.pool import default_capacity as default_grammar_pool, pack as pack_pool
 from jaxkv.structured.pool import capacity_of, pool_bytes
@@ -50,7 +51,7 @@ MIN_MIDDLE_WIDTH = 128
 HALVING_WIDTH = 512
 
 
-def default_widths(config: CacheConfig) -> tuple[int, ...]:
+def default_widths(config: CacheConfig, per_column: int = 1) -> tuple[int, ...]:
   """`(W, W / 2, ..., 512, 128, ..., narrow)`: the full width, prefill widths, decode.
 
   `narrow` is one decode slot per column rounded up to 8. Between `W` and
@@ -62,10 +63,11 @@ def default_widths(config: CacheConfig) -> tuple[int, ...]:
   cost about the weight read up to a few hundred rows on a Hopper GPU and grow
   with the rows past that: a 2048-wide step costs ~4x a 512-wide one,
   docs/PERFORMANCE.md), and below `MIN_MIDDLE_WIDTH` rows a width would cost its
-  compilation and save nothing.
+  compilation and save nothing. `per_column` decode slots per column (speculative
+  decoding: a pending token and `k` draft tokens) widen `narrow`.
   """
   width = config.step_width
-  narrow = -(-config.max_seqs // 8) * 8
+  narrow = min(-(-config.max_seqs * per_column // 8) * 8, width)
   if narrow >= width:
     return (width,)
   widths = [width]
@@ -128,6 +130,12 @@ class Engine:
       the requests on the device may hold together (`SamplingParams.grammar`;
       `jaxkv.structured`); part of the loop state's shape, counted in its memory.
       Default `structured.pool.default_capacity(vocab_size)`.
+    speculative: a `jaxkv.serve.SpeculativeConfig`: the loop (`run` and the
+      incremental API alike) drafts up to `k` tokens per plain greedy sequence and
+      verifies them in one step, the tokens those of plain decoding; requests that
+      sample, penalise, bias, want logprobs, follow a grammar or opt out with
+      `SamplingParams(speculative=False)` decode one token a step beside them.
+      `k` is checked against the cache here (`speculative.max_speculative_tokens`).
 
   Over paged storage the engine admits by claims, not by prompt + max_tokens,
   and preempts the latest admitted sequence when a step would pass `capacity`
@@ -149,7 +157,7 @@ class Engine:
                max_stop_tokens: int = 8, widths: Sequence[int] | None = None, mesh=None,
                kv_axis: str | None = None, device=None, max_logprobs: int | None = None,
                prefix_cache: bool = False, compiler_options: Mapping[str, object] | None = None,
-               scheduling: str = "fcfs", grammar_pool=None):
+               scheduling: str = "fcfs", grammar_pool=None, speculative=None):
     for name, value in (("max_len", max_len), ("max_steps", max_steps),
                         ("max_stop_tokens", max_stop_tokens), ("max_logprobs", max_logprobs)):
       if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
@@ -182,7 +190,9 @@ class Engine:
     if not 0 <= max_logprobs <= self.vocab_size:
       raise ValueError(f"max_logprobs={max_logprobs} must be in [0, vocab_size={self.vocab_size}]")
     self.max_logprobs = int(max_logprobs)
-    self.widths = default_widths(config) if widths is None else tuple(widths)
+    self.speculative = check_speculative(speculative, config)
+    spec_k = 0 if self.speculative is None else self.speculative.k
+    self.widths = default_widths(config, 1 + spec_k) if widths is None else tuple(widths)
     if (not self.widths or any(isinstance(w, bool) or not isinstance(w, int) for w in self.widths)
         or self.widths[0] != config.step_width or list(self.widths) != sorted(set(self.widths),
                                                                              reverse=True)
@@ -211,7 +221,8 @@ class Engine:
     self.compiler_options = dict(compiler_options)
     self.core = EngineCore(model, config, self.widths, mesh=self.mesh, kv_axis=self.kv_axis,
                            device=device, prefix_cache=prefix_cache,
-                           compiler_options=self.compiler_options)
+                           compiler_options=self.compiler_options,
+                           speculative=self.speculative)
     self.implementations = layer_implementations(model, config)
     self.gemm = getattr(model, "gemm", None)   # the decode GEMM (CONTRACT §10.8), if it says
     self.stats = EngineStats(implementations=self.implementations)

@@ -84,6 +84,8 @@ class LiveQueue:
     self.queue_size = _bucket(2 * s if queue_size is None else queue_size)
     self.out_rows = _bucket(max(s, 2 * self.queue_size if out_rows is None else out_rows))
     self.logprob_window = min(LOGPROB_WINDOW, engine.max_len)
+    # Most tokens a step adds to an output row: a speculating column's token and its draft.
+    self.per_step = 1 + (0 if engine.speculative is None else engine.speculative.k)
     self.ledger = Ledger(self.out_rows, engine.scheduling)
     self.reader = EntryReader(self.ledger, engine, self.out_rows)
     self._dispatching = threading.Lock()  # one dispatch at a time: the core's verbs, in order
@@ -415,7 +417,8 @@ class LiveQueue:
       k, admit, self._unread, self._unread_admit = self._unread, self._unread_admit, 0, False
       enqueued, enqueued_tokens = ledger.enqueued, ledger.enqueued_tokens
     self.engine.stats.loop_entries += 1
-    window = _bucket(max(k, 1))   # one snapshot compiled per power of two, not per k
+    # One snapshot compiled per power of two, not per k; a step adds `per_step` tokens at most.
+    window = _bucket(max(k, 1) * self.per_step)
     entry = Entry(core.snapshot(window), window, k, index, enqueued, admit=admit,
                   width_total=ledger.width_total, steps_total=ledger.steps_total,
                   enqueued_tokens=enqueued_tokens)
@@ -443,7 +446,7 @@ class LiveQueue:
       for which in range(len(self.engine.widths)):
         core.step(which)
       window = 1
-      while window <= _bucket(read_every):
+      while window <= _bucket(read_every * self.per_step):
         core.snapshot(window)
         window *= 2
       core.read(lambda ls: ls.status)
@@ -492,10 +495,10 @@ class LiveQueue:
       if seen is None:
         want = ledger.enqueued_tokens
       else:
-        steps = ledger.steps_total - seen.steps_total
-        prefill = seen.wanted - seen.active - (ledger.width_total - seen.width_total
-                                               - steps * seen.active)
-        want = seen.active + max(prefill, 0) + ledger.enqueued_tokens - seen.enqueued_tokens
+        # A running column wants its token and at most a draft a step (`per_step`).
+        steps, decode = ledger.steps_total - seen.steps_total, seen.active * self.per_step
+        prefill = seen.wanted - decode - (ledger.width_total - seen.width_total - steps * decode)
+        want = decode + max(prefill, 0) + ledger.enqueued_tokens - seen.enqueued_tokens
     return next((i for i in range(len(widths) - 1, -1, -1) if want <= widths[i]), 0)
 
   def _init_state(self) -> None:

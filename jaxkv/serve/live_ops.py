@@ -168,7 +168,8 @@ def _enqueue_arrays(chunk, max_stop: int, num_logprobs: int):
 
 
 # The scalars `snapshot` packs first, in this order (the paged counters follow).
-SNAPSHOT_SCALARS = ("status", "steps", "step_tokens", "occupancy", "peak_rows")
+SNAPSHOT_SCALARS = ("status", "steps", "step_tokens", "occupancy", "peak_rows", "draft_tokens",
+                    "accepted_tokens")
 # Column counts the host decides stepping from (`LiveQueue`: when the admission block is due,
 # which width the next step takes), packed after the queue's counters.
 SNAPSHOT_COLUMNS = ("cols_active", "cols_done", "cols_forking", "cols_parked", "wanted")

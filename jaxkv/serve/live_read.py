@@ -77,6 +77,8 @@ class EntryReader:
     stats = engine.stats
     stats.steps, stats.step_tokens = int(host["steps"]), int(host["step_tokens"])
     stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
+    stats.draft_tokens, stats.accepted_tokens = (int(host["draft_tokens"]),
+                                                 int(host["accepted_tokens"]))
     stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
     read_paged_counters(stats, host)
     if int(host["status"]) != Status.OK:

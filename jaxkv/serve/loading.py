@@ -104,7 +104,7 @@ class Served(NamedTuple):
 
 def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  max_logprobs: int | None = None, scheduling: str = "fcfs",
-                 need_tokenizer: bool = False, **load) -> Served:
+                 need_tokenizer: bool = False, speculative=None, **load) -> Served:
   """`load_for_serving(checkpoint, **load)` and the `Engine` on its model (a `Served`).
 
   Args:
@@ -114,7 +114,7 @@ def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, data_paralle
     data_parallel_size: engines, each with its own copy of the weights and its own cache
       on its own `tensor_parallel_size` devices; more than one: a `DataParallelEngine`.
       Each engine is sized as one would be (the budget is per device).
-    max_logprobs, scheduling: the `Engine`'s.
+    max_logprobs, scheduling, speculative: the `Engine`'s.
     need_tokenizer: refuse a checkpoint without tokenizer.json (a server decodes text).
     **load: `load_for_serving`'s sizing and dtype arguments.
 
@@ -133,7 +133,8 @@ def build_engine(checkpoint: str, *, tensor_parallel_size: int = 1, data_paralle
                      f"this host has {len(devices)} local devices")
   groups = [devices[g * tp:(g + 1) * tp] for g in range(dp)]
   kwargs = lambda plan: dict(max_len=plan.max_len, max_logprobs=max_logprobs,
-                             prefix_cache=plan.prefix_caching, scheduling=scheduling)
+                             prefix_cache=plan.prefix_caching, scheduling=scheduling,
+                             speculative=speculative)
   if tp == 1:   # the weights loaded once; data parallel engines copy them to their devices
     model, tokenizer, plan = load_for_serving(checkpoint, **load)
     engine = (Engine(model, **kwargs(plan)) if dp == 1 else

@@ -38,6 +38,7 @@ from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve import columns, paged_admission, paged_claims
 from jaxkv.serve.columns import i32
 from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
+from jaxkv.serve.speculative import SpeculativeConfig, accepted, propose, speculates
 from jaxkv.serve.state import ColumnParams, Columns, LoopState, merge_status
 from pallas_kernels.common import prefix_sum
 
@@ -50,9 +51,10 @@ def _first_bad(*statuses):
 
 
 def _wanted(cols: Columns):
-  """`int32[S]` tokens each column could feed now (prompt remainder or its next token)."""
+  """`int32[S]` tokens each column could feed now (prompt remainder, or its next token and
+  its draft)."""
   return jnp.where(cols.active == 1,
-                   jnp.maximum(jnp.minimum(cols.length, cols.hold) - cols.fed, 0), 0)
+                   jnp.maximum(jnp.minimum(cols.length + cols.draft, cols.hold) - cols.fed, 0), 0)
 
 
 def _column_totals(*per_column):
@@ -119,7 +121,8 @@ def _step_tokens(config: CacheConfig, width: int, cols: Columns, alloc, start, n
 
 
 def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
-          greedy: bool = False, gated: bool = False) -> LoopState:
+          greedy: bool = False, gated: bool = False,
+          spec: SpeculativeConfig | None = None) -> LoopState:
   """One step at width `widths[which]`: plan, model, commit, sample, record.
 
   `greedy` (static): every request is plain greedy (no temperature, penalty or
@@ -128,7 +131,11 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   condition would not run it (a failed status, or paged storage where the step
   does not fit or a waiting head may now adopt), and counts as a step only if it
   carried tokens, so the host sees a stall in `steps`.
+  `spec` (static): speculative decoding (`_verify`): a column's draft is verified
+  with its pending token and the next draft is proposed.
   """
+  if spec is not None:
+    return _verify(config, model, widths, which, ls, greedy, gated, spec)
   width = widths[which]
   s = config.max_seqs
   c, o = ls.cols, ls.out
@@ -218,6 +225,148 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
       status=merge_status(ls.status, status))
 
 
+def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greedy: bool,
+            gated: bool, spec: SpeculativeConfig) -> LoopState:
+  """`_step` with speculative decoding (docs/DESIGN.md, "Speculative decoding").
+
+  A column whose step reaches its pending token carries the draft behind it (`nd`
+  tokens, `Columns.draft`, as scheduled); the model returns `k + 1` rows per column,
+  its pending token's and its draft's. The pending row's token is drawn as `_step`
+  draws it; the draft's longest prefix equal to the argmax of the rows before it is
+  accepted, and the tokens are emitted one by one as plain decoding would have:
+  each checked for a stop token and the limit, the first that finishes ending the
+  column. The rejected tail is rolled back (`pure.rewind_many`), and each column
+  that emitted and goes on proposes its next draft (`speculative.propose`).
+  """
+  width, k = widths[which], spec.k
+  s = config.max_seqs
+  c, o = ls.cols, ls.out
+  alloc, start = _schedule(width, c, paged_claims.room(config, ls) if config.is_paged else None)
+  if gated:
+    run = ls.status == Status.OK
+    if config.is_paged:
+      run &= paged_admission.step_may_run(config, ls)
+    alloc = jnp.where(run, alloc, 0)
+  used = c.used == 1
+  n, occupancy, held, held_added = _column_totals(
+      alloc, alloc > 0, jnp.where(used, c.fed, 0), jnp.where(used, alloc, 0))
+  seq_ids, tokens = _step_tokens(config, width, c, alloc, start, n)
+  blocks = jnp.zeros((config.step_width, 2), jnp.int32)
+  cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
+  cache, st_prepare = pure.prepare_step(config, cache)
+  # The draft tokens each column carries (the schedule may cut a draft short), and the
+  # step rows of its pending token and of its draft: `k + 1` rows a column.
+  drafted = jnp.clip(c.fed + alloc - c.length, 0, k)
+  first_row = start + alloc - 1 - drafted
+  j = jnp.arange(k + 1, dtype=jnp.int32)
+  rows = jnp.clip(first_row[:, None] + j[None, :], 0, width - 1).reshape(-1)
+  logits, cache, st_narrow = pure.run_narrow(config, cache, width,
+                                             lambda kv: model(tokens, kv, rows=rows))
+  logits = logits.reshape(s, k + 1, -1)
+  cache, st_commit = pure.commit_step(config, cache)
+  status = _first_bad(st_declare, st_prepare, st_narrow, st_commit)
+  if gated:
+    status = jnp.where(n > 0, status, Status.OK)
+  ok = status == Status.OK
+
+  emits = ok & (alloc > 0) & (c.fed + alloc >= c.length)
+  generated = c.length - c.prompt_len
+  num_logprobs = o.top_ids.shape[2]
+  pending = logits[:, 0]
+  if greedy:
+    new, lp, top_ids, top_lp = greedy_rows(pending, num_logprobs)
+    grammar, grammar_token = c.grammar, c.grammar_token
+  else:
+    keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
+        jax.random.fold_in(jax.random.key(seed), i), t))(c.params.seed, c.sample_index, generated)
+    banned = jnp.where((generated < c.params.min_tokens)[:, None], c.params.stop_tokens, -1)
+    new, lp, top_ids, top_lp, grammar = sample_rows(
+        pending, _row_params(c.params), keys, sampling=emits, history=c.tokens,
+        prompt_len=c.prompt_len, length=c.length, banned=banned,
+        bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
+        grammar=(ls.grammar, c.grammar, c.grammar_token, c.params.stop_tokens),
+        num_logprobs=num_logprobs)
+    grammar_token = jnp.where(emits & (c.grammar != -1), new,
+                              jnp.where(emits, -1, c.grammar_token))
+  # Candidates: the pending row's token, then the argmax after each draft token (only
+  # drafting columns, which are plain greedy, get past the first).
+  col_ids = jnp.arange(s, dtype=jnp.int32)
+  max_len = c.tokens.shape[1]
+  cand = jnp.concatenate([new[:, None], jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)],
+                         axis=1)
+  draft = jnp.take_along_axis(c.tokens, jnp.clip(c.length[:, None] + j[None, :k], 0,
+                                                 max_len - 1), axis=1)
+  took = accepted(draft, drafted, cand[:, :k])
+  # Each candidate as plain decoding would have emitted it: the first stop token or the
+  # limit ends the column, and nothing after it is emitted.
+  length_j = c.length[:, None] + j[None, :] + 1
+  stop_j = jnp.any(c.params.stop_tokens[:, None, :] == cand[:, :, None], axis=2)
+  ends_j = stop_j | (length_j >= c.limit[:, None])
+  ended_before = (jnp.cumsum(ends_j, axis=1, dtype=jnp.int32) - ends_j.astype(jnp.int32)) > 0
+  emit_j = emits[:, None] & (j[None, :] <= took[:, None]) & ~ended_before
+  count = emit_j.sum(axis=1, dtype=jnp.int32)
+  finished = jnp.any(emit_j & ends_j, axis=1)
+  last = jnp.clip(count - 1, 0, k)[:, None]
+  is_stop = jnp.take_along_axis(stop_j, last, axis=1)[:, 0]
+  tokens_buf = c.tokens.at[col_ids[:, None], jnp.where(emit_j, length_j - 1, max_len)].set(
+      cand, mode="drop")
+  rows_out, max_new = o.tokens.shape
+  out_tokens = o.tokens.at[jnp.where(emit_j, c.out_row[:, None], rows_out),
+                           jnp.minimum(generated[:, None] + j[None, :], max_new - 1)].set(
+                               cand, mode="drop")
+  out_at = jnp.where(emits, c.out_row, rows_out)
+  lp_rows, window = o.logprob.shape
+  lp_at, lp_t = jnp.where(emits & (c.params.logprobs >= 0), c.lp_row, lp_rows), generated % window
+  length = c.length + count
+  fin_at = jnp.where(finished, c.out_row, rows_out)
+  first_at = jnp.where(emits & (generated == 0), c.out_row, rows_out)
+  verified = jnp.where(emits, drafted, 0)
+  kept = jnp.maximum(count - 1, 0)   # the emitted tokens that were draft tokens
+  draft_at = jnp.where(verified > 0, c.out_row, rows_out)
+  # A column that emitted keeps its pending token unfed, as after a plain step; the
+  # cache keeps what was fed before it and rolls the rejected draft back.
+  fed = jnp.where(ok, jnp.where(emits, length - 1, c.fed + alloc), c.fed)
+  cache, st_rewind = pure.rewind_many(config, cache, jnp.where(emits, fed, cache.pos))
+  status = _first_bad(status, st_rewind)
+  active = jnp.where(finished, 0, c.active)
+  # The next draft, of the columns that emitted and go on (the others keep theirs).
+  proposal, proposed = propose(spec, tokens_buf, length)
+  goes_on = emits & (active == 1) & speculates(c.params, c.grammar)
+  proposed = jnp.where(goes_on, jnp.clip(jnp.minimum(proposed, c.limit - length - 1), 0, k), 0)
+  tokens_buf = tokens_buf.at[col_ids[:, None], jnp.where(j[None, :k] < proposed[:, None],
+                                                         length[:, None] + j[None, :k], max_len)
+                             ].set(proposal, mode="drop")
+  as_int = lambda b: b.astype(jnp.int32)
+  held = held + jnp.where(ok, held_added, 0)
+  cols = dataclasses.replace(c, tokens=tokens_buf, length=length, fed=fed, active=active,
+                             done=c.done | as_int(finished), grammar=grammar,
+                             grammar_token=grammar_token,
+                             draft=jnp.where(emits, proposed, c.draft))
+  out = dataclasses.replace(
+      o, tokens=out_tokens,
+      length=o.length.at[out_at].set(length - c.prompt_len, mode="drop"),
+      logprob=o.logprob.at[lp_at, lp_t].set(lp, mode="drop"),
+      top_ids=o.top_ids.at[lp_at, lp_t].set(top_ids, mode="drop"),
+      top_logprobs=o.top_logprobs.at[lp_at, lp_t].set(top_lp, mode="drop"),
+      stop=o.stop.at[fin_at].set(as_int(is_stop), mode="drop"),
+      done=o.done.at[fin_at].set(1, mode="drop"),
+      first=o.first.at[first_at].set(ls.steps + 1, mode="drop"),
+      finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"),
+      draft_tokens=o.draft_tokens.at[draft_at].add(verified, mode="drop"),
+      accepted_tokens=o.accepted_tokens.at[draft_at].add(kept, mode="drop"),
+      draft_rounds=o.draft_rounds.at[draft_at].add(1, mode="drop"))
+  counted = ok & (n > 0) if gated else ok
+  return dataclasses.replace(
+      ls, cache=cache, cols=cols, out=out,
+      steps=ls.steps + as_int(counted), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
+      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
+      peak_rows=jnp.maximum(ls.peak_rows, held),
+      width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
+      status=merge_status(ls.status, status),
+      draft_tokens=ls.draft_tokens + verified.sum(dtype=jnp.int32),
+      accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32))
+
+
 def _row_params(p: ColumnParams) -> RowParams:
   """The sampler's parameters: the `ColumnParams` fields of the same names."""
   return RowParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(RowParams)})
@@ -268,7 +417,7 @@ def admit_block(config: CacheConfig, ls: LoopState) -> LoopState:
 
 
 def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, ls: LoopState,
-               max_steps, *, greedy: bool = False):
+               max_steps, *, greedy: bool = False, speculative: SpeculativeConfig | None = None):
   """Serves the queue in `ls` until it is done, `max_steps` more steps ran, or a status fails.
 
   Jit it with `graphdef`, `config` and `widths` static and `ls` donated
@@ -286,6 +435,8 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
       no penalty, no logprobs): tokens are the argmax with no sampler
       `lax.cond`, whose predicate costs a host sync per step on a GPU. Tokens are
       the same as the general loop's for such requests; `Engine.run` picks it.
+    speculative: (static) draft and verify several tokens a step for the columns
+      that may (`speculative.SpeculativeConfig`); the tokens are the same.
 
   Returns:
     The new `LoopState`.
@@ -311,7 +462,7 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
       return (ok(ls) & (num_active > 0) & (num_done == 0) & (num_forking == 0)
               & (width_index(widths, c, num_wanted) == which) & may_run)
     return lambda ls: jax.lax.while_loop(
-        cond, lambda ls: _step(config, model, widths, which, ls, greedy), ls)
+        cond, lambda ls: _step(config, model, widths, which, ls, greedy, spec=speculative), ls)
 
   def body(ls):
     ls = admit_block(config, ls)
@@ -335,7 +486,7 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
 
 
 def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: int, params,
-               ls: LoopState) -> LoopState:
+               ls: LoopState, *, speculative: SpeculativeConfig | None = None) -> LoopState:
   """One greedy step at width `widths[which]` (static), with no loop and no branch around it.
 
   On a GPU a jitted program holding a `while` or a `cond` returns to the host only
@@ -351,12 +502,14 @@ def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: in
   `admit_block`'s, which the host runs alone when one is due (its loops read
   their predicates back, so the host waits for it).
 
-  Jit it with `graphdef`, `config`, `widths` and `which` static and `ls` donated.
+  Jit it with `graphdef`, `config`, `widths` and `which` static and `ls` donated
+  (`speculative` too: drafts are verified as in the loop, still with no branch).
 
   Returns:
     `(ls, steps)`: the new state, and its step counter apart from it (the state is
     donated to the next program; the host waits on this one to pace itself).
   """
   from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
-  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=True, gated=True)
+  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=True, gated=True,
+             spec=speculative)
   return ls, ls.steps

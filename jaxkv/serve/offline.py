@@ -15,8 +15,8 @@ import numpy as np
 from jaxkv import Status
 from jaxkv.serve.admission import plain_greedy
 from jaxkv.serve.errors import EngineError
-from jaxkv.serve.results import (PAGED_COUNTERS, Completion, RequestTiming, logprob_buffers,
-                                 read_paged_counters, token_logprobs)
+from jaxkv.serve.results import (PAGED_COUNTERS, Completion, RequestTiming, Speculation,
+                                 logprob_buffers, read_paged_counters, token_logprobs)
 from jaxkv.serve.state import pack_queue
 from jaxkv.serve.timing import compile_seconds
 
@@ -26,9 +26,11 @@ def _progress(ls) -> dict:
   o = ls.out
   return {k: getattr(ls, k) for k in (
       "steps", "step_tokens", "occupancy", "status", "peak_rows", "width_steps",
-      *PAGED_COUNTERS)} | {
+      "draft_tokens", "accepted_tokens", *PAGED_COUNTERS)} | {
           "out_done": o.done, "out_len": o.length, "out_stop": o.stop, "out_admitted": o.admitted,
-          "out_first": o.first, "out_finished": o.finished, "active": ls.cols.active,
+          "out_first": o.first, "out_finished": o.finished, "out_drafted": o.draft_tokens,
+          "out_accepted": o.accepted_tokens, "out_rounds": o.draft_rounds,
+          "active": ls.cols.active,
           "used": ls.cols.used, "next": ls.queue.next}
 
 
@@ -90,6 +92,10 @@ def serve_queue(engine, requests, on_progress, grammars) -> list[Completion]:
                                         out[row, :n_tok].tolist(),
                                         "stop" if host["out_stop"][row] else "length",
                                         request.params.seed, logprobs=logprobs))
+          if engine.speculative is not None:
+            new_results[-1].speculation = Speculation(
+                int(host["out_drafted"][row]), int(host["out_accepted"][row]),
+                int(host["out_rounds"][row]))
           step_counts.append((new_results[-1], int(host["out_admitted"][row]),
                               int(host["out_first"][row]), int(host["out_finished"][row])))
         collected[new_rows] = True
@@ -98,6 +104,8 @@ def serve_queue(engine, requests, on_progress, grammars) -> list[Completion]:
       stats.occupancy, stats.peak_rows = int(host["occupancy"]), int(host["peak_rows"])
       stats.width_steps = {w: int(c) for w, c in zip(engine.widths, host["width_steps"])}
       read_paged_counters(stats, host)
+      stats.draft_tokens, stats.accepted_tokens = (int(host["draft_tokens"]),
+                                                   int(host["accepted_tokens"]))
       stats.generated = sum(len(c.tokens) for c in engine.completions)
       stats.seconds = time.perf_counter() - started
       stats.compile_seconds = compile_seconds() - compiled

@@ -139,6 +139,9 @@ class SamplingParams:
       penalties and temperature; logprobs stay raw), and once its text is complete
       only `stop_tokens` may follow (so it needs at least one). Not with
       `min_tokens` or `allowed_token_ids`.
+    speculative: whether the request may be drafted and verified several tokens a
+      step by an engine built with `speculative=` (plain greedy requests only;
+      the tokens are the same either way). False: one token per step.
 
   Penalties apply to greedy requests too (the argmax of the penalised logits),
   in vLLM's order: penalties, then temperature, min_p, top-k, top-p.
@@ -160,9 +163,12 @@ class SamplingParams:
   logit_bias: Any = ()
   allowed_token_ids: Any = None
   grammar: Any = None
+  speculative: bool = True
 
   def __post_init__(self):
     fields = {}
+    if not isinstance(self.speculative, bool):
+      raise TypeError(f"speculative={self.speculative!r} must be a bool")
     if _as_int("top_k", self.top_k) == -1:   # vLLM's "off"
       object.__setattr__(self, "top_k", 0)
     for name, lo in (("max_tokens", 1), ("top_k", 0), ("n", 1), ("seed", 0), ("min_tokens", 0)):

@@ -74,6 +74,8 @@ class Completion:
       there); set when `Engine.run` returns or raises, None before (in
       `on_progress` callbacks). A measurement, not part of the result: two
       completions of the same tokens compare equal whatever their timing.
+    speculation: the sample's `Speculation` when the engine speculates
+      (`Engine(speculative=)`), else None; a measurement, as `timing`.
   """
 
   request_id: object
@@ -84,6 +86,33 @@ class Completion:
   seed: int | None = None
   logprobs: list[TokenLogprob] | None = None
   timing: RequestTiming | None = dataclasses.field(default=None, compare=False)
+  speculation: "Speculation | None" = dataclasses.field(default=None, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+  """One sample's speculative decoding (`Engine(speculative=)`).
+
+  Attributes:
+    draft_tokens: draft tokens verified.
+    accepted_tokens: those accepted (each one a step saved).
+    rounds: steps that verified a draft.
+  """
+
+  draft_tokens: int = 0
+  accepted_tokens: int = 0
+  rounds: int = 0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted over verified draft tokens (0 without a draft)."""
+    return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """Draft tokens accepted per step that verified a draft (vLLM's mean acceptance length
+    is this plus one: the token each such step emits from its own rows)."""
+    return self.accepted_tokens / self.rounds if self.rounds else 0.0
 
 
 @dataclasses.dataclass
@@ -127,6 +156,8 @@ class EngineStats:
       a GPU its call returns once the device has run every step queued before it
       and the block itself: what a request arriving at a busy engine waits for.
     admissions: stepping: admission blocks dispatched.
+    draft_tokens, accepted_tokens: speculative decoding (`Engine(speculative=)`): draft
+      tokens verified, and those accepted (`acceptance_rate` is their ratio).
   """
 
   steps: int = 0
@@ -149,6 +180,13 @@ class EngineStats:
   pace_seconds: float = 0.0
   admit_seconds: float = 0.0
   admissions: int = 0
+  draft_tokens: int = 0
+  accepted_tokens: int = 0
+
+  @property
+  def acceptance_rate(self) -> float:
+    """Accepted over verified draft tokens (0 before any draft)."""
+    return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
   @property
   def serve_seconds(self) -> float:

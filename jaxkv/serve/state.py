@@ -58,6 +58,7 @@ class Queue:
     restrict: `int32[Q]` 1: only the slots' tokens may be drawn (`allowed_token_ids`).
     grammar: `int32[Q]` the request's grammar's initial state in `LoopState.grammar`
       (-1: none).
+    speculative: `int32[Q]` 1: the request may be drafted (`SamplingParams.speculative`).
     next: `int32[]` the first request not yet (fully) admitted.
     copies: `int32[]` columns already admitted for request `next` (a request
       of a one-token prompt and `n > 1` takes its `n` columns one at a time).
@@ -85,6 +86,7 @@ class Queue:
   bias: jax.Array
   restrict: jax.Array
   grammar: jax.Array
+  speculative: jax.Array
   next: jax.Array
   copies: jax.Array
   count: jax.Array
@@ -106,6 +108,7 @@ class ColumnParams:
     min_tokens: `int32[S]` new tokens before a stop token may be sampled.
     bias_tokens, bias: `int32[S, NB]` and `float32[S, NB]` logit bias slots (-1: unused).
     restrict: `int32[S]` 1: only the slots' tokens may be drawn (`allowed_token_ids`).
+    speculative: `int32[S]` 1: the request may be drafted (`SamplingParams.speculative`).
   """
 
   temperature: jax.Array
@@ -122,6 +125,7 @@ class ColumnParams:
   bias_tokens: jax.Array
   bias: jax.Array
   restrict: jax.Array
+  speculative: jax.Array
 
   @classmethod
   def of_request(cls, queue: Queue, i) -> ColumnParams:
@@ -167,6 +171,8 @@ class Columns:
       `structured.pool.DEAD`: only a stop token may follow) before `grammar_token`.
     grammar_token: `int32[S]` the token the column drew last and its automaton has not
       consumed yet (-1: none); the sampler consumes it at the column's next draw.
+    draft: `int32[S]` speculative decoding: draft tokens waiting in `tokens` past
+      `length`, fed with the column's pending token and verified in its next step.
   """
 
   tokens: jax.Array
@@ -191,6 +197,7 @@ class Columns:
   page_hash: jax.Array
   grammar: jax.Array
   grammar_token: jax.Array
+  draft: jax.Array
 
 
 @_register
@@ -209,6 +216,9 @@ class Outputs:
       token, after the step that sampled its last (-1 until then; a reused row
       holds its last sample's values until they are set again). `Engine.run`
       turns them into latency figures (`RequestTiming`).
+    draft_tokens, accepted_tokens, draft_rounds: `int32[R]` speculative decoding: the
+      sample's draft tokens verified, those accepted, and the steps that verified one
+      (reset when a request takes the row).
   """
 
   tokens: jax.Array
@@ -221,6 +231,9 @@ class Outputs:
   admitted: jax.Array
   first: jax.Array
   finished: jax.Array
+  draft_tokens: jax.Array
+  accepted_tokens: jax.Array
+  draft_rounds: jax.Array
 
 
 @_register
@@ -246,6 +259,8 @@ class LoopState:
     grammar: the structured-output automata of the requests (`structured.pool.Pool`),
       read by the sampler; the host places them (`HostQueue.grammar`,
       `EngineCore.set_grammar`).
+    draft_tokens, accepted_tokens: `int32[]` speculative decoding: draft tokens
+      verified, and those accepted and emitted.
   """
 
   cache: CacheState
@@ -264,6 +279,8 @@ class LoopState:
   cached_tokens: jax.Array
   adopt_wait: jax.Array
   grammar: Pool
+  draft_tokens: jax.Array
+  accepted_tokens: jax.Array
 
 
 def merge_status(current, status, did=True):
@@ -321,7 +338,7 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
       "min_tokens": np.zeros((q,), np.int32),
       "bias_tokens": np.full((q, MAX_LOGIT_BIAS), -1, np.int32),
       "bias": np.zeros((q, MAX_LOGIT_BIAS), np.float32), "restrict": np.zeros((q,), np.int32),
-      "grammar": np.full((q,), -1, np.int32)}
+      "grammar": np.full((q,), -1, np.int32), "speculative": np.ones((q,), np.int32)}
   if grammar_starts is not None:
     a["grammar"][:len(prompts)] = grammar_starts
   row = lp_row = 0
@@ -332,6 +349,7 @@ def pack_queue(prompts, params, *, max_len: int, max_stop: int,
     a["seed"][i], a["n"][i], a["out_base"][i] = p.seed, p.n, row
     a["stop_tokens"][i, :len(p.stop_tokens)] = p.stop_tokens
     a["min_tokens"][i] = p.min_tokens
+    a["speculative"][i] = int(p.speculative)
     slots, a["restrict"][i] = bias_slots(p)
     if slots:
       a["bias_tokens"][i, :len(slots)], a["bias"][i, :len(slots)] = zip(*slots)
@@ -390,7 +408,7 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         min_p=f32(0.0), repetition_penalty=f32(1.0), presence_penalty=f32(0.0),
         frequency_penalty=f32(0.0), logprobs=jnp.full((s,), -1, jnp.int32), min_tokens=zeros(),
         bias_tokens=jnp.full((s, MAX_LOGIT_BIAS), -1, jnp.int32),
-        bias=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32), restrict=zeros())
+        bias=jnp.zeros((s, MAX_LOGIT_BIAS), jnp.float32), restrict=zeros(), speculative=zeros())
     cols = Columns(
         tokens=jnp.zeros((s, max_len), jnp.int32),
         prompt_len=zeros(), length=zeros(), fed=zeros(), hold=jnp.full((s,), max_len, jnp.int32),
@@ -398,18 +416,21 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         out_row=zeros(), sample_index=zeros(), lp_row=jnp.full((s,), NO_ROW, jnp.int32),
         params=params, parked=zeros(), stamp=zeros(), cached=zeros(), last_use=zeros(),
         page_hash=jnp.zeros((s, hash_pages), jnp.uint32), grammar=unset(s),
-        grammar_token=unset(s))
+        grammar_token=unset(s), draft=zeros())
     out = Outputs(
         tokens=jnp.zeros((rows, m), jnp.int32), length=jnp.zeros((rows,), jnp.int32),
         stop=jnp.zeros((rows,), jnp.int32), done=jnp.zeros((rows,), jnp.int32),
         logprob=jnp.zeros(lp_shape, jnp.float32),
         top_ids=jnp.zeros(lp_shape + (nl,), jnp.int32),
         top_logprobs=jnp.zeros(lp_shape + (nl,), jnp.float32),
-        admitted=unset(rows), first=unset(rows), finished=unset(rows))
+        admitted=unset(rows), first=unset(rows), finished=unset(rows),
+        draft_tokens=jnp.zeros((rows,), jnp.int32), accepted_tokens=jnp.zeros((rows,), jnp.int32),
+        draft_rounds=jnp.zeros((rows,), jnp.int32))
     counters = dict(
         steps=scalar(), step_tokens=scalar(), occupancy=scalar(), peak_rows=scalar(),
         status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32), clock=scalar(),
         preemptions=scalar(), evictions=scalar(), cached_tokens=scalar(),
-        adopt_wait=jnp.asarray([-1, 0], jnp.int32))
+        adopt_wait=jnp.asarray([-1, 0], jnp.int32), draft_tokens=scalar(),
+        accepted_tokens=scalar())
     return cols, out, counters, dict(next=scalar(), copies=scalar(), count=count.astype(jnp.int32))
   return jax.jit(fresh)
