@@ -120,6 +120,98 @@ def _step_tokens(config: CacheConfig, width: int, cols: Columns, alloc, start, n
   return seq_ids, tokens
 
 
+def _plan(config: CacheConfig, width: int, ls: LoopState, gated: bool):
+  """A step's schedule at `width`, declared and prepared on the cache.
+
+  Returns `(alloc, start, n, occupancy, held, held_added, tokens, cache, status)`: each
+  column's tokens and first slot, the step's tokens and occupied columns, the used columns'
+  positions now and those the step adds if it succeeds (`peak_rows`), the step's token ids,
+  and the cache with the first failure of the two verbs. `gated`: see `_step`.
+  """
+  c = ls.cols
+  alloc, start = _schedule(width, c, paged_claims.room(config, ls) if config.is_paged else None)
+  if gated:
+    run = ls.status == Status.OK
+    if config.is_paged:
+      run &= paged_admission.step_may_run(config, ls)
+    alloc = jnp.where(run, alloc, 0)
+  used = c.used == 1
+  n, occupancy, held, held_added = _column_totals(
+      alloc, alloc > 0, jnp.where(used, c.fed, 0), jnp.where(used, alloc, 0))
+  seq_ids, tokens = _step_tokens(config, width, c, alloc, start, n)
+  blocks = jnp.zeros((config.step_width, 2), jnp.int32)
+  cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
+  cache, st_prepare = pure.prepare_step(config, cache)
+  return (alloc, start, n, occupancy, held, held_added, tokens, cache,
+          _first_bad(st_declare, st_prepare))
+
+
+def _counted(ls: LoopState, widths, which: int, gated: bool, *, cache, cols, out, ok, n,
+             occupancy, held, status, **counters) -> LoopState:
+  """`ls` after a step: its new cache, columns and outputs, the step counted (`gated`: only
+  if it carried tokens) and its counters added, `counters` replaced as given."""
+  as_int = lambda b: b.astype(jnp.int32)
+  counted = ok & (n > 0) if gated else ok
+  return dataclasses.replace(
+      ls, cache=cache, cols=cols, out=out,
+      steps=ls.steps + as_int(counted), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
+      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
+      peak_rows=jnp.maximum(ls.peak_rows, held),
+      # Elementwise, not `.at[which].add` (a dynamic-update-slice kernel of its own per step).
+      width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
+      status=merge_status(ls.status, status), **counters)
+
+
+def _recorded(ls: LoopState, tokens, generated, out_at, lp_at, drawn, fin_at, is_stop, first_at,
+              **more):
+  """`ls.out` after a step: the new `tokens` table, each emitting column's `generated`
+  count at its row `out_at`, its draw's `(logprob, top_ids, top_logprobs)` at `lp_at`
+  (`(rows, slots)`), the finished rows `fin_at` (`is_stop`: by a stop token) and the
+  first-token rows `first_at` stamped with the step; `more` fields replaced as given.
+  Rows past the tables are dropped."""
+  o = ls.out
+  lp, top_ids, top_lp = drawn
+  return dataclasses.replace(
+      o, tokens=tokens,
+      length=o.length.at[out_at].set(generated, mode="drop"),   # so far
+      logprob=o.logprob.at[lp_at].set(lp, mode="drop"),
+      top_ids=o.top_ids.at[lp_at].set(top_ids, mode="drop"),
+      top_logprobs=o.top_logprobs.at[lp_at].set(top_lp, mode="drop"),
+      stop=o.stop.at[fin_at].set(is_stop.astype(jnp.int32), mode="drop"),
+      done=o.done.at[fin_at].set(1, mode="drop"),
+      first=o.first.at[first_at].set(ls.steps + 1, mode="drop"),
+      finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"), **more)
+
+
+def _draw(ls: LoopState, logits, emits, greedy: bool):
+  """Each column's token from its logits row (`float32[S, V]`), as plain decoding draws it:
+  `(tokens, logprob, top_ids, top_logprobs, grammar states, grammar tokens)`.
+
+  `greedy` (static): no constrained column (`plain_greedy`): the argmax, no sampler.
+  """
+  c = ls.cols
+  num_logprobs = ls.out.top_ids.shape[2]
+  if greedy:
+    new, lp, top_ids, top_lp = greedy_rows(logits, num_logprobs)
+    return new, lp, top_ids, top_lp, c.grammar, c.grammar_token
+  generated = c.length - c.prompt_len
+  keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
+      jax.random.fold_in(jax.random.key(seed), i), t))(c.params.seed, c.sample_index, generated)
+  # Before its min_tokens, a column's stop tokens are not drawn.
+  banned = jnp.where((generated < c.params.min_tokens)[:, None], c.params.stop_tokens, -1)
+  # A constrained column's token is consumed by its automaton at its next draw, inside the
+  # sampler's logit branch: no lookup and no branch of its own on any step.
+  new, lp, top_ids, top_lp, grammar = sample_rows(
+      logits, _row_params(c.params), keys, sampling=emits, history=c.tokens,
+      prompt_len=c.prompt_len, length=c.length, banned=banned,
+      bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
+      grammar=(ls.grammar, c.grammar, c.grammar_token, c.params.stop_tokens),
+      num_logprobs=num_logprobs)
+  grammar_token = jnp.where(emits & (c.grammar != -1), new,
+                            jnp.where(emits, -1, c.grammar_token))
+  return new, lp, top_ids, top_lp, grammar, grammar_token
+
+
 def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
           greedy: bool = False, gated: bool = False,
           spec: SpeculativeConfig | None = None) -> LoopState:
@@ -139,51 +231,20 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
   width = widths[which]
   s = config.max_seqs
   c, o = ls.cols, ls.out
-  alloc, start = _schedule(width, c, paged_claims.room(config, ls) if config.is_paged else None)
-  if gated:
-    run = ls.status == Status.OK
-    if config.is_paged:
-      run &= paged_admission.step_may_run(config, ls)
-    alloc = jnp.where(run, alloc, 0)
-  # The step's tokens and occupied columns; the used columns' positions now and the ones
-  # the step adds if it succeeds (`peak_rows`).
-  used = c.used == 1
-  n, occupancy, held, held_added = _column_totals(
-      alloc, alloc > 0, jnp.where(used, c.fed, 0), jnp.where(used, alloc, 0))
-  seq_ids, tokens = _step_tokens(config, width, c, alloc, start, n)
-  blocks = jnp.zeros((config.step_width, 2), jnp.int32)
-  cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
-  cache, st_prepare = pure.prepare_step(config, cache)
+  alloc, start, n, occupancy, held, held_added, tokens, cache, st_plan = _plan(
+      config, width, ls, gated)
   rows = jnp.clip(start + alloc - 1, 0, width - 1)
   logits, cache, st_narrow = pure.run_narrow(config, cache, width,
                                              lambda kv: model(tokens, kv, rows=rows))
   cache, st_commit = pure.commit_step(config, cache)
-  status = _first_bad(st_declare, st_prepare, st_narrow, st_commit)
+  status = _first_bad(st_plan, st_narrow, st_commit)
   if gated:   # a step of no token: every verb refused it (EMPTY first) and changed nothing
     status = jnp.where(n > 0, status, Status.OK)
   ok = status == Status.OK
 
   emits = ok & (alloc > 0) & (c.fed + alloc == c.length)
   generated = c.length - c.prompt_len
-  num_logprobs = o.top_ids.shape[2]
-  if greedy:   # no constrained column (`plain_greedy`)
-    new, lp, top_ids, top_lp = greedy_rows(logits, num_logprobs)
-    grammar, grammar_token = c.grammar, c.grammar_token
-  else:
-    keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
-        jax.random.fold_in(jax.random.key(seed), i), t))(c.params.seed, c.sample_index, generated)
-    # Before its min_tokens, a column's stop tokens are not drawn.
-    banned = jnp.where((generated < c.params.min_tokens)[:, None], c.params.stop_tokens, -1)
-    # A constrained column's token is consumed by its automaton at its next draw, inside the
-    # sampler's logit branch: no lookup and no branch of its own on any step.
-    new, lp, top_ids, top_lp, grammar = sample_rows(
-        logits, _row_params(c.params), keys, sampling=emits, history=c.tokens,
-        prompt_len=c.prompt_len, length=c.length, banned=banned,
-        bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
-        grammar=(ls.grammar, c.grammar, c.grammar_token, c.params.stop_tokens),
-        num_logprobs=num_logprobs)
-    grammar_token = jnp.where(emits & (c.grammar != -1), new,
-                              jnp.where(emits, -1, c.grammar_token))
+  new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, logits, emits, greedy)
   col_ids = jnp.arange(s, dtype=jnp.int32)
   max_len = c.tokens.shape[1]
   tokens_buf = c.tokens.at[col_ids, jnp.where(emits, c.length, max_len)].set(new, mode="drop")
@@ -204,25 +265,10 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
                              active=jnp.where(finished, 0, c.active),
                              done=c.done | as_int(finished), grammar=grammar,
                              grammar_token=grammar_token)
-  out = dataclasses.replace(
-      o, tokens=out_tokens,
-      length=o.length.at[out_at].set(length - c.prompt_len, mode="drop"),   # so far
-      logprob=o.logprob.at[lp_at, lp_t].set(lp, mode="drop"),
-      top_ids=o.top_ids.at[lp_at, lp_t].set(top_ids, mode="drop"),
-      top_logprobs=o.top_logprobs.at[lp_at, lp_t].set(top_lp, mode="drop"),
-      stop=o.stop.at[fin_at].set(as_int(is_stop), mode="drop"),
-      done=o.done.at[fin_at].set(1, mode="drop"),
-      first=o.first.at[first_at].set(ls.steps + 1, mode="drop"),
-      finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"))
-  counted = ok & (n > 0) if gated else ok
-  return dataclasses.replace(
-      ls, cache=cache, cols=cols, out=out,
-      steps=ls.steps + as_int(counted), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
-      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
-      peak_rows=jnp.maximum(ls.peak_rows, held),
-      # Elementwise, not `.at[which].add` (a dynamic-update-slice kernel of its own per step).
-      width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
-      status=merge_status(ls.status, status))
+  out = _recorded(ls, out_tokens, length - c.prompt_len, out_at, (lp_at, lp_t),
+                  (lp, top_ids, top_lp), fin_at, is_stop, first_at)
+  return _counted(ls, widths, which, gated, cache=cache, cols=cols, out=out, ok=ok, n=n,
+                  occupancy=occupancy, held=held, status=status)
 
 
 def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greedy: bool,
@@ -241,19 +287,8 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
   width, k = widths[which], spec.k
   s = config.max_seqs
   c, o = ls.cols, ls.out
-  alloc, start = _schedule(width, c, paged_claims.room(config, ls) if config.is_paged else None)
-  if gated:
-    run = ls.status == Status.OK
-    if config.is_paged:
-      run &= paged_admission.step_may_run(config, ls)
-    alloc = jnp.where(run, alloc, 0)
-  used = c.used == 1
-  n, occupancy, held, held_added = _column_totals(
-      alloc, alloc > 0, jnp.where(used, c.fed, 0), jnp.where(used, alloc, 0))
-  seq_ids, tokens = _step_tokens(config, width, c, alloc, start, n)
-  blocks = jnp.zeros((config.step_width, 2), jnp.int32)
-  cache, st_declare = pure.declare_step(config, ls.cache, seq_ids, n, blocks)
-  cache, st_prepare = pure.prepare_step(config, cache)
+  alloc, start, n, occupancy, held, held_added, tokens, cache, st_plan = _plan(
+      config, width, ls, gated)
   # The draft tokens each column carries (the schedule may cut a draft short), and the
   # step rows of its pending token and of its draft: `k + 1` rows a column.
   drafted = jnp.clip(c.fed + alloc - c.length, 0, k)
@@ -264,30 +299,15 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
                                              lambda kv: model(tokens, kv, rows=rows))
   logits = logits.reshape(s, k + 1, -1)
   cache, st_commit = pure.commit_step(config, cache)
-  status = _first_bad(st_declare, st_prepare, st_narrow, st_commit)
+  status = _first_bad(st_plan, st_narrow, st_commit)
   if gated:
     status = jnp.where(n > 0, status, Status.OK)
   ok = status == Status.OK
 
   emits = ok & (alloc > 0) & (c.fed + alloc >= c.length)
   generated = c.length - c.prompt_len
-  num_logprobs = o.top_ids.shape[2]
   pending = logits[:, 0]
-  if greedy:
-    new, lp, top_ids, top_lp = greedy_rows(pending, num_logprobs)
-    grammar, grammar_token = c.grammar, c.grammar_token
-  else:
-    keys = jax.vmap(lambda seed, i, t: jax.random.fold_in(
-        jax.random.fold_in(jax.random.key(seed), i), t))(c.params.seed, c.sample_index, generated)
-    banned = jnp.where((generated < c.params.min_tokens)[:, None], c.params.stop_tokens, -1)
-    new, lp, top_ids, top_lp, grammar = sample_rows(
-        pending, _row_params(c.params), keys, sampling=emits, history=c.tokens,
-        prompt_len=c.prompt_len, length=c.length, banned=banned,
-        bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
-        grammar=(ls.grammar, c.grammar, c.grammar_token, c.params.stop_tokens),
-        num_logprobs=num_logprobs)
-    grammar_token = jnp.where(emits & (c.grammar != -1), new,
-                              jnp.where(emits, -1, c.grammar_token))
+  new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, pending, emits, greedy)
   # Candidates: the pending row's token, then the argmax after each draft token (only
   # drafting columns, which are plain greedy, get past the first).
   col_ids = jnp.arange(s, dtype=jnp.int32)
@@ -342,29 +362,16 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
                              done=c.done | as_int(finished), grammar=grammar,
                              grammar_token=grammar_token,
                              draft=jnp.where(emits, proposed, c.draft))
-  out = dataclasses.replace(
-      o, tokens=out_tokens,
-      length=o.length.at[out_at].set(length - c.prompt_len, mode="drop"),
-      logprob=o.logprob.at[lp_at, lp_t].set(lp, mode="drop"),
-      top_ids=o.top_ids.at[lp_at, lp_t].set(top_ids, mode="drop"),
-      top_logprobs=o.top_logprobs.at[lp_at, lp_t].set(top_lp, mode="drop"),
-      stop=o.stop.at[fin_at].set(as_int(is_stop), mode="drop"),
-      done=o.done.at[fin_at].set(1, mode="drop"),
-      first=o.first.at[first_at].set(ls.steps + 1, mode="drop"),
-      finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"),
+  out = _recorded(
+      ls, out_tokens, length - c.prompt_len, out_at, (lp_at, lp_t), (lp, top_ids, top_lp),
+      fin_at, is_stop, first_at,
       draft_tokens=o.draft_tokens.at[draft_at].add(verified, mode="drop"),
       accepted_tokens=o.accepted_tokens.at[draft_at].add(kept, mode="drop"),
       draft_rounds=o.draft_rounds.at[draft_at].add(1, mode="drop"))
-  counted = ok & (n > 0) if gated else ok
-  return dataclasses.replace(
-      ls, cache=cache, cols=cols, out=out,
-      steps=ls.steps + as_int(counted), step_tokens=ls.step_tokens + jnp.where(ok, n, 0),
-      occupancy=ls.occupancy + jnp.where(ok, occupancy, 0),
-      peak_rows=jnp.maximum(ls.peak_rows, held),
-      width_steps=ls.width_steps + as_int(counted & (jnp.arange(len(widths)) == which)),
-      status=merge_status(ls.status, status),
-      draft_tokens=ls.draft_tokens + verified.sum(dtype=jnp.int32),
-      accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32))
+  return _counted(ls, widths, which, gated, cache=cache, cols=cols, out=out, ok=ok, n=n,
+                  occupancy=occupancy, held=held, status=status,
+                  draft_tokens=ls.draft_tokens + verified.sum(dtype=jnp.int32),
+                  accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32))
 
 
 def _row_params(p: ColumnParams) -> RowParams:
