@@ -35,7 +35,8 @@ def _columns(want):
   fed = np.full((s,), 5, np.int32)
   return types.SimpleNamespace(active=jnp.asarray(active, jnp.int32),
                                length=jnp.asarray(fed + want, jnp.int32),
-                               hold=jnp.full((s,), 10**6, jnp.int32), fed=jnp.asarray(fed))
+                               hold=jnp.full((s,), 10**6, jnp.int32), fed=jnp.asarray(fed),
+                               draft=jnp.zeros((s,), jnp.int32))
 
 
 @pytest.mark.parametrize("num_cols", [1, 5, 64])
@@ -80,7 +81,7 @@ def test_the_phase_condition_counts_the_paged_step_need(num_cols, rng):
         active=jnp.asarray(rng.random(num_cols) < 0.7, jnp.int32),
         length=jnp.asarray(fed + rng.integers(-3, 6, num_cols), jnp.int32),
         hold=jnp.asarray(fed + rng.integers(-3, 6, num_cols), jnp.int32),
-        fed=jnp.asarray(fed, jnp.int32))
+        fed=jnp.asarray(fed, jnp.int32), draft=jnp.zeros((num_cols,), jnp.int32))
     want = np.minimum(np.asarray(ls.length), np.asarray(ls.hold)) > fed
     expected = int((want & (np.asarray(ls.active) == 1)).sum())
     assert int(paged_claims.step_need(ls)) == expected
