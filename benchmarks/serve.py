@@ -888,6 +888,8 @@ def main(argv=None) -> int:
         driver_prof = cProfile.Profile()
         _profile_method(args.driver_method, driver_prof)
       if front.startswith("p"):   # front processes over a host of the engine, as the CLI runs
+        # The fronts' host serves the engine with an AsyncEngine of its own: one at a time.
+        aio.close(timeout=10)
         del app
         _serve_fronts(args, results, engine, tokenizer, prompts, max_tokens, tag, int(front[1:]),
                       dict(interval=interval, stepping=stepping, switch_interval=switch_us * 1e-6,

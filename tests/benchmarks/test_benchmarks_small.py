@@ -22,9 +22,12 @@ BENCHMARKS = ROOT / "benchmarks"
 
 # script, arguments, a regex the output must match (the result line), extra environment.
 CPU_RUNS = {
-    "serve.py": (["--small", "--rates", "inf,16", "--rate-requests", "6", "--raw-client"],
+    # Front processes (p2) after the in-process front: the engine is served by one host at a time.
+    "serve.py": (["--small", "--rates", "inf,16", "--rate-requests", "6", "--raw-client",
+                  "--server-configs", "16:fcfs:steps,16:fcfs:steps:100:2:p2"],
                  r"(?s)server i\d+-fcfs-steps rate inf .* tok/s .* failed 0 short 0.*"
-                 r"rate 16 \(bare HTTP client\) .* tok/s .* failed 0 short 0", {}),
+                 r"rate 16 \(bare HTTP client\) .* tok/s .* failed 0 short 0.*"
+                 r"server i16-fcfs-steps-p2 rate inf .* tok/s .* failed 0 short 0", {}),
     "structured.py": (["--small", "--skip", "half_mix,cold_compile"],
                       r'schema_vs_none \{.*"valid": 4, "requests": 4.*\n.*schema_set \{"schemas": 4, '
                       r'"served": 4, "valid": 4', {}),
@@ -40,6 +43,9 @@ CPU_RUNS = {
         r"pages of \d+ - columns, kernels per call \(outside loops\): \{'prepare_step'", {}),
     "paged_memory.py": (["--small"], r"\| mix: [^|]+\| paged \| \d+\.\d+ \| \d+\.\d+x \|", {}),
     "prefix_cache.py": (["--small"], r'"mean_in_flight": \d', {}),
+    "speculative.py": (["--small", "--accepts", "1"],
+                       r"\| oracle k=3 accept 1 \| \d+\.\d+ \| \d+ \| \d+\.\d+x \| .*\n"
+                       r"\| ngram k=3 \(random model\), repetitive prompts \| .*\n.*tokens equal plain decoding", {}),
     "sharded.py": (["--small"], r"(?s)max \|2-GPU - 1-GPU\| = .*\| 2 \| \d+\.\d+ \| .*"
                    r"greedy tokens equal between 1 and 2 devices: \d+/\d+ .*\| 2 \| \d+\.\d+ \|",
                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
