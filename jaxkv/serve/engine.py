@@ -64,8 +64,18 @@ def default_widths(config: CacheConfig, per_column: int = 1) -> tuple[int, ...]:
   with the rows past that: a 2048-wide step costs ~4x a 512-wide one,
   docs/PERFORMANCE.md), and below `MIN_MIDDLE_WIDTH` rows a width would cost its
   compilation and save nothing. `per_column` decode slots per column (speculative
-  decoding: a pending token and `k` draft tokens) widen `narrow`.
+  decoding: a pending token and `k` draft tokens) add that `narrow` to plain
+  decoding's widths: a step where few columns draft (or none) runs at the rows it
+  needs, not at the width of every column's draft.
   """
+  if per_column > 1:
+    return tuple(sorted(set(default_widths(config)) | set(_widths(config, per_column)),
+                        reverse=True))
+  return _widths(config, 1)
+
+
+def _widths(config: CacheConfig, per_column: int) -> tuple[int, ...]:
+  """`default_widths`' ladder down to `per_column` slots per column."""
   width = config.step_width
   narrow = min(-(-config.max_seqs * per_column // 8) * 8, width)
   if narrow >= width:

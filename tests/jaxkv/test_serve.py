@@ -273,3 +273,16 @@ def test_default_widths_halve_where_rows_cost_then_shrink_by_four(width, max_seq
   layers = (LayerConfig(policy=LayerPolicy(), n_kv_heads=1, head_dim=8),)
   config = CacheConfig(layers=layers, capacity=8192, max_seqs=max_seqs, max_write=width)
   assert default_widths(config) == want
+
+
+@pytest.mark.parametrize("width, max_seqs, per_column, want", [
+    (512, 64, 5, (512, 320, 128, 64)),    # k = 4: the verify width beside plain decoding's
+    (512, 16, 5, (512, 128, 80, 16)),
+    (512, 256, 5, (512, 256)),            # every column's draft does not fit below W
+    (16, 4, 4, (16, 8)),
+])
+def test_speculative_widths_keep_plain_decodings(width, max_seqs, per_column, want):
+  from jaxkv.serve.engine import default_widths   # pylint: disable=g-import-not-at-top
+  layers = (LayerConfig(policy=LayerPolicy(), n_kv_heads=1, head_dim=8),)
+  config = CacheConfig(layers=layers, capacity=8192, max_seqs=max_seqs, max_write=width)
+  assert default_widths(config, per_column) == want
