@@ -38,7 +38,8 @@ from jaxkv import CacheConfig, Status, pure
 from jaxkv.serve import columns, paged_admission, paged_claims
 from jaxkv.serve.columns import i32
 from jaxkv.serve.sampling import RowParams, greedy_rows, sample_rows
-from jaxkv.serve.speculative import SpeculativeConfig, accepted, propose, speculates
+from jaxkv.serve.speculative import (SpeculativeConfig, accepted, pause_after, propose,
+                                     speculates)
 from jaxkv.serve.state import ColumnParams, Columns, LoopState, merge_status
 from pallas_kernels.common import prefix_sum
 
@@ -349,9 +350,12 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
   cache, st_rewind = pure.rewind_many(config, cache, jnp.where(emits, fed, cache.pos))
   status = _first_bad(status, st_rewind)
   active = jnp.where(finished, 0, c.active)
-  # The next draft, of the columns that emitted and go on (the others keep theirs).
+  # The next draft, of the columns that emitted and go on (the others keep theirs),
+  # unless a round that accepted nothing paused drafting.
+  pause = pause_after(ls.draft_pause, verified.sum(dtype=jnp.int32),
+                      kept.sum(dtype=jnp.int32), ok, spec.max_pause)
   proposal, proposed = propose(spec, tokens_buf, length)
-  goes_on = emits & (active == 1) & speculates(c.params, c.grammar)
+  goes_on = emits & (active == 1) & speculates(c.params, c.grammar) & (pause[0] == 0)
   proposed = jnp.where(goes_on, jnp.clip(jnp.minimum(proposed, c.limit - length - 1), 0, k), 0)
   tokens_buf = tokens_buf.at[col_ids[:, None], jnp.where(j[None, :k] < proposed[:, None],
                                                          length[:, None] + j[None, :k], max_len)
@@ -371,7 +375,8 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
   return _counted(ls, widths, which, gated, cache=cache, cols=cols, out=out, ok=ok, n=n,
                   occupancy=occupancy, held=held, status=status,
                   draft_tokens=ls.draft_tokens + verified.sum(dtype=jnp.int32),
-                  accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32))
+                  accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32),
+                  draft_pause=pause)
 
 
 def _row_params(p: ColumnParams) -> RowParams:

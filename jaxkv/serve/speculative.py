@@ -38,6 +38,10 @@ class SpeculativeConfig:
     drafter: for `"custom"`: `drafter(tokens int32[S, L], length int32[S], k) ->
       (draft int32[S, k], count int32[S])`, traced inside the loop; `count` is
       clipped to `[0, k]` and to the column's limit. Hashable (it is in the jit key).
+    max_pause: a step whose drafts were all rejected pauses drafting for 1 step,
+      the next such round for 2, then 4, ... up to `max_pause` steps (`pause_after`);
+      a round that accepts a token ends the doubling. A workload the drafter cannot
+      predict then pays a verify round now and then, not every step. 0: never pause.
 
   Only plain greedy requests speculate (`admission.plain_greedy`: temperature 0,
   no penalty, bias, logprobs, grammar or `min_tokens` held stop), and a request may
@@ -50,6 +54,7 @@ class SpeculativeConfig:
   ngram_min: int = 1
   ngram_max: int = 3
   drafter: Callable | None = None
+  max_pause: int = 64
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -59,6 +64,9 @@ class SpeculativeConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"speculative.{name}={value!r} must be an int >= 1")
+    if (isinstance(self.max_pause, bool) or not isinstance(self.max_pause, (int, np.integer))
+        or self.max_pause < 0):
+      raise ValueError(f"speculative.max_pause={self.max_pause!r} must be an int >= 0")
     if self.ngram_min > self.ngram_max:
       raise ValueError(f"speculative.ngram_min={self.ngram_min} must be <= "
                        f"speculative.ngram_max={self.ngram_max}")
@@ -153,6 +161,30 @@ def speculates(params, grammar):
           & (params.frequency_penalty == 0) & (params.logprobs < 0) & (params.restrict == 0)
           & jnp.all(params.bias_tokens == -1, axis=1) & (grammar == -1)
           & ((params.min_tokens == 0) | jnp.all(params.stop_tokens == -1, axis=1)))
+
+
+def pause_after(pause, verified, kept, ok, max_pause: int):
+  """`int32[2]` `(steps left, misses)` of the drafting pause after a step.
+
+  Args:
+    pause: `int32[2]` before the step (`LoopState.draft_pause`).
+    verified, kept: `int32[]` draft tokens the step verified and accepted.
+    ok: whether the step ran; max_pause: static (`SpeculativeConfig.max_pause`).
+
+  A step that verified drafts and accepted none is a miss: the pause becomes
+  `min(2 ** (misses - 1), max_pause)` steps. A step that accepted one ends the misses.
+  Every other step counts the pause down.
+  """
+  left, misses = pause[0], pause[1]
+  if max_pause == 0:
+    return pause
+  rounded = ok & (verified > 0)
+  miss = rounded & (kept == 0)
+  cap = max(max_pause - 1, 0).bit_length() + 1   # misses past this pause max_pause anyway
+  misses = jnp.where(miss, jnp.minimum(misses + 1, cap), jnp.where(rounded, 0, misses))
+  left = jnp.where(miss, jnp.minimum(jnp.left_shift(1, misses - 1), max_pause),
+                   jnp.maximum(left - ok.astype(jnp.int32), 0))
+  return jnp.stack([left, misses]).astype(jnp.int32)
 
 
 def accepted(draft, count, target):

@@ -261,6 +261,8 @@ class LoopState:
       `EngineCore.set_grammar`).
     draft_tokens, accepted_tokens: `int32[]` speculative decoding: draft tokens
       verified, and those accepted and emitted.
+    draft_pause: `int32[2]` speculative decoding: `(steps left, misses)` of the
+      drafting pause (`speculative.pause_after`); no column drafts while steps are left.
   """
 
   cache: CacheState
@@ -281,6 +283,7 @@ class LoopState:
   grammar: Pool
   draft_tokens: jax.Array
   accepted_tokens: jax.Array
+  draft_pause: jax.Array
 
 
 def merge_status(current, status, did=True):
@@ -431,6 +434,6 @@ def _fresh_fields_fn(s: int, max_len: int, max_stop: int, rows: int, m: int, lp_
         status=scalar(), width_steps=jnp.zeros((num_widths,), jnp.int32), clock=scalar(),
         preemptions=scalar(), evictions=scalar(), cached_tokens=scalar(),
         adopt_wait=jnp.asarray([-1, 0], jnp.int32), draft_tokens=scalar(),
-        accepted_tokens=scalar())
+        accepted_tokens=scalar(), draft_pause=jnp.zeros((2,), jnp.int32))
     return cols, out, counters, dict(next=scalar(), copies=scalar(), count=count.astype(jnp.int32))
   return jax.jit(fresh)

@@ -24,7 +24,7 @@ import hlo_walk
 from drivers import PureCache
 from jaxkv import CacheConfig, LayerConfig, LayerPolicy, Status, pure, serve
 from jaxkv.models import Decoder, ModelConfig
-from jaxkv.serve.speculative import max_speculative_tokens, ngram_draft
+from jaxkv.serve.speculative import max_speculative_tokens, ngram_draft, pause_after
 
 MODEL = ModelConfig.gemma3(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                            layer_types=("sliding", "full"), num_heads=2,
@@ -117,6 +117,26 @@ def test_ngram_draft_proposes_what_followed_the_latest_longest_match():
   draft, count = ngram_draft(jnp.asarray([[7, 7, 0, 0]], jnp.int32), jnp.asarray([2], jnp.int32),
                              3, 1, 1)
   assert np.asarray(count).tolist() == [1] and int(draft[0, 0]) == 7
+
+
+@pytest.mark.parametrize("max_pause", [0, 1, 5, 64])
+def test_the_pause_doubles_after_each_round_that_accepts_nothing(max_pause, rng):
+  """Against a host model of the rule: a miss (drafts verified, none accepted) pauses
+  1, 2, 4, ... steps up to `max_pause`; a hit ends the misses; other steps count down."""
+  left = misses = 0
+  pause = jnp.zeros((2,), jnp.int32)
+  step = jax.jit(pause_after, static_argnums=4)
+  for _ in range(200):
+    verified, ok = int(rng.choice([0, 0, 3])), bool(rng.random() < 0.9)
+    kept = int(rng.choice([0, 0, 0, 1])) if verified else 0
+    pause = step(pause, jnp.int32(verified), jnp.int32(kept), jnp.asarray(ok), max_pause)
+    if max_pause and ok and verified and not kept:
+      misses += 1
+      left = min(2 ** (misses - 1), max_pause)
+    elif max_pause:
+      misses = 0 if ok and verified else misses
+      left = max(left - ok, 0)
+    assert int(pause[0]) == left
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -231,6 +251,20 @@ def test_oracle_drafter_accepts_and_stays_exact(oracle8, queue):
         f"{stats.generated} tokens in {stats.steps} steps (plain: {plain_steps})")
 
 
+def test_rejected_rounds_pause_drafting(plain, oracle8, queue):
+  """Requests the oracle's table does not know (their first token is past its rows, so it
+  proposes another request's future): nearly every round is rejected, and drafting pauses
+  for longer and longer; the tokens are still plain decoding's."""
+  requests, _, _ = queue
+  strangers = [serve.Request((60 - i,) + r.prompt[1:], r.params) for i, r in enumerate(requests)]
+  want = plain.run(strangers)
+  assert _key(oracle8.run(strangers)) == _key(want)
+  stats = oracle8.stats
+  # Without the pause every step would verify up to 8 tokens per running column.
+  assert 0 < stats.draft_tokens < 2 * stats.generated, (stats.draft_tokens, stats.generated)
+  assert stats.acceptance_rate < 0.25
+
+
 @st.composite
 def _greedy_mix(draw):
   """Greedy requests over a small alphabet (so prompt lookup finds matches): prompts,
@@ -287,7 +321,8 @@ def test_sampled_and_opted_out_requests_decode_beside_drafting_ones(plain, ngram
 def test_refusals_name_the_argument_and_change_nothing(model, ngram3, queue):
   for kwargs, match in (({"method": "draft"}, "speculative.method"), ({"k": 0}, "speculative.k"),
                         ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_min"),
-                        ({"method": "custom"}, "speculative.drafter")):
+                        ({"method": "custom"}, "speculative.drafter"),
+                        ({"max_pause": -1}, "speculative.max_pause")):
     with pytest.raises(ValueError, match=match):
       serve.SpeculativeConfig(**kwargs)
   with pytest.raises(TypeError, match="speculative=1 must be a bool"):
