@@ -47,6 +47,8 @@ for w in "$@"; do
     # Structured output through jaxkv serve's defaults (issue 52's targets).
     structured) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
         TAIL=12 run structured 560 python3 benchmarks/structured.py --write-checkpoint /tmp/ck_structured --server-flags "--grammar-compile-timeout 30" --out "$out/structured.json";;
+    # Speculative decoding (issue 54): the oracle drafter against acceptance, the pause on and off, n-gram.
+    speculative) TAIL=30 run speculative 500 python3 benchmarks/speculative.py --seqs 16,64 --ks 4 --accepts 0,0.8,1 --max-pauses 64,0 --repeats 2 --out "$out/speculative.json";;
     # Paged storage.
     paged_decode_kernel) TAIL=60 run paged_decode_kernel 300 python3 benchmarks/paged_decode.py --page-sizes 16,32,64,128 --out "$out/paged_decode_kernel.json";;
     paged_mix_equal_slots) run paged_mix_equal_slots 540 python3 benchmarks/e2e.py --workload mixed --max-write 2048 --skip-baseline --paged 128 --paged-repeats 5 --out "$out/paged_mix_equal_slots.json";;

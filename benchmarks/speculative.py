@@ -96,6 +96,9 @@ def _args(argv):
   p.add_argument("--ks", default="4", help="draft lengths k")
   p.add_argument("--accepts", default="0,0.8,1",
                  help="the oracle's per-token acceptance probabilities")
+  p.add_argument("--max-pauses", default=str(serve.SpeculativeConfig().max_pause),
+                 help="the oracle's SpeculativeConfig.max_pause values (0: never pause), "
+                      "one engine each")
   p.add_argument("--workload", choices=["decode", "mixed"], default="decode")
   p.add_argument("--new-tokens", type=int, default=256, help="decode: tokens per request")
   p.add_argument("--max-write", type=int, default=512, help="step width W")
@@ -116,6 +119,7 @@ def _args(argv):
 
   args.seqs = ints("seqs", args.seqs, 1)
   args.ks = ints("ks", args.ks, 1)
+  args.max_pauses = ints("max-pauses", args.max_pauses, 0)
   try:
     args.accepts = [float(v) for v in args.accepts.split(",")]
   except ValueError:
@@ -235,9 +239,11 @@ def _measure(args, cfg, seqs: int, rng) -> dict:
       runs = [("plain", 0, "plain (copy model)")]
       for k in args.ks:
         drafter = OracleDrafter(references, accepts, cfg.vocab_size, seed=k)
-        spec = serve.SpeculativeConfig(method="custom", k=k, drafter=drafter)
-        engines[f"oracle k={k}"] = serve.Engine(model, max_len=max_len, speculative=spec)
-        runs += [(f"oracle k={k}", i, f"oracle k={k} accept {a:g}") for i, a in enumerate(levels)]
+        for pause in args.max_pauses:
+          name = f"oracle k={k}" + (f" max_pause {pause}" if len(args.max_pauses) > 1 else "")
+          spec = serve.SpeculativeConfig(method="custom", k=k, drafter=drafter, max_pause=pause)
+          engines[name] = serve.Engine(model, max_len=max_len, speculative=spec)
+          runs += [(name, i, f"{name} accept {a:g}") for i, a in enumerate(levels)]
     else:
       if args.skip_ngram:
         break
