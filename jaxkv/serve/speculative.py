@@ -35,6 +35,9 @@ class SpeculativeConfig:
     k: most draft tokens per sequence and step (vLLM's `num_speculative_tokens`);
       at most the engine's `max_speculative_tokens(config)`.
     ngram_min, ngram_max: the n-gram sizes tried (vLLM's `prompt_lookup_min/max`).
+    ngram_window: the lookup searches the column's last `ngram_window` tokens only
+      (its cost is `[S, ngram_window]` compares a step, not `[S, max_len]`: at a
+      131,072-token `max_len` and 256 columns the whole buffer is 128 MiB a compare).
     drafter: for `"custom"`: `drafter(tokens int32[S, L], length int32[S], k) ->
       (draft int32[S, k], count int32[S])`, traced inside the loop; `count` is
       clipped to `[0, k]` and to the column's limit. Hashable (it is in the jit key).
@@ -55,12 +58,13 @@ class SpeculativeConfig:
   ngram_max: int = 3
   drafter: Callable | None = None
   max_pause: int = 64
+  ngram_window: int = 4096
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"speculative.method={self.method!r} must be one of {METHODS} "
                        "(a draft model is not built yet)")
-    for name in ("k", "ngram_min", "ngram_max"):
+    for name in ("k", "ngram_min", "ngram_max", "ngram_window"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"speculative.{name}={value!r} must be an int >= 1")
@@ -69,6 +73,9 @@ class SpeculativeConfig:
       raise ValueError(f"speculative.max_pause={self.max_pause!r} must be an int >= 0")
     if self.ngram_min > self.ngram_max:
       raise ValueError(f"speculative.ngram_min={self.ngram_min} must be <= "
+                       f"speculative.ngram_max={self.ngram_max}")
+    if self.ngram_window <= self.ngram_max:
+      raise ValueError(f"speculative.ngram_window={self.ngram_window} must be > "
                        f"speculative.ngram_max={self.ngram_max}")
     if (self.method == "custom") != (self.drafter is not None):
       raise ValueError("speculative.drafter must be given with method='custom', and only then")
@@ -115,12 +122,13 @@ def _shifted(tokens, by: int):
   return jnp.pad(tokens, ((0, 0), (by, 0)), constant_values=-1)[:, :tokens.shape[1]]
 
 
-def ngram_draft(tokens, length, k: int, ngram_min: int, ngram_max: int):
+def ngram_draft(tokens, length, k: int, ngram_min: int, ngram_max: int, window: int | None = None):
   """Prompt lookup on every column's own history (no loop, no branch).
 
   Args:
     tokens: `int32[S, L]` each column's tokens; length: `int32[S]` how many are known.
     k, ngram_min, ngram_max: static.
+    window: static: search only each column's last `window` known tokens (None: all).
 
   Returns:
     `(draft int32[S, k], count int32[S])`: the tokens that followed the most recent
@@ -128,6 +136,11 @@ def ngram_draft(tokens, length, k: int, ngram_min: int, ngram_max: int):
     one), at most `k` and only known ones.
   """
   s, max_len = tokens.shape
+  if window is not None and window < max_len:
+    # The same lookup on each column's last `window` tokens, gathered into `[S, window]`.
+    base = jnp.clip(length - window, 0, max_len - window)
+    part = jnp.take_along_axis(tokens, base[:, None] + jnp.arange(window)[None, :], axis=1)
+    return ngram_draft(part, length - base, k, ngram_min, ngram_max)
   idx = jnp.arange(max_len, dtype=jnp.int32)
   cont = jnp.full((s,), -1, jnp.int32)   # where the chosen match's continuation starts
   for n in range(ngram_min, ngram_max + 1):   # a longer match overrides a shorter one
@@ -148,7 +161,7 @@ def ngram_draft(tokens, length, k: int, ngram_min: int, ngram_max: int):
 def propose(spec: SpeculativeConfig, tokens, length):
   """`(draft int32[S, k], count int32[S])` of `spec`'s drafter."""
   if spec.method == "ngram":
-    return ngram_draft(tokens, length, spec.k, spec.ngram_min, spec.ngram_max)
+    return ngram_draft(tokens, length, spec.k, spec.ngram_min, spec.ngram_max, spec.ngram_window)
   draft, count = spec.drafter(tokens, length, spec.k)
   return jnp.asarray(draft, jnp.int32), jnp.clip(jnp.asarray(count, jnp.int32), 0, spec.k)
 

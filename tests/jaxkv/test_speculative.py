@@ -139,6 +139,33 @@ def test_the_pause_doubles_after_each_round_that_accepts_nothing(max_pause, rng)
     assert int(pause[0]) == left
 
 
+def _lookup(tokens, length, k, ngram_min, ngram_max, window):
+  """Host prompt lookup: scan back from the end for the last `n` tokens, longest `n` first."""
+  start = max(0, length - window)
+  for n in range(ngram_max, ngram_min - 1, -1):
+    if length <= n:
+      continue
+    tail = tokens[length - n:length]
+    for e in range(length - 1, start + n - 1, -1):   # continuation start, latest first
+      if tokens[e - n:e] == tail:
+        follow = tokens[e:min(e + k, length)]
+        return follow, len(follow)
+  return [], 0
+
+
+def test_ngram_draft_equals_a_host_lookup_within_its_window(rng):
+  lookup = jax.jit(ngram_draft, static_argnums=(2, 3, 4, 5))
+  for window in (None, 6, 12):
+    for _ in range(6):
+      tokens = rng.integers(0, 3, (5, 20)).astype(np.int32)
+      length = rng.integers(0, 21, 5).astype(np.int32)
+      draft, count = lookup(jnp.asarray(tokens), jnp.asarray(length), 4, 1, 3, window)
+      for row in range(5):
+        want, n = _lookup(tokens[row].tolist(), int(length[row]), 4, 1, 3, window or 20)
+        assert int(count[row]) == n, (window, tokens[row], length[row])
+        assert np.asarray(draft)[row, :n].tolist() == want
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -322,7 +349,8 @@ def test_refusals_name_the_argument_and_change_nothing(model, ngram3, queue):
   for kwargs, match in (({"method": "draft"}, "speculative.method"), ({"k": 0}, "speculative.k"),
                         ({"ngram_min": 3, "ngram_max": 2}, "speculative.ngram_min"),
                         ({"method": "custom"}, "speculative.drafter"),
-                        ({"max_pause": -1}, "speculative.max_pause")):
+                        ({"max_pause": -1}, "speculative.max_pause"),
+                        ({"ngram_window": 3}, "speculative.ngram_window")):
     with pytest.raises(ValueError, match=match):
       serve.SpeculativeConfig(**kwargs)
   with pytest.raises(TypeError, match="speculative=1 must be a bool"):
