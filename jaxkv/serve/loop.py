@@ -295,10 +295,20 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
   drafted = jnp.clip(c.fed + alloc - c.length, 0, k)
   first_row = start + alloc - 1 - drafted
   j = jnp.arange(k + 1, dtype=jnp.int32)
-  rows = jnp.clip(first_row[:, None] + j[None, :], 0, width - 1).reshape(-1)
-  logits, cache, st_narrow = pure.run_narrow(config, cache, width,
-                                             lambda kv: model(tokens, kv, rows=rows))
-  logits = logits.reshape(s, k + 1, -1)
+  rows = jnp.clip(first_row[:, None] + j[None, :], 0, width - 1)
+  if width < s * (k + 1):
+    # Fewer step rows than columns' rows: the LM head runs on each step row once (a
+    # paused or lightly drafted step pays its width, not `k + 1` rows a column).
+    logits, cache, st_narrow = pure.run_narrow(
+        config, cache, width, lambda kv: model(tokens, kv, rows=jnp.arange(width)))
+    pending = logits[rows[:, 0]]
+    after = jnp.argmax(logits, axis=-1).astype(jnp.int32)[rows[:, 1:]]
+  else:
+    logits, cache, st_narrow = pure.run_narrow(
+        config, cache, width, lambda kv: model(tokens, kv, rows=rows.reshape(-1)))
+    logits = logits.reshape(s, k + 1, -1)
+    pending = logits[:, 0]
+    after = jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)
   cache, st_commit = pure.commit_step(config, cache)
   status = _first_bad(st_plan, st_narrow, st_commit)
   if gated:
@@ -307,14 +317,12 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
 
   emits = ok & (alloc > 0) & (c.fed + alloc >= c.length)
   generated = c.length - c.prompt_len
-  pending = logits[:, 0]
   new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, pending, emits, greedy)
   # Candidates: the pending row's token, then the argmax after each draft token (only
   # drafting columns, which are plain greedy, get past the first).
   col_ids = jnp.arange(s, dtype=jnp.int32)
   max_len = c.tokens.shape[1]
-  cand = jnp.concatenate([new[:, None], jnp.argmax(logits[:, 1:], axis=-1).astype(jnp.int32)],
-                         axis=1)
+  cand = jnp.concatenate([new[:, None], after], axis=1)
   draft = jnp.take_along_axis(c.tokens, jnp.clip(c.length[:, None] + j[None, :k], 0,
                                                  max_len - 1), axis=1)
   took = accepted(draft, drafted, cand[:, :k])
