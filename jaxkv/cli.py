@@ -320,6 +320,7 @@ def serve(args) -> int:
   started = time.perf_counter()
   cache_dir = use_compilation_cache(args.compilation_cache)
   try:
+    speculative = speculative_config(args)
     engine, tokenizer, plan = build_server(
         args.checkpoint, max_seqs=args.max_seqs, max_len=args.max_len, max_write=args.max_write,
         page_size=args.page_size or None, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -329,7 +330,7 @@ def serve(args) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size, implementation=args.implementation,
         max_logprobs=args.max_logprobs, scheduling=args.scheduling, flags=True,
-        speculative=speculative_config(args))
+        speculative=speculative)
   except (ValueError, TypeError, OSError, ImportError) as e:   # TypeError: a config.json type
     print(f"jaxkv serve: {e}", file=sys.stderr)
     return 2
@@ -341,9 +342,11 @@ def serve(args) -> int:
             file=sys.stderr)
       return 2
   from jaxkv.serve.report import gemm_line, implementation_lines   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.speculative import describe as describe_speculative   # pylint: disable=g-import-not-at-top
   for line in implementation_lines(engine.implementations):
     print(f"jaxkv serve: {line}", flush=True)
   print(f"jaxkv serve: {gemm_line(engine.gemm)}", flush=True)
+  print(f"jaxkv serve: {describe_speculative(speculative)}", flush=True)
   for line in plan.lines():
     print(f"jaxkv serve: {line}", flush=True)
   if args.data_parallel_size > 1:

@@ -57,8 +57,8 @@ class Metrics:
   Time to first token, inter-token latency, queue time and end-to-end latency
   are histograms (seconds, measured on the server around each request); K/V
   use, running/waiting requests, preemptions, the prefix-cache hit rate,
-  tokens/s and compile time are gauges refreshed after every engine step; token
-  and request counters carry the totals.
+  tokens/s, compile time and the speculative acceptance rate are gauges refreshed
+  after every engine step; token, draft-token and request counters carry the totals.
   """
 
   def __init__(self, capacity: int, model_name: str = ""):
@@ -95,6 +95,14 @@ class Metrics:
                                    label + ["reason"], registry=r), model_name)
     self.errors = _Bound(Counter("jaxkv_request_errors", "Requests answered with an error, by "
                                  "status", label + ["status"], registry=r), model_name)
+    self.draft_tokens = counter("jaxkv_spec_decode_num_draft_tokens",
+                                "Speculative decoding: draft tokens verified")
+    self.accepted_tokens = counter("jaxkv_spec_decode_num_accepted_tokens",
+                                   "Speculative decoding: draft tokens accepted (each a step saved)")
+    self.acceptance = gauge("jaxkv_spec_decode_acceptance_rate",
+                            "Speculative decoding: accepted / verified draft tokens since the "
+                            "engine's cache was made (0 before any draft)")
+    self._drafts = (0, 0)   # the engine's counters at the last step
     self._prompt_total = 0
     self._last = (time.perf_counter(), 0.0, 0.0)
 
@@ -113,6 +121,14 @@ class Metrics:
     if self._prompt_total:
       self.prefix_hit_rate.set(stats.cached_tokens / self._prompt_total)
     self.compile_seconds.set(stats.compile_seconds)
+    drafted, accepted = stats.draft_tokens, stats.accepted_tokens
+    if (drafted, accepted) != self._drafts:
+      # The engine's counts restart with a new cache: count on from there.
+      last_d, last_a = self._drafts if drafted >= self._drafts[0] else (0, 0)
+      self.draft_tokens.inc(drafted - last_d)
+      self.accepted_tokens.inc(accepted - last_a)
+      self.acceptance.set(stats.acceptance_rate)
+      self._drafts = (drafted, accepted)
     new = sum(len(d.tokens) for d in deltas)
     self.generation_tokens.inc(new)
     _, last_serve, _ = self._last

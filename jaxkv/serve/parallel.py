@@ -183,6 +183,8 @@ class DataParallelEngine:
       out.preemptions += s.preemptions
       out.evictions += s.evictions
       out.cached_tokens += s.cached_tokens
+      out.draft_tokens += s.draft_tokens
+      out.accepted_tokens += s.accepted_tokens
       out.seconds = max(out.seconds, s.seconds)
       out.admissions += s.admissions
       # One driver per engine, all at once: the slowest's driver times, as for `seconds`.

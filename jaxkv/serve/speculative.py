@@ -83,6 +83,18 @@ class SpeculativeConfig:
       raise ValueError(f"speculative.drafter={self.drafter!r} must be callable")
 
 
+def describe(spec: SpeculativeConfig | None) -> str:
+  """The startup line of a speculation config."""
+  if spec is None:
+    return "speculative decoding: off"
+  how = (f"prompt lookup of {spec.ngram_min}..{spec.ngram_max} tokens in the last "
+         f"{spec.ngram_window}" if spec.method == "ngram" else f"custom drafter {spec.drafter!r}")
+  pause = (f"pausing up to {spec.max_pause} steps after a rejected round" if spec.max_pause
+           else "never pausing")
+  return (f"speculative decoding: {spec.method}, up to {spec.k} draft tokens per greedy sequence "
+          f"and step ({how}), {pause}")
+
+
 def max_speculative_tokens(config: CacheConfig) -> int:
   """The largest `k` a cache allows: a column's pending token and draft fit one step
   (`k + 1 <= W`), and rolling a whole draft back never goes below a ring's floor.

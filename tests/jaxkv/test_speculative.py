@@ -430,3 +430,27 @@ def test_cli_flags_name_the_config():
                                           k=5, ngram_max=4)
   with pytest.raises(ValueError, match="--num-speculative-tokens needs --speculative-method"):
     cli.speculative_config(parse("--num-speculative-tokens", "2"))
+  from jaxkv.serve.speculative import describe   # pylint: disable=g-import-not-at-top
+  assert describe(None) == "speculative decoding: off"
+  line = describe(serve.SpeculativeConfig(k=5, ngram_max=4, max_pause=0))
+  assert "up to 5 draft tokens" in line and "1..4 tokens" in line and "never pausing" in line
+
+
+def test_metrics_count_drafts_from_the_engines_totals():
+  """`/metrics`' draft counters add what the engine's totals added since the last step, and
+  count on when the totals restart (a new cache)."""
+  import types   # pylint: disable=g-import-not-at-top
+  from jaxkv.http.metrics import Metrics   # pylint: disable=g-import-not-at-top
+  metrics = Metrics(capacity=64, model_name="m")
+  stats = serve.EngineStats()
+  engine = types.SimpleNamespace(counts=lambda: (0, 0), held=0, stats=stats)
+
+  def scrape(name):
+    return next(float(l.split()[-1]) for l in metrics.render().decode().splitlines()
+                if l.startswith(name + "{") or l.startswith(name + "_total{"))
+  for drafted, accepted in ((0, 0), (8, 6), (20, 9), (4, 1)):   # the last: a new cache
+    stats.draft_tokens, stats.accepted_tokens = drafted, accepted
+    metrics.after_step(engine, [])
+  assert scrape("jaxkv_spec_decode_num_draft_tokens") == 24
+  assert scrape("jaxkv_spec_decode_num_accepted_tokens") == 10
+  assert scrape("jaxkv_spec_decode_acceptance_rate") == pytest.approx(0.25)
