@@ -112,13 +112,14 @@ def test_serve_reports_implementations_and_compiles_before_listening(monkeypatch
   assert out[0] == ("jaxkv serve: attention: reference on layers 0-1 (2 of 2): the default "
                     "device (cpu: cpu) is not an NVIDIA GPU of compute capability >= 9.0")
   assert out[1] == "jaxkv serve: decode GEMM: gemm='xla': XLA's for every product"
+  assert out[2] == "jaxkv serve: speculative decoding: off"
   # The startup block: the sizing plan's lines, then the compilation cache.
-  block = out[2:out.index("jaxkv serve: compiling the serving loop with a warm-up request ...")]
+  block = out[3:out.index("jaxkv serve: compiling the serving loop with a warm-up request ...")]
   assert [line.split(":")[1].strip() for line in block] == [
       "model", "dtype", "storage", "K/V", "max_len", "max concurrency", "compilation cache"]
   assert "storage: paged, page size 64, prefix caching on" in block[2]
   assert block[4].endswith("(--max-len)")
-  compiled_line = out[2 + len(block) + 1]
+  compiled_line = out[3 + len(block) + 1]
   compiled = float(compiled_line.split("compiled the serving loop in ")[1].split(" s")[0])
   # The engine's first compile was the warm-up's (printed to 2 decimals).
   assert compiled > 0 and compiled == pytest.approx(ran["compile_before"], abs=0.006)
