@@ -19,6 +19,7 @@ run() {  # run NAME SECONDS CMD...: the command's exit status is kept
   echo "=== $name (<= ${secs}s)"
   timeout "$secs" "$@" > "$out/$name.log" 2>&1; rc=$?
   echo "rc=$rc" >> "$out/$name.log"
+  grep -E "^(\[gw[0-9]+\] \[ *[0-9]+%\] )?(FAILED|ERROR)" "$out/$name.log" | head -20
   tail -n 14 "$out/$name.log"
   return $rc
 }
@@ -26,8 +27,9 @@ if [ "$stage" = tests ] || [ "$stage" = all ]; then
   python3 -c "import torch, transformers" 2>/dev/null \
     || echo "note: no torch/transformers here; the live transformers tests will fail as unexpected skips"
   # The tests are compile-bound: several workers, none preallocating most of the GPU's memory.
+  # -v names each result as it lands: a run cut by the time box still names its failures.
   JAXKV_GPU_CHECK=1 XLA_PYTHON_CLIENT_PREALLOCATE=false run gated_tests "${GPU_CHECK_SECONDS:-540}" \
-      python3 -m pytest tests -q -n "${GPU_CHECK_WORKERS:-4}" -p no:cacheprovider -p no:benchmark -rs \
+      python3 -m pytest tests -v -n "${GPU_CHECK_WORKERS:-4}" -p no:cacheprovider -p no:benchmark -rs \
       --timeout 300 --junitxml "$out/gated_tests.xml" || status=1
 fi
 if [ "$stage" = bench ] || [ "$stage" = all ]; then
