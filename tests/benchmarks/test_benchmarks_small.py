@@ -45,7 +45,9 @@ CPU_RUNS = {
     "prefix_cache.py": (["--small"], r'"mean_in_flight": \d', {}),
     "speculative.py": (["--small", "--accepts", "1"],
                        r"\| oracle k=3 accept 1 \| \d+\.\d+ \| \d+ \| \d+\.\d+x \| .*\n"
-                       r"\| ngram k=3 \(random model\), repetitive prompts \| .*\n.*tokens equal plain decoding", {}),
+                       r"\| plain \(random model\), repetitive prompts \| .*\n"
+                       r"\| ngram k=3 \(random model\), repetitive prompts \| .*\n"
+                       r".*tokens equal plain decoding", {}),
     "sharded.py": (["--small"], r"(?s)max \|2-GPU - 1-GPU\| = .*\| 2 \| \d+\.\d+ \| .*"
                    r"greedy tokens equal between 1 and 2 devices: \d+/\d+ .*\| 2 \| \d+\.\d+ \|",
                    {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}),
