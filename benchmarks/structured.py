@@ -121,7 +121,11 @@ class Server:
     deadline = time.time() + 900
     while True:
       if self.proc.poll() is not None or time.time() > deadline:
-        raise RuntimeError(f"the server did not start: see {self.log.name}")
+        self.log.flush()
+        with open(self.log.name, encoding="utf-8", errors="replace") as f:
+          tail = "".join(f.readlines()[-30:])   # the log stays on the machine that ran it
+        raise RuntimeError(f"the server did not start (exit status {self.proc.poll()}); the end of "
+                           f"{self.log.name}:\n{tail}")
       try:
         if httpx.get(self.url + "/health", timeout=2).status_code == 200:
           return
