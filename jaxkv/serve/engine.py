@@ -69,7 +69,7 @@ def default_widths(config: CacheConfig, per_column: int = 1) -> tuple[int, ...]:
   needs, not at the width of every column's draft.
   """
   if per_column > 1:
-    return tuple(sorted(set(default_widths(config)) | set(_widths(config, per_column)),
+    return tuple(sorted(set(_widths(config, 1)) | set(_widths(config, per_column)),
                         reverse=True))
   return _widths(config, 1)
 

@@ -360,8 +360,8 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
   active = jnp.where(finished, 0, c.active)
   # The next draft, of the columns that emitted and go on (the others keep theirs),
   # unless a round that accepted nothing paused drafting.
-  pause = pause_after(ls.draft_pause, verified.sum(dtype=jnp.int32),
-                      kept.sum(dtype=jnp.int32), ok, spec.max_pause)
+  round_drafted, round_kept = verified.sum(dtype=jnp.int32), kept.sum(dtype=jnp.int32)
+  pause = pause_after(ls.draft_pause, round_drafted, round_kept, ok, spec.max_pause)
   proposal, proposed = propose(spec, tokens_buf, length)
   goes_on = emits & (active == 1) & speculates(c.params, c.grammar) & (pause[0] == 0)
   proposed = jnp.where(goes_on, jnp.clip(jnp.minimum(proposed, c.limit - length - 1), 0, k), 0)
@@ -382,9 +382,8 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
       draft_rounds=o.draft_rounds.at[draft_at].add(1, mode="drop"))
   return _counted(ls, widths, which, gated, cache=cache, cols=cols, out=out, ok=ok, n=n,
                   occupancy=occupancy, held=held, status=status,
-                  draft_tokens=ls.draft_tokens + verified.sum(dtype=jnp.int32),
-                  accepted_tokens=ls.accepted_tokens + kept.sum(dtype=jnp.int32),
-                  draft_pause=pause)
+                  draft_tokens=ls.draft_tokens + round_drafted,
+                  accepted_tokens=ls.accepted_tokens + round_kept, draft_pause=pause)
 
 
 def _row_params(p: ColumnParams) -> RowParams:

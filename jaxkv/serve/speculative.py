@@ -64,13 +64,11 @@ class SpeculativeConfig:
     if self.method not in METHODS:
       raise ValueError(f"speculative.method={self.method!r} must be one of {METHODS} "
                        "(a draft model is not built yet)")
-    for name in ("k", "ngram_min", "ngram_max", "ngram_window"):
+    for name, low in (("k", 1), ("ngram_min", 1), ("ngram_max", 1), ("ngram_window", 1),
+                      ("max_pause", 0)):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"speculative.{name}={value!r} must be an int >= 1")
-    if (isinstance(self.max_pause, bool) or not isinstance(self.max_pause, (int, np.integer))
-        or self.max_pause < 0):
-      raise ValueError(f"speculative.max_pause={self.max_pause!r} must be an int >= 0")
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"speculative.{name}={value!r} must be an int >= {low}")
     if self.ngram_min > self.ngram_max:
       raise ValueError(f"speculative.ngram_min={self.ngram_min} must be <= "
                        f"speculative.ngram_max={self.ngram_max}")
@@ -200,9 +198,9 @@ def pause_after(pause, verified, kept, ok, max_pause: int):
   `min(2 ** (misses - 1), max_pause)` steps. A step that accepted one ends the misses.
   Every other step counts the pause down.
   """
-  left, misses = pause[0], pause[1]
   if max_pause == 0:
     return pause
+  left, misses = pause[0], pause[1]
   rounded = ok & (verified > 0)
   miss = rounded & (kept == 0)
   cap = max(max_pause - 1, 0).bit_length() + 1   # misses past this pause max_pause anyway
