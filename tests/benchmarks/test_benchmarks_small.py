@@ -68,7 +68,8 @@ NOT_RUN = {"kernel_trace.py": "GPU device traces of the attention call against c
 
 def _run(args, env=None, timeout=600):
   environment = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
-                     PYTHONPATH=str(ROOT), **(env or {}))
+                     PYTHONPATH=str(ROOT))
+  environment.update(env or {})
   proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=environment, capture_output=True,
                         text=True, timeout=timeout, check=False)
   assert proc.returncode == 0, (
@@ -98,7 +99,8 @@ def test_small_run_prints_its_result(name):
 @pytest.mark.parametrize("name", sorted(GPU_RUNS))
 def test_gpu_small_run_prints_its_result(name):
   args, pattern = GPU_RUNS[name]
-  out = _run([str(BENCHMARKS / name), *args])
+  # `_run` defaults the child to the CPU; these time GPU kernels, so the child gets the GPU.
+  out = _run([str(BENCHMARKS / name), *args], env={"JAX_PLATFORMS": "cuda"})
   assert re.search(pattern, out), f"no result line /{pattern}/ in:\n{out[-3000:]}"
 
 
