@@ -46,8 +46,12 @@ def engine_info(engine) -> dict:
 class _Stats:
   """The engine's counters a front shows (`EngineStats`' names)."""
 
-  generated = preemptions = cached_tokens = 0
+  generated = preemptions = cached_tokens = draft_tokens = accepted_tokens = 0
   compile_seconds = serve_seconds = 0.0
+
+  @property
+  def acceptance_rate(self) -> float:
+    return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 class EngineView:
@@ -69,11 +73,12 @@ class EngineView:
 
   def update(self, status: tuple) -> None:
     (running, waiting, self.waiting_tokens, self.held, generated, preemptions, cached,
-     compiled, served) = status
+     compiled, served, drafted, accepted) = status
     self._counts = (running, waiting)
     s = self.stats
     s.generated, s.preemptions, s.cached_tokens = generated, preemptions, cached
     s.compile_seconds, s.serve_seconds = compiled, served
+    s.draft_tokens, s.accepted_tokens = drafted, accepted
 
 
 class RemoteEngine:

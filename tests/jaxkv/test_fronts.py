@@ -200,3 +200,29 @@ def test_a_failure_reaches_the_fronts_of_the_requests_it_dropped(model):
   assert (kind, ids) == ("failed", [11, 12]) and "device lost" in text
   assert not pipes[0][1].poll(0.1)   # front 0's request was not dropped
   assert host._front_of == {10: 0}
+
+
+def test_a_fronts_view_carries_what_metrics_reads_from_the_engine():
+  """`/metrics` in a front process reads `EngineView.stats`; every counter it reads there comes
+  across the pipe from the engine's own stats (the draft counters once did not: every step's
+  metrics raised AttributeError in the front)."""
+  import types   # pylint: disable=g-import-not-at-top
+  from jaxkv.http.metrics import Metrics   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.hosting import status   # pylint: disable=g-import-not-at-top
+  stats = serve.EngineStats(generated=50, preemptions=2, cached_tokens=7, compile_seconds=1.5,
+                            seconds=4.5, draft_tokens=40, accepted_tokens=30)
+  engine = types.SimpleNamespace(counts=lambda: (3, 1), waiting_tokens=9, held=12, stats=stats)
+  view = EngineView({"capacity": 64, "max_len": 48,
+                     "limits": {"vocab_size": 64, "grammar_room": 0}})
+  view.update(status(engine))
+  assert view.counts() == (3, 1) and (view.waiting_tokens, view.held) == (9, 12)
+  for name in ("generated", "preemptions", "cached_tokens", "compile_seconds", "serve_seconds",
+               "draft_tokens", "accepted_tokens", "acceptance_rate"):
+    assert getattr(view.stats, name) == getattr(stats, name), name
+  rendered = []
+  for source in (engine, view):
+    metrics = Metrics(capacity=64, model_name="m")
+    metrics.after_step(source, [])
+    rendered.append([l for l in metrics.render().decode().splitlines()
+                     if l.startswith("jaxkv_") and "_created" not in l])
+  assert rendered[0] == rendered[1]
