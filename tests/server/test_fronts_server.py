@@ -84,6 +84,9 @@ def test_two_front_processes_serve_what_one_engine_computes_and_stop_on_sigterm(
   assert proc.returncode == 0, out[-3000:]
   assert "jaxkv serve: 2 front processes on 127.0.0.1" in out, out[-3000:]
   assert "jaxkv serve: generated" in out, out[-3000:]
+  # An exception in a front's callbacks is only logged (the request may still be served): the
+  # fronts' output is this one's, and it must have none.
+  assert "Traceback" not in out, out[out.index("Traceback"):][:3000]
   deadline = time.monotonic() + 30   # the fronts (and multiprocessing's helper) end with it
   while any(_alive(pid) for pid in fronts) and time.monotonic() < deadline:
     time.sleep(0.2)
