@@ -293,5 +293,7 @@ class _Verbs:
     self.enqueue = verb(live_ops.enqueue)
     self.abort_rows = verb(functools.partial(live_ops.abort_rows, core.config))
     self.set_grammar = verb(lambda ls, pool: dataclasses.replace(ls, grammar=pool))
-    self.snapshot = jit(lambda packed, window: live_ops.snapshot(unpack(packed), window),
+    speculates = core.speculative is not None
+    self.snapshot = jit(lambda packed, window: live_ops.snapshot(unpack(packed), window,
+                                                                 speculates),
                         static_argnums=1)

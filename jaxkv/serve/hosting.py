@@ -32,11 +32,12 @@ from jaxkv.serve.results import Delta
 
 def delta_row(d: Delta) -> tuple:
   """A delta as plain values (what crosses the pipe; `from_row` rebuilds it)."""
-  return (d.request_id, d.index, d.tokens, d.finish_reason, d.seed, d.timing, d.logprobs)
+  return (d.request_id, d.index, d.tokens, d.finish_reason, d.seed, d.timing, d.logprobs,
+          d.speculation)
 
 
 def from_row(row: tuple) -> Delta:
-  return Delta(*row[:5], timing=row[5], logprobs=row[6])
+  return Delta(*row[:5], timing=row[5], logprobs=row[6], speculation=row[7])
 
 
 def status(engine) -> tuple:

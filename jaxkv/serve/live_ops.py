@@ -175,8 +175,8 @@ SNAPSHOT_SCALARS = ("status", "steps", "step_tokens", "occupancy", "peak_rows", 
 SNAPSHOT_COLUMNS = ("cols_active", "cols_done", "cols_forking", "cols_parked", "wanted")
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def snapshot(ls: LoopState, window: int):
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def snapshot(ls: LoopState, window: int, speculative: bool = False):
   """Everything the host reads after a loop entry, as one `int32` vector (one transfer).
 
   Layout: `SNAPSHOT_SCALARS`, the paged counters, the queue's `next`,
@@ -187,6 +187,8 @@ def snapshot(ls: LoopState, window: int):
   (`Outputs.tokens[r, out_len - window : out_len]`, clipped at 0):
   a loop entry of at most `window` steps adds at most that many tokens to a row,
   so the host finds every new token there without reading `out_tokens` whole.
+  `speculative` (an engine that drafts): then each output row's `draft_tokens`,
+  `accepted_tokens` and `draft_rounds` follow, the finished sample's `Speculation`.
   """
   scalars = [getattr(ls, f) for f in SNAPSHOT_SCALARS + PAGED_COUNTERS]
   scalars += [ls.queue.next, ls.queue.copies, ls.queue.count]
@@ -198,12 +200,14 @@ def snapshot(ls: LoopState, window: int):
                 0, max_new - 1)
   last = jnp.take_along_axis(o.tokens, at, axis=1)
   i32 = lambda a: jnp.ravel(a).astype(jnp.int32)
+  drafts = [i32(o.draft_tokens), i32(o.accepted_tokens), i32(o.draft_rounds)] if speculative else []
   return jnp.concatenate([i32(jnp.stack(scalars)), i32(ls.width_steps), i32(c.used),
                           i32(c.out_row), i32(c.fed), i32(o.done), i32(o.length),
-                          i32(o.stop), i32(last)])
+                          i32(o.stop), i32(last), *drafts])
 
 
-def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: int) -> dict:
+def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: int,
+                    speculative: bool = False) -> dict:
   """The host dict of a `snapshot` vector (NumPy views; `last` is `[rows, window]`)."""
   names = SNAPSHOT_SCALARS + PAGED_COUNTERS + ("next", "copies", "count") + SNAPSHOT_COLUMNS
   host = {name: int(v) for name, v in zip(names, vec[:len(names)])}
@@ -213,4 +217,9 @@ def unpack_snapshot(vec, *, num_widths: int, columns: int, rows: int, window: in
     host[name] = vec[at:at + size]
     at += size
   host["last"] = vec[at:at + rows * window].reshape(rows, window)
+  at += rows * window
+  if speculative:
+    for name in ("out_draft", "out_accepted", "out_rounds"):
+      host[name] = vec[at:at + rows]
+      at += rows
   return host

@@ -20,7 +20,8 @@ import numpy as np
 from jaxkv import Status
 from jaxkv.serve.live_ops import SNAPSHOT_COLUMNS, unpack_snapshot
 from jaxkv.serve.live_records import Seen
-from jaxkv.serve.results import Delta, logprob_buffers, read_paged_counters, token_logprobs
+from jaxkv.serve.results import (Delta, Speculation, logprob_buffers, read_paged_counters,
+                                 token_logprobs)
 
 
 class Entry(NamedTuple):
@@ -64,7 +65,7 @@ class EntryReader:
     engine = self.engine
     host = unpack_snapshot(np.asarray(entry.vec), num_widths=len(engine.widths),
                            columns=engine.config.max_seqs, rows=self.out_rows,
-                           window=entry.window)
+                           window=entry.window, speculative=engine.speculative is not None)
     with ledger.changed:
       ledger.pending.popleft()
       ledger.changed.notify_all()
@@ -164,7 +165,12 @@ class EntryReader:
           if new and t.first_token is None:
             t.first_token = now
           finished[j] = reason is not None
-          deltas.append(Delta(rid, j, tuple(new), reason, params.seed, logprobs=logprobs))
+          speculation = None
+          if finished[j] and "out_draft" in host:
+            speculation = Speculation(int(host["out_draft"][row]), int(host["out_accepted"][row]),
+                                      int(host["out_rounds"][row]))
+          deltas.append(Delta(rid, j, tuple(new), reason, params.seed, logprobs=logprobs,
+                              speculation=speculation))
         if all(finished):
           timing = self.ledger.release(rid)
           if deltas and deltas[-1].request_id == rid:

@@ -294,6 +294,9 @@ class Delta:
       sample; None otherwise.
     logprobs: one `TokenLogprob` per token of `tokens` when the request asked
       (`SamplingParams.logprobs`); None otherwise.
+    speculation: the sample's `Speculation` on the delta that ends it by a stop or
+      its limit, when the engine speculates (`Engine(speculative=)`); None otherwise
+      (an aborted sample's last delta too).
   """
 
   request_id: object
@@ -303,3 +306,4 @@ class Delta:
   seed: int
   timing: RequestTiming | None = None
   logprobs: tuple[TokenLogprob, ...] | None = None
+  speculation: Speculation | None = dataclasses.field(default=None, compare=False)

@@ -226,3 +226,17 @@ def test_a_fronts_view_carries_what_metrics_reads_from_the_engine():
     rendered.append([l for l in metrics.render().decode().splitlines()
                      if l.startswith("jaxkv_") and "_created" not in l])
   assert rendered[0] == rendered[1]
+
+
+def test_a_delta_crosses_the_pipe_whole():
+  """Every field of a `Delta` survives `delta_row` / `from_row` (what the host sends a front),
+  the ones equality ignores (timing, speculation) too."""
+  from jaxkv.serve.hosting import delta_row, from_row   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.results import Delta, RequestTiming, Speculation, TokenLogprob   # pylint: disable=g-import-not-at-top
+  fields = {f.name for f in dataclasses.fields(Delta)}
+  timing = RequestTiming(**{f.name: 0.5 + i for i, f in enumerate(dataclasses.fields(RequestTiming))})
+  d = Delta("r", 1, (4, 5), "stop", 7, timing=timing,
+            logprobs=(TokenLogprob(4, -0.5, ((4, -0.5),)), TokenLogprob(5, -1.0, ((5, -1.0),))),
+            speculation=Speculation(9, 4, 3))
+  assert {k for k, v in dataclasses.asdict(d).items() if v is not None} == fields, "set them all"
+  assert dataclasses.asdict(from_row(delta_row(d))) == dataclasses.asdict(d)

@@ -391,15 +391,20 @@ def test_paged_storage_preempts_and_caches_prefixes_exactly(queue):
   assert stats.preemptions > 0 and stats.cached_tokens > 0 and stats.accepted_tokens > 0
 
 
-def _stream(engine, requests, step):
+def _stream(engine, requests, step, speculation=None):
   """`{(position in requests, index): (tokens, finish reason)}` of `requests` served by
-  `step()` calls."""
+  `step()` calls; with a dict `speculation`, each sample's `Delta.speculation` lands there
+  (it must come on the finishing delta only)."""
   position = {engine.add_request(r): i for i, r in enumerate(requests)}
   got: dict = {}
   while engine.has_unfinished() or engine.live.has_work():
     for d in step():
       key = (position[d.request_id], d.index)
       got[key] = (got.get(key, ((), None))[0] + tuple(d.tokens), d.finish_reason)
+      if speculation is not None:
+        assert (d.speculation is not None) == (d.finish_reason is not None), d
+        if d.speculation is not None:
+          speculation[key] = d.speculation
   return got
 
 
@@ -410,8 +415,27 @@ def test_incremental_api_streams_the_same_tokens(oracle8, queue):
   requests, want, _ = queue
   expected = {(c.request_id, c.index): (tuple(c.tokens), c.finish_reason) for c in want}
   live = oracle8.live
-  assert _stream(oracle8, requests, lambda: live.step(1, overlap=True, stepwise=True)) == expected
-  assert oracle8.stats.accepted_tokens > 0
+  before = (oracle8.stats.draft_tokens, oracle8.stats.accepted_tokens)
+  speculation = {}
+  assert _stream(oracle8, requests, lambda: live.step(1, overlap=True, stepwise=True),
+                 speculation) == expected
+  stats = oracle8.stats
+  assert stats.accepted_tokens > 0
+  # Each sample's counters, read from the snapshot the finishing delta came from, add up to
+  # what the engine's totals added over the stream.
+  assert set(speculation) == set(expected)
+  assert (sum(v.draft_tokens for v in speculation.values()),
+          sum(v.accepted_tokens for v in speculation.values())) == (
+              stats.draft_tokens - before[0], stats.accepted_tokens - before[1]), before
+  assert all(0 < v.rounds <= v.draft_tokens for v in speculation.values() if v.draft_tokens)
+  # One request alone: its own row's counters are the totals' increase.
+  alone = next(r for r in requests if r.params.n == 1 and len(set(r.prompt)) < len(r.prompt))
+  before = (stats.draft_tokens, stats.accepted_tokens)
+  speculation = {}
+  _stream(oracle8, [alone], lambda: live.step(1, overlap=True, stepwise=True), speculation)
+  (got,) = speculation.values()
+  assert got.accepted_tokens > 0 and (got.draft_tokens, got.accepted_tokens) == (
+      oracle8.stats.draft_tokens - before[0], oracle8.stats.accepted_tokens - before[1])
   # What lets the host run ahead: verifying, rolling back and drafting add no loop and no
   # branch to the compiled step (each would read a predicate back on a GPU).
   core = oracle8.core   # pylint: disable=protected-access
