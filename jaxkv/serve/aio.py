@@ -58,7 +58,7 @@ def _merged(run: list[Delta]) -> Delta:
   tokens = tuple(t for d in run for t in d.tokens)
   logprobs = None if first.logprobs is None else tuple(x for d in run for x in d.logprobs)
   return Delta(first.request_id, first.index, tokens, last.finish_reason, first.seed,
-               timing=last.timing, logprobs=logprobs)
+               timing=last.timing, logprobs=logprobs, speculation=last.speculation)
 
 
 class _Mailbox:

@@ -221,7 +221,11 @@ def test_a_slow_consumer_gets_merged_deltas():
   engine._boxes, engine._owner = {}, {}
   d = lambda i, toks, reason=None: Delta("r", i, toks, reason, 0)
   engine._boxes["r"] = box = aio._Mailbox(2)
-  for item in (d(0, (1,)), d(0, (2, 3)), d(1, (9,)), d(0, (4,)), d(0, (5,), "stop"),
+  # The finishing delta's fields that equality ignores must survive the merge too.
+  spec = serve.Speculation(draft_tokens=6, accepted_tokens=3, rounds=2)
+  timing = serve.RequestTiming(0.1, 0.2, 0.3)
+  finish = dataclasses.replace(d(0, (5,), "stop"), speculation=spec, timing=timing)
+  for item in (d(0, (1,)), d(0, (2, 3)), d(1, (9,)), d(0, (4,)), finish,
                d(0, (6,)), d(1, (), "length")):
     box.put(item)
 
@@ -232,6 +236,7 @@ def test_a_slow_consumer_gets_merged_deltas():
   assert [(x.index, x.tokens, x.finish_reason) for x in out] == [
       (0, (1, 2, 3), None), (1, (9,), None), (0, (4, 5), "stop"), (0, (6,), None),
       (1, (), "length")]
+  assert (out[2].speculation, out[2].timing) == (spec, timing)
   assert not engine._boxes   # delivered to the end: nothing kept
 
 
