@@ -31,6 +31,7 @@ from jaxkv.serve.errors import EngineError
 from jaxkv.serve.hosting import EngineHost, from_row
 from jaxkv.serve.parallel import DataParallelEngine
 from jaxkv.serve.requests import Request, check_request
+from jaxkv.serve.results import EngineStats
 
 
 def engine_info(engine) -> dict:
@@ -43,17 +44,6 @@ def engine_info(engine) -> dict:
                          grammar_room=one.grammar_pool)}
 
 
-class _Stats:
-  """The engine's counters a front shows (`EngineStats`' names)."""
-
-  generated = preemptions = cached_tokens = draft_tokens = accepted_tokens = 0
-  compile_seconds = serve_seconds = 0.0
-
-  @property
-  def acceptance_rate(self) -> float:
-    return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-
 class EngineView:
   """The engine as a front's app reads it: fixed limits, counters from the host."""
 
@@ -62,7 +52,9 @@ class EngineView:
     self._limits = info["limits"]
     self.vocab_size, self.grammar_pool = self._limits["vocab_size"], self._limits["grammar_room"]
     self._counts, self.waiting_tokens, self.held = (0, 0), 0, 0
-    self.stats = _Stats()
+    # The engine's own stats record, filled from the host's counters: its derived figures
+    # (`serve_seconds`, `acceptance_rate`) are computed as in the engine's process.
+    self.stats = EngineStats()
 
   def check(self, request: Request) -> None:
     """`Engine.check`: TypeError/ValueError naming the field unless the engine can serve it."""
@@ -73,11 +65,11 @@ class EngineView:
 
   def update(self, status: tuple) -> None:
     (running, waiting, self.waiting_tokens, self.held, generated, preemptions, cached,
-     compiled, served, drafted, accepted) = status
+     compiled, seconds, drafted, accepted) = status
     self._counts = (running, waiting)
     s = self.stats
     s.generated, s.preemptions, s.cached_tokens = generated, preemptions, cached
-    s.compile_seconds, s.serve_seconds = compiled, served
+    s.compile_seconds, s.seconds = compiled, seconds
     s.draft_tokens, s.accepted_tokens = drafted, accepted
 
 

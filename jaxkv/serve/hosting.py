@@ -45,7 +45,7 @@ def status(engine) -> tuple:
   running, waiting = engine.counts()
   s = engine.stats
   return (running, waiting, engine.waiting_tokens, engine.held, s.generated, s.preemptions,
-          s.cached_tokens, s.compile_seconds, s.serve_seconds, s.draft_tokens, s.accepted_tokens)
+          s.cached_tokens, s.compile_seconds, s.seconds, s.draft_tokens, s.accepted_tokens)
 
 
 class EngineHost:
