@@ -1,7 +1,8 @@
 """`EngineCore`: the one owner of an engine's `LoopState` and of the programs run over it.
 
 It holds the model's parameters, the compiled loop entries (the general one and
-the plain-greedy one, `loop.serve_loop`) and the loop state; every change to
+the plain-greedy one, `loop.serve_loop`; shared with every other engine of the same
+kind in the process, `_Programs`) and the loop state; every change to
 the state is one of its verbs, each donating the state to a jitted program and
 keeping what it returns:
 
@@ -25,8 +26,10 @@ run and read; none of them holds or assigns the state.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import weakref
 from typing import Mapping, Sequence
 
 import jax
@@ -77,33 +80,17 @@ class EngineCore:
     # The parameters travel as a flat list of arrays: flattening the model's nnx.State on
     # every loop entry is Python work per parameter, paid once per entry on the host.
     self._param_leaves, treedef = jax.tree.flatten(self.params)
-    jit = functools.partial(jax.jit, donate_argnums=1,
-                            compiler_options=dict(compiler_options) or None)
     # Looked up at construction, not import, so a test can wrap `serve_loop`
-    # (chex.assert_max_traces). The static arguments are bound once: as jit static
-    # arguments, the model's GraphDef would be hashed on every loop entry.
-    loop_fn = serve_loop
-
-    def entry(greedy):
-      return jit(lambda leaves, ls, max_steps: loop_fn(
-          self.graphdef, config, self.widths, jax.tree.unflatten(treedef, leaves), ls,
-          max_steps, greedy=greedy, speculative=speculative))
-    self._loop = entry(False)
-    # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
-    # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
-    self._greedy_loop = entry(True)
-
-    step_fn = serve_step
-    self._step_fns = [functools.partial(step_fn, self.graphdef, config, self.widths, w,
-                                        speculative=speculative)
-                      for w in range(len(self.widths))]
-    self._unflatten = lambda leaves: jax.tree.unflatten(treedef, leaves)
-    self._compiler_options = dict(compiler_options) or None
+    # (chex.assert_max_traces).
+    programs = _Programs.shared(serve_loop, serve_step, self.graphdef, treedef, config,
+                                self.widths, speculative, compiler_options)
+    self._programs = programs   # held: the shared programs live while an engine uses them
+    self._loop, self._greedy_loop = programs.loop, programs.greedy_loop
+    self._unflatten = programs.unflatten
     self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
     # The state between verbs: packed (`packing.py`), with the programs over that packing.
     self._packed = None
     self._verbs: _Verbs | None = None
-    self._verbs_by_packing: dict = {}
 
   @property
   def state(self) -> LoopState | None:
@@ -124,12 +111,8 @@ class EngineCore:
     if ls is None:
       self._packed = None
       return
-    packing = Packing.of(ls, enabled=self.mesh is None)
-    verbs = self._verbs_by_packing.get(packing)
-    if verbs is None:
-      verbs = self._verbs_by_packing[packing] = _Verbs(self, packing)
-    self._verbs = verbs
-    self._packed = verbs.pack(ls)
+    self._verbs = self._programs.verbs(Packing.of(ls, enabled=self.mesh is None))
+    self._packed = self._verbs.pack(ls)
 
   def _run(self, fn, *args):
     """`self._packed = fn(packed, *args)`; None (the state gone: it may have been donated)
@@ -259,14 +242,81 @@ class EngineCore:
     return loop.lower(self._param_leaves, ls, jnp.int32(max_steps))
 
 
+class _Programs:
+  """The jitted programs of one kind of engine: its loop entries, and per state packing its verbs.
+
+  Engines built over an equal model structure (graph and parameter tree), `CacheConfig`, step
+  widths, speculation and compiler options run the same programs, so they share one `_Programs`
+  (`shared`): a second such engine in the process (a data-parallel replica, a re-created
+  `jaxkv.LLM`, the next test of a module) traces and compiles nothing its first one did. The
+  programs close over that key's values only, never over an engine, so they keep no
+  parameters or states alive. They live while an engine holds them, and the last `KEEP`
+  kinds used also after that (an engine made, run and dropped, then made again, compiles once).
+  """
+
+  KEEP = 4
+  _live: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+  _recent: "collections.OrderedDict" = collections.OrderedDict()
+
+  def __init__(self, loop_fn, step_fn, graphdef, treedef, config: CacheConfig,
+               widths: tuple, speculative, compiler_options: Mapping[str, object]):
+    self.config, self.speculative = config, speculative
+    self.compiler_options = dict(compiler_options) or None
+    unflatten = self.unflatten = functools.partial(jax.tree.unflatten, treedef)
+    # The static arguments are bound once: as jit static arguments, the model's GraphDef
+    # would be hashed on every loop entry.
+    jit = functools.partial(jax.jit, donate_argnums=1, compiler_options=self.compiler_options)
+
+    def entry(greedy):
+      return jit(lambda leaves, ls, max_steps: loop_fn(
+          graphdef, config, widths, unflatten(leaves), ls, max_steps, greedy=greedy,
+          speculative=speculative))
+    self.loop = entry(False)
+    # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
+    # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
+    self.greedy_loop = entry(True)
+    self.step_fns = [functools.partial(step_fn, graphdef, config, widths, w,
+                                       speculative=speculative)
+                     for w in range(len(widths))]
+    self._verbs: dict = {}
+
+  @classmethod
+  def shared(cls, loop_fn, step_fn, graphdef, treedef, config, widths, speculative,
+             compiler_options) -> "_Programs":
+    """The live `_Programs` of this key, or a new one (private if the key is unhashable)."""
+    try:
+      key = (loop_fn, step_fn, graphdef, treedef, config, tuple(widths), speculative,
+             tuple(sorted(dict(compiler_options).items())))
+      hash(key)
+    except TypeError:   # an unhashable compiler option's value: nothing to share by
+      return cls(loop_fn, step_fn, graphdef, treedef, config, widths, speculative,
+                 compiler_options)
+    programs = cls._live.get(key)
+    if programs is None:
+      programs = cls._live[key] = cls(loop_fn, step_fn, graphdef, treedef, config, widths,
+                                      speculative, compiler_options)
+    cls._recent[key] = programs
+    cls._recent.move_to_end(key)
+    while len(cls._recent) > cls.KEEP:
+      cls._recent.popitem(last=False)
+    return programs
+
+  def verbs(self, packing: Packing) -> "_Verbs":
+    """The verbs over states of `packing`, made on first use."""
+    verbs = self._verbs.get(packing)
+    if verbs is None:
+      verbs = self._verbs[packing] = _Verbs(self, packing)
+    return verbs
+
+
 class _Verbs:
   """The jitted programs of one `Packing`: each unpacks the state, runs the verb, packs it.
 
   Made once per packing (an engine's state keeps one packing unless its rows grow), so
   their compiled code is reused across states of one shape."""
 
-  def __init__(self, core: EngineCore, packing: Packing):
-    jit = functools.partial(jax.jit, compiler_options=core._compiler_options)
+  def __init__(self, programs: _Programs, packing: Packing):
+    jit = functools.partial(jax.jit, compiler_options=programs.compiler_options)
     unpack, pack = packing.unpack, packing.pack
     # On the host, the large arrays are passed around as they are: a jitted program copies
     # every array it returns, and these hold the K/V.
@@ -279,21 +329,23 @@ class _Verbs:
     self.pack = pack_host
     self.unpack = lambda packed: packing.join(packed[0], smalls(packed[1]))
 
+    unflatten = programs.unflatten   # not `programs`: no cycle keeps them alive past their engines
+
     def stepping(fn):
       def run(leaves, packed):
-        ls, marker = fn(core._unflatten(leaves), unpack(packed))
+        ls, marker = fn(unflatten(leaves), unpack(packed))
         return pack(ls), marker
       return jit(run, donate_argnums=1)
 
     def verb(fn):
       return jit(lambda packed, *args: pack(fn(unpack(packed), *args)), donate_argnums=0)
 
-    self.steps = [stepping(fn) for fn in core._step_fns]
-    self.admit = verb(functools.partial(admit_block, core.config))
+    self.steps = [stepping(fn) for fn in programs.step_fns]
+    self.admit = verb(functools.partial(admit_block, programs.config))
     self.enqueue = verb(live_ops.enqueue)
-    self.abort_rows = verb(functools.partial(live_ops.abort_rows, core.config))
+    self.abort_rows = verb(functools.partial(live_ops.abort_rows, programs.config))
     self.set_grammar = verb(lambda ls, pool: dataclasses.replace(ls, grammar=pool))
-    speculates = core.speculative is not None
+    speculates = programs.speculative is not None
     self.snapshot = jit(lambda packed, window: live_ops.snapshot(unpack(packed), window,
                                                                  speculates),
                         static_argnums=1)

@@ -131,3 +131,46 @@ def test_run_step_and_async_engine_are_clients_of_one_core(monkeypatch):
   assert engine.core is core and same(engine.state, core.state)
   with pytest.raises(AttributeError):
     engine.state = None   # read only: the core's
+
+
+def test_engines_of_one_kind_share_their_programs_not_their_weights(monkeypatch):
+  """A second engine over an equal model structure and config compiles nothing, and serves
+  its own weights; the shared programs go with the last engine holding them (and the few
+  kinds kept after their engines, none here)."""
+  import gc   # pylint: disable=g-import-not-at-top
+  import weakref   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.core import _Programs   # pylint: disable=g-import-not-at-top
+  from jaxkv.serve.timing import compile_seconds   # pylint: disable=g-import-not-at-top
+  config = ModelConfig.llama(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                             num_heads=2, num_kv_heads=1, head_dim=8)
+  cache = config.cache_config(capacity=64, max_seqs=2, max_write=4)
+  requests = [serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=6, temperature=0.0),
+                            request_id="a"),
+              serve.Request((4, 5), serve.SamplingParams(max_tokens=5, temperature=0.9, seed=3,
+                                                         n=2), request_id="b")]
+  tokens = lambda engine: [c.tokens for c in engine.run(requests)]
+  monkeypatch.setattr(_Programs, "KEEP", 0)   # none kept past its engines
+
+  def alone(seed):
+    """The oracle for one weight set: an engine of another kind (a compiler option sets it
+    apart), alone in the process (its programs go with it)."""
+    engine = serve.Engine(Decoder(config, cache, rngs=nnx.Rngs(seed)), max_len=16,
+                          compiler_options={"xla_cpu_enable_fast_math": False})
+    out = tokens(engine)
+    del engine
+    gc.collect()
+    return out
+
+  want_a, want_b = alone(0), alone(1)
+  assert want_a != want_b   # the weights differ where it shows
+  first = serve.Engine(Decoder(config, cache, rngs=nnx.Rngs(0)), max_len=16)
+  assert tokens(first) == want_a
+  second = serve.Engine(Decoder(config, cache, rngs=nnx.Rngs(1)), max_len=16)
+  assert second.core._programs is first.core._programs   # pylint: disable=protected-access
+  before = compile_seconds()   # (building an engine traces the model's step shape once)
+  assert tokens(second) == want_b and tokens(first) == want_a
+  assert compile_seconds() == before   # nothing traced, lowered or compiled again
+  programs = weakref.ref(first.core._programs)   # pylint: disable=protected-access
+  del first, second
+  gc.collect()
+  assert programs() is None
