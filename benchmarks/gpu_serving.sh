@@ -44,6 +44,9 @@ for w in "$@"; do
     serve_fronts) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
         TAIL=10 run dispatch 60 python3 benchmarks/dispatch.py --out "$out/dispatch.json"
         TAIL=60 run serve_fronts 500 python3 benchmarks/serve.py --write-checkpoint /tmp/ck --rates inf,4 --rate-requests 48 --skip-best --raw-client --server-configs 16:fcfs:steps,16:fcfs:steps:100:2:p2,16:fcfs:steps:100:2:p4 --out "$out/serve_fronts.json";;
+    # jaxkv serve's start, cold and warm compilation cache, by program (issue 56's start targets).
+    startup) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
+        TAIL=40 run startup 400 python3 benchmarks/startup.py --write-checkpoint /tmp/ck --out "$out/startup.json";;
     # Structured output through jaxkv serve's defaults (issue 52's targets).
     structured) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
         TAIL=12 run structured 560 python3 benchmarks/structured.py --write-checkpoint /tmp/ck_structured --server-flags "--grammar-compile-timeout 30" --out "$out/structured.json";;

@@ -242,6 +242,12 @@ class EngineCore:
     return loop.lower(self._param_leaves, ls, jnp.int32(max_steps))
 
 
+def _named(name: str, fn):
+  """`fn`, named `name` in jax's compile log, profiles and HLO (a lambda is `<lambda>` there)."""
+  fn.__name__ = fn.__qualname__ = name
+  return fn
+
+
 class _Programs:
   """The jitted programs of one kind of engine: its loop entries, and per state packing its verbs.
 
@@ -268,9 +274,9 @@ class _Programs:
     jit = functools.partial(jax.jit, donate_argnums=1, compiler_options=self.compiler_options)
 
     def entry(greedy):
-      return jit(lambda leaves, ls, max_steps: loop_fn(
+      return jit(_named("greedy_loop" if greedy else "loop", lambda leaves, ls, max_steps: loop_fn(
           graphdef, config, widths, unflatten(leaves), ls, max_steps, greedy=greedy,
-          speculative=speculative))
+          speculative=speculative)))
     self.loop = entry(False)
     # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
@@ -331,21 +337,21 @@ class _Verbs:
 
     unflatten = programs.unflatten   # not `programs`: no cycle keeps them alive past their engines
 
-    def stepping(fn):
+    def stepping(w, fn):
       def run(leaves, packed):
         ls, marker = fn(unflatten(leaves), unpack(packed))
         return pack(ls), marker
-      return jit(run, donate_argnums=1)
+      return jit(_named(f"step_w{w}", run), donate_argnums=1)
 
-    def verb(fn):
-      return jit(lambda packed, *args: pack(fn(unpack(packed), *args)), donate_argnums=0)
+    def verb(name, fn):
+      return jit(_named(name, lambda packed, *args: pack(fn(unpack(packed), *args))),
+                 donate_argnums=0)
 
-    self.steps = [stepping(fn) for fn in programs.step_fns]
-    self.admit = verb(functools.partial(admit_block, programs.config))
-    self.enqueue = verb(live_ops.enqueue)
-    self.abort_rows = verb(functools.partial(live_ops.abort_rows, programs.config))
-    self.set_grammar = verb(lambda ls, pool: dataclasses.replace(ls, grammar=pool))
+    self.steps = [stepping(w, fn) for w, fn in enumerate(programs.step_fns)]
+    self.admit = verb("admit", functools.partial(admit_block, programs.config))
+    self.enqueue = verb("enqueue", live_ops.enqueue)
+    self.abort_rows = verb("abort_rows", functools.partial(live_ops.abort_rows, programs.config))
+    self.set_grammar = verb("set_grammar", lambda ls, pool: dataclasses.replace(ls, grammar=pool))
     speculates = programs.speculative is not None
-    self.snapshot = jit(lambda packed, window: live_ops.snapshot(unpack(packed), window,
-                                                                 speculates),
-                        static_argnums=1)
+    self.snapshot = jit(_named("snapshot", lambda packed, window: live_ops.snapshot(
+        unpack(packed), window, speculates)), static_argnums=1)

@@ -63,6 +63,9 @@ GPU_REASON = ("needs an NVIDIA Hopper GPU (the GPU check runs it): it times Mosa
               "kernels in its trace")
 # Run only on the GPU, without --small: not this suite's (its owner keeps it GPU-only).
 NOT_RUN = {"kernel_trace.py": "GPU device traces of the attention call against cuDNN; no --small",
+           "startup.py": "starts `jaxkv serve` twice, compiling its serving programs from nothing "
+                         "then from its cache: over a minute of CPU for a check of its timing "
+                         "(run by hand with --small; the GPU run is its measurement)",
            "skinny_gemm.py": "a module gemm_options.py imports, not a script"}
 
 
