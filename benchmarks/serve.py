@@ -96,6 +96,9 @@ def _args(argv=None):
   p.add_argument("--compilation-cache", default="none",
                  help="JAX persistent compilation cache directory (default none): later "
                       "engines of the run load the serving loop from it")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="every request's temperature (default 0: greedy); above 0 request i is "
+                      "seeded with i, in the server's queue and the offline anchors alike")
   p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT bound, seconds")
   p.add_argument("--slo-tpot", type=float, default=0.05, help="goodput: TPOT bound, seconds")
   p.add_argument("--no-offline", action="store_true", help="skip the offline Engine.run anchor")
@@ -211,14 +214,20 @@ def _percentiles(xs) -> dict:
           "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
 
 
-async def _one(client, model, prompt, max_tokens, send_at, start):
+def sampling(i: int, temperature: float) -> dict:
+  """Request `i`'s sampling fields (`--temperature`): greedy, or T with seed `i`, so the
+  server and the offline anchors draw the same tokens."""
+  return {"temperature": 0.0} if temperature == 0 else {"temperature": temperature, "seed": i}
+
+
+async def _one(client, model, prompt, max_tokens, send_at, start, extra):
   await asyncio.sleep(max(0.0, start + send_at - time.time()))
   sent = time.time()
   chunks, tokens, error = [], None, None
   try:
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True})
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, **extra)
     async for chunk in stream:
       if chunk.usage is not None:
         tokens = chunk.usage.completion_tokens
@@ -229,7 +238,7 @@ async def _one(client, model, prompt, max_tokens, send_at, start):
   return {"sent": sent, "chunks": chunks, "tokens": tokens, "done": time.time(), "error": error}
 
 
-async def _one_raw(url, model, prompt, max_tokens, send_at, start):
+async def _one_raw(url, model, prompt, max_tokens, send_at, start, extra):
   """`_one` over a bare HTTP/1.1 connection: the server's latency without the openai client's
   own per-request and per-chunk work (which a client of that SDK pays as well)."""
   import urllib.parse   # pylint: disable=g-import-not-at-top
@@ -238,8 +247,7 @@ async def _one_raw(url, model, prompt, max_tokens, send_at, start):
   chunks, tokens, error = [], None, None
   u = urllib.parse.urlsplit(url)
   body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                     "temperature": 0, "stream": True,
-                     "stream_options": {"include_usage": True}}).encode()
+                     "stream": True, "stream_options": {"include_usage": True}} | extra).encode()
   head = (f"POST {u.path}/v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\n"
           f"Authorization: Bearer {os.environ.get('JAXKV_API_KEY', 'x')}\r\n"
           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
@@ -288,7 +296,8 @@ async def _one_raw(url, model, prompt, max_tokens, send_at, start):
 
 
 def _client_main(url, model, jobs, conn, client="openai"):
-  """One client process: sends its `jobs` (index, prompt, max_tokens, send offset), returns results.
+  """One client process: sends its `jobs` (index, prompt, max_tokens, send offset, sampling
+  fields), returns results.
 
   It reports ready once imported and connected, then waits for the common start time, so a
   process that imports slowly (a cold bytecode cache) cannot spread an all-at-once queue.
@@ -297,8 +306,8 @@ def _client_main(url, model, jobs, conn, client="openai"):
     async def main_raw():
       conn.send("ready")
       start = await asyncio.to_thread(conn.recv)
-      return await asyncio.gather(*[_one_raw(url, model, p, m, at, start)
-                                    for _, p, m, at in jobs])
+      return await asyncio.gather(*[_one_raw(url, model, p, m, at, start, x)
+                                    for _, p, m, at, x in jobs])
     results = asyncio.run(main_raw())
     conn.send([(j[0], r) for j, r in zip(jobs, results)])
     conn.close()
@@ -317,7 +326,8 @@ def _client_main(url, model, jobs, conn, client="openai"):
     await client.models.list()   # the first connection and the whole request path, warmed
     conn.send("ready")
     start = await asyncio.to_thread(conn.recv)
-    out = await asyncio.gather(*[_one(client, model, p, m, at, start) for _, p, m, at in jobs])
+    out = await asyncio.gather(*[_one(client, model, p, m, at, start, x)
+                                 for _, p, m, at, x in jobs])
     await client.close()
     return out
 
@@ -326,7 +336,8 @@ def _client_main(url, model, jobs, conn, client="openai"):
   conn.close()
 
 
-def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0, client="openai") -> dict:
+def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0, client="openai",
+               temperature: float = 0.0) -> dict:
   """Sends the queue (all at once for rate inf, else Poisson arrivals); per-request records."""
   rng = np.random.default_rng(seed + 1)
   n = len(prompts)
@@ -335,7 +346,8 @@ def send_queue(url, model, prompts, max_tokens, rate, procs, *, seed=0, client="
   ctx = multiprocessing.get_context("spawn")
   workers = []
   for k in range(procs):
-    jobs = [(i, prompts[i], max_tokens[i], float(offsets[i])) for i in range(k, n, procs)]
+    jobs = [(i, prompts[i], max_tokens[i], float(offsets[i]), sampling(i, temperature))
+            for i in range(k, n, procs)]
     if not jobs:
       continue
     parent, child = ctx.Pipe()
@@ -556,10 +568,11 @@ def build_engine(checkpoint, args, prompts, max_tokens):
   return model, rows, Tokenizer.from_checkpoint(checkpoint)
 
 
-def run_offline(engine, prompts, max_tokens, admission, max_steps=None, prof=None) -> dict:
+def run_offline(engine, prompts, max_tokens, admission, max_steps=None, prof=None,
+                temperature: float = 0.0) -> dict:
   from jaxkv.serve import Request, SamplingParams   # pylint: disable=g-import-not-at-top
-  reqs = [Request(tuple(p), SamplingParams(max_tokens=m, temperature=0.0))
-          for p, m in zip(prompts, max_tokens)]
+  reqs = [Request(tuple(p), SamplingParams(max_tokens=m, **sampling(i, temperature)))
+          for i, (p, m) in enumerate(zip(prompts, max_tokens))]
   saved = engine.max_steps
   engine.max_steps = saved if max_steps is None else max_steps   # a traced loop argument
   try:
@@ -583,14 +596,15 @@ def run_offline(engine, prompts, max_tokens, admission, max_steps=None, prof=Non
           "tokens": {c.request_id: c.tokens for c in done}}
 
 
-def run_incremental(engine, prompts, max_tokens) -> dict:
+def run_incremental(engine, prompts, max_tokens, temperature: float = 0.0) -> dict:
   """The queue through the incremental API (`add_request`, then `step` of `max_steps` until
   done): `jaxkv.LLM.generate`'s path, fcfs, on the same engine. Run twice, the second timed."""
   from jaxkv.serve import Request, SamplingParams   # pylint: disable=g-import-not-at-top
   for timed in (False, True):
     tokens, first, start = {}, {}, time.perf_counter()
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-      engine.add_request(Request(tuple(p), SamplingParams(max_tokens=m, temperature=0.0),
+      engine.add_request(Request(tuple(p), SamplingParams(max_tokens=m,
+                                                          **sampling(i, temperature)),
                                  request_id=i))
     steps0, entries0 = engine.stats.steps, engine.stats.loop_entries
     while engine.has_unfinished():
@@ -606,8 +620,8 @@ def run_incremental(engine, prompts, max_tokens) -> dict:
           "ttft_s": _percentiles(list(first.values())), "tokens": tokens}
 
 
-def _offline(results, key, label, engine, prompts, max_tokens, admission) -> None:
-  off = run_offline(engine, prompts, max_tokens, admission)
+def _offline(results, key, label, engine, prompts, max_tokens, admission, temperature) -> None:
+  off = run_offline(engine, prompts, max_tokens, admission, temperature=temperature)
   results[f"offline_{key}"] = {k: v for k, v in off.items() if k != "tokens"} | {"label": label}
   print(_line(f"offline ({label})", off) + f"  step {off['step_ms']:.2f} ms, "
         f"{off['steps']} steps", flush=True)
@@ -669,7 +683,8 @@ def _traced_run(args, engine, url, model_name, prompts, max_tokens, label) -> di
   options.python_tracer_level = 0
   steps0 = engine.stats.steps
   with jax.profiler.trace(args.trace, profiler_options=options):
-    r = send_queue(url, model_name, prompts, max_tokens, math.inf, args.client_procs)
+    r = send_queue(url, model_name, prompts, max_tokens, math.inf, args.client_procs,
+                   temperature=args.temperature)
   print(_line(label, r), flush=True)
   return _trace_summary(args.trace, engine.stats.steps - steps0, label) | {"wall_s": r["wall_s"]}
 
@@ -719,7 +734,8 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
                                         s0.step_call_seconds)
       admit0, admissions0 = s0.admit_seconds, s0.admissions
     sums0 = _server_sums(url) if server_metrics else {}
-    r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs)
+    r = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs,
+                   temperature=args.temperature)
     if server_metrics:
       r |= _server_means(sums0, _server_sums(url))
     if engine is not None:
@@ -764,7 +780,7 @@ def run_rates(args, results, url, model_name, prompts, max_tokens, server, timer
     if args.raw_client and not math.isinf(rate):   # the same arrivals, no SDK in the client
       sums0 = _server_sums(url) if server_metrics else {}
       raw = send_queue(url, model_name, prompts[:n], max_tokens[:n], rate, args.client_procs,
-                       client="raw")
+                       client="raw", temperature=args.temperature)
       if server_metrics:
         raw |= _server_means(sums0, _server_sums(url))
       results["server"][(f"{tag}/{name}" if tag else name) + "-raw"] = raw
@@ -834,7 +850,7 @@ def main(argv=None) -> int:
     if not args.no_offline and not args.skip_best:
       # The best offline row (columns, longest first), whatever engine the server runs.
       _offline(results, "best", "columns, longest_first", engine, prompts, max_tokens,
-               "longest_first")
+               "longest_first", args.temperature)
     if args.engine == "default":
       del engine, model
       gc.collect()   # the columns engine's cache goes before the default one takes the memory
@@ -856,15 +872,16 @@ def main(argv=None) -> int:
       if i == 0 and not args.no_offline:   # the same engine offline: the server's anchor
         for admission in ("longest_first", "fcfs"):
           _offline(results, admission, f"{args.engine} engine, {admission}", engine, prompts,
-                   max_tokens, admission)
+                   max_tokens, admission, args.temperature)
         if args.offline_incremental:
-          off = run_incremental(engine, prompts, max_tokens)
+          off = run_incremental(engine, prompts, max_tokens, args.temperature)
           results["offline_incremental"] = {k: v for k, v in off.items() if k != "tokens"}
           print(_line("offline (incremental API)", off) + f"  wall per step "
                 f"{off['step_ms']:.2f} ms, {off['loop_entries']} entries", flush=True)
         for j, k in enumerate(filter(None, args.offline_entry_steps.split(","))):
           prof = cProfile.Profile() if args.cprofile and j == 0 else None
-          off = run_offline(engine, prompts, max_tokens, "fcfs", int(k), prof)
+          off = run_offline(engine, prompts, max_tokens, "fcfs", int(k), prof,
+                            temperature=args.temperature)
           if prof is not None:
             _print_profile(f"offline, {k}-step entries", prof)
           results[f"offline_fcfs_{k}_steps"] = {k2: v for k2, v in off.items() if k2 != "tokens"}
