@@ -10,6 +10,7 @@ entries under `Engine.run`, `Engine.step` and `AsyncEngine`.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import asyncio
 import pathlib
 
@@ -170,6 +171,14 @@ def test_engines_of_one_kind_share_their_programs_not_their_weights(monkeypatch)
   before = compile_seconds()   # (building an engine traces the model's step shape once)
   assert tokens(second) == want_b and tokens(first) == want_a
   assert compile_seconds() == before   # nothing traced, lowered or compiled again
+  # Any part of the kind apart, programs apart (built, never run: no compile).
+  model = Decoder(config, cache, rngs=nnx.Rngs(0))
+  others = [serve.Engine(model, max_len=16, widths=(4, 2)),
+            serve.Engine(model, max_len=16, compiler_options={"xla_cpu_enable_fast_math": False}),
+            serve.Engine(Decoder(config, dataclasses.replace(cache, max_seqs=3), rngs=nnx.Rngs(0)),
+                         max_len=16)]
+  assert all(o.core._programs is not first.core._programs for o in others)   # pylint: disable=protected-access
+  del others, model
   programs = weakref.ref(first.core._programs)   # pylint: disable=protected-access
   del first, second
   gc.collect()
