@@ -127,6 +127,10 @@ HEAVY_FILES: dict[str, str] = {   # shares of a full local run, 2026-12-06
         "5.1% (2026-12-07, a run sharing the CPU): three LLMs built from checkpoints, each compiling "
         "its loop variants: the module's, the persistent-cache subprocess, and the README's quick "
         "start run verbatim at its default sizes",
+    "tests/jaxkv/test_spans.py":
+        "3.5-6.4% (2026-12-07): CONTRACT section 11's scenarios under every implementation, both "
+        "drivers and both storages; the Mosaic GPU interpreter compiles each scenario's step "
+        "shapes (engine tests, whose programs engines now share, left it a larger share)",
     "tests/jaxkv/test_live.py":
         "4.8%: the incremental API's schedules (aborts, failures, counters wrapping, a reader "
         "behind) each build an engine and compile its loop",
