@@ -86,7 +86,6 @@ class EngineCore:
                                 self.widths, speculative, compiler_options)
     self._programs = programs   # held: the shared programs live while an engine uses them
     self._loop, self._greedy_loop = programs.loop, programs.greedy_loop
-    self._unflatten = programs.unflatten
     self._budgets: dict = {}   # max_steps -> its int32 scalar, made once (a dispatch each)
     # The state between verbs: packed (`packing.py`), with the programs over that packing.
     self._packed = None
