@@ -35,6 +35,7 @@ import math
 import multiprocessing
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -459,6 +460,61 @@ class _Timers:
 
   def snapshot(self):
     return {k: (v[0], v[1]) for k, v in self.totals.items()}
+
+
+class ServerProcess:
+  """`python -m jaxkv.cli serve CHECKPOINT` on a free port, as a user starts it, until `close`.
+
+  `ready_s`: seconds from launch until `/health` answered (polled every `poll` seconds). The
+  server's output goes to `log_path` (default CHECKPOINT/server.log); `log_text()` reads it.
+  """
+
+  def __init__(self, checkpoint: str, flags: list[str], *, compilation_cache: str = "none",
+               model_name: str = "bench", log_path: str | None = None, env: dict | None = None,
+               poll: float = 1.0, timeout: float = 900.0):
+    import urllib.request   # pylint: disable=g-import-not-at-top
+    with socket.socket() as sock:
+      sock.bind(("127.0.0.1", 0))
+      self.port = sock.getsockname()[1]
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.model_name = model_name
+    self.log = open(log_path or os.path.join(checkpoint, "server.log"), "w",   # pylint: disable=consider-using-with
+                    encoding="utf-8")
+    launched = time.perf_counter()
+    self.proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", checkpoint,
+                                  "--port", str(self.port), "--model-name", model_name,
+                                  "--compilation-cache", compilation_cache, *flags],
+                                 stdout=self.log, stderr=subprocess.STDOUT,
+                                 env=None if env is None else dict(os.environ, **env))
+    while True:
+      if self.proc.poll() is not None or time.perf_counter() - launched > timeout:
+        self.log.flush()
+        tail = "".join(self.log_text().splitlines(keepends=True)[-30:])   # the log stays where it ran
+        self.close()
+        raise RuntimeError(f"the server did not start (exit status {self.proc.poll()}); the end of "
+                           f"{self.log.name}:\n{tail}")
+      try:
+        with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+          if r.status == 200:
+            break
+      except OSError:   # not listening yet (URLError and timeouts are OSErrors)
+        pass
+      time.sleep(poll)
+    self.ready_s = time.perf_counter() - launched
+
+  def log_text(self) -> str:
+    with open(self.log.name, encoding="utf-8", errors="replace") as f:
+      return f.read()
+
+  def close(self):
+    """SIGTERM, as a user stops it (it drains), then kill after 60 s."""
+    self.proc.terminate()
+    try:
+      self.proc.wait(60)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+      self.proc.wait()
+    self.log.close()
 
 
 class InProcessServer:

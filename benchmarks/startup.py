@@ -1,6 +1,6 @@
 """How long `jaxkv serve` takes to start, and which programs its start compiles.
 
-Starts `jaxkv serve --checkpoint DIR` as a user would (a subprocess, `python -m jaxkv.cli`),
+Starts `jaxkv serve DIR` as a user would (a subprocess, `python -m jaxkv.cli`),
 once per run of `--runs`: `cold` with an empty persistent compilation cache directory,
 `warm` with the directory the cold run filled (a restart). For each it reports the
 seconds from launch until `/health` answers and until a first completion returns, the
@@ -19,17 +19,13 @@ import collections
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve import write_checkpoint   # pylint: disable=g-import-not-at-top,wrong-import-position
+from serve import ServerProcess, write_checkpoint   # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _PHASES = (("trace", re.compile(r"Finished tracing (\S+) for jit in ([0-9.e-]+) sec")),
            ("lower", re.compile(r"Finished jaxpr to MLIR module conversion (\S+) in ([0-9.e-]+) sec")),
@@ -63,15 +59,9 @@ def _args(argv):
   return args
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _get(url: str, body: dict | None = None, timeout: float = 5.0):
-  data = None if body is None else json.dumps(body).encode()
-  req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, timeout: float):
+  req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                               headers={"Content-Type": "application/json"})
   with urllib.request.urlopen(req, timeout=timeout) as response:
     return response.status, response.read()
 
@@ -96,48 +86,23 @@ def compile_log(text: str) -> dict:
 
 def start_once(checkpoint: str, cache_dir: str, flags: list[str], timeout: float) -> dict:
   """Launches `jaxkv serve`, times /health and a first completion, stops it; the figures."""
-  port = _free_port()
-  env = dict(os.environ, JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
-  log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-  cmd = [sys.executable, "-m", "jaxkv.cli", "serve", "--checkpoint", checkpoint, "--port",
-         str(port), "--compilation-cache", cache_dir, *flags]
-  launched = time.perf_counter()
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-  out = {"command": " ".join(cmd)}
+  log = tempfile.NamedTemporaryFile(suffix=".log", delete=False)
+  log.close()
+  server = ServerProcess(checkpoint, flags, compilation_cache=cache_dir, log_path=log.name,
+                         env={"JAX_LOG_COMPILES": "1", "PYTHONUNBUFFERED": "1"}, poll=0.05,
+                         timeout=timeout)
+  out = {"command": " ".join(server.proc.args), "health_s": server.ready_s}
   try:
-    base = f"http://127.0.0.1:{port}"
-    while True:
-      if proc.poll() is not None:
-        log.seek(0)
-        raise SystemExit(f"jaxkv serve exited {proc.returncode} before it was ready:\n"
-                         + log.read()[-3000:])
-      if time.perf_counter() - launched > timeout:
-        raise SystemExit(f"jaxkv serve not ready after {timeout:.0f} s (--timeout)")
-      try:
-        if _get(base + "/health", timeout=1.0)[0] == 200:
-          break
-      except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        pass
-      time.sleep(0.05)
-    out["health_s"] = time.perf_counter() - launched
-    _, models = _get(base + "/v1/models")
-    name = json.loads(models)["data"][0]["id"]
     sent = time.perf_counter()
-    status, body = _get(base + "/v1/completions", {"model": name, "prompt": "t1 t2 t3",
-                                                    "max_tokens": 8}, timeout=timeout)
-    out["first_completion_s"] = time.perf_counter() - launched
+    status, body = _post(server.url + "/v1/completions", {"model": server.model_name,
+                                                          "prompt": "t1 t2 t3", "max_tokens": 8},
+                         timeout)
     out["first_request_s"] = time.perf_counter() - sent
+    out["first_completion_s"] = server.ready_s + out["first_request_s"]
     assert status == 200 and json.loads(body)["choices"], body
   finally:
-    proc.send_signal(signal.SIGTERM)
-    try:
-      proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-      proc.kill()
-      proc.wait()
-    log.seek(0)
-    text = log.read()
-    log.close()
+    server.close()
+    text = server.log_text()
     os.unlink(log.name)
   m = _SERVER.search(text)
   if m:

@@ -29,8 +29,6 @@ import asyncio
 import json
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 
@@ -101,45 +99,6 @@ def byte_level_tokenizer(path: str, vocab_size: int, seed: int = 0) -> None:
   tok.decoder = decoders.ByteLevel()
   tok.add_special_tokens([AddedToken("<|end|>", special=True)])
   tok.save(os.path.join(path, "tokenizer.json"))
-
-
-class Server:
-  """`python -m jaxkv.cli serve` on a free port until `close`."""
-
-  def __init__(self, checkpoint: str, flags: list[str]):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    self.port = sock.getsockname()[1]
-    sock.close()
-    self.url = f"http://127.0.0.1:{self.port}"
-    self.log = open(os.path.join(checkpoint, "server.log"), "w", encoding="utf-8")   # pylint: disable=consider-using-with
-    self.proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", checkpoint,
-                                  "--port", str(self.port), "--model-name", "bench",
-                                  "--compilation-cache", "none", *flags],
-                                 stdout=self.log, stderr=subprocess.STDOUT)
-    import httpx   # pylint: disable=g-import-not-at-top
-    deadline = time.time() + 900
-    while True:
-      if self.proc.poll() is not None or time.time() > deadline:
-        self.log.flush()
-        with open(self.log.name, encoding="utf-8", errors="replace") as f:
-          tail = "".join(f.readlines()[-30:])   # the log stays on the machine that ran it
-        raise RuntimeError(f"the server did not start (exit status {self.proc.poll()}); the end of "
-                           f"{self.log.name}:\n{tail}")
-      try:
-        if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-          return
-      except httpx.HTTPError:
-        pass
-      time.sleep(1)
-
-  def close(self):
-    self.proc.terminate()
-    try:
-      self.proc.wait(60)
-    except subprocess.TimeoutExpired:
-      self.proc.kill()
-    self.log.close()
 
 
 async def _chat(client, url, body) -> dict:
@@ -215,7 +174,7 @@ def main(argv=None) -> int:
       with open(args.out, "w", encoding="utf-8") as f:
         json.dump(results, f, indent=1, default=str)
 
-  server = Server(ckpt, flags)
+  server = serve_bench.ServerProcess(ckpt, flags)
   url = server.url
   fmt = {"type": "json_schema", "json_schema": {"name": "review", "schema": SCHEMA}}
   constrained = lambda i: {"prompt": _prompt(i), "max_tokens": 256, "temperature": 0.7,
