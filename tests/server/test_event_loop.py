@@ -4,12 +4,15 @@ A loop entry hands the event loop the deltas of every running sample at once. Fo
 them (detokenising, logprobs) in one go held the loop for the whole burst: with a slow
 tokenizer (simulated: each `TextStream.push` blocks the loop 6 ms) and 32 samples per entry,
 `/health` waited ~200 ms per entry. The server cuts the work into slices of a few
-milliseconds; `/health` answers within 50 ms while the burst is formatted.
+milliseconds. The tests count slow calls, not milliseconds: a request that arrives mid-burst
+is served within a few calls (a poll's latency, on a CI machine another worker loads, can
+stall for reasons no slicing controls).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -43,73 +46,118 @@ def _health_latencies_while(health, work, *, pause: float) -> list[float]:
   return latencies
 
 
-def test_health_answers_within_50_ms_while_a_burst_of_deltas_is_formatted(monkeypatch):
+class _Probe:
+  """Counts a slow call made on the event loop's thread and, at call `at`, opens a connection
+  and sends `GET /health` from inside that call: the request then waits in the socket (the
+  kernel accepts the connection) until the loop next runs. The app it wraps records how many
+  slow calls had run when the request reached it, so the property holds under any machine load:
+  a loop let in between slices serves the request within a few calls, one held for the whole
+  burst only after it."""
+
+  def __init__(self, at: int):
+    self.at, self.calls, self.seen, self.sock, self.url = at, 0, [], None, None
+
+  def wrap(self, app):
+    async def observed(scope, receive, send):
+      if scope["type"] == "http" and scope["path"] == "/health":
+        self.seen.append(self.calls)
+      await app(scope, receive, send)
+    return observed
+
+  def call(self):
+    self.calls += 1
+    if self.calls == self.at:
+      host, port = self.url.removeprefix("http://").split(":")
+      self.sock = socket.create_connection((host, int(port)), timeout=60)
+      self.sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+
+  def answer(self) -> bytes:
+    """The probe's response, once the work is done."""
+    assert self.sock is not None, f"only {self.calls} slow calls ran; the probe was at {self.at}"
+    data = b""
+    while chunk := self.sock.recv(65536):
+      data += chunk
+    self.sock.close()
+    return data
+
+
+# Slow calls the loop may run between the probe's arrival and its handling: accepting the
+# connection and reading and routing the request take a few loop iterations, each a slice.
+_CALLS_BEFORE_HEALTH = 12
+
+
+def test_health_is_served_between_slices_while_a_burst_of_deltas_is_formatted(monkeypatch):
+  """Each loop entry hands the event loop the deltas of all 32 samples at once, and each delta
+  is pushed through a slow tokenizer (6 ms); a /health request arriving mid-burst is served
+  within a few pushes, not after the burst (32 pushes, about 200 ms)."""
   engine, tok, _ = build_server(CHECKPOINT, max_seqs=SAMPLES, max_len=64, max_write=64,
                                 kv_cache_memory=8 << 20)
-  app = create_app(engine, tok, model_name="m", interval=8, min_interval=8)
-  engine.warm_up([8])   # compiled before the clock runs
+  probe = _Probe(at=SAMPLES + 8)   # inside the second entry's burst
+  app = probe.wrap(create_app(engine, tok, model_name="m", interval=8, min_interval=8))
+  engine.warm_up([8])
   push = tokenizer_module.TextStream.push
 
   def slow_push(self, tokens):   # a slow tokenizer, on the event loop's thread
+    probe.call()
     time.sleep(PUSH_SECONDS)
     return push(self, tokens)
 
   monkeypatch.setattr(tokenizer_module.TextStream, "push", slow_push)
-  with running(app) as url, httpx.Client(base_url=url, timeout=120) as health:
-    done = {}
-
-    def generate():
-      with httpx.Client(base_url=url, timeout=300) as c:
-        with c.stream("POST", "/v1/completions", json={
-            "prompt": [[1 + i % 50, 2, 3] for i in range(SAMPLES)], "max_tokens": TOKENS,
-            "ignore_eos": True, "stream": True}) as r:
-          done["status"] = r.status_code
-          done["finished"] = sum('"finish_reason":"length"' in line.replace(" ", "")
-                                 for line in r.iter_lines())
-
-    latencies = _health_latencies_while(health, generate, pause=0.002)
-  assert done["status"] == 200 and done["finished"] == SAMPLES
-  assert engine.stats.generated >= SAMPLES * TOKENS and len(latencies) > 20, latencies
-  # The target is 50 ms (met on an idle 2-core machine); the bound leaves a loaded CI machine
-  # room and is still far below the unsliced stall (over a second here).
-  assert max(latencies) < 0.1, sorted(latencies)[-5:]
-  assert sorted(latencies)[len(latencies) * 9 // 10] < 0.05, sorted(latencies)[-5:]
+  with running(app) as url:
+    probe.url = url
+    with httpx.Client(base_url=url, timeout=300) as c:
+      with c.stream("POST", "/v1/completions", json={
+          "prompt": [[1 + i % 50, 2, 3] for i in range(SAMPLES)], "max_tokens": TOKENS,
+          "ignore_eos": True, "stream": True}) as r:
+        status = r.status_code
+        finished = sum('"finish_reason":"length"' in line.replace(" ", "")
+                       for line in r.iter_lines())
+    answer = probe.answer()
+  assert status == 200 and finished == SAMPLES
+  assert engine.stats.generated >= SAMPLES * TOKENS
+  assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+  assert probe.seen == [probe.seen[0]] and probe.seen[0] <= probe.at + _CALLS_BEFORE_HEALTH, (
+      probe.seen, probe.at, probe.calls)
 
 
-def test_health_answers_while_a_large_plain_response_is_assembled(monkeypatch):
+def test_health_is_served_between_slices_while_a_large_plain_response_is_assembled(monkeypatch):
   """A plain (non-streamed) response of many samples with logprobs is merged and encoded one
   choice at a time, the event loop let in between (a slow merge, simulated: 6 ms a choice, 32
-  choices): `/health` answers within 50 ms meanwhile, and the response is the same JSON."""
+  choices): a /health request arriving at the fourth merge is served within a few merges, and
+  the response is whole."""
   from jaxkv.http import logprobs as logprobs_module   # pylint: disable=g-import-not-at-top
   engine, tok, _ = build_server(CHECKPOINT, max_seqs=SAMPLES, max_len=64, max_write=64,
                                 kv_cache_memory=8 << 20)
-  app = create_app(engine, tok, model_name="m", interval=8, min_interval=8)
+  probe = _Probe(at=4)
+  app = probe.wrap(create_app(engine, tok, model_name="m", interval=8, min_interval=8))
   merge = logprobs_module.LogprobFormatter.merge
+  slow = {"on": False}
 
   def slow_merge(parts, *, chat):   # on the event loop's thread
-    time.sleep(PUSH_SECONDS)
+    if slow["on"]:
+      probe.call()
+      time.sleep(PUSH_SECONDS)
     return merge(parts, chat=chat)
 
   monkeypatch.setattr(logprobs_module.LogprobFormatter, "merge", staticmethod(slow_merge))
-  with running(app) as url, httpx.Client(base_url=url, timeout=120) as health:
-    done = {}
-
-    def generate():
-      with httpx.Client(base_url=url, timeout=300) as c:
-        done["r"] = c.post("/v1/completions", json={
-            "prompt": [[1 + i % 50, 2, 3] for i in range(SAMPLES)], "max_tokens": 8,
-            "ignore_eos": True, "logprobs": 3})
-
-    generate()   # compiles, and measures nothing
-    latencies = _health_latencies_while(health, generate, pause=0.002)
-  r = done["r"]
+  with running(app) as url:
+    probe.url = url
+    with httpx.Client(base_url=url, timeout=300) as c:
+      body = {"prompt": [[1 + i % 50, 2, 3] for i in range(SAMPLES)], "max_tokens": 8,
+              "ignore_eos": True, "logprobs": 3}
+      c.post("/v1/completions", json=body)   # compiles; merges at full speed
+      slow["on"] = True
+      r = c.post("/v1/completions", json=body)
+    answer = probe.answer()
   assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
-  body = r.json()
-  assert [c["index"] for c in body["choices"]] == list(range(SAMPLES))
+  choices = r.json()["choices"]
+  assert [c["index"] for c in choices] == list(range(SAMPLES))
   assert all(len(c["logprobs"]["tokens"]) == 8 and c["finish_reason"] == "length"
-             for c in body["choices"])
-  assert body["usage"]["completion_tokens"] == 8 * SAMPLES
-  assert max(latencies) < 0.1, sorted(latencies)[-5:]   # unsliced: 32 x 6 ms at once
+             for c in choices)
+  assert r.json()["usage"]["completion_tokens"] == 8 * SAMPLES
+  assert probe.calls == SAMPLES and answer.startswith(b"HTTP/1.1 200"), answer[:200]
+  assert probe.seen == [probe.seen[0]] and probe.seen[0] <= probe.at + _CALLS_BEFORE_HEALTH, (
+      probe.seen, probe.at)
 
 
 def test_health_answers_while_a_megabyte_prompt_is_tokenised():
