@@ -17,6 +17,15 @@ def plain_greedy(params: SamplingParams) -> bool:
           and params.grammar is None)
 
 
+def steps_unbranched(params: SamplingParams, top_cap: int) -> bool:
+  """Whether a step with no branch (`serve_step(greedy=False)`) samples this request as the loop
+  does: its top-k and top-p are decided by the `top_cap` largest logits whatever the logits are
+  (greedy; a top-k of at most `top_cap`; or no top-k and no top-p), so it never needs the
+  bisection the loop's sampler runs behind a branch (`sampling._keep`)."""
+  return (params.temperature == 0 or 0 < params.top_k <= top_cap
+          or (params.top_k <= 0 and params.top_p >= 1))
+
+
 def labelled(requests: Sequence[Request]) -> list[Request]:
   """The queue as a list of `Request`s, each without a `request_id` labelled by its index."""
   if isinstance(requests, Request) or not all(isinstance(r, Request) for r in requests):

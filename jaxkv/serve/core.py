@@ -192,14 +192,18 @@ class EngineCore:
     # Entries are long (many steps a call): the loop takes the state unpacked.
     return self.apply(lambda ls: loop(self._param_leaves, ls, budget))
 
-  def step(self, which: int):
-    """One greedy step at width `widths[which]` (`loop.serve_step`): no loop and no branch, so
-    on a GPU the call returns before the device runs it.
+  def step(self, which: int, *, greedy: bool = True):
+    """One step at width `widths[which]` (`loop.serve_step`): no loop and no branch, so on a
+    GPU the call returns before the device runs it.
+
+    Args:
+      which: the width's index.
+      greedy: every request in flight is plain greedy (the step without the sampler).
 
     Returns:
       A device scalar (the step counter after it) that is ready once the step has run.
     """
-    fn = self._verbs.steps[which]
+    fn = self._verbs.steps[which, greedy]
     packed, self._packed = self._packed, None
     self._packed, marker = fn(self._param_leaves, packed)
     return marker
@@ -280,9 +284,10 @@ class _Programs:
     # A queue of plain greedy requests (the common offline case) runs a loop with no sampler
     # `lax.cond` (a host sync per step on a GPU); compiled on first use only.
     self.greedy_loop = entry(True)
-    self.step_fns = [functools.partial(step_fn, graphdef, config, widths, w,
-                                       speculative=speculative)
-                     for w in range(len(widths))]
+    # Per width, the greedy step and the sampled one (`serve_step`'s `greedy`).
+    self.step_fns = {(w, greedy): functools.partial(step_fn, graphdef, config, widths, w,
+                                                    greedy=greedy, speculative=speculative)
+                     for w in range(len(widths)) for greedy in (True, False)}
     self._verbs: dict = {}
 
   @classmethod
@@ -336,17 +341,17 @@ class _Verbs:
 
     unflatten = programs.unflatten   # not `programs`: no cycle keeps them alive past their engines
 
-    def stepping(w, fn):
+    def stepping(w, greedy, fn):
       def run(leaves, packed):
         ls, marker = fn(unflatten(leaves), unpack(packed))
         return pack(ls), marker
-      return jit(_named(f"step_w{w}", run), donate_argnums=1)
+      return jit(_named(f"{'greedy' if greedy else 'sampled'}_step_w{w}", run), donate_argnums=1)
 
     def verb(name, fn):
       return jit(_named(name, lambda packed, *args: pack(fn(unpack(packed), *args))),
                  donate_argnums=0)
 
-    self.steps = [stepping(w, fn) for w, fn in enumerate(programs.step_fns)]
+    self.steps = {key: stepping(*key, fn) for key, fn in programs.step_fns.items()}
     self.admit = verb("admit", functools.partial(admit_block, programs.config))
     self.enqueue = verb("enqueue", live_ops.enqueue)
     self.abort_rows = verb("abort_rows", functools.partial(live_ops.abort_rows, programs.config))

@@ -467,8 +467,9 @@ class Engine:
     the entry's snapshot compile) and are aborted (the abort helper compiles);
     nothing of them stays in the engine. With `stepwise` (the caller dispatches
     with `stepwise=True`, reading back at most `max(steps)` steps at once), the
-    entries are steps, and every width's step program and every snapshot up to
-    that many steps then run once on the idle engine.
+    entries are steps (no loop is compiled), and every width's step programs (greedy
+    and sampled) and every snapshot up to that many steps then run once on the idle
+    engine.
 
     Raises:
       RuntimeError: requests added with `add_request` are in flight.

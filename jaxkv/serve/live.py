@@ -96,7 +96,7 @@ class LiveQueue:
     # (and whether an admission block) dispatched since the last entry read back.
     self._ahead: collections.deque = collections.deque()
     self._unread, self._unread_admit = 0, False
-    self._loop_greedy: bool | None = None   # which loop variant the last entry ran
+    self._last_greedy: bool | None = None   # which variant (greedy or sampled) last ran
     self._grammars = GrammarPlacer(engine.vocab_size, engine.grammar_pool)
 
   @property
@@ -233,8 +233,8 @@ class LiveQueue:
     read back as one entry: nothing in it but the admission block waits for the
     device, so the host queues it while the entry before it runs (at most
     `RUN_AHEAD` steps ahead of the device). That holds while every request in flight
-    is plain greedy; otherwise (the sampler's branches would make each step wait)
-    it runs a loop entry of `max(max_steps, read_every)` steps. With
+    is plain greedy, and with sampled requests too: their steps run the sampler
+    with no branch (`loop.serve_step`). With
     `read_every` too, the steps are read back only while fewer than `run_ahead`
     entries wait to be collected (the reader is no further behind than the
     device's queue) or once `read_every` steps are unread (else with a later
@@ -366,22 +366,24 @@ class LiveQueue:
       if not (work or stepwise and self._retire_due()):
         return deltas
       greedy = ledger.sampled == 0
-      if stepwise and not greedy:
-        # The sampler's branches make each step wait for the device: a loop entry instead.
+      if stepwise and (ledger.branched or ledger.with_logprobs) and not greedy:
+        # A request whose top-k or top-p may need the sampler's bisection (behind a branch:
+        # each step would wait for the device; `admission.steps_unbranched`), or one that
+        # wants logprobs (read back every entry anyway): a loop entry instead.
         stepwise, k = False, max(k, read_every or 1)
+      if not live and self._last_greedy is not None:
+        # Only aborted requests to free: the variant last run, never a first compile of the
+        # other one (seconds; a whole loop, a minute on a GPU) at the last abort or a drain.
+        greedy = self._last_greedy
+      self._last_greedy = greedy
       admit = not stepwise or self._admission_due()
       if not work:
         k = 0   # stepping: the admission block retires the finished columns, nothing to step
       index, enqueued, enqueued_tokens = ledger.dispatched, ledger.enqueued, ledger.enqueued_tokens
-    # With only plain greedy requests in flight, the loop without the sampler's `lax.cond`
-    # (whose predicate is a host sync per step on a GPU), as `Engine.run` picks for such queues.
+    # With only plain greedy requests in flight, the loop (or step) without the sampler, whose
+    # `lax.cond`s are a host sync per step on a GPU, as `Engine.run` picks for such queues.
     if not stepwise:
-      if not live and self._loop_greedy is not None:
-        # Only aborted requests to free: the variant last run, never a first compile of the
-        # other one (a whole loop: seconds, a minute on a GPU) at the last abort or a drain.
-        greedy = self._loop_greedy
       core.enter(k, greedy=greedy)
-      self._loop_greedy = greedy
       k += self._unread   # steps queued before it and not read yet are read with it
       self._unread, self._unread_admit = 0, False
     else:
@@ -400,7 +402,7 @@ class LiveQueue:
         stats.pace_seconds += clock() - t0
         which = self._step_width()
         t1 = clock()
-        self._ahead.append(core.step(which))
+        self._ahead.append(core.step(which, greedy=greedy))
         stats.step_call_seconds += clock() - t1
         with ledger.lock:
           ledger.width_total += self.engine.widths[which]
@@ -431,9 +433,9 @@ class LiveQueue:
     return deltas
 
   def warm_steps(self, read_every: int = 1) -> None:
-    """Runs every width's greedy step program on the idle state (each carries no token), the
-    admission block, and the snapshots of up to `read_every` steps: what stepping may run,
-    compiled (sampled requests step in loop entries, which `Engine.warm_up` compiles)."""
+    """Runs every width's step programs, greedy and sampled, on the idle state (each carries
+    no token), the admission block, and the snapshots of up to `read_every` steps: what
+    stepping may run, compiled."""
     with self.ledger.lock:
       if any(t.base >= 0 for t in self.ledger.tracked.values()) or self.ledger.pending:
         raise RuntimeError("warm_steps: requests are on the device")
@@ -444,7 +446,8 @@ class LiveQueue:
     with self._dispatching:
       core.admit()
       for which in range(len(self.engine.widths)):
-        core.step(which)
+        for greedy in (True, False):
+          core.step(which, greedy=greedy)
       window = 1
       while window <= _bucket(read_every * self.per_step):
         core.snapshot(window)

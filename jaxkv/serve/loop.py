@@ -184,11 +184,13 @@ def _recorded(ls: LoopState, tokens, generated, out_at, lp_at, drawn, fin_at, is
       finished=o.finished.at[fin_at].set(ls.steps + 1, mode="drop"), **more)
 
 
-def _draw(ls: LoopState, logits, emits, greedy: bool):
+def _draw(ls: LoopState, logits, emits, greedy: bool, branches: bool = True):
   """Each column's token from its logits row (`float32[S, V]`), as plain decoding draws it:
   `(tokens, logprob, top_ids, top_logprobs, grammar states, grammar tokens)`.
 
   `greedy` (static): no constrained column (`plain_greedy`): the argmax, no sampler.
+  `branches` (static): the sampler skips unused stages with `lax.cond`s (`sample_rows`);
+  False in `serve_step`, which holds no branch.
   """
   c = ls.cols
   num_logprobs = ls.out.top_ids.shape[2]
@@ -207,7 +209,7 @@ def _draw(ls: LoopState, logits, emits, greedy: bool):
       prompt_len=c.prompt_len, length=c.length, banned=banned,
       bias=(c.params.bias_tokens, c.params.bias, c.params.restrict),
       grammar=(ls.grammar, c.grammar, c.grammar_token, c.params.stop_tokens),
-      num_logprobs=num_logprobs)
+      num_logprobs=num_logprobs, branches=branches)
   grammar_token = jnp.where(emits & (c.grammar != -1), new,
                             jnp.where(emits, -1, c.grammar_token))
   return new, lp, top_ids, top_lp, grammar, grammar_token
@@ -245,7 +247,8 @@ def _step(config: CacheConfig, model, widths, which: int, ls: LoopState,
 
   emits = ok & (alloc > 0) & (c.fed + alloc == c.length)
   generated = c.length - c.prompt_len
-  new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, logits, emits, greedy)
+  new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, logits, emits, greedy,
+                                                           branches=not gated)
   col_ids = jnp.arange(s, dtype=jnp.int32)
   max_len = c.tokens.shape[1]
   tokens_buf = c.tokens.at[col_ids, jnp.where(emits, c.length, max_len)].set(new, mode="drop")
@@ -317,7 +320,8 @@ def _verify(config: CacheConfig, model, widths, which: int, ls: LoopState, greed
 
   emits = ok & (alloc > 0) & (c.fed + alloc >= c.length)
   generated = c.length - c.prompt_len
-  new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, pending, emits, greedy)
+  new, lp, top_ids, top_lp, grammar, grammar_token = _draw(ls, pending, emits, greedy,
+                                                           branches=not gated)
   # Candidates: the pending row's token, then the argmax after each draft token (only
   # drafting columns, which are plain greedy, get past the first).
   col_ids = jnp.arange(s, dtype=jnp.int32)
@@ -505,14 +509,17 @@ def serve_loop(graphdef, config: CacheConfig, widths: tuple[int, ...], params, l
 
 
 def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: int, params,
-               ls: LoopState, *, speculative: SpeculativeConfig | None = None) -> LoopState:
-  """One greedy step at width `widths[which]` (static), with no loop and no branch around it.
+               ls: LoopState, *, greedy: bool = True,
+               speculative: SpeculativeConfig | None = None) -> LoopState:
+  """One step at width `widths[which]` (static), with no loop and no branch around it.
 
   On a GPU a jitted program holding a `while` or a `cond` returns to the host only
   when the device has run it (each predicate is read back), so the host cannot
-  queue the next program meanwhile. This one holds neither (it is greedy: the
-  sampler keeps its `lax.cond`s, and sampled requests run loop entries), so the
-  host dispatches steps ahead of the device and reads each one back later. It
+  queue the next program meanwhile. This one holds neither, so the host dispatches
+  steps ahead of the device and reads each one back later. `greedy` (static): every
+  request in flight is plain greedy (the argmax, no sampler); otherwise the sampler
+  runs every stage on every row instead of branching (`sample_rows(branches=False)`),
+  which draws the same tokens as the loop's sampler. It
   runs what the loop's phases would: the tokens `_schedule` picks at this width
   (more are left for later steps, a wider width than needed costs rows), nothing
   where the loop would not step (a failed status; paged storage: the step does
@@ -529,6 +536,6 @@ def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: in
     donated to the next program; the host waits on this one to pace itself).
   """
   from jaxkv.nnx import merge_model   # pylint: disable=g-import-not-at-top
-  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=True, gated=True,
+  ls = _step(config, merge_model(graphdef, params), widths, which, ls, greedy=greedy, gated=True,
              spec=speculative)
   return ls, ls.steps

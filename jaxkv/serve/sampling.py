@@ -137,8 +137,11 @@ def _bisected_floor(scaled, k, top_p):
   return jnp.maximum(kth, nucleus)
 
 
-def _keep(scaled, top_k, top_p, top_cap: int):
-  """`bool[S, V]`: the tokens top-k then top-p keep (ties at the threshold all kept)."""
+def _keep(scaled, top_k, top_p, top_cap: int, branches: bool = True):
+  """`bool[S, V]`: the tokens top-k then top-p keep (ties at the threshold all kept).
+
+  `branches` False: no row needs the bisection (the caller's guarantee,
+  `admission.steps_unbranched`), so there is no `lax.cond` for it."""
   vocab = scaled.shape[-1]
   cap = min(top_cap, vocab)
   vals, _ = jax.lax.top_k(scaled, cap)                     # [S, cap], descending
@@ -156,7 +159,7 @@ def _keep(scaled, top_k, top_p, top_cap: int):
   fast = jnp.where(keeps_all, jnp.uint32(0), fast)
   # The candidates cannot decide: a top-k past them, or a nucleus that may extend past them.
   needs_more = ~keeps_all & (k > cap) & ((k < vocab) | (count >= cap))
-  floor = jax.lax.cond(
+  floor = fast if not branches else jax.lax.cond(
       jnp.any(needs_more),
       lambda: jnp.where(needs_more, _bisected_floor(scaled, k, top_p), fast),
       lambda: fast)
@@ -187,21 +190,21 @@ def _top_n(x, n: int):
   return jnp.take_along_axis(vals, order, -1), jnp.take_along_axis(ids, order, -1)
 
 
-def _draw(x, p: RowParams, keys, top_cap: int):
+def _draw(x, p: RowParams, keys, top_cap: int, branches: bool = True):
   """Random rows' tokens from penalised logits `x` (greedy rows: argmax)."""
   greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
   scaled = x / jnp.maximum(p.temperature, jnp.float32(1e-6))[:, None]
   # p_i >= min_p * p_max  <=>  l_i >= l_max + log(min_p): no softmax needed.
   floor = jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(p.min_p, jnp.float32(1e-30)))
   scaled = jnp.where((p.min_p[:, None] > 0) & (scaled < floor[:, None]), _NEG, scaled)
-  masked = jnp.where(_keep(scaled, p.top_k, p.top_p, top_cap), scaled, _NEG)
+  masked = jnp.where(_keep(scaled, p.top_k, p.top_p, top_cap, branches), scaled, _NEG)
   drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
   return jnp.where(p.temperature > 0, drawn, greedy)
 
 
 def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_len=None,
                 length=None, banned=None, bias=None, grammar=None, num_logprobs: int = 0,
-                top_cap: int = TOP_CAP):
+                top_cap: int = TOP_CAP, branches: bool = True):
   """Samples one token per row, with its logprobs where asked.
 
   Args:
@@ -227,6 +230,14 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
       and no branch. Logprobs stay raw.
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
     top_cap: candidates read with `lax.top_k` (static; see the module docstring).
+    branches: (static) skip the stages no row uses with `lax.cond`s (a step's work
+      follows its rows). False: every stage runs on every row, with no branch (a GPU
+      reads each `cond`'s predicate back to the host, so a program holding one cannot be
+      dispatched ahead of the device: the stepping server's sampled steps). The tokens
+      and the asked-for logprobs are the same either way (each stage leaves the rows that
+      do not use it bitwise unchanged) for rows whose top-k and top-p the `top_cap`
+      candidates decide (`admission.steps_unbranched`), and no row may want logprobs
+      (they come back as zeros): the caller's to guarantee.
 
   Returns:
     `(tokens int32[S], logprob float32[S], top_ids int32[S, num_logprobs],
@@ -253,6 +264,9 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
   else:
     has_grammar, state = (grammar[1] != -1) & sampling, grammar[1]
 
+  def cond(pred, on, off, *operands):
+    return jax.lax.cond(pred, on, off, *operands) if branches else on(*operands)
+
   def adjusted():   # each stage leaves the rows that do not use it bitwise unchanged
     x, now = logits, state
     if grammar is not None:
@@ -265,16 +279,16 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     x = _add_bias(x, *bias, has_bias)
     # Penalties count each row's whole token history (rows x max_len scatters): a batch that
     # adjusts logits only for a grammar, a bias or a ban must not pay for them every step.
-    x = jax.lax.cond(jnp.any(has_pen), lambda x: _penalize(x, p, history, prompt_len, length),
-                     lambda x: x, x)
+    x = cond(jnp.any(has_pen), lambda x: _penalize(x, p, history, prompt_len, length),
+             lambda x: x, x)
     return _ban(x, banned, has_ban), now
 
   def special():
     # One conditional for every logit adjustment: on a GPU each predicate is a host sync.
-    x, now = jax.lax.cond(jnp.any(has_pen | has_bias | has_ban | has_grammar), adjusted,
-                          lambda: (logits, state))
-    tokens = jax.lax.cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap),
-                          lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
+    x, now = cond(jnp.any(has_pen | has_bias | has_ban | has_grammar), adjusted,
+                  lambda: (logits, state))
+    tokens = cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap, branches),
+                  lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
     def logprobs():
       raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -284,11 +298,13 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
       return (jnp.where(wants_lp, chosen, 0.0), jnp.where(on, top_ids, 0).astype(jnp.int32),
               jnp.where(on, top_lp, 0.0))
 
-    return (tokens,) + jax.lax.cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
+    if not branches:   # no row wants logprobs (the caller's guarantee)
+      return (tokens,) + _no_logprobs(s, num_logprobs) + (now,)
+    return (tokens,) + cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
         s, num_logprobs)) + (now,)
 
-  out = jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias | has_grammar),
-                     special, lambda: greedy_rows(logits, num_logprobs) + (state,))
+  out = cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias | has_grammar),
+             special, lambda: greedy_rows(logits, num_logprobs) + (state,))
   return out if grammar is not None else out[:4]
 
 

@@ -439,7 +439,7 @@ def test_incremental_api_streams_the_same_tokens(oracle8, queue):
   # What lets the host run ahead: verifying, rolling back and drafting add no loop and no
   # branch to the compiled step (each would read a predicate back on a GPU).
   core = oracle8.core   # pylint: disable=protected-access
-  hlo = core._verbs.steps[0].lower(core._param_leaves, core._packed).compile().as_text()
+  hlo = core._verbs.steps[0, True].lower(core._param_leaves, core._packed).compile().as_text()
   comps, entry = hlo_walk.computations(hlo)
   lines = hlo_walk.reached(comps, entry, branches=True)
   assert hlo_walk.whiles(lines) == [] and not [l for l in lines if " conditional(" in l]

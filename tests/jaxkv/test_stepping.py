@@ -111,29 +111,48 @@ def test_preemption_and_a_reader_that_falls_behind(rng):
   assert engine.stats.preemptions > 0, "the load never needed a preemption: make it larger"
 
 
-def test_greedy_step_has_no_loop_and_no_branch(paged_model):
+def test_steps_have_no_loop_and_no_branch(paged_model):
   """What lets the host run ahead: the compiled greedy step has no `while` and no
-  `conditional` (each would read a predicate back to the host on a GPU)."""
+  `conditional` (each would read a predicate back to the host on a GPU), and the sampled
+  step adds none: no `conditional` compiled here, and lowered for a GPU no more `while`s than
+  the greedy step (on a CPU jax lowers its PRNG's rounds as a loop; on a GPU unrolled)."""
   engine = serve.Engine(paged_model, max_len=48, prefix_cache=True)
-  engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=2)))
+  engine.add_request(serve.Request((1, 2, 3), serve.SamplingParams(max_tokens=2, temperature=1.0,
+                                                                   seed=1)))
   engine.live.dispatch(1, stepwise=True)
-  core = engine.core   # the program `step` runs: over the packed state
-  hlo = core._verbs.steps[0].lower(core._param_leaves, core._packed).compile().as_text()
-  comps, entry = hlo_walk.computations(hlo)
-  lines = hlo_walk.reached(comps, entry, branches=True)
-  assert hlo_walk.whiles(lines) == []
-  assert not [l for l in lines if " conditional(" in l]
+  core = engine.core   # the programs `step` runs: over the packed state
+  args = (core._param_leaves, core._packed)
+  for greedy in (True, False):
+    hlo = core._verbs.steps[0, greedy].lower(*args).compile().as_text()
+    comps, entry = hlo_walk.computations(hlo)
+    lines = hlo_walk.reached(comps, entry, branches=True)
+    assert not [l for l in lines if " conditional(" in l], greedy
+    if greedy:
+      assert hlo_walk.whiles(lines) == []
+  gpu = {greedy: core._verbs.steps[0, greedy].trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text() for greedy in (True, False)}
+  assert gpu[False].count("stablehlo.while") == gpu[True].count("stablehlo.while")
+  assert "stablehlo.case" not in gpu[False] and "stablehlo.if" not in gpu[False]
 
 
-def test_sampled_requests_step_in_loop_entries(paged_model):
-  """The sampler keeps its branches (each step would wait for the device), so while a sampled
-  request is in flight a stepwise dispatch runs one loop entry of `read_every` steps."""
+def test_sampled_requests_step_without_a_loop_entry(paged_model, monkeypatch):
+  """A sampled request in flight is stepped like a greedy one (its steps run the sampler with
+  no branch): one step per stepwise dispatch, and the loop is never entered."""
   engine = serve.Engine(paged_model, max_len=48)
-  engine.add_request(serve.Request((1, 2), serve.SamplingParams(max_tokens=30, temperature=1.0,
-                                                                seed=3)))
+  request = serve.Request((1, 2), serve.SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                                       top_k=5, presence_penalty=0.5))
+  [want] = engine.run([request])
+  engine.add_request(request.replace(request_id="stepped"))
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("stepping entered the loop")
+
+  monkeypatch.setattr(engine.core, "enter", refuse)
   live_q = engine.live
   live_q.dispatch(1, stepwise=True, read_every=4)
-  assert (engine.stats.loop_entries, engine.core.read(lambda ls: int(ls.steps))) == (1, 4)
+  assert engine.core.read(lambda ls: int(ls.steps)) == 1
+  got = _step_through(engine)
+  assert got == {("stepped", 0): (want.tokens, want.finish_reason)}
 
 
 def test_a_request_added_between_steps_is_admitted_at_the_next_step(paged_model):
