@@ -17,13 +17,20 @@ def plain_greedy(params: SamplingParams) -> bool:
           and params.grammar is None)
 
 
-def steps_unbranched(params: SamplingParams, top_cap: int) -> bool:
-  """Whether a step with no branch (`serve_step(greedy=False)`) samples this request as the loop
-  does: its top-k and top-p are decided by the `top_cap` largest logits whatever the logits are
-  (greedy; a top-k of at most `top_cap`; or no top-k and no top-p), so it never needs the
-  bisection the loop's sampler runs behind a branch (`sampling._keep`)."""
-  return (params.temperature == 0 or 0 < params.top_k <= top_cap
-          or (params.top_k <= 0 and params.top_p >= 1))
+def plain_sampled(params: SamplingParams, top_cap: int) -> bool:
+  """Whether a step with no branch (`serve_step(greedy=False)`: the draw alone,
+  `sampling.sample_rows(branches=False)`) gives this request the loop's tokens: only its
+  temperature, min-p, top-k, top-p and seed shape them (no penalty, logprobs, logit bias,
+  allowed ids, grammar or stop token held back by `min_tokens`), and the `top_cap` largest
+  logits decide its top-k and top-p whatever the logits are (greedy; a top-k of at most
+  `top_cap`; or neither), so it never needs the bisection behind the loop sampler's branch."""
+  return (params.repetition_penalty == 1 and params.presence_penalty == 0
+          and params.frequency_penalty == 0 and params.logprobs is None
+          and (params.min_tokens == 0 or not params.stop_tokens)
+          and not params.logit_bias and params.allowed_token_ids is None
+          and params.grammar is None
+          and (params.temperature == 0 or 0 < params.top_k <= top_cap
+               or (params.top_k <= 0 and params.top_p >= 1)))
 
 
 def labelled(requests: Sequence[Request]) -> list[Request]:

@@ -366,10 +366,11 @@ class LiveQueue:
       if not (work or stepwise and self._retire_due()):
         return deltas
       greedy = ledger.sampled == 0
-      if stepwise and (ledger.branched or ledger.with_logprobs) and not greedy:
-        # A request whose top-k or top-p may need the sampler's bisection (behind a branch:
-        # each step would wait for the device; `admission.steps_unbranched`), or one that
-        # wants logprobs (read back every entry anyway): a loop entry instead.
+      if stepwise and ledger.branched and not greedy:
+        # A request the draw alone does not serve (penalties, logprobs, a bias, a grammar, or
+        # a top-k or top-p that may need the bisection; `admission.plain_sampled`): the loop
+        # sampler's stages sit behind branches, and each would make a step wait for the
+        # device, so a loop entry instead.
         stepwise, k = False, max(k, read_every or 1)
       if not live and self._last_greedy is not None:
         # Only aborted requests to free: the variant last run, never a first compile of the

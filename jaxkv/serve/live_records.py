@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxkv.serve.admission import plain_greedy, steps_unbranched
+from jaxkv.serve.admission import plain_greedy, plain_sampled
 from jaxkv.serve.requests import Request
 from jaxkv.serve.results import RequestTiming
 from jaxkv.serve.sampling import TOP_CAP
@@ -136,6 +136,7 @@ class Ledger:
     self.held = 0                          # cache positions held after the last entry read
     self.sampled = 0                       # requests in flight that are not plain greedy
     self.branched = 0                      # of them, those a step with no branch cannot sample
+                                           # (`admission.plain_sampled`)
     self.with_logprobs = 0                 # requests in flight that want logprobs
     self.waiting_tokens = 0                # prompt tokens of the requests not yet admitted
     self.unadmitted = 0                    # requests not yet admitted (counts() is O(1))
@@ -158,7 +159,7 @@ class Ledger:
     """Records a new request `t` as waiting on the host, with its share of the counters
     (`_forget` takes it back). Holds `lock`."""
     self.sampled += not plain_greedy(t.request.params)
-    self.branched += not steps_unbranched(t.request.params, TOP_CAP)
+    self.branched += not plain_sampled(t.request.params, TOP_CAP)
     self.with_logprobs += t.request.params.logprobs is not None
     self.waiting_tokens += len(t.request.prompt)
     self.unadmitted += 1
@@ -175,7 +176,7 @@ class Ledger:
     """Drops `rid`'s record and its share of the counters. Holds `lock`."""
     t = self.tracked.pop(rid)
     self.sampled -= not plain_greedy(t.request.params)
-    self.branched -= not steps_unbranched(t.request.params, TOP_CAP)
+    self.branched -= not plain_sampled(t.request.params, TOP_CAP)
     self.with_logprobs -= t.request.params.logprobs is not None
     if t.admitted is None:
       self.waiting_tokens -= len(t.request.prompt)

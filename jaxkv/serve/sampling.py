@@ -141,7 +141,7 @@ def _keep(scaled, top_k, top_p, top_cap: int, branches: bool = True):
   """`bool[S, V]`: the tokens top-k then top-p keep (ties at the threshold all kept).
 
   `branches` False: no row needs the bisection (the caller's guarantee,
-  `admission.steps_unbranched`), so there is no `lax.cond` for it."""
+  `admission.plain_sampled`), so there is no `lax.cond` for it."""
   vocab = scaled.shape[-1]
   cap = min(top_cap, vocab)
   vals, _ = jax.lax.top_k(scaled, cap)                     # [S, cap], descending
@@ -230,14 +230,14 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
       and no branch. Logprobs stay raw.
     num_logprobs: top logprobs returned per row (static; rows ask for fewer).
     top_cap: candidates read with `lax.top_k` (static; see the module docstring).
-    branches: (static) skip the stages no row uses with `lax.cond`s (a step's work
-      follows its rows). False: every stage runs on every row, with no branch (a GPU
-      reads each `cond`'s predicate back to the host, so a program holding one cannot be
-      dispatched ahead of the device: the stepping server's sampled steps). The tokens
-      and the asked-for logprobs are the same either way (each stage leaves the rows that
-      do not use it bitwise unchanged) for rows whose top-k and top-p the `top_cap`
-      candidates decide (`admission.steps_unbranched`), and no row may want logprobs
-      (they come back as zeros): the caller's to guarantee.
+    branches: (static) True: skip the stages no row uses with `lax.cond`s (a step's work
+      follows its rows). False: the draw alone (temperature, min-p, top-k and top-p from the
+      `top_cap` candidates), with no branch (a GPU reads each `cond`'s predicate back to the
+      host, so a program holding one cannot be dispatched ahead of the device: the stepping
+      server's sampled steps). Its tokens are the loop sampler's when no sampling row has a
+      penalty, a bias, a ban, a grammar or logprobs (they come back as zeros) and the
+      candidates decide every row's top-k and top-p (`admission.plain_sampled`): the
+      caller's to guarantee.
 
   Returns:
     `(tokens int32[S], logprob float32[S], top_ids int32[S, num_logprobs],
@@ -264,8 +264,10 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
   else:
     has_grammar, state = (grammar[1] != -1) & sampling, grammar[1]
 
-  def cond(pred, on, off, *operands):
-    return jax.lax.cond(pred, on, off, *operands) if branches else on(*operands)
+  if not branches:   # the caller's guarantee: no stage but the draw (see `branches`)
+    out = ((_draw(logits, p, keys, top_cap, branches=False),) + _no_logprobs(s, num_logprobs)
+           + (state,))
+    return out if grammar is not None else out[:4]
 
   def adjusted():   # each stage leaves the rows that do not use it bitwise unchanged
     x, now = logits, state
@@ -279,16 +281,16 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
     x = _add_bias(x, *bias, has_bias)
     # Penalties count each row's whole token history (rows x max_len scatters): a batch that
     # adjusts logits only for a grammar, a bias or a ban must not pay for them every step.
-    x = cond(jnp.any(has_pen), lambda x: _penalize(x, p, history, prompt_len, length),
-             lambda x: x, x)
+    x = jax.lax.cond(jnp.any(has_pen), lambda x: _penalize(x, p, history, prompt_len, length),
+                     lambda x: x, x)
     return _ban(x, banned, has_ban), now
 
   def special():
     # One conditional for every logit adjustment: on a GPU each predicate is a host sync.
-    x, now = cond(jnp.any(has_pen | has_bias | has_ban | has_grammar), adjusted,
-                  lambda: (logits, state))
-    tokens = cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap, branches),
-                  lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
+    x, now = jax.lax.cond(jnp.any(has_pen | has_bias | has_ban | has_grammar), adjusted,
+                          lambda: (logits, state))
+    tokens = jax.lax.cond(jnp.any(random), lambda: _draw(x, p, keys, top_cap),
+                          lambda: jnp.argmax(x, axis=-1).astype(jnp.int32))
 
     def logprobs():
       raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
@@ -298,13 +300,11 @@ def sample_rows(logits, p: RowParams, keys, *, sampling, history=None, prompt_le
       return (jnp.where(wants_lp, chosen, 0.0), jnp.where(on, top_ids, 0).astype(jnp.int32),
               jnp.where(on, top_lp, 0.0))
 
-    if not branches:   # no row wants logprobs (the caller's guarantee)
-      return (tokens,) + _no_logprobs(s, num_logprobs) + (now,)
-    return (tokens,) + cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
+    return (tokens,) + jax.lax.cond(jnp.any(wants_lp), logprobs, lambda: _no_logprobs(
         s, num_logprobs)) + (now,)
 
-  out = cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias | has_grammar),
-             special, lambda: greedy_rows(logits, num_logprobs) + (state,))
+  out = jax.lax.cond(jnp.any(has_pen | random | wants_lp | has_ban | has_bias | has_grammar),
+                     special, lambda: greedy_rows(logits, num_logprobs) + (state,))
   return out if grammar is not None else out[:4]
 
 

@@ -135,24 +135,63 @@ def test_steps_have_no_loop_and_no_branch(paged_model):
   assert "stablehlo.case" not in gpu[False] and "stablehlo.if" not in gpu[False]
 
 
-def test_sampled_requests_step_without_a_loop_entry(paged_model, monkeypatch):
-  """A sampled request in flight is stepped like a greedy one (its steps run the sampler with
-  no branch): one step per stepwise dispatch, and the loop is never entered."""
+def test_plain_sampled_requests_step_without_a_loop_entry(paged_model, monkeypatch):
+  """Sampled requests the draw alone serves (temperature, top-k, min-p, a seed) are stepped like
+  greedy ones, by the sampled step (no branch): one step per stepwise dispatch, the loop never
+  entered, and each request's tokens are those the loop's sampler draws for it."""
   engine = serve.Engine(paged_model, max_len=48)
-  request = serve.Request((1, 2), serve.SamplingParams(max_tokens=30, temperature=1.0, seed=3,
-                                                       top_k=5, presence_penalty=0.5))
-  [want] = engine.run([request])
-  engine.add_request(request.replace(request_id="stepped"))
+  requests = [
+      serve.Request((1, 2), serve.SamplingParams(max_tokens=30, temperature=1.0, seed=3,
+                                                 top_k=5), "a"),
+      serve.Request((4, 5, 6), serve.SamplingParams(max_tokens=20, temperature=0.8, seed=4,
+                                                    min_p=0.05), "b")]
+  want = {(c.request_id, c.index): (c.tokens, c.finish_reason) for c in engine.run(requests)}
 
   def refuse(*args, **kwargs):
     raise AssertionError("stepping entered the loop")
 
   monkeypatch.setattr(engine.core, "enter", refuse)
+  for r in requests:
+    engine.add_request(r)
   live_q = engine.live
   live_q.dispatch(1, stepwise=True, read_every=4)
   assert engine.core.read(lambda ls: int(ls.steps)) == 1
+  assert _step_through(engine) == want
+
+
+def test_a_request_the_draw_alone_does_not_serve_runs_in_loop_entries(paged_model):
+  """A penalised request beside a plain sampled one: stepwise dispatches run loop entries (the
+  sampled step has no penalty stage), and both get their tokens alone."""
+  engine = serve.Engine(paged_model, max_len=48)
+  requests = [
+      serve.Request((1, 2), serve.SamplingParams(max_tokens=12, temperature=1.0, seed=3), "a"),
+      serve.Request((3, 4), serve.SamplingParams(max_tokens=12, temperature=1.0, seed=5,
+                                                 presence_penalty=0.5), "b")]
+  entered = []
+  enter = engine.core.enter
+  engine.core.enter = lambda *a, **k: entered.append(k.get("greedy")) or enter(*a, **k)
+  for r in requests:
+    engine.add_request(r)
   got = _step_through(engine)
-  assert got == {("stepped", 0): (want.tokens, want.finish_reason)}
+  assert entered and not any(entered), entered   # sampled loop entries
+  assert got == _alone(paged_model, requests)
+
+
+def test_plain_sampled_names_what_the_draw_alone_serves():
+  """The host's test for the sampled step, field by field (no device work)."""
+  from jaxkv.serve.admission import plain_sampled   # pylint: disable=g-import-not-at-top
+  base = serve.SamplingParams(max_tokens=4, temperature=1.0)
+  served = [{}, {"temperature": 0.0}, {"top_k": 16}, {"top_k": 1}, {"min_p": 0.2},
+            {"seed": 7}, {"stop_tokens": (3,)}, {"min_tokens": 2},
+            {"temperature": 0.0, "top_p": 0.5}]
+  refused = [{"top_k": 17}, {"top_p": 0.9}, {"repetition_penalty": 1.1},
+             {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"logprobs": 0},
+             {"logit_bias": {3: 1.0}}, {"allowed_token_ids": (1, 2)},
+             {"min_tokens": 2, "stop_tokens": (3,)}]
+  for change in served:
+    assert plain_sampled(dataclasses.replace(base, **change), 16), change
+  for change in refused:
+    assert not plain_sampled(dataclasses.replace(base, **change), 16), change
 
 
 def test_a_request_added_between_steps_is_admitted_at_the_next_step(paged_model):
