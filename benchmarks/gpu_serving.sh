@@ -44,6 +44,9 @@ for w in "$@"; do
     serve_fronts) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
         TAIL=10 run dispatch 60 python3 benchmarks/dispatch.py --out "$out/dispatch.json"
         TAIL=60 run serve_fronts 500 python3 benchmarks/serve.py --write-checkpoint /tmp/ck --rates inf,4 --rate-requests 48 --skip-best --raw-client --server-configs 16:fcfs:steps,16:fcfs:steps:100:2:p2,16:fcfs:steps:100:2:p4 --out "$out/serve_fronts.json";;
+    # Sampled traffic (temperature 1, OpenAI's default): stepping with the branch-free draw against loop entries.
+    serve_sampled) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
+        TAIL=40 run serve_sampled 570 python3 benchmarks/serve.py --write-checkpoint /tmp/ck --rates inf,4 --rate-requests 48 --skip-best --raw-client --temperature 1.0 --server-configs 16:fcfs:steps,16:fcfs:entries --out "$out/serve_sampled.json";;
     # jaxkv serve's start, cold and warm compilation cache, by program (issue 56's start targets).
     startup) [ -d .wheels ] && python3 -m pip install -q --no-deps .wheels/*.whl
         TAIL=40 run startup 400 python3 benchmarks/startup.py --write-checkpoint /tmp/ck --out "$out/startup.json";;
