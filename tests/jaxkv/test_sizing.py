@@ -209,20 +209,22 @@ def test_max_len_past_the_checkpoint_context_and_a_step_past_the_device_are_refu
 def test_the_sampler_estimate_bounds_xla_memory_analysis(rows, vocab, max_len):
   """XLA's own count of `sample_rows`'s temporaries, every stage on (penalties over the history,
   bias, bans, a grammar, logprobs, sampling), is within the sizing's estimate and not far below
-  it: one geometry where the vocabulary dominates, one where the history does."""
+  it: one geometry where the vocabulary dominates, one where the history does. The draw alone
+  (`branches=False`) takes no more."""
   import jax   # pylint: disable=g-import-not-at-top
   from jaxkv.serve import memory, sampling   # pylint: disable=g-import-not-at-top
   from jaxkv.structured import pool as grammar_pool   # pylint: disable=g-import-not-at-top
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   pool = grammar_pool.empty_pool(vocab, *grammar_pool.default_capacity(vocab))
 
-  def sample(logits, history, length, keys, banned, bias_ids, bias, pool, state):
+  def sample(logits, history, length, keys, banned, bias_ids, bias, pool, state, branches=True):
     p = sampling.RowParams.default(rows, temperature=0.7, repetition_penalty=1.1,
                                    presence_penalty=0.5, logprobs=3)
     return sampling.sample_rows(
         logits, p, keys, sampling=jnp.ones((rows,), bool), history=history,
         prompt_len=length // 2, length=length, banned=banned,
-        bias=(bias_ids, bias, length % 2), num_logprobs=5, grammar=(pool, state, state, banned))
+        bias=(bias_ids, bias, length % 2), num_logprobs=5, grammar=(pool, state, state, banned),
+        branches=branches)
 
   args = (jax.ShapeDtypeStruct((rows, vocab), jnp.float32), i32(rows, max_len), i32(rows),
           jax.random.split(jax.random.key(0), rows), i32(rows, 8), i32(rows, 64),
@@ -231,3 +233,6 @@ def test_the_sampler_estimate_bounds_xla_memory_analysis(rows, vocab, max_len):
   temp = jax.jit(sample).lower(*args).compile().memory_analysis().temp_size_in_bytes
   estimate = memory.sampler_temp_bytes(rows, max_len, vocab)
   assert temp <= estimate < 2 * temp, (temp, estimate)
+  # The stepping server's sampled step (the draw alone, no branch) fits in what the loop's takes.
+  draw = jax.jit(lambda *a: sample(*a, branches=False)).lower(*args).compile().memory_analysis()
+  assert draw.temp_size_in_bytes <= temp, (draw.temp_size_in_bytes, temp)
