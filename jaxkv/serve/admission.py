@@ -7,30 +7,31 @@ from typing import Sequence
 from jaxkv.serve.requests import Request, SamplingParams
 
 
-def plain_greedy(params: SamplingParams) -> bool:
-  """The token is the argmax: no temperature, no penalty, no logprobs, no logit bias, no stop
-  token held back by `min_tokens` (`serve_loop(greedy=True)`)."""
-  return (params.temperature == 0 and params.repetition_penalty == 1
-          and params.presence_penalty == 0 and params.frequency_penalty == 0
-          and params.logprobs is None and (params.min_tokens == 0 or not params.stop_tokens)
-          and not params.logit_bias and params.allowed_token_ids is None
-          and params.grammar is None)
-
-
-def plain_sampled(params: SamplingParams, top_cap: int) -> bool:
-  """Whether a step with no branch (`serve_step(greedy=False)`: the draw alone,
-  `sampling.sample_rows(branches=False)`) gives this request the loop's tokens: only its
-  temperature, min-p, top-k, top-p and seed shape them (no penalty, logprobs, logit bias,
-  allowed ids, grammar or stop token held back by `min_tokens`), and the `top_cap` largest
-  logits decide its top-k and top-p whatever the logits are (greedy; a top-k of at most
-  `top_cap`; or neither), so it never needs the bisection behind the loop sampler's branch."""
+def _draw_only(params: SamplingParams) -> bool:
+  """Nothing but the draw (temperature, min-p, top-k, top-p, seed) shapes the token: no
+  penalty, no logprobs, no logit bias or allowed ids, no grammar, no stop token held back by
+  `min_tokens`."""
   return (params.repetition_penalty == 1 and params.presence_penalty == 0
           and params.frequency_penalty == 0 and params.logprobs is None
           and (params.min_tokens == 0 or not params.stop_tokens)
           and not params.logit_bias and params.allowed_token_ids is None
-          and params.grammar is None
-          and (params.temperature == 0 or 0 < params.top_k <= top_cap
-               or (params.top_k <= 0 and params.top_p >= 1)))
+          and params.grammar is None)
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+  """The token is the argmax: no temperature, and nothing else shapes it (`_draw_only`)
+  (`serve_loop(greedy=True)`)."""
+  return params.temperature == 0 and _draw_only(params)
+
+
+def plain_sampled(params: SamplingParams, top_cap: int) -> bool:
+  """Whether a step with no branch (`serve_step(greedy=False)`: the draw alone,
+  `sampling.sample_rows(branches=False)`) gives this request the loop's tokens: nothing but
+  the draw shapes them (`_draw_only`), and the `top_cap` largest logits decide its top-k and
+  top-p whatever the logits are (greedy; a top-k of at most `top_cap`; or neither), so it
+  never needs the bisection behind the loop sampler's branch."""
+  return _draw_only(params) and (params.temperature == 0 or 0 < params.top_k <= top_cap
+                                 or (params.top_k <= 0 and params.top_p >= 1))
 
 
 def labelled(requests: Sequence[Request]) -> list[Request]:

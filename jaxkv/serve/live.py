@@ -233,8 +233,9 @@ class LiveQueue:
     read back as one entry: nothing in it but the admission block waits for the
     device, so the host queues it while the entry before it runs (at most
     `RUN_AHEAD` steps ahead of the device). That holds while every request in flight
-    is plain greedy, and with sampled requests too: their steps run the sampler
-    with no branch (`loop.serve_step`). With
+    is plain greedy or plain sampled (`admission.plain_sampled`: their steps draw with
+    no branch, `loop.serve_step`); while another request is in flight it runs a loop
+    entry of `max(max_steps, read_every)` steps instead. With
     `read_every` too, the steps are read back only while fewer than `run_ahead`
     entries wait to be collected (the reader is no further behind than the
     device's queue) or once `read_every` steps are unread (else with a later

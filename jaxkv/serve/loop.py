@@ -517,9 +517,9 @@ def serve_step(graphdef, config: CacheConfig, widths: tuple[int, ...], which: in
   when the device has run it (each predicate is read back), so the host cannot
   queue the next program meanwhile. This one holds neither, so the host dispatches
   steps ahead of the device and reads each one back later. `greedy` (static): every
-  request in flight is plain greedy (the argmax, no sampler); otherwise the sampler
-  runs every stage on every row instead of branching (`sample_rows(branches=False)`),
-  which draws the same tokens as the loop's sampler. It
+  request in flight is plain greedy (the argmax, no sampler); otherwise the draw alone,
+  with no branch (`sample_rows(branches=False)`), which gives the loop sampler's tokens to
+  the requests `admission.plain_sampled` admits (the driver runs loop entries for others). It
   runs what the loop's phases would: the tokens `_schedule` picks at this width
   (more are left for later steps, a wider width than needed costs rows), nothing
   where the loop would not step (a failed status; paged storage: the step does
